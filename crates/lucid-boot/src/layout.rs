@@ -1,0 +1,83 @@
+//! The guest-physical address map Lucid gives every x86-64 VM. One place, so that boot code, ACPI
+//! tables, devices and the probe-guest kit agree.
+
+/// Low boot structures (below 1 MiB).
+pub const BOOT_GDT: u64 = 0x500;
+pub const BOOT_IDT: u64 = 0x520;
+/// PVH `hvm_start_info`, multiboot info or Linux `boot_params` (the zero page).
+pub const BOOT_INFO: u64 = 0x7000;
+/// Identity page tables for 64-bit entry: PML4, PDPT, then 4 page directories (4 GiB of 2 MiB pages).
+pub const PML4: u64 = 0x9000;
+pub const PDPT: u64 = 0xa000;
+pub const PD: u64 = 0xb000;
+/// e820 / memory map entries written next to the boot info when a protocol wants them apart.
+pub const MEMMAP: u64 = 0x10000;
+pub const CMDLINE: u64 = 0x20000;
+pub const CMDLINE_MAX: usize = 0x10000;
+/// Stack for 32-bit entries that do not bring their own.
+pub const BOOT_STACK: u64 = 0x8ff0;
+/// Start of the EBDA; RAM below 640 KiB ends here.
+pub const EBDA_START: u64 = 0x9fc00;
+/// ACPI tables live in the BIOS area so that a legacy RSDP scan finds them too.
+pub const ACPI_START: u64 = 0xe0000;
+pub const ACPI_END: u64 = 0x100000;
+/// Kernels load at 1 MiB unless their headers say otherwise.
+pub const HIGH_MEMORY: u64 = 0x10_0000;
+
+/// The MMIO hole below 4 GiB: PCI BARs, ECAM, IOAPIC, LAPIC.
+pub const MMIO_HOLE_START: u64 = 0xc000_0000;
+pub const MMIO_HOLE_END: u64 = 0x1_0000_0000;
+/// 32-bit PCI BAR window.
+pub const PCI_MMIO_START: u64 = 0xc000_0000;
+pub const PCI_MMIO_END: u64 = 0xd000_0000;
+/// An unassigned MMIO page that probe guests use to measure MMIO exits (`mmio-ping`).
+pub const PROBE_MMIO: u64 = 0xd000_0000;
+/// PCI Express ECAM, 256 buses.
+pub const PCI_ECAM_START: u64 = 0xe000_0000;
+pub const PCI_ECAM_SIZE: u64 = 0x1000_0000;
+pub const IOAPIC_START: u64 = 0xfec0_0000;
+pub const LAPIC_START: u64 = 0xfee0_0000;
+/// RAM above the hole starts at 4 GiB.
+pub const HIGH_RAM_START: u64 = 0x1_0000_0000;
+
+/// I/O ports of Lucid's platform devices.
+pub mod ports {
+    pub const SERIAL_COM1: u16 = 0x3f8;
+    pub const I8042: u16 = 0x60;
+    pub const I8042_CMD: u16 = 0x64;
+    pub const RTC: u16 = 0x70;
+    /// QEMU-compatible `isa-debug-exit`: the process exits with `(value << 1) | 1`.
+    pub const DEBUG_EXIT: u16 = 0xf4;
+    /// POST code port; accepted and ignored, as firmware and Linux write it for delays.
+    pub const POST: u16 = 0x80;
+    /// Lucid's hypercall port: `out dx, eax` with eax = call number, rdi/rsi/r8 = arguments;
+    /// the result is returned in rax. Unclaimed on other VMMs, so a guest can detect Lucid.
+    pub const HYPERCALL: u16 = 0x599;
+    /// A port the probe kit writes to measure an exit that an ioeventfd absorbs in the kernel.
+    pub const IOEVENTFD_PROBE: u16 = 0x598;
+}
+
+/// The RAM ranges (guest-physical start, length) for `mem_size` bytes of guest memory: low RAM up to
+/// the MMIO hole, the rest from 4 GiB.
+pub fn ram_regions(mem_size: u64) -> Vec<(u64, u64)> {
+    if mem_size <= MMIO_HOLE_START {
+        vec![(0, mem_size)]
+    } else {
+        vec![
+            (0, MMIO_HOLE_START),
+            (HIGH_RAM_START, mem_size - MMIO_HOLE_START),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ram_splits_around_hole() {
+        assert_eq!(ram_regions(256 << 20), vec![(0, 256 << 20)]);
+        let r = ram_regions(4 << 30);
+        assert_eq!(r, vec![(0, 3 << 30), (4 << 30, 1 << 30)]);
+    }
+}

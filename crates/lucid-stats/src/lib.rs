@@ -1,0 +1,148 @@
+//! One stats registry per VM: every mechanism (exits, devices, DMA, swap, upcalls) registers named
+//! counters here, next to the code that counts, and the registry prints them at VM exit and as JSON.
+//!
+//! Counters are lock-free atomics handed out as `Arc<Counter>`; the registry's lock is taken only to
+//! register or to read, never on the hot path.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// A monotonically increasing (or settable gauge) 64-bit count.
+#[derive(Debug, Default)]
+pub struct Counter(AtomicU64);
+
+impl Counter {
+    pub fn inc(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+    pub fn set(&self, n: u64) {
+        self.0.store(n, Ordering::Relaxed);
+    }
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A value read when the registry is read (for example KVM's binary statistics).
+pub type Probe = Box<dyn Fn() -> Vec<(String, u64)> + Send + Sync>;
+
+/// Named counters, grouped by dotted names such as `vcpu0.exit.io_out` or `serial.tx_bytes`.
+#[derive(Default)]
+pub struct StatsRegistry {
+    counters: Mutex<BTreeMap<String, Arc<Counter>>>,
+    probes: Mutex<Vec<(String, Probe)>>,
+}
+
+impl StatsRegistry {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// Returns the counter registered under `name`, creating it at zero if it is new, so that two
+    /// parts of the VMM naming the same counter share it.
+    pub fn counter(&self, name: impl Into<String>) -> Arc<Counter> {
+        let mut map = self.counters.lock().unwrap_or_else(|e| e.into_inner());
+        map.entry(name.into()).or_default().clone()
+    }
+
+    /// Registers a probe whose values are read, under `prefix.`, on every snapshot.
+    pub fn probe(&self, prefix: impl Into<String>, probe: Probe) {
+        let mut probes = self.probes.lock().unwrap_or_else(|e| e.into_inner());
+        probes.push((prefix.into(), probe));
+    }
+
+    /// All counters and probe values, sorted by name.
+    pub fn snapshot(&self) -> BTreeMap<String, u64> {
+        let mut out: BTreeMap<String, u64> = self
+            .counters
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(k, v)| (k.clone(), v.get()))
+            .collect();
+        for (prefix, probe) in self.probes.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            for (name, value) in probe() {
+                out.insert(format!("{prefix}.{name}"), value);
+            }
+        }
+        out
+    }
+
+    /// The sum of every counter whose name matches `prefix*suffix`, e.g. all vCPUs' `exit.io_out`.
+    pub fn sum(&self, prefix: &str, suffix: &str) -> u64 {
+        self.snapshot()
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix) && k.ends_with(suffix))
+            .map(|(_, v)| *v)
+            .sum()
+    }
+
+    /// Nested JSON: `a.b.c = 1` becomes `{"a":{"b":{"c":1}}}`.
+    pub fn to_json(&self) -> serde_json::Value {
+        nest(&self.snapshot())
+    }
+}
+
+/// Turns dotted names into nested JSON objects. A name that is both a leaf and a prefix keeps the
+/// leaf under the key `total`.
+pub fn nest(flat: &BTreeMap<String, u64>) -> serde_json::Value {
+    use serde_json::{Map, Value};
+    let mut root = Map::new();
+    for (name, value) in flat {
+        let mut node = &mut root;
+        let parts: Vec<&str> = name.split('.').collect();
+        for part in &parts[..parts.len() - 1] {
+            let entry = node
+                .entry(part.to_string())
+                .or_insert_with(|| Value::Object(Map::new()));
+            if !entry.is_object() {
+                let leaf = entry.take();
+                let mut m = Map::new();
+                m.insert("total".into(), leaf);
+                *entry = Value::Object(m);
+            }
+            node = entry.as_object_mut().expect("made an object above");
+        }
+        let last = parts[parts.len() - 1].to_string();
+        match node.get_mut(&last) {
+            Some(Value::Object(m)) => {
+                m.insert("total".into(), Value::from(*value));
+            }
+            _ => {
+                node.insert(last, Value::from(*value));
+            }
+        }
+    }
+    Value::Object(root)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_name_shares_counter() {
+        let r = StatsRegistry::new();
+        r.counter("vcpu0.exit.io").inc();
+        r.counter("vcpu0.exit.io").add(2);
+        r.counter("vcpu1.exit.io").inc();
+        assert_eq!(r.snapshot()["vcpu0.exit.io"], 3);
+        assert_eq!(r.sum("vcpu", ".exit.io"), 4);
+    }
+
+    #[test]
+    fn json_nests_and_keeps_leaf_prefixes() {
+        let r = StatsRegistry::new();
+        r.counter("a.b").set(1);
+        r.counter("a.b.c").set(2);
+        r.probe("kvm", Box::new(|| vec![("x".into(), 7)]));
+        let j = r.to_json();
+        assert_eq!(j["a"]["b"]["total"], 1);
+        assert_eq!(j["a"]["b"]["c"], 2);
+        assert_eq!(j["kvm"]["x"], 7);
+    }
+}
