@@ -1,4 +1,78 @@
 //! Lucid's narrow seam to KVM: opening the device, VMs, vCPUs, capabilities, the host probe and
 //! KVM's binary statistics. Nothing above this crate calls a KVM ioctl directly.
 
+mod kvm_stats;
 pub mod probe;
+mod vcpu;
+mod vm;
+
+use std::sync::Arc;
+
+pub use kvm_bindings;
+pub use kvm_ioctls::Kvm;
+pub use kvm_stats::KvmStats;
+pub use vcpu::{Exit, ImmediateExit, InternalError, Vcpu, EXIT_REASONS};
+pub use vm::{IoAddr, Vm};
+
+#[derive(Debug, thiserror::Error)]
+pub enum HvError {
+    #[error("{0} failed: {1}")]
+    Ioctl(&'static str, kvm_ioctls::Error),
+    #[error("/dev/kvm does not exist: this host has no KVM (load kvm_intel or kvm_amd, or enable nested virtualization)")]
+    NoKvm,
+    #[error("/dev/kvm: permission denied: run as root or add your user to the kvm group")]
+    NoPermission,
+    #[error("cannot open /dev/kvm: {0}")]
+    Open(kvm_ioctls::Error),
+    #[error("KVM lacks a capability Lucid needs: {0}")]
+    MissingCap(&'static str),
+}
+
+/// Opens `/dev/kvm` and checks the capabilities every Lucid VM relies on.
+pub fn open_kvm() -> Result<Arc<Kvm>, HvError> {
+    open_kvm_at("/dev/kvm")
+}
+
+pub fn open_kvm_at(path: &str) -> Result<Arc<Kvm>, HvError> {
+    let cpath = std::ffi::CString::new(path).expect("path has no NUL");
+    let kvm = Kvm::new_with_path(&cpath).map_err(|e| match e.errno() {
+        libc::ENOENT => HvError::NoKvm,
+        libc::EACCES | libc::EPERM => HvError::NoPermission,
+        _ => HvError::Open(e),
+    })?;
+    use kvm_ioctls::Cap;
+    for (cap, name) in [
+        (Cap::Irqchip, "KVM_CAP_IRQCHIP"),
+        (Cap::UserMemory, "KVM_CAP_USER_MEMORY"),
+        (Cap::ImmediateExit, "KVM_CAP_IMMEDIATE_EXIT"),
+        (Cap::Irqfd, "KVM_CAP_IRQFD"),
+        (Cap::Ioeventfd, "KVM_CAP_IOEVENTFD"),
+    ] {
+        if !kvm.check_extension(cap) {
+            return Err(HvError::MissingCap(name));
+        }
+    }
+    Ok(Arc::new(kvm))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_device_is_one_clear_line() {
+        let e = open_kvm_at("/nonexistent/kvm").err().expect("must fail");
+        assert!(matches!(e, HvError::NoKvm));
+        assert!(!e.to_string().contains('\n'));
+    }
+
+    #[test]
+    fn vcpu_stats_count_exits() {
+        let kvm = open_kvm().expect("KVM");
+        let vm = Vm::new(kvm).unwrap();
+        let mut vcpu = vm.create_vcpu(0).unwrap();
+        let stats = vcpu.stats().expect("binary stats");
+        assert!(stats.get("exits").is_some());
+        let _ = vcpu.immediate_exit();
+    }
+}

@@ -1,0 +1,270 @@
+//! A KVM vCPU: registers, CPUID, and `run`, which returns Lucid's own [`Exit`] so the exit loop
+//! above never sees a KVM type it would have to match on.
+
+use kvm_bindings::{
+    kvm_fpu, kvm_lapic_state, kvm_mp_state, kvm_regs, kvm_run, kvm_sregs, CpuId,
+    KVM_INTERNAL_ERROR_EMULATION,
+};
+use kvm_ioctls::{VcpuExit, VcpuFd};
+
+use crate::HvError;
+
+/// Why KVM returned to userspace. Borrowed data must be filled (reads) before the next `run`.
+#[derive(Debug)]
+pub enum Exit<'a> {
+    IoIn(u16, &'a mut [u8]),
+    IoOut(u16, &'a [u8]),
+    MmioRead(u64, &'a mut [u8]),
+    MmioWrite(u64, &'a [u8]),
+    Hlt,
+    /// Triple fault or an explicit shutdown.
+    Shutdown,
+    /// KVM could not handle something, typically an instruction its emulator lacks.
+    InternalError(InternalError),
+    /// A system event (reset, shutdown, crash) raised by the in-kernel devices.
+    SystemEvent(u32),
+    /// The run was interrupted by a signal or `immediate_exit`.
+    Interrupted,
+    FailEntry(u64),
+    /// An exit reason Lucid does not handle, by KVM number or name.
+    Other(&'static str),
+}
+
+impl Exit<'_> {
+    /// Short stable name, used as the counter name `vcpuN.exit.<name>`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Exit::IoIn(..) => "io_in",
+            Exit::IoOut(..) => "io_out",
+            Exit::MmioRead(..) => "mmio_read",
+            Exit::MmioWrite(..) => "mmio_write",
+            Exit::Hlt => "hlt",
+            Exit::Shutdown => "shutdown",
+            Exit::InternalError(_) => "internal_error",
+            Exit::SystemEvent(_) => "system_event",
+            Exit::Interrupted => "interrupted",
+            Exit::FailEntry(_) => "fail_entry",
+            Exit::Other(_) => "other",
+        }
+    }
+}
+
+/// The exit reasons `Exit::reason` can return, so counters can be registered up front.
+pub const EXIT_REASONS: &[&str] = &[
+    "io_in",
+    "io_out",
+    "mmio_read",
+    "mmio_write",
+    "hlt",
+    "shutdown",
+    "internal_error",
+    "system_event",
+    "interrupted",
+    "fail_entry",
+    "other",
+];
+
+/// `KVM_EXIT_INTERNAL_ERROR` details; for emulation failures, the instruction bytes when KVM
+/// reports them.
+#[derive(Clone, Debug, Default)]
+pub struct InternalError {
+    pub suberror: u32,
+    pub data: Vec<u64>,
+    pub insn_bytes: Vec<u8>,
+}
+
+impl InternalError {
+    pub fn is_emulation_failure(&self) -> bool {
+        self.suberror == KVM_INTERNAL_ERROR_EMULATION
+    }
+}
+
+/// Sets `immediate_exit` from another thread so a vCPU leaves (or does not enter) `KVM_RUN`.
+/// Paired with a signal to the vCPU thread, no kick is ever lost.
+#[derive(Clone, Copy)]
+pub struct ImmediateExit(*mut u8);
+
+// SAFETY: the pointer targets a byte in the vCPU's kvm_run mapping, which lives as long as the
+// vCPU fd; the VMM joins vCPU threads (which own the fd) before dropping kickers' users.
+unsafe impl Send for ImmediateExit {}
+// SAFETY: see above; the only access is a volatile byte store.
+unsafe impl Sync for ImmediateExit {}
+
+impl ImmediateExit {
+    pub fn set(&self) {
+        // SAFETY: a single-byte volatile store into the shared kvm_run page; KVM reads it at entry.
+        unsafe { std::ptr::write_volatile(self.0, 1) }
+    }
+}
+
+pub struct Vcpu {
+    id: u32,
+    fd: VcpuFd,
+    /// Address of the kvm_run mapping, kept as an integer so that reading exit details does not
+    /// borrow `fd` while `run`'s borrow is alive.
+    run_addr: usize,
+}
+
+impl Vcpu {
+    pub(crate) fn new(id: u32, mut fd: VcpuFd) -> Self {
+        let run_addr = fd.get_kvm_run() as *mut kvm_run as usize;
+        Vcpu { id, fd, run_addr }
+    }
+
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    pub fn immediate_exit(&mut self) -> ImmediateExit {
+        let run = self.run_addr as *mut kvm_run;
+        // SAFETY: computing a field address inside the live kvm_run mapping.
+        ImmediateExit(unsafe { std::ptr::addr_of_mut!((*run).immediate_exit) })
+    }
+
+    pub fn clear_immediate_exit(&mut self) {
+        self.fd.set_kvm_immediate_exit(0);
+    }
+
+    /// Enters the guest until the next exit to userspace.
+    pub fn run(&mut self) -> Result<Exit<'_>, HvError> {
+        match self.fd.run() {
+            Ok(exit) => Ok(match exit {
+                VcpuExit::IoIn(p, d) => Exit::IoIn(p, d),
+                VcpuExit::IoOut(p, d) => Exit::IoOut(p, d),
+                VcpuExit::MmioRead(a, d) => Exit::MmioRead(a, d),
+                VcpuExit::MmioWrite(a, d) => Exit::MmioWrite(a, d),
+                VcpuExit::Hlt => Exit::Hlt,
+                VcpuExit::Shutdown => Exit::Shutdown,
+                VcpuExit::InternalError => Exit::InternalError(internal_error(self.run_addr)),
+                VcpuExit::SystemEvent(t, _) => Exit::SystemEvent(t),
+                VcpuExit::Intr => Exit::Interrupted,
+                VcpuExit::FailEntry(r, _) => Exit::FailEntry(r),
+                VcpuExit::IrqWindowOpen => Exit::Other("irq_window_open"),
+                VcpuExit::Exception => Exit::Other("exception"),
+                VcpuExit::Debug(_) => Exit::Other("debug"),
+                VcpuExit::Unknown => Exit::Other("unknown"),
+                _ => Exit::Other("unsupported"),
+            }),
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                Ok(Exit::Interrupted)
+            }
+            Err(e) => Err(HvError::Ioctl("KVM_RUN", e)),
+        }
+    }
+}
+
+fn internal_error(run_addr: usize) -> InternalError {
+    // SAFETY: run_addr is the live kvm_run mapping of this vCPU, read only after KVM_RUN returned.
+    let run = unsafe { &*(run_addr as *const kvm_run) };
+    // SAFETY: the exit reason is KVM_EXIT_INTERNAL_ERROR, so the `internal` and, for emulation
+    // failures, `emulation_failure` members of the union are the ones KVM filled.
+    unsafe {
+        let internal = run.__bindgen_anon_1.internal;
+        let n = (internal.ndata as usize).min(internal.data.len());
+        let mut err = InternalError {
+            suberror: internal.suberror,
+            data: internal.data[..n].to_vec(),
+            insn_bytes: Vec::new(),
+        };
+        if err.is_emulation_failure() {
+            let ef = run.__bindgen_anon_1.emulation_failure;
+            // flags bit 0: KVM_INTERNAL_ERROR_EMULATION_FLAG_INSTRUCTION_BYTES
+            let insn = ef.__bindgen_anon_1.__bindgen_anon_1;
+            if ef.flags & 1 != 0 {
+                let len = (insn.insn_size as usize).min(insn.insn_bytes.len());
+                err.insn_bytes = insn.insn_bytes[..len].to_vec();
+            }
+        }
+        err
+    }
+}
+
+impl Vcpu {
+    pub fn get_regs(&self) -> Result<kvm_regs, HvError> {
+        self.fd
+            .get_regs()
+            .map_err(|e| HvError::Ioctl("KVM_GET_REGS", e))
+    }
+    pub fn set_regs(&self, r: &kvm_regs) -> Result<(), HvError> {
+        self.fd
+            .set_regs(r)
+            .map_err(|e| HvError::Ioctl("KVM_SET_REGS", e))
+    }
+    pub fn get_sregs(&self) -> Result<kvm_sregs, HvError> {
+        self.fd
+            .get_sregs()
+            .map_err(|e| HvError::Ioctl("KVM_GET_SREGS", e))
+    }
+    pub fn set_sregs(&self, s: &kvm_sregs) -> Result<(), HvError> {
+        self.fd
+            .set_sregs(s)
+            .map_err(|e| HvError::Ioctl("KVM_SET_SREGS", e))
+    }
+    pub fn get_fpu(&self) -> Result<kvm_fpu, HvError> {
+        self.fd
+            .get_fpu()
+            .map_err(|e| HvError::Ioctl("KVM_GET_FPU", e))
+    }
+    pub fn set_fpu(&self, f: &kvm_fpu) -> Result<(), HvError> {
+        self.fd
+            .set_fpu(f)
+            .map_err(|e| HvError::Ioctl("KVM_SET_FPU", e))
+    }
+    pub fn set_cpuid(&self, cpuid: &CpuId) -> Result<(), HvError> {
+        self.fd
+            .set_cpuid2(cpuid)
+            .map_err(|e| HvError::Ioctl("KVM_SET_CPUID2", e))
+    }
+    pub fn get_lapic(&self) -> Result<kvm_lapic_state, HvError> {
+        self.fd
+            .get_lapic()
+            .map_err(|e| HvError::Ioctl("KVM_GET_LAPIC", e))
+    }
+    pub fn set_lapic(&self, l: &kvm_lapic_state) -> Result<(), HvError> {
+        self.fd
+            .set_lapic(l)
+            .map_err(|e| HvError::Ioctl("KVM_SET_LAPIC", e))
+    }
+    pub fn get_mp_state(&self) -> Result<kvm_mp_state, HvError> {
+        self.fd
+            .get_mp_state()
+            .map_err(|e| HvError::Ioctl("KVM_GET_MP_STATE", e))
+    }
+    pub fn set_mp_state(&self, s: kvm_mp_state) -> Result<(), HvError> {
+        self.fd
+            .set_mp_state(s)
+            .map_err(|e| HvError::Ioctl("KVM_SET_MP_STATE", e))
+    }
+    pub fn tsc_khz(&self) -> Result<u32, HvError> {
+        self.fd
+            .get_tsc_khz()
+            .map_err(|e| HvError::Ioctl("KVM_GET_TSC_KHZ", e))
+    }
+    /// Injects an exception (used to complete instructions KVM's emulator could not).
+    pub fn inject_exception(&self, vector: u8, error_code: Option<u32>) -> Result<(), HvError> {
+        let mut ev = self
+            .fd
+            .get_vcpu_events()
+            .map_err(|e| HvError::Ioctl("KVM_GET_VCPU_EVENTS", e))?;
+        ev.exception.injected = 1;
+        ev.exception.nr = vector;
+        ev.exception.has_error_code = error_code.is_some() as u8;
+        ev.exception.error_code = error_code.unwrap_or(0);
+        ev.flags = 0;
+        self.fd
+            .set_vcpu_events(&ev)
+            .map_err(|e| HvError::Ioctl("KVM_SET_VCPU_EVENTS", e))
+    }
+    /// Guest-virtual to guest-physical, through the vCPU's current page tables.
+    pub fn translate(&self, gva: u64) -> Result<Option<u64>, HvError> {
+        let t = self
+            .fd
+            .translate_gva(gva)
+            .map_err(|e| HvError::Ioctl("KVM_TRANSLATE", e))?;
+        Ok((t.valid != 0).then_some(t.physical_address))
+    }
+
+    pub fn stats(&self) -> Option<crate::KvmStats> {
+        crate::KvmStats::open(&self.fd)
+    }
+}

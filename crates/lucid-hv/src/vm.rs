@@ -1,0 +1,163 @@
+//! A KVM VM: memory slots, the in-kernel irqchip and PIT, vCPU creation, and the exitless paths
+//! (ioeventfd, irqfd, MSI) that devices use.
+
+use std::sync::Arc;
+
+use kvm_bindings::{
+    kvm_msi, kvm_pit_config, kvm_userspace_memory_region, KVM_MEM_READONLY, KVM_PIT_SPEAKER_DUMMY,
+};
+use kvm_ioctls::{IoEventAddress, Kvm, NoDatamatch, VmFd};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::{HvError, Vcpu};
+
+/// Where an ioeventfd listens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoAddr {
+    Pio(u16),
+    Mmio(u64),
+}
+
+impl From<IoAddr> for IoEventAddress {
+    fn from(a: IoAddr) -> Self {
+        match a {
+            IoAddr::Pio(p) => IoEventAddress::Pio(p as u64),
+            IoAddr::Mmio(m) => IoEventAddress::Mmio(m),
+        }
+    }
+}
+
+/// One VM. Cheap to clone: device threads hold it to raise interrupts.
+#[derive(Clone)]
+pub struct Vm {
+    fd: Arc<VmFd>,
+    kvm: Arc<Kvm>,
+}
+
+impl Vm {
+    pub fn new(kvm: Arc<Kvm>) -> Result<Self, HvError> {
+        let fd = kvm
+            .create_vm()
+            .map_err(|e| HvError::Ioctl("KVM_CREATE_VM", e))?;
+        Ok(Vm {
+            fd: Arc::new(fd),
+            kvm,
+        })
+    }
+
+    pub fn kvm(&self) -> &Kvm {
+        &self.kvm
+    }
+
+    /// Maps `size` bytes of host memory at `host_addr` into the guest at `gpa`.
+    ///
+    /// # Safety
+    /// `host_addr..host_addr+size` must stay mapped for as long as the slot exists (or until the
+    /// slot is replaced); remapping pages inside it (MAP_FIXED) is fine, KVM follows them.
+    pub unsafe fn set_memory_slot(
+        &self,
+        slot: u32,
+        gpa: u64,
+        size: u64,
+        host_addr: u64,
+        readonly: bool,
+    ) -> Result<(), HvError> {
+        let region = kvm_userspace_memory_region {
+            slot,
+            guest_phys_addr: gpa,
+            memory_size: size,
+            userspace_addr: host_addr,
+            flags: if readonly { KVM_MEM_READONLY } else { 0 },
+        };
+        // SAFETY: the caller guarantees the host range outlives the slot.
+        unsafe { self.fd.set_user_memory_region(region) }
+            .map_err(|e| HvError::Ioctl("KVM_SET_USER_MEMORY_REGION", e))
+    }
+
+    /// The in-kernel PIC, IOAPIC, LAPICs and PIT: the timer devices Linux needs, with no exits
+    /// for their common paths.
+    pub fn create_irqchip_and_pit(&self) -> Result<(), HvError> {
+        // The TSS and identity-map pages must sit in a hole below 4 GiB that is not RAM.
+        self.fd
+            .set_identity_map_address(0xfeffc000)
+            .map_err(|e| HvError::Ioctl("KVM_SET_IDENTITY_MAP_ADDR", e))?;
+        self.fd
+            .set_tss_address(0xfeffd000)
+            .map_err(|e| HvError::Ioctl("KVM_SET_TSS_ADDR", e))?;
+        self.fd
+            .create_irq_chip()
+            .map_err(|e| HvError::Ioctl("KVM_CREATE_IRQCHIP", e))?;
+        let pit = kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        self.fd
+            .create_pit2(pit)
+            .map_err(|e| HvError::Ioctl("KVM_CREATE_PIT2", e))
+    }
+
+    pub fn create_vcpu(&self, id: u32) -> Result<Vcpu, HvError> {
+        let fd = self
+            .fd
+            .create_vcpu(id as u64)
+            .map_err(|e| HvError::Ioctl("KVM_CREATE_VCPU", e))?;
+        Ok(Vcpu::new(id, fd))
+    }
+
+    /// A guest write of `len` bytes (or any size for `len == 0`) to `addr` signals `fd` in the
+    /// kernel, without an exit to userspace.
+    pub fn register_ioeventfd(&self, fd: &EventFd, addr: IoAddr) -> Result<(), HvError> {
+        self.fd
+            .register_ioevent(fd, &IoEventAddress::from(addr), NoDatamatch)
+            .map_err(|e| HvError::Ioctl("KVM_IOEVENTFD", e))
+    }
+
+    pub fn unregister_ioeventfd(&self, fd: &EventFd, addr: IoAddr) -> Result<(), HvError> {
+        self.fd
+            .unregister_ioevent(fd, &IoEventAddress::from(addr), NoDatamatch)
+            .map_err(|e| HvError::Ioctl("KVM_IOEVENTFD(deassign)", e))
+    }
+
+    /// Writing to `fd` raises `gsi` in the in-kernel irqchip.
+    pub fn register_irqfd(&self, fd: &EventFd, gsi: u32) -> Result<(), HvError> {
+        self.fd
+            .register_irqfd(fd, gsi)
+            .map_err(|e| HvError::Ioctl("KVM_IRQFD", e))
+    }
+
+    pub fn unregister_irqfd(&self, fd: &EventFd, gsi: u32) -> Result<(), HvError> {
+        self.fd
+            .unregister_irqfd(fd, gsi)
+            .map_err(|e| HvError::Ioctl("KVM_IRQFD(deassign)", e))
+    }
+
+    pub fn set_irq_line(&self, irq: u32, active: bool) -> Result<(), HvError> {
+        self.fd
+            .set_irq_line(irq, active)
+            .map_err(|e| HvError::Ioctl("KVM_IRQ_LINE", e))
+    }
+
+    /// Injects one MSI from userspace (the ladder's L0 interrupt path).
+    pub fn signal_msi(&self, address: u64, data: u32) -> Result<(), HvError> {
+        let msi = kvm_msi {
+            address_lo: address as u32,
+            address_hi: (address >> 32) as u32,
+            data,
+            ..Default::default()
+        };
+        self.fd
+            .signal_msi(msi)
+            .map(|_| ())
+            .map_err(|e| HvError::Ioctl("KVM_SIGNAL_MSI", e))
+    }
+
+    /// The VM's KVM statistics file, if the kernel has `KVM_CAP_BINARY_STATS_FD`.
+    pub fn stats(&self) -> Option<crate::KvmStats> {
+        crate::kvm_stats::KvmStats::open(self.fd.as_ref())
+    }
+
+    /// The raw fd, for capabilities this seam does not wrap yet.
+    pub fn fd(&self) -> &VmFd {
+        &self.fd
+    }
+}
