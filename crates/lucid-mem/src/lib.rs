@@ -1,1 +1,12 @@
-//! lucid-mem
+//! Guest memory for Lucid VMs: RAM regions with pluggable backing, pages that can be remapped
+//! while the VM runs, and the single DMA path through which every device touches guest memory.
+
+mod dma;
+mod ram;
+
+pub use dma::{Access, DeviceId, DmaError, DmaObserver, DmaPath, DmaTranslator};
+pub use ram::{Backing, GuestRam, MemError, RamRegion};
+pub use vm_memory;
+
+/// The guest memory type used across Lucid.
+pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<()>;
