@@ -275,6 +275,10 @@ pub struct CpuidSeen {
     pub set: CpuidLeaf,
     /// Leaf 1 the guest read.
     pub seen: CpuidLeaf,
+    /// The guest read the APIC ID (EBX[31:24]) that was set.
+    pub apic_id_matches: bool,
+    /// The feature bits cleared in ECX (CX16, XSAVE, AVX) read as cleared.
+    pub features_match: bool,
     /// The guest saw what was set (APIC ID and cleared features), not the host's leaf.
     pub intercepted: bool,
 }
@@ -487,7 +491,12 @@ pub fn run_probe(opts: &ProbeOptions) -> Result<ProbeReport, ProbeError> {
     let (reps, exit_ops, cpl3_target, cpl0_target) = if opts.quick {
         (3, 100, Duration::from_millis(15), Duration::from_millis(30))
     } else {
-        (5, 2000, Duration::from_millis(100), Duration::from_millis(100))
+        (
+            5,
+            2000,
+            Duration::from_millis(100),
+            Duration::from_millis(100),
+        )
     };
 
     // CPUID interception.
@@ -618,9 +627,11 @@ impl fmt::Display for ProbeReport {
         for c in [&self.cpuid_cpl3, &self.cpuid_cpl0] {
             writeln!(
                 f,
-                "  CPUID at {}  intercepted {}: set leaf 1 ebx={:08x} ecx={:08x}, guest saw ebx={:08x} ecx={:08x} (host ebx={:08x} ecx={:08x})",
+                "  CPUID at {}  intercepted {} (APIC ID as set {}, features as set {}): set leaf 1 ebx={:08x} ecx={:08x}, guest saw ebx={:08x} ecx={:08x} (host ebx={:08x} ecx={:08x})",
                 if c.mode == CpuMode::User { "CPL3" } else { "CPL0" },
                 yes_no(c.intercepted),
+                yes_no(c.apic_id_matches),
+                yes_no(c.features_match),
                 c.set.ebx,
                 c.set.ecx,
                 c.seen.ebx,
@@ -638,7 +649,11 @@ impl fmt::Display for ProbeReport {
                 "NOT intercepted: guests may see the host's CPUID whatever the VMM sets"
             }
         )?;
-        writeln!(f, "  exit costs      ({} ops per run, guest at CPL3)", self.exit_ops)?;
+        writeln!(
+            f,
+            "  exit costs      ({} ops per run, guest at CPL3)",
+            self.exit_ops
+        )?;
         writeln!(f, "    PIO  to userspace   {:.2} us", self.pio_exit_us)?;
         writeln!(f, "    MMIO to userspace   {:.2} us", self.mmio_exit_us)?;
         writeln!(
@@ -756,12 +771,19 @@ mod tests {
         assert!(t.elapsed() < Duration::from_secs(10));
         assert_eq!(r.backend, Backend::Pvm);
         assert_eq!(r.api_version, 12);
-        assert!(!r.cpuid_intercepted, "PLATFORM.md: CPUID not intercepted here");
+        assert!(
+            !r.cpuid_intercepted,
+            "PLATFORM.md: CPUID not intercepted here"
+        );
         assert!(!r.cpuid_intercepted_cpl3);
         assert!(r.pio_exit_us > 0.0);
         assert!(r.mmio_exit_us > 0.0);
         assert!(r.ioeventfd_exit_us.unwrap() > 0.0);
-        assert_eq!(r.ioeventfd_userspace_exits, Some(1), "ioeventfd absorbs every out");
+        assert_eq!(
+            r.ioeventfd_userspace_exits,
+            Some(1),
+            "ioeventfd absorbs every out"
+        );
         assert!(r.cpl3_ns_per_iter > 0.0);
         assert!(r.cpl0_ns_per_iter > r.cpl3_ns_per_iter);
         assert!(r.capabilities["ioeventfd"]);
@@ -782,6 +804,15 @@ mod tests {
         }
         assert_eq!(json["backend"], "pvm");
         assert!(r.to_string().lines().count() > 5);
+    }
+
+    /// `cargo test -p lucid-hv full_probe -- --ignored --nocapture` prints the full report.
+    #[test]
+    #[ignore = "takes a few seconds; run by hand to see this host's figures"]
+    fn full_probe_prints_report() {
+        let r = run_probe(&ProbeOptions { quick: false }).expect("probe runs");
+        println!("{r}");
+        println!("{}", r.to_json());
     }
 
     #[test]

@@ -101,11 +101,7 @@ pub fn median(values: &mut [f64]) -> f64 {
 /// Cost of one exit-causing operation, in microseconds: median over `reps` runs of `ops`
 /// operations of (host time / ops), after one warm-up run. Also returns the userspace exits of
 /// the last run.
-pub fn exit_cost_us(
-    lvm: &mut LoopVm,
-    ops: u32,
-    reps: usize,
-) -> Result<(f64, u64), ProbeError> {
+pub fn exit_cost_us(lvm: &mut LoopVm, ops: u32, reps: usize) -> Result<(f64, u64), ProbeError> {
     lvm.run(ops.min(50))?; // warm-up: shadow page tables, first-touch faults
     let mut samples = Vec::with_capacity(reps);
     let mut exits = 0;
@@ -207,7 +203,10 @@ pub fn cpuid_seen(kvm: &Kvm, mode: CpuMode) -> Result<(CpuidLeaf, CpuidLeaf), Pr
     ))?;
     let mut vm = MiniVm::with_cpuid(kvm, GUEST_MEM, mode, &cpuid)?;
     let mut c = CodeBuf::new();
-    c.mov_eax_imm(1).xor_ecx_ecx().cpuid().out_al(PORT_DONE as u8);
+    c.mov_eax_imm(1)
+        .xor_ecx_ecx()
+        .cpuid()
+        .out_al(PORT_DONE as u8);
     let end = c.here();
     c.jmp(end);
     vm.load_code(MiniVm::CODE_ADDR, c.bytes())?;
@@ -234,6 +233,8 @@ pub fn cpuid_result(mode: CpuMode, set: CpuidLeaf, seen: CpuidLeaf) -> CpuidSeen
         mode,
         set,
         seen,
+        apic_id_matches: apic_matches,
+        features_match,
         intercepted: apic_matches && features_match,
     }
 }

@@ -21,7 +21,9 @@
 
 use std::time::{Duration, Instant};
 
-use kvm_bindings::{kvm_regs, kvm_segment, kvm_userspace_memory_region, CpuId, KVM_MAX_CPUID_ENTRIES};
+use kvm_bindings::{
+    kvm_regs, kvm_segment, kvm_userspace_memory_region, CpuId, KVM_MAX_CPUID_ENTRIES,
+};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 
 use super::ProbeError;
@@ -154,7 +156,7 @@ impl MiniVm {
         mode: CpuMode,
         cpuid: &CpuId,
     ) -> Result<Self, ProbeError> {
-        if mem_bytes == 0 || mem_bytes % TWO_MIB as usize != 0 || mem_bytes > Self::MAX_MEM {
+        if mem_bytes == 0 || mem_bytes & (TWO_MIB as usize - 1) != 0 || mem_bytes > Self::MAX_MEM {
             return Err(ProbeError::Layout(format!(
                 "guest RAM of {mem_bytes} bytes: must be a non-zero multiple of 2 MiB up to 3 GiB"
             )));
