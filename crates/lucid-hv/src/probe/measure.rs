@@ -53,7 +53,9 @@ pub fn counted_loop(body: LoopBody) -> CodeBuf {
     c
 }
 
-/// A [`MiniVm`] running [`counted_loop`].
+/// A [`MiniVm`] running [`counted_loop`]: each [`LoopVm::run`] is one repetition, ended by the
+/// guest's `out PORT_DONE`. With [`LoopBody::PortOut`] this is the benchmarks' "floor": every
+/// exit is only a re-entry.
 pub struct LoopVm {
     vm: MiniVm,
 }
@@ -67,6 +69,10 @@ impl LoopVm {
 
     pub fn vm(&self) -> &MiniVm {
         &self.vm
+    }
+
+    pub fn vm_mut(&mut self) -> &mut MiniVm {
+        &mut self.vm
     }
 
     /// Runs one repetition of `iters` iterations; returns host time and userspace exits.

@@ -18,6 +18,10 @@
 //!
 //! All page-table entries carry the U/S bit, so CPL3 code can touch all of it; entries beyond RAM
 //! are also cache-disabled (PCD).
+//!
+//! There is no GDT, IDT or TSS in guest memory: the hidden segment state is loaded directly with
+//! `KVM_SET_SREGS`, and interrupts stay disabled. Any guest exception therefore triple-faults and
+//! shows up as a `Shutdown` exit. Guests that need interrupts build their own tables.
 
 use std::time::{Duration, Instant};
 
