@@ -14,6 +14,10 @@ pub const PD: u64 = 0xb000;
 pub const MEMMAP: u64 = 0x10000;
 pub const CMDLINE: u64 = 0x20000;
 pub const CMDLINE_MAX: usize = 0x10000;
+/// Multiboot module list / PVH `hvm_modlist_entry` array, followed by their strings.
+pub const MODLIST: u64 = 0x6000;
+/// Strings referenced from the module list (module command lines, boot loader name).
+pub const MODLIST_STRINGS: u64 = 0x6800;
 /// Stack for 32-bit entries that do not bring their own.
 pub const BOOT_STACK: u64 = 0x8ff0;
 /// Start of the EBDA; RAM below 640 KiB ends here.

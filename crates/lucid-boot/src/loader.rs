@@ -1,0 +1,550 @@
+//! Loading a detected kernel, its initrd and command line into guest memory, and writing the
+//! boot information of its protocol (PVH `hvm_start_info`, multiboot info, Linux zero page).
+
+use std::fs::File;
+use std::path::Path;
+
+use linux_loader::loader::bootparam::{boot_e820_entry, boot_params, setup_header};
+use linux_loader::loader::elf::start_info::{
+    hvm_memmap_table_entry, hvm_modlist_entry, hvm_start_info,
+};
+use vm_memory::{ByteValued, Bytes, GuestAddress, GuestMemoryMmap};
+
+use crate::kernel::{bzhdr, ElfInfo, KernelImage, KernelKind, MULTIBOOT_AOUT_KLUDGE};
+use crate::layout::{
+    BOOT_INFO, CMDLINE, CMDLINE_MAX, EBDA_START, HIGH_MEMORY, MEMMAP, MODLIST, MODLIST_STRINGS,
+};
+use crate::memmap::{check_load_range, low_ram_end, memory_map, mib_up, MemEntry};
+use crate::{BootError, BootParams, BootSetup, EntryState};
+
+/// PVH `hvm_start_info.magic`.
+pub const HVM_START_MAGIC: u32 = 0x336e_c578;
+/// Value of EAX at a multiboot entry.
+pub const MULTIBOOT_BOOTLOADER_MAGIC: u32 = 0x2BAD_B002;
+/// Multiboot info flags this crate sets.
+pub mod mbi_flags {
+    pub const MEMORY: u32 = 1 << 0;
+    pub const CMDLINE: u32 = 1 << 2;
+    pub const MODS: u32 = 1 << 3;
+    pub const MMAP: u32 = 1 << 6;
+    pub const LOADER_NAME: u32 = 1 << 9;
+}
+const PAGE: u64 = 0x1000;
+/// Linux boot protocol constants.
+const KERNEL_LOADER_OTHER: u8 = 0xff;
+const LOADED_HIGH: u8 = 0x01;
+const XLF_KERNEL_64: u16 = 0x01;
+const HDRS: u32 = 0x5372_6448;
+const BOOT_FLAG: u16 = 0xaa55;
+/// Where a 64-bit Linux decompresses itself when the header does not say (CONFIG_PHYSICAL_START).
+const DEFAULT_PREF_ADDRESS: u64 = 0x100_0000;
+
+fn align_up(x: u64, a: u64) -> u64 {
+    x.div_ceil(a) * a
+}
+
+pub(crate) fn write_bytes(
+    mem: &GuestMemoryMmap,
+    addr: u64,
+    bytes: &[u8],
+    what: &'static str,
+) -> Result<(), BootError> {
+    mem.write_slice(bytes, GuestAddress(addr))
+        .map_err(|source| BootError::GuestWrite {
+            what,
+            addr,
+            len: bytes.len(),
+            source,
+        })
+}
+
+pub(crate) fn write_obj<T: ByteValued>(
+    mem: &GuestMemoryMmap,
+    addr: u64,
+    obj: &T,
+    what: &'static str,
+) -> Result<(), BootError> {
+    write_bytes(mem, addr, obj.as_slice(), what)
+}
+
+fn zero(mem: &GuestMemoryMmap, addr: u64, len: u64, what: &'static str) -> Result<(), BootError> {
+    const CHUNK: u64 = 1 << 20;
+    let zeros = vec![0u8; CHUNK.min(len) as usize];
+    let mut done = 0;
+    while done < len {
+        let n = CHUNK.min(len - done);
+        write_bytes(mem, addr + done, &zeros[..n as usize], what)?;
+        done += n;
+    }
+    Ok(())
+}
+
+/// Writes the command line, NUL-terminated, at [`CMDLINE`]; `max` counts the bytes without NUL.
+fn write_cmdline(mem: &GuestMemoryMmap, cmdline: &str, max: usize) -> Result<(), BootError> {
+    if let Some(offset) = cmdline.bytes().position(|b| b == 0) {
+        return Err(BootError::CmdlineNul { offset });
+    }
+    let max = max.min(CMDLINE_MAX - 1);
+    if cmdline.len() > max {
+        return Err(BootError::CmdlineTooLong {
+            len: cmdline.len(),
+            max,
+        });
+    }
+    let mut bytes = Vec::with_capacity(cmdline.len() + 1);
+    bytes.extend_from_slice(cmdline.as_bytes());
+    bytes.push(0);
+    write_bytes(mem, CMDLINE, &bytes, "kernel command line")
+}
+
+/// Copies the ELF's `PT_LOAD` segments to their physical addresses and zeroes their bss.
+/// Returns the end of the highest segment.
+fn load_elf_segments(
+    mem: &GuestMemoryMmap,
+    image: &KernelImage,
+    elf: &ElfInfo,
+    mem_size: u64,
+) -> Result<u64, BootError> {
+    // Check everything before writing anything.
+    for s in &elf.segments {
+        check_load_range(mem_size, &image.path, "kernel", s.paddr, s.paddr + s.memsz)?;
+    }
+    let mut end = 0;
+    for s in &elf.segments {
+        // Bounds of the file range were checked by the parser.
+        let data = &image.bytes[s.offset as usize..(s.offset + s.filesz) as usize];
+        write_bytes(mem, s.paddr, data, "kernel segment")?;
+        zero(mem, s.paddr + s.filesz, s.memsz - s.filesz, "kernel bss")?;
+        end = end.max(s.paddr + s.memsz);
+    }
+    Ok(end)
+}
+
+/// Reads the initrd at `path` into guest memory at `addr` (checked to be RAM).
+fn load_initrd_at(
+    mem: &GuestMemoryMmap,
+    path: &Path,
+    file: &mut File,
+    size: u64,
+    addr: u64,
+) -> Result<(), BootError> {
+    mem.read_exact_volatile_from(GuestAddress(addr), file, size as usize)
+        .map_err(|source| BootError::GuestLoad {
+            path: path.to_path_buf(),
+            addr,
+            len: size as usize,
+            source,
+        })
+}
+
+fn open_initrd(path: &Path) -> Result<(File, u64), BootError> {
+    let io = |source| BootError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = File::open(path).map_err(io)?;
+    let size = file.metadata().map_err(io)?.len();
+    Ok((file, size))
+}
+
+/// Places an initrd of `size` bytes page-aligned as high as possible below `limit` (exclusive),
+/// above `kernel_end`; loads it and returns (address, size).
+fn load_initrd_high(
+    mem: &GuestMemoryMmap,
+    path: &Path,
+    kernel_end: u64,
+    limit: u64,
+    mem_size: u64,
+) -> Result<(u64, u64), BootError> {
+    let (mut file, size) = open_initrd(path)?;
+    let floor = align_up(kernel_end, PAGE);
+    let addr = limit.checked_sub(size).map(|a| a & !(PAGE - 1));
+    match addr {
+        Some(addr) if addr >= floor => {
+            check_load_range(mem_size, path, "initrd", addr, addr + size)?;
+            load_initrd_at(mem, path, &mut file, size, addr)?;
+            Ok((addr, size))
+        }
+        _ => Err(BootError::MemoryTooSmall {
+            what: "kernel with initrd",
+            need_mib: mib_up(floor + align_up(size, PAGE) + (mem_size.saturating_sub(limit))),
+            have_mib: mem_size >> 20,
+        }),
+    }
+}
+
+/// Loads an initrd right after the kernel (page-aligned), as QEMU does for multiboot modules.
+fn load_initrd_after(
+    mem: &GuestMemoryMmap,
+    path: &Path,
+    kernel_end: u64,
+    mem_size: u64,
+) -> Result<(u64, u64), BootError> {
+    let (mut file, size) = open_initrd(path)?;
+    let addr = align_up(kernel_end, PAGE);
+    check_load_range(mem_size, path, "kernel with initrd", addr, addr + size)?;
+    load_initrd_at(mem, path, &mut file, size, addr)?;
+    Ok((addr, size))
+}
+
+pub(crate) fn load(
+    mem: &GuestMemoryMmap,
+    image: &KernelImage,
+    p: &BootParams,
+) -> Result<BootSetup, BootError> {
+    match image.kind {
+        KernelKind::PvhElf => load_pvh(mem, image, p),
+        KernelKind::Multiboot => load_multiboot(mem, image, p),
+        KernelKind::LinuxElf | KernelKind::BzImage => load_linux(mem, image, p),
+    }
+}
+
+fn load_pvh(
+    mem: &GuestMemoryMmap,
+    image: &KernelImage,
+    p: &BootParams,
+) -> Result<BootSetup, BootError> {
+    let elf = image.elf.as_ref().expect("PVH kernels are ELF");
+    let entry = elf.pvh_entry.expect("PVH kernels have an entry note");
+    let kernel_end = load_elf_segments(mem, image, elf, p.mem_size)?;
+    if entry >= 1 << 32 {
+        return Err(BootError::BadImage {
+            path: image.path.clone(),
+            why: format!("PVH entry point {entry:#x} is not a 32-bit address"),
+        });
+    }
+    let initrd = match p.initrd {
+        Some(path) => Some(load_initrd_high(
+            mem,
+            path,
+            kernel_end,
+            low_ram_end(p.mem_size),
+            p.mem_size,
+        )?),
+        None => None,
+    };
+    write_cmdline(mem, p.cmdline, CMDLINE_MAX - 1)?;
+
+    let map = memory_map(p.mem_size);
+    for (i, e) in map.iter().enumerate() {
+        let entry = hvm_memmap_table_entry {
+            addr: e.addr,
+            size: e.size,
+            type_: e.kind,
+            reserved: 0,
+        };
+        write_obj(
+            mem,
+            MEMMAP + (i * std::mem::size_of::<hvm_memmap_table_entry>()) as u64,
+            &entry,
+            "PVH memory map",
+        )?;
+    }
+    let mut info = hvm_start_info {
+        magic: HVM_START_MAGIC,
+        version: 1,
+        cmdline_paddr: CMDLINE,
+        rsdp_paddr: p.acpi_rsdp.unwrap_or(0),
+        memmap_paddr: MEMMAP,
+        memmap_entries: map.len() as u32,
+        ..Default::default()
+    };
+    if let Some((addr, size)) = initrd {
+        let m = hvm_modlist_entry {
+            paddr: addr,
+            size,
+            cmdline_paddr: 0,
+            reserved: 0,
+        };
+        write_obj(mem, MODLIST, &m, "PVH module list")?;
+        info.nr_modules = 1;
+        info.modlist_paddr = MODLIST;
+    }
+    write_obj(mem, BOOT_INFO, &info, "PVH hvm_start_info")?;
+    Ok(BootSetup {
+        kind: KernelKind::PvhElf,
+        entry: EntryState::Protected32 {
+            eip: entry,
+            eax: 0,
+            ebx: BOOT_INFO,
+        },
+        kernel_end,
+        initrd,
+        boot_info: BOOT_INFO,
+    })
+}
+
+fn load_multiboot(
+    mem: &GuestMemoryMmap,
+    image: &KernelImage,
+    p: &BootParams,
+) -> Result<BootSetup, BootError> {
+    let mb = image.multiboot.expect("multiboot kernels have a header");
+    let bad = |why: String| BootError::BadImage {
+        path: image.path.clone(),
+        why,
+    };
+    // Bits 0-15 are requirements: refuse the ones we do not know (bit 2, video mode, is a
+    // request we may ignore as QEMU does).
+    let unknown = mb.flags & 0xfff8;
+    if unknown != 0 {
+        return Err(bad(format!(
+            "multiboot header requires features {unknown:#x} (flags {:#x}) this loader lacks",
+            mb.flags
+        )));
+    }
+    let (entry, kernel_end) = if mb.flags & MULTIBOOT_AOUT_KLUDGE != 0 {
+        let [header_addr, load_addr, load_end_addr, bss_end_addr, entry_addr] =
+            mb.aout.expect("kludge fields parsed with the flag");
+        let (header_addr, load_addr) = (u64::from(header_addr), u64::from(load_addr));
+        let back = header_addr.checked_sub(load_addr).ok_or_else(|| {
+            bad(format!(
+                "multiboot load_addr {load_addr:#x} is above header_addr {header_addr:#x}"
+            ))
+        })?;
+        let file_start = mb.offset.checked_sub(back).ok_or_else(|| {
+            bad(format!(
+                "multiboot header at file offset {:#x} cannot be {back:#x} bytes past load_addr",
+                mb.offset
+            ))
+        })?;
+        let file_len = image.bytes.len() as u64 - file_start;
+        let load_len = if load_end_addr == 0 {
+            file_len
+        } else {
+            u64::from(load_end_addr)
+                .checked_sub(load_addr)
+                .ok_or_else(|| bad(format!("multiboot load_end_addr {load_end_addr:#x} is below load_addr {load_addr:#x}")))?
+        };
+        if load_len > file_len {
+            return Err(bad(format!(
+                "multiboot load range {load_addr:#x}..{:#x} needs {load_len:#x} bytes from file \
+                 offset {file_start:#x}, the file has {file_len:#x}: truncated?",
+                load_addr + load_len
+            )));
+        }
+        let load_end = load_addr + load_len;
+        let bss_end = u64::from(bss_end_addr).max(load_end);
+        check_load_range(p.mem_size, &image.path, "kernel", load_addr, bss_end)?;
+        let data = &image.bytes[file_start as usize..(file_start + load_len) as usize];
+        write_bytes(mem, load_addr, data, "multiboot kernel")?;
+        zero(mem, load_end, bss_end - load_end, "multiboot bss")?;
+        (u64::from(entry_addr), bss_end)
+    } else {
+        let elf = image.elf.as_ref().ok_or_else(|| {
+            bad("multiboot header without address fields in a non-ELF file".into())
+        })?;
+        let end = load_elf_segments(mem, image, elf, p.mem_size)?;
+        (image.elf_entry_paddr(elf)?, end)
+    };
+    if entry >= 1 << 32 || kernel_end > 1 << 32 {
+        return Err(bad(format!(
+            "multiboot kernel must lie below 4 GiB (entry {entry:#x}, end {kernel_end:#x})"
+        )));
+    }
+
+    let initrd = match p.initrd {
+        Some(path) => Some(load_initrd_after(mem, path, kernel_end, p.mem_size)?),
+        None => None,
+    };
+    write_cmdline(mem, p.cmdline, CMDLINE_MAX - 1)?;
+
+    // mmap: entries of { size: u32 (of the rest, 20), base: u64, length: u64, type: u32 }.
+    let map = memory_map(p.mem_size);
+    let mut mmap = Vec::with_capacity(map.len() * 24);
+    for e in &map {
+        mmap.extend_from_slice(&20u32.to_le_bytes());
+        mmap.extend_from_slice(&e.addr.to_le_bytes());
+        mmap.extend_from_slice(&e.size.to_le_bytes());
+        mmap.extend_from_slice(&e.kind.to_le_bytes());
+    }
+    write_bytes(mem, MEMMAP, &mmap, "multiboot memory map")?;
+
+    let loader_name = MODLIST_STRINGS + 0x100;
+    write_bytes(mem, loader_name, b"lucid\0", "multiboot boot loader name")?;
+
+    let mem_lower = EBDA_START / 1024;
+    let mem_upper = (low_ram_end(p.mem_size) - HIGH_MEMORY) / 1024;
+    let mut flags =
+        mbi_flags::MEMORY | mbi_flags::CMDLINE | mbi_flags::MMAP | mbi_flags::LOADER_NAME;
+    let mut info = [0u32; 22]; // 88 bytes: up to and including vbe fields we leave zero.
+    info[1] = mem_lower as u32;
+    info[2] = mem_upper as u32;
+    info[4] = CMDLINE as u32;
+    if let Some((addr, size)) = initrd {
+        // Module 0: { mod_start, mod_end, string, reserved }.
+        let name = MODLIST_STRINGS;
+        let path_str = p
+            .initrd
+            .map(|x| x.display().to_string())
+            .unwrap_or_default();
+        let mut s = path_str.into_bytes();
+        s.truncate(0xff);
+        s.push(0);
+        write_bytes(mem, name, &s, "multiboot module string")?;
+        let mut m = Vec::with_capacity(16);
+        for v in [addr as u32, (addr + size) as u32, name as u32, 0] {
+            m.extend_from_slice(&v.to_le_bytes());
+        }
+        write_bytes(mem, MODLIST, &m, "multiboot module list")?;
+        flags |= mbi_flags::MODS;
+        info[5] = 1;
+        info[6] = MODLIST as u32;
+    }
+    info[11] = mmap.len() as u32;
+    info[12] = MEMMAP as u32;
+    info[16] = loader_name as u32;
+    info[0] = flags;
+    let bytes: Vec<u8> = info.iter().flat_map(|v| v.to_le_bytes()).collect();
+    write_bytes(mem, BOOT_INFO, &bytes, "multiboot info")?;
+    Ok(BootSetup {
+        kind: KernelKind::Multiboot,
+        entry: EntryState::Protected32 {
+            eip: entry,
+            eax: u64::from(MULTIBOOT_BOOTLOADER_MAGIC),
+            ebx: BOOT_INFO,
+        },
+        kernel_end,
+        initrd,
+        boot_info: BOOT_INFO,
+    })
+}
+
+fn load_linux(
+    mem: &GuestMemoryMmap,
+    image: &KernelImage,
+    p: &BootParams,
+) -> Result<BootSetup, BootError> {
+    let bad = |why: String| BootError::BadImage {
+        path: image.path.clone(),
+        why,
+    };
+    let low_end = low_ram_end(p.mem_size);
+    let (mut hdr, rip, kernel_end, cmdline_max, initrd_max) = match image.kind {
+        KernelKind::BzImage => {
+            let b = &image.bytes;
+            let hdr_len = std::mem::size_of::<setup_header>();
+            let mut hdr = setup_header::default();
+            // Headers of old protocol versions are shorter; missing bytes stay zero.
+            let avail = b.len().saturating_sub(bzhdr::HEADER_START).min(hdr_len);
+            hdr.as_mut_slice()[..avail]
+                .copy_from_slice(&b[bzhdr::HEADER_START..bzhdr::HEADER_START + avail]);
+            let (version, xloadflags) = (hdr.version, hdr.xloadflags);
+            if version < 0x020c || xloadflags & XLF_KERNEL_64 == 0 {
+                return Err(bad(format!(
+                    "bzImage boot protocol {}.{:02} (xloadflags {:#x}) has no 64-bit entry point; \
+                     2.12 with XLF_KERNEL_64 is needed",
+                    version >> 8,
+                    version & 0xff,
+                    xloadflags
+                )));
+            }
+            if hdr.loadflags & LOADED_HIGH == 0 {
+                return Err(bad("bzImage is not LOADED_HIGH (a zImage?)".into()));
+            }
+            let setup_sects = match b[bzhdr::SETUP_SECTS] {
+                0 => 4,
+                n => u64::from(n),
+            };
+            let payload_off = (setup_sects + 1) * 512;
+            if payload_off >= b.len() as u64 {
+                return Err(bad(format!(
+                    "bzImage setup is {payload_off:#x} bytes but the file has only {:#x}: truncated?",
+                    b.len()
+                )));
+            }
+            let syssize = u64::from(hdr.syssize) * 16;
+            let payload = &b[payload_off as usize..];
+            if syssize > payload.len() as u64 {
+                return Err(bad(format!(
+                    "bzImage protected-mode part is {syssize:#x} bytes (syssize) but only {:#x} \
+                     follow the setup: truncated?",
+                    payload.len()
+                )));
+            }
+            let load = u64::from(hdr.code32_start).max(HIGH_MEMORY);
+            let load_end = load + payload.len() as u64;
+            // The kernel decompresses itself to pref_address and needs init_size bytes there.
+            let pref = match hdr.pref_address {
+                0 => DEFAULT_PREF_ADDRESS,
+                a => a,
+            };
+            let need_end = load_end.max(pref.max(load) + u64::from(hdr.init_size));
+            check_load_range(p.mem_size, &image.path, "kernel", load, need_end)?;
+            write_bytes(mem, load, payload, "bzImage protected-mode kernel")?;
+            hdr.code32_start = load as u32;
+            let cmdline_max = match hdr.cmdline_size {
+                0 => 255,
+                n => n as usize,
+            };
+            let initrd_max = match hdr.initrd_addr_max {
+                0 => 0x37ff_ffff,
+                n => u64::from(n),
+            };
+            (hdr, load + 0x200, need_end, cmdline_max, initrd_max)
+        }
+        _ => {
+            let elf = image.elf.as_ref().expect("Linux ELF kernels are ELF");
+            let kernel_end = load_elf_segments(mem, image, elf, p.mem_size)?;
+            let rip = image.elf_entry_paddr(elf)?;
+            let hdr = setup_header {
+                boot_flag: BOOT_FLAG,
+                header: HDRS,
+                version: 0x020c,
+                loadflags: LOADED_HIGH,
+                kernel_alignment: 0x0100_0000,
+                xloadflags: XLF_KERNEL_64,
+                cmdline_size: (CMDLINE_MAX - 1) as u32,
+                initrd_addr_max: (low_end - 1) as u32,
+                ..Default::default()
+            };
+            (hdr, rip, kernel_end, CMDLINE_MAX - 1, low_end - 1)
+        }
+    };
+
+    let initrd = match p.initrd {
+        Some(path) => {
+            let limit = (initrd_max + 1).min(low_end);
+            Some(load_initrd_high(mem, path, kernel_end, limit, p.mem_size)?)
+        }
+        None => None,
+    };
+    write_cmdline(mem, p.cmdline, cmdline_max)?;
+
+    hdr.type_of_loader = KERNEL_LOADER_OTHER;
+    hdr.cmd_line_ptr = CMDLINE as u32;
+    if let Some((addr, size)) = initrd {
+        hdr.ramdisk_image = addr as u32;
+        hdr.ramdisk_size = size as u32;
+    }
+    let mut bp = boot_params {
+        hdr,
+        ..Default::default()
+    };
+    bp.ext_ramdisk_size = initrd.map_or(0, |(_, s)| (s >> 32) as u32);
+    bp.acpi_rsdp_addr = p.acpi_rsdp.unwrap_or(0);
+    let map = memory_map(p.mem_size);
+    if map.len() > bp.e820_table.len() {
+        unreachable!("the layout has few memory map entries");
+    }
+    for (slot, e) in bp.e820_table.iter_mut().zip(&map) {
+        let MemEntry { addr, size, kind } = *e;
+        *slot = boot_e820_entry {
+            addr,
+            size,
+            r#type: kind,
+        };
+    }
+    bp.e820_entries = map.len() as u8;
+    write_obj(mem, BOOT_INFO, &bp, "Linux zero page")?;
+    Ok(BootSetup {
+        kind: image.kind,
+        entry: EntryState::Long64 {
+            rip,
+            rsi: BOOT_INFO,
+        },
+        kernel_end,
+        initrd,
+        boot_info: BOOT_INFO,
+    })
+}
