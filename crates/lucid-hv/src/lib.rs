@@ -18,28 +18,16 @@ pub use vm::{IoAddr, Vm};
 pub enum HvError {
     #[error("{0} failed: {1}")]
     Ioctl(&'static str, kvm_ioctls::Error),
-    #[error("/dev/kvm does not exist: this host has no KVM (load kvm_intel or kvm_amd, or enable nested virtualization)")]
-    NoKvm,
-    #[error("/dev/kvm: permission denied: run as root or add your user to the kvm group")]
-    NoPermission,
-    #[error("cannot open /dev/kvm: {0}")]
-    Open(kvm_ioctls::Error),
+    #[error(transparent)]
+    Open(#[from] probe::KvmOpenError),
     #[error("KVM lacks a capability Lucid needs: {0}")]
     MissingCap(&'static str),
 }
 
-/// Opens `/dev/kvm` and checks the capabilities every Lucid VM relies on.
+/// Opens `/dev/kvm` (with the probe's one-line errors) and checks the capabilities every Lucid
+/// VM relies on.
 pub fn open_kvm() -> Result<Arc<Kvm>, HvError> {
-    open_kvm_at("/dev/kvm")
-}
-
-pub fn open_kvm_at(path: &str) -> Result<Arc<Kvm>, HvError> {
-    let cpath = std::ffi::CString::new(path).expect("path has no NUL");
-    let kvm = Kvm::new_with_path(&cpath).map_err(|e| match e.errno() {
-        libc::ENOENT => HvError::NoKvm,
-        libc::EACCES | libc::EPERM => HvError::NoPermission,
-        _ => HvError::Open(e),
-    })?;
+    let kvm = probe::open_kvm()?;
     use kvm_ioctls::Cap;
     for (cap, name) in [
         (Cap::Irqchip, "KVM_CAP_IRQCHIP"),
@@ -58,13 +46,6 @@ pub fn open_kvm_at(path: &str) -> Result<Arc<Kvm>, HvError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn missing_device_is_one_clear_line() {
-        let e = open_kvm_at("/nonexistent/kvm").err().expect("must fail");
-        assert!(matches!(e, HvError::NoKvm));
-        assert!(!e.to_string().contains('\n'));
-    }
 
     #[test]
     fn vcpu_stats_count_exits() {

@@ -23,6 +23,18 @@ pub enum Exit<'a> {
     InternalError(InternalError),
     /// A system event (reset, shutdown, crash) raised by the in-kernel devices.
     SystemEvent(u32),
+    /// A guest RDMSR of an MSR Lucid traps; set `error` to inject #GP.
+    RdMsr {
+        index: u32,
+        data: &'a mut u64,
+        error: &'a mut u8,
+    },
+    /// A guest WRMSR of an MSR Lucid traps; set `error` to inject #GP.
+    WrMsr {
+        index: u32,
+        data: u64,
+        error: &'a mut u8,
+    },
     /// The run was interrupted by a signal or `immediate_exit`.
     Interrupted,
     FailEntry(u64),
@@ -42,6 +54,8 @@ impl Exit<'_> {
             Exit::Shutdown => "shutdown",
             Exit::InternalError(_) => "internal_error",
             Exit::SystemEvent(_) => "system_event",
+            Exit::RdMsr { .. } => "msr_read",
+            Exit::WrMsr { .. } => "msr_write",
             Exit::Interrupted => "interrupted",
             Exit::FailEntry(_) => "fail_entry",
             Exit::Other(_) => "other",
@@ -59,6 +73,8 @@ pub const EXIT_REASONS: &[&str] = &[
     "shutdown",
     "internal_error",
     "system_event",
+    "msr_read",
+    "msr_write",
     "interrupted",
     "fail_entry",
     "other",
@@ -138,6 +154,16 @@ impl Vcpu {
                 VcpuExit::InternalError => Exit::InternalError(internal_error(self.run_addr)),
                 VcpuExit::SystemEvent(t, _) => Exit::SystemEvent(t),
                 VcpuExit::Intr => Exit::Interrupted,
+                VcpuExit::X86Rdmsr(m) => Exit::RdMsr {
+                    index: m.index,
+                    data: m.data,
+                    error: m.error,
+                },
+                VcpuExit::X86Wrmsr(m) => Exit::WrMsr {
+                    index: m.index,
+                    data: m.data,
+                    error: m.error,
+                },
                 VcpuExit::FailEntry(r, _) => Exit::FailEntry(r),
                 VcpuExit::IrqWindowOpen => Exit::Other("irq_window_open"),
                 VcpuExit::Exception => Exit::Other("exception"),

@@ -156,6 +156,41 @@ impl Vm {
         crate::kvm_stats::KvmStats::open(self.fd.as_ref())
     }
 
+    /// Sends guest RDMSR/WRMSR of `indices` to userspace (as `Exit::RdMsr`/`Exit::WrMsr`); all
+    /// other MSRs stay with KVM. Replaces the previous set.
+    pub fn trap_msrs(&self, indices: &[u32]) -> Result<(), HvError> {
+        use kvm_bindings::{
+            kvm_enable_cap, KVM_CAP_X86_USER_SPACE_MSR, KVM_MSR_EXIT_REASON_FILTER,
+        };
+        use kvm_ioctls::{MsrFilterDefaultAction, MsrFilterRange, MsrFilterRangeFlags};
+        if indices.len() > kvm_bindings::KVM_MSR_FILTER_MAX_RANGES as usize {
+            return Err(HvError::MissingCap("more than 16 trapped MSRs"));
+        }
+        let cap = kvm_enable_cap {
+            cap: KVM_CAP_X86_USER_SPACE_MSR,
+            args: [KVM_MSR_EXIT_REASON_FILTER as u64, 0, 0, 0],
+            ..Default::default()
+        };
+        self.fd
+            .enable_cap(&cap)
+            .map_err(|e| HvError::Ioctl("KVM_ENABLE_CAP(X86_USER_SPACE_MSR)", e))?;
+        // A clear bit denies the access in the kernel, which with the FILTER reason enabled
+        // becomes an exit to userspace.
+        let deny = [0u8; 1];
+        let ranges: Vec<MsrFilterRange> = indices
+            .iter()
+            .map(|&i| MsrFilterRange {
+                flags: MsrFilterRangeFlags::READ | MsrFilterRangeFlags::WRITE,
+                base: i,
+                msr_count: 1,
+                bitmap: &deny,
+            })
+            .collect();
+        self.fd
+            .set_msr_filter(MsrFilterDefaultAction::ALLOW, &ranges)
+            .map_err(|e| HvError::Ioctl("KVM_X86_SET_MSR_FILTER", e))
+    }
+
     /// The raw fd, for capabilities this seam does not wrap yet.
     pub fn fd(&self) -> &VmFd {
         &self.fd

@@ -1,0 +1,123 @@
+//! What a run did: why it stopped, how long it took, and every counter, printed for a person at
+//! VM exit and written as JSON.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use lucid_devices::StopReason;
+use serde_json::json;
+
+pub struct RunReport {
+    pub stop: StopReason,
+    pub wall: Duration,
+    pub vcpus: u8,
+    pub counters: BTreeMap<String, u64>,
+}
+
+impl RunReport {
+    pub fn exit_code(&self) -> i32 {
+        self.stop.exit_code()
+    }
+
+    /// Exits by reason summed over vCPUs.
+    pub fn exits_by_reason(&self) -> BTreeMap<String, u64> {
+        let mut out = BTreeMap::new();
+        for (k, v) in &self.counters {
+            if let Some((_, reason)) = k.split_once(".exit.") {
+                if k.starts_with("vcpu") && *v > 0 {
+                    *out.entry(reason.to_string()).or_insert(0) += v;
+                }
+            }
+        }
+        out
+    }
+
+    fn sum_suffix(&self, suffix: &str) -> u64 {
+        self.counters
+            .iter()
+            .filter(|(k, _)| k.starts_with("vcpu") && k.ends_with(suffix))
+            .map(|(_, v)| v)
+            .sum()
+    }
+
+    pub fn total_exits(&self) -> u64 {
+        self.sum_suffix(".exits")
+    }
+
+    pub fn stop_text(&self) -> String {
+        match &self.stop {
+            StopReason::DebugExit(v) => format!("guest wrote {v:#x} to the debug-exit port"),
+            StopReason::Reset => "guest requested a reset".into(),
+            StopReason::Shutdown => "guest powered off".into(),
+            StopReason::TripleFault { vcpu, rip } => {
+                format!("guest triple-faulted on vCPU {vcpu} (rip {rip:#x})")
+            }
+            StopReason::Signal(s) => format!("stopped by signal {s}"),
+            StopReason::Error(e) => format!("error: {e}"),
+        }
+    }
+
+    /// The human summary printed at VM exit.
+    pub fn summary(&self) -> String {
+        let secs = self.wall.as_secs_f64().max(1e-9);
+        let exits = self.total_exits();
+        let in_run = self.sum_suffix(".time.in_kvm_run_ns") as f64 / 1e9;
+        let in_vmm = self.sum_suffix(".time.in_vmm_ns") as f64 / 1e9;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "lucid: VM stopped: {} (exit status {})",
+            self.stop_text(),
+            self.exit_code()
+        );
+        let _ = writeln!(
+            s,
+            "lucid: {:.3} s wall, {} vCPU(s), {} exits to userspace ({:.0}/s)",
+            secs,
+            self.vcpus,
+            exits,
+            exits as f64 / secs
+        );
+        let by_reason: Vec<String> = self
+            .exits_by_reason()
+            .iter()
+            .map(|(r, n)| format!("{r} {n}"))
+            .collect();
+        if !by_reason.is_empty() {
+            let _ = writeln!(s, "lucid: exits by reason: {}", by_reason.join(", "));
+        }
+        let _ = writeln!(
+            s,
+            "lucid: vCPU time in KVM_RUN (guest and in-kernel exits) {in_run:.3} s, in the VMM {in_vmm:.3} s"
+        );
+        if let Some(k) = self.counters.get("kvm.vcpu0.exits") {
+            let _ = writeln!(
+                s,
+                "lucid: KVM's own count on vCPU 0: {k} exits, {} I/O exits, {} MMIO exits",
+                self.counters.get("kvm.vcpu0.io_exits").unwrap_or(&0),
+                self.counters.get("kvm.vcpu0.mmio_exits").unwrap_or(&0)
+            );
+        }
+        s
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        let secs = self.wall.as_secs_f64();
+        let exits = self.total_exits();
+        json!({
+            "stop": {
+                "reason": self.stop_text(),
+                "exit_code": self.exit_code(),
+            },
+            "wall_s": secs,
+            "vcpus": self.vcpus,
+            "exits": exits,
+            "exits_per_s": if secs > 0.0 { exits as f64 / secs } else { 0.0 },
+            "exits_by_reason": self.exits_by_reason(),
+            "time_in_kvm_run_s": self.sum_suffix(".time.in_kvm_run_ns") as f64 / 1e9,
+            "time_in_vmm_s": self.sum_suffix(".time.in_vmm_ns") as f64 / 1e9,
+            "counters": lucid_stats::nest(&self.counters),
+        })
+    }
+}

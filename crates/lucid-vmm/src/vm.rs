@@ -1,0 +1,435 @@
+//! Builds and runs one VM. [`Vm::build`] reads top to bottom as the VM comes together: KVM and
+//! memory, the interrupt controllers, the devices and their exit hooks, the kernel and its boot
+//! tables, then the vCPUs; [`Vm::start`] starts the vCPU threads and [`Vm::wait`] reports.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use lucid_boot::layout::{self, ports};
+use lucid_boot::{AcpiConfig, BootParams, KernelImage, KernelKind};
+use lucid_devices::{Cmos, DebugExit, Lifecycle, Serial, Sink, StopReason, I8042};
+use lucid_hv::kvm_bindings::{kvm_regs, KVM_MAX_CPUID_ENTRIES};
+use lucid_hv::probe::{detect_backend, Backend};
+use lucid_hv::IoAddr;
+use lucid_mem::{DmaPath, GuestRam};
+use lucid_stats::StatsRegistry;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::config::{KernelSource, VmConfig, MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB};
+use crate::emulate::Emulator;
+use crate::hooks::ExitHooks;
+use crate::report::RunReport;
+use crate::vcpu::{VcpuCtx, VcpuHandle};
+
+/// Lucid's hypercall numbers (shared with the probe-guest kit's `lucid.h`).
+pub mod hypercall {
+    pub const DISCOVER: u64 = 0;
+    pub const TSC_KHZ: u64 = 1;
+    pub const BACKEND: u64 = 2;
+    /// What DISCOVER returns: "LUCI".
+    pub const MAGIC: u64 = 0x4C55_4349;
+}
+
+/// Kernel command-line switches that keep Linux off the instructions KVM's emulator lacks on a
+/// host that emulates guest kernel code (PLATFORM.md).
+pub const PVM_LINUX_CMDLINE: &str = "noxsave clearcpuid=141,154,156";
+/// The console line Linux gets when the user gives none.
+pub const DEFAULT_LINUX_CMDLINE: &str = "console=ttyS0 earlyprintk=serial reboot=k panic=-1";
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmmError {
+    #[error(transparent)]
+    Hv(#[from] lucid_hv::HvError),
+    #[error(transparent)]
+    Mem(#[from] lucid_mem::MemError),
+    #[error(transparent)]
+    Boot(#[from] lucid_boot::BootError),
+    #[error("device setup: {0}")]
+    Device(String),
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("cannot start vCPU thread: {0}")]
+    Thread(std::io::Error),
+}
+
+/// A built VM.
+pub struct Vm {
+    config: VmConfig,
+    kind: KernelKind,
+    vm: lucid_hv::Vm,
+    ram: GuestRam,
+    dma: Arc<DmaPath>,
+    hooks: Arc<ExitHooks>,
+    lifecycle: Arc<Lifecycle>,
+    stats: Arc<StatsRegistry>,
+    handles: Vec<Arc<VcpuHandle>>,
+    ctxs: Vec<VcpuCtx>,
+    threads: Vec<JoinHandle<()>>,
+    started: Option<Instant>,
+    backend: Backend,
+    /// Kept open: the irqfd and ioeventfd registrations refer to them.
+    _eventfds: Vec<EventFd>,
+    warnings: Vec<String>,
+}
+
+impl Vm {
+    pub fn build(config: VmConfig) -> Result<Self, VmmError> {
+        check_config(&config)?;
+        let kvm = lucid_hv::open_kvm()?;
+        let backend = detect_backend();
+        let stats = StatsRegistry::new();
+        let lifecycle = Arc::new(Lifecycle::new());
+        let hooks = ExitHooks::new();
+        let mut warnings = Vec::new();
+
+        // Memory.
+        let vm = lucid_hv::Vm::new(kvm.clone())?;
+        let mem_size = config.mem_mib << 20;
+        let ram = GuestRam::new(&layout::ram_regions(mem_size), config.backing.clone())?;
+        for (slot, r) in ram.regions().iter().enumerate() {
+            // SAFETY: the region's mapping is owned by `ram`, which this Vm keeps until after
+            // the vCPU threads are joined.
+            unsafe { vm.set_memory_slot(slot as u32, r.gpa, r.size, r.host_addr, false)? };
+        }
+        let dma = DmaPath::new(ram.memory().clone(), &stats);
+
+        // Interrupt controllers and timers, in the kernel.
+        vm.create_irqchip_and_pit()?;
+        if let Some(s) = vm.stats() {
+            stats.probe("kvm.vm", Box::new(move || s.read()));
+        }
+
+        // Platform devices.
+        let mut eventfds = Vec::new();
+        let serial_irq = EventFd::new(EFD_NONBLOCK).map_err(dev_err("serial irq eventfd"))?;
+        vm.register_irqfd(&serial_irq, 4)?;
+        let (serial, listener) = Serial::new(
+            &config.serial,
+            serial_irq.try_clone().map_err(dev_err("eventfd"))?,
+            &stats,
+        )
+        .map_err(|e| VmmError::Device(format!("serial console {:?}: {e}", config.serial)))?;
+        eventfds.push(serial_irq);
+        let serial = Arc::new(Mutex::new(serial));
+        let stdin = config.serial_stdin && config.serial == lucid_devices::SerialOutput::Stdio;
+        Serial::start_input(&serial, listener, stdin);
+        let pio = &hooks.pio;
+        let add =
+            |base: u16, len: u64, name: &str, dev: Arc<Mutex<dyn lucid_devices::BusDevice>>| {
+                pio.insert(base as u64, len, name, dev)
+                    .map_err(|e| VmmError::Device(e.to_string()))
+            };
+        add(ports::SERIAL_COM1, 8, "serial", serial)?;
+        add(
+            ports::DEBUG_EXIT,
+            4,
+            "debug-exit",
+            Arc::new(Mutex::new(DebugExit::new(lifecycle.clone()))),
+        )?;
+        add(
+            ports::I8042,
+            5,
+            "i8042",
+            Arc::new(Mutex::new(I8042::new(lifecycle.clone()))),
+        )?;
+        add(ports::RTC, 2, "cmos", Arc::new(Mutex::new(Cmos::new())))?;
+        add(ports::POST, 1, "post", Arc::new(Mutex::new(Sink)))?;
+        eventfds.push(ioeventfd_probe(&vm, &stats)?);
+
+        // Lucid's own hypercalls.
+        let tsc_khz = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        hooks.add_hypercall(
+            hypercall::DISCOVER,
+            Arc::new(|_: u32, _: &kvm_regs| hypercall::MAGIC),
+        );
+        let t = tsc_khz.clone();
+        hooks.add_hypercall(
+            hypercall::TSC_KHZ,
+            Arc::new(move |_: u32, _: &kvm_regs| t.load(std::sync::atomic::Ordering::Relaxed)),
+        );
+        let code = backend.code() as u64;
+        hooks.add_hypercall(
+            hypercall::BACKEND,
+            Arc::new(move |_: u32, _: &kvm_regs| code),
+        );
+
+        // The kernel, its command line and the boot tables.
+        let (kernel_path, image) = match &config.kernel {
+            KernelSource::File(p) => (p.clone(), KernelImage::open(p)?),
+            KernelSource::Builtin { name, bytes } => {
+                let p = PathBuf::from(format!("<built-in {name}>"));
+                (p.clone(), KernelImage::from_bytes(&p, bytes.to_vec())?)
+            }
+        };
+        let kind = image.kind();
+        let cmdline = kernel_cmdline(&config.cmdline, kind, backend, &mut warnings);
+        let rsdp = lucid_boot::write_acpi_tables(ram.memory(), &AcpiConfig::new(config.vcpus))?;
+        let setup = lucid_boot::load_image(
+            ram.memory(),
+            &image,
+            &BootParams {
+                kernel: &kernel_path,
+                initrd: config.initrd.as_deref(),
+                cmdline: &cmdline,
+                mem_size,
+                acpi_rsdp: Some(rsdp),
+            },
+        )?;
+
+        // vCPUs: CPUID each, boot registers on vCPU 0; the others wait for INIT/SIPI.
+        let mut ctxs = Vec::new();
+        let mut handles = Vec::new();
+        for id in 0..config.vcpus {
+            let vcpu = vm.create_vcpu(id as u32)?;
+            let mut cpuid = kvm
+                .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+                .map_err(|e| lucid_hv::HvError::Ioctl("KVM_GET_SUPPORTED_CPUID", e))?;
+            lucid_boot::filter_cpuid(&mut cpuid, id, config.vcpus);
+            vcpu.set_cpuid(&cpuid)?;
+            set_lint_virtual_wire(&vcpu)?;
+            if id == 0 {
+                let (mut regs, mut sregs) = (vcpu.get_regs()?, vcpu.get_sregs()?);
+                lucid_boot::setup_boot_regs(&setup.entry, &mut regs, &mut sregs, ram.memory())?;
+                vcpu.set_sregs(&sregs)?;
+                vcpu.set_regs(&regs)?;
+                tsc_khz.store(
+                    vcpu.tsc_khz().unwrap_or(0) as u64,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+            }
+            if let Some(s) = vcpu.stats() {
+                stats.probe(format!("kvm.vcpu{id}"), Box::new(move || s.read()));
+            }
+            let (ctx, handle) = VcpuCtx::new(
+                vcpu,
+                hooks.clone(),
+                lifecycle.clone(),
+                &stats,
+                Emulator::new(),
+            );
+            let h = handle.clone();
+            lifecycle.add_kicker(Box::new(move || h.kick()));
+            ctxs.push(ctx);
+            handles.push(handle);
+        }
+
+        Ok(Vm {
+            config,
+            kind,
+            vm,
+            ram,
+            dma,
+            hooks,
+            lifecycle,
+            stats,
+            handles,
+            ctxs,
+            threads: Vec::new(),
+            started: None,
+            backend,
+            _eventfds: eventfds,
+            warnings,
+        })
+    }
+
+    /// Starts one named thread per vCPU.
+    pub fn start(&mut self) -> Result<(), VmmError> {
+        install_kick_handler();
+        if self.config.handle_signals {
+            watch_stop_signals(self.lifecycle.clone());
+        }
+        self.started = Some(Instant::now());
+        for ctx in self.ctxs.drain(..) {
+            let name = format!("lucid-vcpu{}", ctx.id());
+            let t = std::thread::Builder::new()
+                .name(name)
+                .spawn(move || ctx.run())
+                .map_err(VmmError::Thread)?;
+            self.threads.push(t);
+        }
+        Ok(())
+    }
+
+    /// Waits until the VM stops, joins the vCPU threads and reports.
+    pub fn wait(mut self) -> RunReport {
+        let stop = self.lifecycle.wait();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        let wall = self.started.map(|s| s.elapsed()).unwrap_or_default();
+        RunReport {
+            stop,
+            wall,
+            vcpus: self.config.vcpus,
+            counters: self.stats.snapshot(),
+        }
+    }
+
+    /// Builds, starts and waits.
+    pub fn run(config: VmConfig) -> Result<RunReport, VmmError> {
+        let mut vm = Vm::build(config)?;
+        vm.start()?;
+        Ok(vm.wait())
+    }
+
+    pub fn stats(&self) -> &Arc<StatsRegistry> {
+        &self.stats
+    }
+    pub fn hooks(&self) -> &Arc<ExitHooks> {
+        &self.hooks
+    }
+    pub fn lifecycle(&self) -> &Arc<Lifecycle> {
+        &self.lifecycle
+    }
+    pub fn vcpus(&self) -> &[Arc<VcpuHandle>] {
+        &self.handles
+    }
+    pub fn dma(&self) -> &Arc<DmaPath> {
+        &self.dma
+    }
+    pub fn ram(&self) -> &GuestRam {
+        &self.ram
+    }
+    pub fn kvm_vm(&self) -> &lucid_hv::Vm {
+        &self.vm
+    }
+    pub fn kernel_kind(&self) -> KernelKind {
+        self.kind
+    }
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+    /// Things the user should know before the guest runs (e.g. emulated guest kernel code).
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+    /// Asks the VM to stop, as SIGTERM would.
+    pub fn stop(&self, reason: StopReason) {
+        self.lifecycle.stop(reason)
+    }
+}
+
+fn dev_err(what: &'static str) -> impl Fn(std::io::Error) -> VmmError {
+    move |e| VmmError::Device(format!("{what}: {e}"))
+}
+
+fn check_config(c: &VmConfig) -> Result<(), VmmError> {
+    if c.vcpus == 0 || c.vcpus > MAX_VCPUS {
+        return Err(VmmError::Config(format!(
+            "--vcpus {} is out of range 1..={MAX_VCPUS}",
+            c.vcpus
+        )));
+    }
+    if c.mem_mib < MIN_MEM_MIB || c.mem_mib > MAX_MEM_MIB {
+        return Err(VmmError::Config(format!(
+            "--memory {} MiB is out of range {MIN_MEM_MIB}..={MAX_MEM_MIB}",
+            c.mem_mib
+        )));
+    }
+    if c.cmdline.contains('\0') {
+        return Err(VmmError::Config(
+            "the command line contains a NUL byte".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The command line the kernel gets: Linux gets a console by default, and on a host that emulates
+/// guest kernel code the switches that avoid instructions KVM cannot emulate.
+fn kernel_cmdline(
+    user: &str,
+    kind: KernelKind,
+    backend: Backend,
+    warnings: &mut Vec<String>,
+) -> String {
+    let linux = matches!(kind, KernelKind::BzImage | KernelKind::LinuxElf);
+    let mut cmdline = if linux && user.trim().is_empty() {
+        DEFAULT_LINUX_CMDLINE.to_string()
+    } else {
+        user.to_string()
+    };
+    if linux && backend == Backend::Pvm {
+        cmdline = format!("{cmdline} {PVM_LINUX_CMDLINE}").trim().to_string();
+        warnings.push(format!(
+            "this host's KVM is PVM: guest kernel code is emulated (thousands of times slower than \
+             native), so Linux boots slowly; added `{PVM_LINUX_CMDLINE}` to the command line"
+        ));
+    }
+    cmdline
+}
+
+/// The ioeventfd behind `ports::IOEVENTFD_PROBE`: writes there never leave the kernel. A stats
+/// probe drains the eventfd, so the count of absorbed writes is still reported.
+fn ioeventfd_probe(vm: &lucid_hv::Vm, stats: &Arc<StatsRegistry>) -> Result<EventFd, VmmError> {
+    let evt = EventFd::new(EFD_NONBLOCK).map_err(dev_err("ioeventfd"))?;
+    vm.register_ioeventfd(&evt, IoAddr::Pio(ports::IOEVENTFD_PROBE))?;
+    let reader = evt.try_clone().map_err(dev_err("ioeventfd"))?;
+    let count = stats.counter("ioeventfd_probe.signals");
+    stats.probe(
+        "ioeventfd_probe",
+        Box::new(move || {
+            // An eventfd read returns the number of writes since the last read.
+            if let Ok(n) = reader.read() {
+                count.add(n);
+            }
+            vec![]
+        }),
+    );
+    Ok(evt)
+}
+
+/// LINT0 as ExtINT and LINT1 as NMI, the virtual-wire setup firmware leaves for an OS.
+fn set_lint_virtual_wire(vcpu: &lucid_hv::Vcpu) -> Result<(), VmmError> {
+    const LVT_LINT0: usize = 0x350;
+    const LVT_LINT1: usize = 0x360;
+    const DM_EXTINT: u32 = 0x7 << 8;
+    const DM_NMI: u32 = 0x4 << 8;
+    let mut lapic = vcpu.get_lapic()?;
+    let mut set = |off: usize, mode: u32| {
+        let b = &mut lapic.regs[off..off + 4];
+        let v = u32::from_le_bytes([b[0] as u8, b[1] as u8, b[2] as u8, b[3] as u8]);
+        let v = (v & !0x700) | mode;
+        for (i, byte) in v.to_le_bytes().iter().enumerate() {
+            b[i] = *byte as _;
+        }
+    };
+    set(LVT_LINT0, DM_EXTINT);
+    set(LVT_LINT1, DM_NMI);
+    vcpu.set_lapic(&lapic)?;
+    Ok(())
+}
+
+extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+/// The vCPU kick signal only needs to interrupt KVM_RUN; its handler does nothing.
+fn install_kick_handler() {
+    let _ = vmm_sys_util::signal::register_signal_handler(
+        vmm_sys_util::signal::SIGRTMIN(),
+        kick_handler,
+    );
+}
+
+/// SIGINT and SIGTERM stop the VM cleanly: they are blocked in every thread and taken by one
+/// thread with sigwait. Called before the vCPU threads start, so they inherit the mask.
+fn watch_stop_signals(lifecycle: Arc<Lifecycle>) {
+    // SAFETY: sigset manipulation on a local set, and pthread_sigmask on the calling thread.
+    let set = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    };
+    let _ = std::thread::Builder::new()
+        .name("lucid-signals".into())
+        .spawn(move || {
+            let mut sig: libc::c_int = 0;
+            // SAFETY: sigwait on a valid set with a valid out pointer.
+            if unsafe { libc::sigwait(&set, &mut sig) } == 0 {
+                lifecycle.stop(StopReason::Signal(sig));
+            }
+        });
+}
