@@ -118,3 +118,6 @@ pub fn load_image(
 ) -> Result<BootSetup, BootError> {
     loader::load(mem, image, p)
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,918 @@
+//! Tests with real files: small kernel images built here, written to a temporary directory and
+//! loaded into a 64 MiB guest memory.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use kvm_bindings::{kvm_regs, kvm_sregs};
+use linux_loader::loader::bootparam::boot_params;
+use linux_loader::loader::elf::start_info::{
+    hvm_memmap_table_entry, hvm_modlist_entry, hvm_start_info,
+};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+use crate::layout::*;
+use crate::loader::{mbi_flags, HVM_START_MAGIC, MULTIBOOT_BOOTLOADER_MAGIC};
+use crate::memmap::{memory_map, E820_RAM, E820_RESERVED};
+use crate::regs::selectors;
+use crate::*;
+
+const MEM: u64 = 64 << 20;
+
+/// A temporary directory removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> TempDir {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let p = std::env::temp_dir().join(format!(
+            "lucid-boot-test-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+
+    fn file(&self, name: &str, bytes: &[u8]) -> PathBuf {
+        let p = self.0.join(name);
+        std::fs::write(&p, bytes).unwrap();
+        p
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn guest(mem_size: u64) -> GuestMemoryMmap {
+    let ranges: Vec<(GuestAddress, usize)> = ram_regions(mem_size)
+        .into_iter()
+        .map(|(s, l)| (GuestAddress(s), l as usize))
+        .collect();
+    let mem = GuestMemoryMmap::from_ranges(&ranges).unwrap();
+    // Garbage, so that tests see what the loader zeroes.
+    mem.write_slice(&vec![0xcc; 0x20_0000], GuestAddress(0x10_0000))
+        .unwrap();
+    mem
+}
+
+fn read<const N: usize>(mem: &GuestMemoryMmap, addr: u64) -> [u8; N] {
+    let mut b = [0u8; N];
+    mem.read_slice(&mut b, GuestAddress(addr)).unwrap();
+    b
+}
+
+fn r32(mem: &GuestMemoryMmap, addr: u64) -> u32 {
+    mem.read_obj(GuestAddress(addr)).unwrap()
+}
+
+fn r64(mem: &GuestMemoryMmap, addr: u64) -> u64 {
+    mem.read_obj(GuestAddress(addr)).unwrap()
+}
+
+fn cstr(mem: &GuestMemoryMmap, addr: u64) -> String {
+    let b: [u8; 256] = read(mem, addr);
+    let n = b.iter().position(|&c| c == 0).unwrap();
+    String::from_utf8(b[..n].to_vec()).unwrap()
+}
+
+/// One program header for the ELF builders.
+struct Ph {
+    p_type: u32,
+    paddr: u64,
+    vaddr: u64,
+    data: Vec<u8>,
+    memsz: u64,
+}
+
+fn load_seg(paddr: u64, data: &[u8], memsz: u64) -> Ph {
+    Ph {
+        p_type: 1,
+        paddr,
+        vaddr: paddr,
+        data: data.to_vec(),
+        memsz,
+    }
+}
+
+fn note(name: &[u8], ntype: u32, desc: &[u8]) -> Ph {
+    let mut v = Vec::new();
+    v.extend_from_slice(&(name.len() as u32).to_le_bytes());
+    v.extend_from_slice(&(desc.len() as u32).to_le_bytes());
+    v.extend_from_slice(&ntype.to_le_bytes());
+    v.extend_from_slice(name);
+    while v.len() % 4 != 0 {
+        v.push(0);
+    }
+    v.extend_from_slice(desc);
+    while v.len() % 4 != 0 {
+        v.push(0);
+    }
+    Ph {
+        p_type: 4,
+        paddr: 0,
+        vaddr: 0,
+        memsz: 0,
+        data: v,
+    }
+}
+
+fn pvh_note(entry: u32) -> Ph {
+    note(b"Xen\0", 18, &entry.to_le_bytes())
+}
+
+/// An ELF (64- or 32-bit) with the given program headers; segment data from file offset 0x1000.
+fn elf(is_64: bool, entry: u64, phs: &[Ph]) -> Vec<u8> {
+    let (ehsize, phentsize) = if is_64 { (64, 56) } else { (52, 32) };
+    let mut f = vec![0u8; 0x1000];
+    f[..4].copy_from_slice(b"\x7fELF");
+    f[4] = if is_64 { 2 } else { 1 };
+    f[5] = 1;
+    f[6] = 1;
+    let machine: u16 = if is_64 { 62 } else { 3 };
+    let put16 = |f: &mut Vec<u8>, o: usize, v: u16| f[o..o + 2].copy_from_slice(&v.to_le_bytes());
+    let put32 = |f: &mut Vec<u8>, o: usize, v: u32| f[o..o + 4].copy_from_slice(&v.to_le_bytes());
+    let put64 = |f: &mut Vec<u8>, o: usize, v: u64| f[o..o + 8].copy_from_slice(&v.to_le_bytes());
+    put16(&mut f, 16, 2); // ET_EXEC
+    put16(&mut f, 18, machine);
+    put32(&mut f, 20, 1);
+    if is_64 {
+        put64(&mut f, 24, entry);
+        put64(&mut f, 32, ehsize as u64);
+        put16(&mut f, 52, ehsize as u16);
+        put16(&mut f, 54, phentsize as u16);
+        put16(&mut f, 56, phs.len() as u16);
+    } else {
+        put32(&mut f, 24, entry as u32);
+        put32(&mut f, 28, ehsize as u32);
+        put16(&mut f, 40, ehsize as u16);
+        put16(&mut f, 42, phentsize as u16);
+        put16(&mut f, 44, phs.len() as u16);
+    }
+    for (i, ph) in phs.iter().enumerate() {
+        let off = f.len();
+        f.extend_from_slice(&ph.data);
+        while f.len() % 16 != 0 {
+            f.push(0);
+        }
+        let h = ehsize + i * phentsize;
+        let filesz = ph.data.len() as u64;
+        put32(&mut f, h, ph.p_type);
+        if is_64 {
+            put64(&mut f, h + 8, off as u64);
+            put64(&mut f, h + 16, ph.vaddr);
+            put64(&mut f, h + 24, ph.paddr);
+            put64(&mut f, h + 32, filesz);
+            put64(&mut f, h + 40, ph.memsz);
+        } else {
+            put32(&mut f, h + 4, off as u32);
+            put32(&mut f, h + 8, ph.vaddr as u32);
+            put32(&mut f, h + 12, ph.paddr as u32);
+            put32(&mut f, h + 16, filesz as u32);
+            put32(&mut f, h + 20, ph.memsz as u32);
+        }
+    }
+    f
+}
+
+fn multiboot_header(flags: u32, aout: Option<[u32; 5]>) -> Vec<u8> {
+    let mut v = Vec::new();
+    let magic = 0x1BAD_B002u32;
+    for x in [magic, flags, 0u32.wrapping_sub(magic).wrapping_sub(flags)] {
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    for x in aout.unwrap_or_default() {
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v
+}
+
+fn params<'a>(
+    kernel: &'a std::path::Path,
+    initrd: Option<&'a std::path::Path>,
+    cmdline: &'a str,
+) -> BootParams<'a> {
+    BootParams {
+        kernel,
+        initrd,
+        cmdline,
+        mem_size: MEM,
+        acpi_rsdp: Some(ACPI_START),
+    }
+}
+
+fn initrd_bytes(n: usize) -> Vec<u8> {
+    (0..n).map(|i| (i * 7 + 3) as u8).collect()
+}
+
+#[test]
+fn pvh_elf64_start_info() {
+    let d = TempDir::new();
+    let code = b"PVH kernel code".to_vec();
+    let k = d.file(
+        "pvh",
+        &elf(
+            true,
+            0xffff_ffff_8100_0000,
+            &[pvh_note(0x10_0004), load_seg(0x10_0000, &code, 0x3000)],
+        ),
+    );
+    let rd = initrd_bytes(5000);
+    let i = d.file("initrd", &rd);
+    let mem = guest(MEM);
+    let s = load(&mem, params(&k, Some(&i), "console=ttyS0 quiet")).unwrap();
+    assert_eq!(s.kind, KernelKind::PvhElf);
+    assert_eq!(
+        s.entry,
+        EntryState::Protected32 {
+            eip: 0x10_0004,
+            eax: 0,
+            ebx: BOOT_INFO
+        }
+    );
+    assert_eq!(s.kernel_end, 0x10_3000);
+    assert_eq!(read::<15>(&mem, 0x10_0000), code[..]);
+    assert_eq!(read::<16>(&mem, 0x10_2ff0), [0u8; 16], "bss zeroed");
+
+    let info: hvm_start_info = mem.read_obj(GuestAddress(BOOT_INFO)).unwrap();
+    assert_eq!(info.magic, HVM_START_MAGIC);
+    assert_eq!(info.version, 1);
+    assert_eq!(info.cmdline_paddr, CMDLINE);
+    assert_eq!(cstr(&mem, CMDLINE), "console=ttyS0 quiet");
+    assert_eq!(info.rsdp_paddr, ACPI_START);
+    let map = memory_map(MEM);
+    assert_eq!(info.memmap_entries as usize, map.len());
+    for (n, e) in map.iter().enumerate() {
+        let m: hvm_memmap_table_entry = mem
+            .read_obj(GuestAddress(info.memmap_paddr + 24 * n as u64))
+            .unwrap();
+        assert_eq!((m.addr, m.size, m.type_), (e.addr, e.size, e.kind));
+    }
+    assert_eq!(info.nr_modules, 1);
+    let m: hvm_modlist_entry = mem.read_obj(GuestAddress(info.modlist_paddr)).unwrap();
+    assert_eq!(m.size, 5000);
+    assert_eq!(m.paddr % 4096, 0);
+    assert!(m.paddr + m.size <= MEM && m.paddr > MEM - 0x3000);
+    assert_eq!(s.initrd, Some((m.paddr, 5000)));
+    let mut back = vec![0u8; 5000];
+    mem.read_slice(&mut back, GuestAddress(m.paddr)).unwrap();
+    assert_eq!(back, rd);
+}
+
+#[test]
+fn pvh_elf32_and_pvh_wins_over_multiboot() {
+    let d = TempDir::new();
+    let mut code = multiboot_header(0, None);
+    code.extend_from_slice(b"code");
+    let k = d.file(
+        "pvh32",
+        &elf(
+            false,
+            0x10_0000,
+            &[
+                note(b"GNU\0", 3, &[1, 2, 3, 4, 5]),
+                pvh_note(0x10_0010),
+                load_seg(0x10_0000, &code, 0x1000),
+            ],
+        ),
+    );
+    let img = KernelImage::open(&k).unwrap();
+    assert_eq!(img.kind(), KernelKind::PvhElf);
+    let mem = guest(MEM);
+    let s = load_image(&mem, &img, &params(&k, None, "")).unwrap();
+    assert!(matches!(
+        s.entry,
+        EntryState::Protected32 { eip: 0x10_0010, .. }
+    ));
+    let info: hvm_start_info = mem.read_obj(GuestAddress(BOOT_INFO)).unwrap();
+    assert_eq!((info.nr_modules, info.modlist_paddr), (0, 0));
+}
+
+#[test]
+fn multiboot_elf32_info() {
+    let d = TempDir::new();
+    let mut code = multiboot_header(0x3, None); // page-align modules, memory info
+    code.extend_from_slice(&[0x90; 32]);
+    let k = d.file(
+        "mb",
+        &elf(false, 0x10_000c, &[load_seg(0x10_0000, &code, 0x5000)]),
+    );
+    let rd = initrd_bytes(10000);
+    let i = d.file("initrd.img", &rd);
+    let mem = guest(MEM);
+    let s = load(&mem, params(&k, Some(&i), "mb cmdline")).unwrap();
+    assert_eq!(s.kind, KernelKind::Multiboot);
+    assert_eq!(
+        s.entry,
+        EntryState::Protected32 {
+            eip: 0x10_000c,
+            eax: u64::from(MULTIBOOT_BOOTLOADER_MAGIC),
+            ebx: BOOT_INFO
+        }
+    );
+    let flags = r32(&mem, BOOT_INFO);
+    assert_eq!(
+        flags,
+        mbi_flags::MEMORY
+            | mbi_flags::CMDLINE
+            | mbi_flags::MODS
+            | mbi_flags::MMAP
+            | mbi_flags::LOADER_NAME
+    );
+    assert_eq!(r32(&mem, BOOT_INFO + 4), 639);
+    assert_eq!(r32(&mem, BOOT_INFO + 8), ((MEM - (1 << 20)) / 1024) as u32);
+    assert_eq!(
+        cstr(&mem, u64::from(r32(&mem, BOOT_INFO + 16))),
+        "mb cmdline"
+    );
+    assert_eq!(r32(&mem, BOOT_INFO + 20), 1);
+    let mods = u64::from(r32(&mem, BOOT_INFO + 24));
+    let (start, end) = (r32(&mem, mods), r32(&mem, mods + 4));
+    assert_eq!(
+        u64::from(start),
+        0x10_5000,
+        "module 0 right after the kernel"
+    );
+    assert_eq!(end - start, 10000);
+    assert!(cstr(&mem, u64::from(r32(&mem, mods + 8))).ends_with("initrd.img"));
+    let mut back = vec![0u8; 10000];
+    mem.read_slice(&mut back, GuestAddress(start.into()))
+        .unwrap();
+    assert_eq!(back, rd);
+    // mmap entries with the size field.
+    let len = r32(&mem, BOOT_INFO + 44) as u64;
+    let addr = u64::from(r32(&mem, BOOT_INFO + 48));
+    let map = memory_map(MEM);
+    assert_eq!(len, 24 * map.len() as u64);
+    for (n, e) in map.iter().enumerate() {
+        let a = addr + 24 * n as u64;
+        assert_eq!(r32(&mem, a), 20);
+        assert_eq!(r64(&mem, a + 4), e.addr);
+        assert_eq!(r64(&mem, a + 12), e.size);
+        assert_eq!(r32(&mem, a + 20), e.kind);
+    }
+    assert_eq!(cstr(&mem, u64::from(r32(&mem, BOOT_INFO + 64))), "lucid");
+}
+
+#[test]
+fn multiboot_aout_kludge_flat_binary() {
+    let d = TempDir::new();
+    // Header at file offset 8, loaded at 0x200000: file offset 0 -> 0x1ffff8.
+    let mut img = vec![0xf4u8; 8];
+    img.extend(multiboot_header(
+        1 << 16,
+        Some([0x20_0000, 0x1f_fff8, 0, 0x20_4000, 0x20_0100]),
+    ));
+    img.extend_from_slice(&[0xaa; 100]);
+    let k = d.file("flat", &img);
+    let mem = guest(MEM);
+    let s = load(&mem, params(&k, None, "")).unwrap();
+    assert_eq!(s.kind, KernelKind::Multiboot);
+    assert!(matches!(
+        s.entry,
+        EntryState::Protected32 { eip: 0x20_0100, .. }
+    ));
+    assert_eq!(s.kernel_end, 0x20_4000);
+    assert_eq!(read::<8>(&mem, 0x1f_fff8), [0xf4; 8]);
+    assert_eq!(r32(&mem, 0x20_0000), 0x1BAD_B002);
+    assert_eq!(read::<4>(&mem, 0x20_3000), [0; 4], "bss zeroed");
+    assert_eq!(r32(&mem, BOOT_INFO) & mbi_flags::MODS, 0);
+}
+
+#[test]
+fn multiboot_without_kludge_in_flat_binary_is_not_a_kernel() {
+    let d = TempDir::new();
+    let k = d.file("flat", &multiboot_header(0, None));
+    let e = load(&guest(MEM), params(&k, None, "")).unwrap_err();
+    assert!(matches!(e, BootError::NotAKernel { .. }), "{e}");
+}
+
+fn read_zero_page(mem: &GuestMemoryMmap) -> boot_params {
+    mem.read_obj(GuestAddress(BOOT_INFO)).unwrap()
+}
+
+fn check_e820(bp: &boot_params) {
+    let map = memory_map(MEM);
+    assert_eq!(bp.e820_entries as usize, map.len());
+    for (n, e) in map.iter().enumerate() {
+        let t = bp.e820_table[n];
+        let (a, s, k) = (t.addr, t.size, t.r#type);
+        assert_eq!((a, s, k), (e.addr, e.size, e.kind));
+    }
+    let (t0, t1, t2) = (bp.e820_table[0], bp.e820_table[1], bp.e820_table[2]);
+    assert_eq!({ t0.r#type }, E820_RAM);
+    assert_eq!(({ t1.addr }, { t1.r#type }), (EBDA_START, E820_RESERVED));
+    assert_eq!(({ t2.addr }, { t2.r#type }), (HIGH_MEMORY, E820_RAM));
+}
+
+#[test]
+fn linux_elf_zero_page() {
+    let d = TempDir::new();
+    let code = b"startup_64".to_vec();
+    // A vmlinux: physical 16 MiB, virtual __START_KERNEL_map + 16 MiB, e_entry physical.
+    let seg = Ph {
+        vaddr: 0xffff_ffff_8100_0000,
+        ..load_seg(0x100_0000, &code, 0x20_0000)
+    };
+    let k = d.file(
+        "vmlinux",
+        &elf(true, 0x100_0000, &[note(b"GNU\0", 3, b"id"), seg]),
+    );
+    let rd = initrd_bytes(0x12345);
+    let i = d.file("initrd", &rd);
+    let mem = guest(MEM);
+    let s = load(&mem, params(&k, Some(&i), "console=ttyS0")).unwrap();
+    assert_eq!(s.kind, KernelKind::LinuxElf);
+    assert_eq!(
+        s.entry,
+        EntryState::Long64 {
+            rip: 0x100_0000,
+            rsi: BOOT_INFO
+        }
+    );
+    let bp = read_zero_page(&mem);
+    let h = bp.hdr;
+    assert_eq!(({ h.header }, { h.boot_flag }), (0x5372_6448, 0xaa55));
+    assert_eq!({ h.version }, 0x020c);
+    assert_eq!(h.type_of_loader, 0xff);
+    assert_eq!({ h.cmd_line_ptr } as u64, CMDLINE);
+    assert_eq!(cstr(&mem, CMDLINE), "console=ttyS0");
+    let (ri, rs) = ({ h.ramdisk_image }, { h.ramdisk_size });
+    assert_eq!(rs, 0x12345);
+    assert_eq!(ri % 4096, 0);
+    assert!(u64::from(ri) + u64::from(rs) <= MEM);
+    assert!(u64::from(ri) >= s.kernel_end);
+    let mut back = vec![0u8; rd.len()];
+    mem.read_slice(&mut back, GuestAddress(ri.into())).unwrap();
+    assert_eq!(back, rd);
+    assert_eq!({ bp.acpi_rsdp_addr }, ACPI_START);
+    check_e820(&bp);
+
+    // A virtual e_entry is translated through its segment.
+    let seg = Ph {
+        vaddr: 0xffff_ffff_8100_0000,
+        ..load_seg(0x100_0000, &code, 0x1000)
+    };
+    let k = d.file("vmlinux-virt", &elf(true, 0xffff_ffff_8100_0040, &[seg]));
+    let s = load(&guest(MEM), params(&k, None, "")).unwrap();
+    assert!(matches!(
+        s.entry,
+        EntryState::Long64 {
+            rip: 0x100_0040,
+            ..
+        }
+    ));
+}
+
+/// A synthetic bzImage: 4 setup sectors, `payload` after them, a 2.15 header.
+fn bzimage(payload: &[u8], init_size: u32) -> Vec<u8> {
+    let mut b = vec![0u8; 5 * 512];
+    let put16 = |b: &mut Vec<u8>, o: usize, v: u16| b[o..o + 2].copy_from_slice(&v.to_le_bytes());
+    let put32 = |b: &mut Vec<u8>, o: usize, v: u32| b[o..o + 4].copy_from_slice(&v.to_le_bytes());
+    b[0x1f1] = 4;
+    put32(&mut b, 0x1f4, payload.len().div_ceil(16) as u32);
+    put16(&mut b, 0x1fe, 0xaa55);
+    b[0x202..0x206].copy_from_slice(b"HdrS");
+    put16(&mut b, 0x206, 0x020f);
+    b[0x211] = 0x01; // LOADED_HIGH
+    put32(&mut b, 0x214, 0x10_0000);
+    put32(&mut b, 0x22c, 0x7fff_ffff);
+    put32(&mut b, 0x230, 0x20_0000);
+    b[0x234] = 1;
+    put16(&mut b, 0x236, 0x3); // XLF_KERNEL_64 | XLF_CAN_BE_LOADED_ABOVE_4G
+    put32(&mut b, 0x238, 2047);
+    b[0x258..0x260].copy_from_slice(&0x100_0000u64.to_le_bytes());
+    put32(&mut b, 0x260, init_size);
+    b.extend_from_slice(payload);
+    b.resize(5 * 512 + payload.len().div_ceil(16) * 16, 0);
+    b
+}
+
+#[test]
+fn bzimage_zero_page() {
+    let d = TempDir::new();
+    let payload: Vec<u8> = (0..4096u32).map(|i| i as u8).collect();
+    let k = d.file("bzImage", &bzimage(&payload, 0x80_0000));
+    let i = d.file("initrd", &initrd_bytes(4096));
+    let mem = guest(MEM);
+    let s = load(&mem, params(&k, Some(&i), "root=/dev/vda")).unwrap();
+    assert_eq!(s.kind, KernelKind::BzImage);
+    assert_eq!(
+        s.entry,
+        EntryState::Long64 {
+            rip: 0x10_0200,
+            rsi: BOOT_INFO
+        }
+    );
+    assert_eq!(s.kernel_end, 0x180_0000, "pref_address + init_size");
+    assert_eq!(read::<16>(&mem, 0x10_0000), payload[..16]);
+    let bp = read_zero_page(&mem);
+    let h = bp.hdr;
+    assert_eq!({ h.version }, 0x020f);
+    assert_eq!(h.setup_sects, 4);
+    assert_eq!({ h.code32_start }, 0x10_0000);
+    assert_eq!({ h.cmdline_size }, 2047, "kept from the image");
+    assert_eq!(h.type_of_loader, 0xff);
+    assert_eq!({ h.cmd_line_ptr } as u64, CMDLINE);
+    assert_eq!(cstr(&mem, CMDLINE), "root=/dev/vda");
+    assert_eq!({ h.ramdisk_size }, 4096);
+    assert_eq!(u64::from(h.ramdisk_image), MEM - 4096);
+    assert_eq!({ bp.acpi_rsdp_addr }, ACPI_START);
+    check_e820(&bp);
+
+    // Too long a command line for this kernel.
+    let long = "x".repeat(3000);
+    let e = load(&guest(MEM), params(&k, None, &long)).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            BootError::CmdlineTooLong {
+                len: 3000,
+                max: 2047
+            }
+        ),
+        "{e}"
+    );
+
+    // A kernel that decompresses into 128 MiB does not fit in 64 MiB.
+    let k = d.file("big", &bzimage(&payload, 112 << 20));
+    let e = load(&guest(MEM), params(&k, None, "")).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "memory too small: kernel needs 128 MiB, guest has 64 MiB"
+    );
+
+    // Protocol 2.10 has no 64-bit entry point.
+    let mut old = bzimage(&payload, 0x80_0000);
+    old[0x206..0x208].copy_from_slice(&0x020au16.to_le_bytes());
+    let k = d.file("old", &old);
+    let e = load(&guest(MEM), params(&k, None, "")).unwrap_err();
+    assert!(e.to_string().contains("no 64-bit entry point"), "{e}");
+}
+
+#[test]
+fn initrd_limit_respects_initrd_addr_max() {
+    let d = TempDir::new();
+    let payload = vec![0u8; 512];
+    let mut b = bzimage(&payload, 0x10_0000);
+    b[0x22c..0x230].copy_from_slice(&(0x200_0000u32 - 1).to_le_bytes());
+    let k = d.file("bz", &b);
+    let i = d.file("initrd", &initrd_bytes(0x3000));
+    let s = load(&guest(MEM), params(&k, Some(&i), "")).unwrap();
+    assert_eq!(s.initrd, Some((0x200_0000 - 0x3000, 0x3000)));
+}
+
+#[test]
+fn bad_images_give_clear_errors() {
+    let d = TempDir::new();
+    let mem = guest(MEM);
+    // Random bytes.
+    let rnd: Vec<u8> = (0..10000u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let k = d.file("random", &rnd);
+    let e = load(&mem, params(&k, None, "")).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with(&format!("not a kernel: {}: ", k.display())),
+        "{e}"
+    );
+    // Empty.
+    let k = d.file("empty", &[]);
+    assert!(matches!(
+        load(&mem, params(&k, None, "")),
+        Err(BootError::NotAKernel { .. })
+    ));
+    // Missing file.
+    let missing = d.0.join("nope");
+    assert!(matches!(
+        load(&mem, params(&missing, None, "")),
+        Err(BootError::Io { .. })
+    ));
+
+    let good = elf(true, 0x10_0000, &[load_seg(0x10_0000, &[1; 64], 64)]);
+    // Program headers past EOF.
+    let k = d.file("trunc-ph", &good[..100]);
+    let e = load(&mem, params(&k, None, "")).unwrap_err();
+    assert!(matches!(e, BootError::BadImage { .. }), "{e}");
+    assert!(e.to_string().contains("program headers"), "{e}");
+    // Segment past EOF.
+    let k = d.file("trunc-seg", &good[..0x1010]);
+    let e = load(&mem, params(&k, None, "")).unwrap_err();
+    assert!(e.to_string().contains("past the end of the file"), "{e}");
+    assert!(e.to_string().contains("truncated"), "{e}");
+    // Truncated ELF header.
+    let k = d.file("trunc-eh", &good[..20]);
+    assert!(matches!(
+        load(&mem, params(&k, None, "")),
+        Err(BootError::BadImage { .. })
+    ));
+    // Every prefix of a good image: errors, never a panic.
+    let pvh = elf(
+        true,
+        0x10_0000,
+        &[pvh_note(0x10_0000), load_seg(0x10_0000, &[1; 64], 64)],
+    );
+    for n in (0..pvh.len()).step_by(7) {
+        let _ = KernelImage::from_bytes(&k, pvh[..n].to_vec());
+    }
+    // Kernel too big for memory.
+    let k = d.file(
+        "huge",
+        &elf(true, 0x10_0000, &[load_seg(0x10_0000, &[1; 16], 100 << 20)]),
+    );
+    let e = load(&mem, params(&k, None, "")).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "memory too small: kernel needs 101 MiB, guest has 64 MiB"
+    );
+    // Kernel in the boot area.
+    let k = d.file("low", &elf(true, 0x7000, &[load_seg(0x7000, &[1; 16], 16)]));
+    let e = load(&mem, params(&k, None, "")).unwrap_err();
+    assert!(matches!(e, BootError::OutsideRam { .. }), "{e}");
+    // Initrd too big.
+    let k = d.file("ok", &good);
+    let i = d.file("initrd", &vec![0u8; 63 << 20]);
+    let e = load(&mem, params(&k, Some(&i), "")).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("memory too small: kernel with initrd"),
+        "{e}"
+    );
+    // A NUL in the command line.
+    let e = load(&mem, params(&k, None, "a\0b")).unwrap_err();
+    assert!(matches!(e, BootError::CmdlineNul { offset: 1 }), "{e}");
+    // A 32-bit ELF with no boot protocol.
+    let k = d.file(
+        "elf32",
+        &elf(false, 0x10_0000, &[load_seg(0x10_0000, &[1; 16], 16)]),
+    );
+    assert!(matches!(
+        load(&mem, params(&k, None, "")),
+        Err(BootError::NotAKernel { .. })
+    ));
+}
+
+#[test]
+fn long64_regs_and_page_tables() {
+    let mem = guest(MEM);
+    let mut regs = kvm_regs::default();
+    let mut sregs = kvm_sregs {
+        apic_base: 0xfee0_0900,
+        ..Default::default()
+    };
+    sregs.tr.type_ = 11;
+    let entry = EntryState::Long64 {
+        rip: 0x100_0000,
+        rsi: BOOT_INFO,
+    };
+    setup_boot_regs(&entry, &mut regs, &mut sregs, &mem).unwrap();
+    assert_eq!(
+        (regs.rip, regs.rsi, regs.rflags),
+        (0x100_0000, BOOT_INFO, 2)
+    );
+    assert_eq!(regs.rsp, BOOT_STACK);
+    assert_eq!(sregs.cr3, PML4);
+    assert_eq!(sregs.cr0, 0x8000_0031);
+    assert_eq!(sregs.cr4, 0x20);
+    assert_eq!(sregs.efer, 0x500);
+    assert_eq!(sregs.apic_base, 0xfee0_0900, "kept");
+    assert_eq!(sregs.tr.type_, 11, "kept");
+    assert_eq!(sregs.cs.selector, selectors::CODE64);
+    assert_eq!(
+        (sregs.cs.l, sregs.cs.db, sregs.cs.present, sregs.cs.s),
+        (1, 0, 1, 1)
+    );
+    assert_eq!(sregs.cs.type_, 0xb);
+    for s in [sregs.ds, sregs.es, sregs.fs, sregs.gs, sregs.ss] {
+        assert_eq!(s.selector, selectors::DATA);
+        assert_eq!(
+            (s.type_, s.db, s.g, s.limit, s.base),
+            (3, 1, 1, 0xffff_ffff, 0)
+        );
+    }
+    assert_eq!((sregs.gdt.base, sregs.gdt.limit), (BOOT_GDT, 31));
+    // GDT as Linux wants it: __BOOT_CS 0x10, __BOOT_DS 0x18.
+    assert_eq!(r64(&mem, BOOT_GDT), 0);
+    assert_eq!(r64(&mem, BOOT_GDT + 0x10), 0x00af_9b00_0000_ffff);
+    assert_eq!(r64(&mem, BOOT_GDT + 0x18), 0x00cf_9300_0000_ffff);
+    // Identity map of 4 GiB.
+    assert_eq!(r64(&mem, PML4), PDPT | 3);
+    assert_eq!(r64(&mem, PML4 + 8), 0);
+    for i in 0..4 {
+        assert_eq!(r64(&mem, PDPT + 8 * i), (PD + 0x1000 * i) | 3);
+    }
+    assert_eq!(r64(&mem, PDPT + 32), 0);
+    assert_eq!(r64(&mem, PD), 0x83);
+    assert_eq!(r64(&mem, PD + 8), 0x20_0083);
+    assert_eq!(r64(&mem, PD + 8 * 2047), 0xffe0_0083);
+}
+
+#[test]
+fn protected32_regs() {
+    let mem = guest(MEM);
+    let mut regs = kvm_regs {
+        rcx: 5,
+        ..Default::default()
+    };
+    let mut sregs = kvm_sregs {
+        cr0: 0x6000_0010,
+        efer: 0x500,
+        ..Default::default()
+    };
+    let entry = EntryState::Protected32 {
+        eip: 0x10_000c,
+        eax: 0x2BAD_B002,
+        ebx: BOOT_INFO,
+    };
+    setup_boot_regs(&entry, &mut regs, &mut sregs, &mem).unwrap();
+    assert_eq!(
+        (regs.rip, regs.rax, regs.rbx),
+        (0x10_000c, 0x2BAD_B002, BOOT_INFO)
+    );
+    assert_eq!((regs.rcx, regs.rflags), (0, 2));
+    assert_eq!((sregs.cr0, sregs.cr4, sregs.efer), (0x11, 0, 0));
+    assert_eq!(sregs.cs.selector, selectors::CODE32);
+    assert_eq!(
+        (sregs.cs.db, sregs.cs.l, sregs.cs.limit),
+        (1, 0, 0xffff_ffff)
+    );
+    assert_eq!(r64(&mem, BOOT_GDT + 8), 0x00cf_9b00_0000_ffff);
+    assert_eq!(sregs.ss.selector, selectors::DATA);
+}
+
+fn checksum_ok(b: &[u8]) -> bool {
+    b.iter().fold(0u8, |a, x| a.wrapping_add(*x)) == 0
+}
+
+/// Reads a whole table at `addr` (length from its header), checks its checksum.
+fn table(mem: &GuestMemoryMmap, addr: u64) -> Vec<u8> {
+    let len = r32(mem, addr + 4) as usize;
+    assert!((36..0x10000).contains(&len));
+    let mut b = vec![0u8; len];
+    mem.read_slice(&mut b, GuestAddress(addr)).unwrap();
+    assert!(
+        checksum_ok(&b),
+        "checksum of {:?}",
+        String::from_utf8_lossy(&b[..4])
+    );
+    b
+}
+
+#[test]
+fn acpi_tables_walk() {
+    let mem = guest(MEM);
+    let cfg = AcpiConfig {
+        pci_ecam: Some((PCI_ECAM_START, 0, 255)),
+        ..AcpiConfig::new(3)
+    };
+    let rsdp = write_acpi_tables(&mem, &cfg).unwrap();
+    assert_eq!(rsdp, ACPI_START);
+    // A legacy scan: "RSD PTR " on a 16-byte boundary in 0xe0000..0x100000.
+    let found = (ACPI_START..ACPI_END)
+        .step_by(16)
+        .find(|&a| read::<8>(&mem, a) == *b"RSD PTR ")
+        .unwrap();
+    assert_eq!(found, rsdp);
+    let r: [u8; 36] = read(&mem, rsdp);
+    assert!(checksum_ok(&r[..20]) && checksum_ok(&r));
+    assert_eq!(r[15], 2, "revision");
+    let xsdt_addr = u64::from_le_bytes(r[24..32].try_into().unwrap());
+    let xsdt = table(&mem, xsdt_addr);
+    assert_eq!(&xsdt[..4], b"XSDT");
+    let mut sigs = Vec::new();
+    for e in xsdt[36..].chunks(8) {
+        let a = u64::from_le_bytes(e.try_into().unwrap());
+        assert!((ACPI_START..ACPI_END).contains(&a));
+        let t = table(&mem, a);
+        sigs.push(String::from_utf8(t[..4].to_vec()).unwrap());
+        match &t[..4] {
+            b"FACP" => {
+                let flags = u32::from_le_bytes(t[112..116].try_into().unwrap());
+                assert_ne!(flags & (1 << 20), 0, "HW_REDUCED_ACPI");
+                let iapc = u16::from_le_bytes(t[109..111].try_into().unwrap());
+                assert_ne!(iapc & 2, 0, "8042 present");
+                let x_dsdt = u64::from_le_bytes(t[140..148].try_into().unwrap());
+                let dsdt = table(&mem, x_dsdt);
+                assert_eq!(&dsdt[..4], b"DSDT");
+                let aml = &dsdt[36..];
+                let has = |s: &[u8]| aml.windows(s.len()).any(|w| w == s);
+                assert!(has(b"_SB_") && has(b"COM1") && has(b"PS2K") && has(b"PCI0"));
+                // EISAID("PNP0501") = 0x0105d041 little-endian.
+                assert!(has(&0x0105_d041u32.to_le_bytes()));
+            }
+            b"APIC" => {
+                assert_eq!(
+                    u32::from_le_bytes(t[36..40].try_into().unwrap()),
+                    0xfee0_0000
+                );
+                assert_eq!(u32::from_le_bytes(t[40..44].try_into().unwrap()) & 1, 1);
+                let mut off = 44;
+                let mut lapics = Vec::new();
+                let mut ioapic = None;
+                let mut isos = Vec::new();
+                while off < t.len() {
+                    let (ty, len) = (t[off], t[off + 1] as usize);
+                    assert!(len >= 2);
+                    match ty {
+                        0 => lapics.push((t[off + 2], t[off + 3], t[off + 4] & 1)),
+                        1 => {
+                            ioapic = Some((
+                                t[off + 2],
+                                u32::from_le_bytes(t[off + 4..off + 8].try_into().unwrap()),
+                                u32::from_le_bytes(t[off + 8..off + 12].try_into().unwrap()),
+                            ))
+                        }
+                        2 => isos.push((
+                            t[off + 3],
+                            u32::from_le_bytes(t[off + 4..off + 8].try_into().unwrap()),
+                            u16::from_le_bytes(t[off + 8..off + 10].try_into().unwrap()),
+                        )),
+                        _ => {}
+                    }
+                    off += len;
+                }
+                assert_eq!(off, t.len());
+                assert_eq!(lapics, vec![(0, 0, 1), (1, 1, 1), (2, 2, 1)]);
+                assert_eq!(ioapic, Some((3, 0xfec0_0000, 0)));
+                assert_eq!(isos, vec![(0, 2, 0), (9, 9, 0xd)]);
+            }
+            b"MCFG" => {
+                assert_eq!(t.len(), 44 + 16);
+                assert_eq!(
+                    u64::from_le_bytes(t[44..52].try_into().unwrap()),
+                    PCI_ECAM_START
+                );
+                assert_eq!((t[54], t[55]), (0, 255));
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(sigs, ["FACP", "APIC", "MCFG"]);
+
+    // Without PCI: no MCFG, no PCI0.
+    let mem = guest(MEM);
+    let rsdp = write_acpi_tables(&mem, &AcpiConfig::new(1)).unwrap();
+    let xsdt = table(&mem, r64(&mem, rsdp + 24));
+    assert_eq!(xsdt.len(), 36 + 16);
+
+    assert!(matches!(
+        write_acpi_tables(&mem, &AcpiConfig::new(0)),
+        Err(BootError::BadVcpuCount(0))
+    ));
+    // The largest vCPU count still fits the ACPI area.
+    write_acpi_tables(&mem, &AcpiConfig::new(254)).unwrap();
+}
+
+/// Loads a real kernel: `LUCID_TEST_BZIMAGE=/path/vmlinuz` and/or
+/// `LUCID_TEST_VMLINUX=/path/vmlinux` (e.g. Debian's linux-image-*-cloud-amd64; its bzImage
+/// payload decompressed with `lz4 -d` is a PVH ELF).
+#[test]
+#[ignore]
+fn real_kernels() {
+    let mem_size = 256 << 20;
+    if let Ok(p) = std::env::var("LUCID_TEST_BZIMAGE") {
+        let mem = guest(mem_size);
+        let k = PathBuf::from(p);
+        let s = load(
+            &mem,
+            BootParams {
+                mem_size,
+                ..params(&k, None, "console=ttyS0")
+            },
+        )
+        .unwrap();
+        assert_eq!(s.kind, KernelKind::BzImage);
+        assert!(matches!(s.entry, EntryState::Long64 { rip: 0x10_0200, .. }));
+        let bp = read_zero_page(&mem);
+        assert_eq!({ bp.hdr.header }, 0x5372_6448);
+        eprintln!("bzImage: {s:?}");
+    }
+    if let Ok(p) = std::env::var("LUCID_TEST_VMLINUX") {
+        let mem = guest(mem_size);
+        let k = PathBuf::from(p);
+        let s = load(
+            &mem,
+            BootParams {
+                mem_size,
+                ..params(&k, None, "console=ttyS0")
+            },
+        )
+        .unwrap();
+        assert_eq!(s.kind, KernelKind::PvhElf);
+        eprintln!("vmlinux: {s:?}");
+        let e = load(
+            &guest(16 << 20),
+            BootParams {
+                mem_size: 16 << 20,
+                ..params(&k, None, "")
+            },
+        )
+        .unwrap_err();
+        eprintln!("16 MiB: {e}");
+        assert!(matches!(e, BootError::MemoryTooSmall { .. }));
+    }
+}
