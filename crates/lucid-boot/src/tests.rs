@@ -104,11 +104,11 @@ fn note(name: &[u8], ntype: u32, desc: &[u8]) -> Ph {
     v.extend_from_slice(&(desc.len() as u32).to_le_bytes());
     v.extend_from_slice(&ntype.to_le_bytes());
     v.extend_from_slice(name);
-    while v.len() % 4 != 0 {
+    while v.len() & 3 != 0 {
         v.push(0);
     }
     v.extend_from_slice(desc);
-    while v.len() % 4 != 0 {
+    while v.len() & 3 != 0 {
         v.push(0);
     }
     Ph {
@@ -155,7 +155,7 @@ fn elf(is_64: bool, entry: u64, phs: &[Ph]) -> Vec<u8> {
     for (i, ph) in phs.iter().enumerate() {
         let off = f.len();
         f.extend_from_slice(&ph.data);
-        while f.len() % 16 != 0 {
+        while f.len() & 15 != 0 {
             f.push(0);
         }
         let h = ehsize + i * phentsize;
