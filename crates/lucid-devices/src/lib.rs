@@ -15,12 +15,28 @@ pub use i8042::I8042;
 pub use lifecycle::{Lifecycle, StopReason};
 pub use serial::{IrqTrigger, Serial, SerialOutput};
 
-/// A device that ignores writes and reads as zero (port 0x80 and the like).
-pub struct Sink;
+/// A port that ignores writes and reads as zero (port 0x80 and the like), counting accesses so
+/// that probe guests can check exits per operation.
+pub struct NopPort {
+    pub reads: std::sync::Arc<lucid_stats::Counter>,
+    pub writes: std::sync::Arc<lucid_stats::Counter>,
+}
 
-impl BusDevice for Sink {
+impl NopPort {
+    pub fn new(stats: &lucid_stats::StatsRegistry, name: &str) -> Self {
+        NopPort {
+            reads: stats.counter(format!("{name}.reads")),
+            writes: stats.counter(format!("{name}.writes")),
+        }
+    }
+}
+
+impl BusDevice for NopPort {
     fn read(&mut self, _offset: u64, data: &mut [u8]) {
+        self.reads.inc();
         data.fill(0);
     }
-    fn write(&mut self, _offset: u64, _data: &[u8]) {}
+    fn write(&mut self, _offset: u64, _data: &[u8]) {
+        self.writes.inc();
+    }
 }

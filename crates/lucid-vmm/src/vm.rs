@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use lucid_boot::layout::{self, ports};
 use lucid_boot::{AcpiConfig, BootParams, KernelImage, KernelKind};
-use lucid_devices::{Cmos, DebugExit, Lifecycle, Serial, Sink, StopReason, I8042};
+use lucid_devices::{Cmos, DebugExit, Lifecycle, NopPort, Serial, StopReason, I8042};
 use lucid_hv::kvm_bindings::{kvm_regs, KVM_MAX_CPUID_ENTRIES};
 use lucid_hv::probe::{detect_backend, Backend};
 use lucid_hv::IoAddr;
@@ -135,8 +135,23 @@ impl Vm {
             Arc::new(Mutex::new(I8042::new(lifecycle.clone()))),
         )?;
         add(ports::RTC, 2, "cmos", Arc::new(Mutex::new(Cmos::new())))?;
-        add(ports::POST, 1, "post", Arc::new(Mutex::new(Sink)))?;
+        add(
+            ports::POST,
+            1,
+            "post",
+            Arc::new(Mutex::new(NopPort::new(&stats, "post"))),
+        )?;
         eventfds.push(ioeventfd_probe(&vm, &stats)?);
+        // The page probe guests store to when they measure MMIO exits.
+        hooks
+            .mmio
+            .insert(
+                layout::PROBE_MMIO,
+                0x1000,
+                "mmio-probe",
+                Arc::new(Mutex::new(NopPort::new(&stats, "mmio_probe"))),
+            )
+            .map_err(|e| VmmError::Device(e.to_string()))?;
 
         // Lucid's own hypercalls.
         let tsc_khz = Arc::new(std::sync::atomic::AtomicU64::new(0));

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs what Lucid needs on a fresh Debian machine (as root): a C toolchain for the probe-guest
+# kit, and with --test also QEMU (the peer the probe guests are checked against) and the tools
+# the Linux guest script uses. Idempotent and quiet when everything is there.
+set -euo pipefail
+want=(gcc make)
+if [[ "${1:-}" == "--test" ]]; then
+  want+=(qemu-system-x86 busybox-static lz4 cpio iproute2)
+fi
+missing=()
+for p in "${want[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "deps: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+command -v cargo >/dev/null || { echo "deps: cargo not found: install Rust (rustup) first" >&2; exit 1; }
