@@ -105,9 +105,25 @@ fn load_elf_segments(
     elf: &ElfInfo,
     mem_size: u64,
 ) -> Result<u64, BootError> {
-    // Check everything before writing anything.
+    // Check everything before writing anything. If RAM is short, report what the whole kernel
+    // needs, not only the first segment that does not fit.
+    let max_end = elf
+        .segments
+        .iter()
+        .map(|s| s.paddr + s.memsz)
+        .max()
+        .unwrap_or(0);
     for s in &elf.segments {
-        check_load_range(mem_size, &image.path, "kernel", s.paddr, s.paddr + s.memsz)?;
+        check_load_range(mem_size, &image.path, "kernel", s.paddr, s.paddr + s.memsz).map_err(
+            |e| match e {
+                BootError::MemoryTooSmall { what, have_mib, .. } => BootError::MemoryTooSmall {
+                    what,
+                    need_mib: mib_up(max_end),
+                    have_mib,
+                },
+                e => e,
+            },
+        )?;
     }
     let mut end = 0;
     for s in &elf.segments {

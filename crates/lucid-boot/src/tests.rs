@@ -184,7 +184,7 @@ fn multiboot_header(flags: u32, aout: Option<[u32; 5]>) -> Vec<u8> {
     for x in [magic, flags, 0u32.wrapping_sub(magic).wrapping_sub(flags)] {
         v.extend_from_slice(&x.to_le_bytes());
     }
-    for x in aout.unwrap_or_default() {
+    for x in aout.iter().flatten() {
         v.extend_from_slice(&x.to_le_bytes());
     }
     v
@@ -914,5 +914,134 @@ fn real_kernels() {
         .unwrap_err();
         eprintln!("16 MiB: {e}");
         assert!(matches!(e, BootError::MemoryTooSmall { .. }));
+    }
+}
+
+/// Boots tiny guests on /dev/kvm through `load` + `setup_boot_regs` + `filter_cpuid` and checks
+/// what they report on port 0xf4. Skipped when /dev/kvm cannot be opened.
+mod kvm {
+    use super::*;
+    use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
+    use kvm_ioctls::{Kvm, VcpuExit};
+    use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+
+    /// Runs the boot vCPU until HLT; returns the dwords written to port 0xf4.
+    fn run(mem: &GuestMemoryMmap, setup: &BootSetup) -> Option<Vec<u32>> {
+        let Ok(kvm) = Kvm::new() else {
+            eprintln!("no /dev/kvm: skipped");
+            return None;
+        };
+        let vm = kvm.create_vm().unwrap();
+        vm.set_tss_address(0xfffb_d000).unwrap();
+        for (slot, r) in mem.iter().enumerate() {
+            let host = mem.get_host_address(r.start_addr()).unwrap();
+            let region = kvm_bindings::kvm_userspace_memory_region {
+                slot: slot as u32,
+                flags: 0,
+                guest_phys_addr: r.start_addr().0,
+                memory_size: r.len(),
+                userspace_addr: host as u64,
+            };
+            // SAFETY: `host` maps `r.len()` bytes of guest memory owned by `mem`, which outlives
+            // the VM (both are dropped at the end of this function, the VM first).
+            unsafe { vm.set_user_memory_region(region) }.unwrap();
+        }
+        let mut vcpu = vm.create_vcpu(0).unwrap();
+        let mut cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).unwrap();
+        filter_cpuid(&mut cpuid, 0, 1);
+        vcpu.set_cpuid2(&cpuid).unwrap();
+        let mut regs = vcpu.get_regs().unwrap();
+        let mut sregs = vcpu.get_sregs().unwrap();
+        setup_boot_regs(&setup.entry, &mut regs, &mut sregs, mem).unwrap();
+        vcpu.set_sregs(&sregs).unwrap();
+        vcpu.set_regs(&regs).unwrap();
+        let mut out = Vec::new();
+        for _ in 0..20 {
+            match vcpu.run() {
+                Ok(VcpuExit::IoOut(0xf4, data)) => {
+                    out.push(u32::from_le_bytes(data.try_into().unwrap()))
+                }
+                Ok(VcpuExit::Hlt) => return Some(out),
+                other => {
+                    let s = format!("{other:?}");
+                    panic!(
+                        "unexpected exit {s}, regs {:x?}, out {out:x?}",
+                        vcpu.get_regs().unwrap()
+                    )
+                }
+            }
+        }
+        panic!("guest did not halt; out {out:x?}");
+    }
+
+    const OUT_HLT: [u8; 6] = [0x66, 0xba, 0xf4, 0x00, 0xef, 0xf4]; // mov dx,0xf4; out dx,eax; hlt
+
+    #[test]
+    fn pvh_guest_sees_start_info() {
+        let d = TempDir::new();
+        // mov eax,[ebx]; push eax; pop ecx; mov eax,ecx; mov dx,0xf4; out dx,eax; mov eax,ebx;
+        // out dx,eax; hlt
+        let code = [
+            0x8b, 0x03, 0x50, 0x59, 0x89, 0xc8, 0x66, 0xba, 0xf4, 0x00, 0xef, 0x89, 0xd8, 0xef,
+            0xf4,
+        ];
+        let k = d.file(
+            "pvh",
+            &elf(
+                true,
+                0,
+                &[pvh_note(0x10_0000), load_seg(0x10_0000, &code, 0x1000)],
+            ),
+        );
+        let mem = guest(MEM);
+        let s = load(&mem, params(&k, None, "")).unwrap();
+        if let Some(out) = run(&mem, &s) {
+            assert_eq!(out, vec![HVM_START_MAGIC, BOOT_INFO as u32]);
+        }
+    }
+
+    #[test]
+    fn multiboot_guest_sees_magic_and_info() {
+        let d = TempDir::new();
+        let mut seg = multiboot_header(0x2, None);
+        // mov dx,0xf4; out dx,eax; mov eax,[ebx]; out dx,eax; hlt
+        seg.extend_from_slice(&[0x66, 0xba, 0xf4, 0x00, 0xef, 0x8b, 0x03, 0xef, 0xf4]);
+        let k = d.file(
+            "mb",
+            &elf(false, 0x10_000c, &[load_seg(0x10_0000, &seg, 0x1000)]),
+        );
+        let mem = guest(MEM);
+        let s = load(&mem, params(&k, None, "x")).unwrap();
+        if let Some(out) = run(&mem, &s) {
+            assert_eq!(out[0], MULTIBOOT_BOOTLOADER_MAGIC);
+            assert_eq!(out[1] & mbi_flags::MMAP, mbi_flags::MMAP);
+        }
+    }
+
+    #[test]
+    fn linux_elf_guest_runs_in_long_mode() {
+        let d = TempDir::new();
+        // mov eax,[rsi+0x202]; push rax; pop rcx; mov eax,ecx; mov dx,0xf4; out dx,eax;
+        // mov eax,[0x3fffff0]; out dx,eax; mov rax,0x123456789; shr rax,4; out dx,eax; hlt
+        let mut code = vec![
+            0x8b, 0x86, 0x02, 0x02, 0x00, 0x00, 0x50, 0x59, 0x89, 0xc8, 0x66, 0xba, 0xf4, 0x00,
+            0xef, 0x8b, 0x04, 0x25, 0xf0, 0xff, 0xff, 0x03, 0xef,
+        ];
+        code.extend_from_slice(&[0x48, 0xb8]);
+        code.extend_from_slice(&0x1_2345_6789u64.to_le_bytes());
+        code.extend_from_slice(&[0x48, 0xc1, 0xe8, 0x04, 0xef]);
+        code.extend_from_slice(&OUT_HLT[5..]);
+        let seg = Ph {
+            vaddr: 0xffff_ffff_8100_0000,
+            ..load_seg(0x100_0000, &code, 0x1000)
+        };
+        let k = d.file("vmlinux", &elf(true, 0x100_0000, &[seg]));
+        let mem = guest(MEM);
+        mem.write_obj(0xfeed_f00du32, GuestAddress(0x3ff_fff0))
+            .unwrap();
+        let s = load(&mem, params(&k, None, "")).unwrap();
+        if let Some(out) = run(&mem, &s) {
+            assert_eq!(out, vec![0x5372_6448, 0xfeed_f00d, 0x1234_5678]);
+        }
     }
 }
