@@ -55,8 +55,14 @@ impl VcpuHandle {
 
     /// Makes the vCPU leave the guest (or not enter it) and look at its requests.
     pub fn kick(&self) {
+        // The lock orders this against the vCPU's teardown: once `alive` is false the kvm_run
+        // page behind `immediate_exit` may be unmapped.
+        let thread = self.thread.lock().unwrap_or_else(|e| e.into_inner());
+        if !self.alive.load(Ordering::SeqCst) {
+            return;
+        }
         self.immediate_exit.set();
-        if let Some(t) = *self.thread.lock().unwrap_or_else(|e| e.into_inner()) {
+        if let Some(t) = *thread {
             // SAFETY: `t` is the vCPU thread's id, recorded by that thread and cleared before it
             // exits; the signal's handler does nothing, it only interrupts KVM_RUN.
             unsafe { libc::pthread_kill(t, vmm_sys_util::signal::SIGRTMIN()) };
@@ -64,13 +70,18 @@ impl VcpuHandle {
     }
 
     fn push(&self, r: Request) -> Result<(), VcpuError> {
-        if !self.alive.load(Ordering::SeqCst) {
-            return Err(VcpuError::Gone(self.id));
+        {
+            // Under the thread lock, so a request is never queued after teardown cleared the
+            // queue (its caller would wait forever).
+            let _thread = self.thread.lock().unwrap_or_else(|e| e.into_inner());
+            if !self.alive.load(Ordering::SeqCst) {
+                return Err(VcpuError::Gone(self.id));
+            }
+            self.requests
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push_back(r);
         }
-        self.requests
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push_back(r);
         self.pending.store(true, Ordering::SeqCst);
         self.kick();
         Ok(())
@@ -215,15 +226,6 @@ impl VcpuCtx {
         *self.handle.thread.lock().unwrap_or_else(|e| e.into_inner()) =
             Some(unsafe { libc::pthread_self() });
         self.run_until(|_| false);
-        self.handle.alive.store(false, Ordering::SeqCst);
-        *self.handle.thread.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        // Fail whatever was still queued, so no caller waits forever.
-        self.handle
-            .requests
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
-        self.handle.done.notify_all();
     }
 
     fn take_requests(&mut self) {
@@ -342,6 +344,23 @@ enum Followup {
     Hypercall,
     TripleFault,
     Emulate(lucid_hv::InternalError),
+}
+
+impl Drop for VcpuCtx {
+    /// Marks the handle dead before the vCPU (and its kvm_run page) goes away, and fails queued
+    /// requests so that no caller waits forever.
+    fn drop(&mut self) {
+        let mut thread = self.handle.thread.lock().unwrap_or_else(|e| e.into_inner());
+        self.handle.alive.store(false, Ordering::SeqCst);
+        *thread = None;
+        self.handle
+            .requests
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        drop(thread);
+        self.handle.done.notify_all();
+    }
 }
 
 /// Dispatches one exit to the hooks.
