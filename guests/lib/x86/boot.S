@@ -155,19 +155,25 @@ exc_common:
 	outl %eax, $0xf4
 	jmp park
 
-/* ---- CPL3 -> CPL0 gates (DPL3 interrupt gates, IST1) ---- */
-	.globl gate_cpl0_call, gate_irq_on, gate_irq_off
-gate_cpl0_call:			/* int $0x80: rax = fn, rdi = arg; rax = fn(arg) */
+/*
+ * ---- CPL3 -> CPL0 gate: int3 (vector 3, DPL3, IST1) ----
+ * rax = fn, rdi = arg; runs fn(arg) at CPL0 with IF=0 and returns its rax.
+ * int3 and not `int $n`: PVM emulates `int $n` from CPL3 as #UD, while
+ * int3 is a hardware #BP trap that it reflects into the guest IDT.
+ */
+	.globl gate_cpl0_call, cpl0_set_if, cpl0_clear_if
+gate_cpl0_call:
 	subq $8, %rsp
 	call *%rax
 	addq $8, %rsp
 	iretq
-gate_irq_on:			/* int $0x81: set IF in the return frame */
-	orl $0x200, 16(%rsp)
-	iretq
-gate_irq_off:			/* int $0x82: clear IF in the return frame */
-	andl $~0x200, 16(%rsp)
-	iretq
+/* gate functions: rflags of the iretq frame is at 32(%rsp) (ret, pad, rip, cs) */
+cpl0_set_if:
+	orl $0x200, 32(%rsp)
+	ret
+cpl0_clear_if:
+	andl $~0x200, 32(%rsp)
+	ret
 
 /* ---- AP trampoline: copied to AP_TRAMPOLINE, started by SIPI vector 8 ---- */
 	.section .rodata

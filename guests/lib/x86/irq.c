@@ -1,14 +1,16 @@
 /* Interrupt consumption at CPL3 and the LAPIC accessors (see libcflat.h). */
 #include "libcflat.h"
 
+extern char cpl0_set_if[], cpl0_clear_if[];
+
 void irq_enable(void)
 {
-	asm volatile("int $0x81" ::: "memory");
+	cpl0_call((u64 (*)(u64))cpl0_set_if, 0);
 }
 
 void irq_disable(void)
 {
-	asm volatile("int $0x82" ::: "memory");
+	cpl0_call((u64 (*)(u64))cpl0_clear_if, 0);
 }
 
 int irq_pending(void)

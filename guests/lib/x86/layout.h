@@ -45,10 +45,8 @@
 /* AP real-mode trampoline: copied here by smp_bringup(); SIPI vector 8 */
 #define AP_TRAMPOLINE    0x8000
 
-/* CPL3->CPL0 gate vectors (DPL3 interrupt gates) */
-#define VEC_CPL0_CALL    0x80
-#define VEC_IRQ_ON       0x81
-#define VEC_IRQ_OFF      0x82
+/* CPL3->CPL0 gate: int3 (#BP, vector 3) with rax = fn, rdi = arg */
+#define VEC_CPL0_CALL    3
 
 /* rflags given to CPL3 code: IOPL=3, reserved bit 1, IF=0 */
 #define USER_RFLAGS      0x3002

@@ -66,18 +66,20 @@ void udelay(u64 us);			/* busy wait (needs tsc_khz) */
 const char *fmt_milli(char *buf, u64 v_milli);
 
 /* ---- CPL0 gates ---- */
-/* run fn(arg) at CPL0 (interrupts off) and return its result; keep fn tiny */
+/* run fn(arg) at CPL0 (interrupts off) and return its result; keep fn tiny.
+ * Implemented with int3 (vector 3 is the gate, not a debug trap). */
 u64 cpl0_call(u64 (*fn)(u64), u64 arg);
 void cpu_park(void);			/* CPL0 only: cli; hlt forever */
 
 /* ---- interrupts ----
  * The IDT stubs run at CPL0 for a few instructions: they set the vector's
  * bit in this CPU's pending bitmap, bump irq_count, write the LAPIC EOI
- * (vectors 0x20-0xfe) and iretq. CPL3 code polls and consumes. Vectors
- * 0x80-0x82 are the gates above and cannot be used for devices.
- * irq_enable()/irq_disable() go through gates that set/clear rflags.IF in
- * the iretq frame (cli/sti/popf at CPL3 are not used: PVM runs CPL3 with
- * the real IOPL at 0). */
+ * (vectors 0x20-0xfe) and iretq. CPL3 code polls and consumes.
+ * irq_enable()/irq_disable() run a CPL0 gate function that sets/clears
+ * rflags.IF in the gate's iretq frame (cli/sti/popf at CPL3 are not used).
+ * Note: PVM's emulated iretq to CPL3 forces IF=1 (and IOPL=0) whatever
+ * the frame says, so under PVM CPL3 code always runs interruptible; the
+ * library masks LAPIC LINT0/LINT1 at start so nothing arrives unasked. */
 struct percpu {
 	volatile u8 pending[32];	/* PCPU_PENDING */
 	volatile u64 irq_count;		/* PCPU_COUNT */

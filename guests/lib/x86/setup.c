@@ -15,7 +15,7 @@ struct hvm_start_info {
 
 extern u32 boot_start_info;		/* boot.S (.data) */
 extern char __bss_start[], __bss_end[];
-extern char isr_stubs[], gate_cpl0_call[], gate_irq_on[], gate_irq_off[];
+extern char isr_stubs[], gate_cpl0_call[];
 extern struct idt_gate {
 	u16 off0, sel;
 	u8 ist, type;
@@ -119,8 +119,6 @@ void cpu_user_entry(u64 idx)
 	for (int v = 0; v < 256; v++)
 		set_gate(v, isr_stubs + 32 * v, v < 32 ? 2 : 1, 0);
 	set_gate(VEC_CPL0_CALL, gate_cpl0_call, 1, 3);
-	set_gate(VEC_IRQ_ON, gate_irq_on, 1, 3);
-	set_gate(VEC_IRQ_OFF, gate_irq_off, 1, 3);
 	percpu_init(0);
 	/* mask LINT0 (ExtINT from the 8259) and LINT1: no stray interrupts,
 	 * also on hosts that run CPL3 with IF=1 whatever the iretq frame says */
@@ -173,7 +171,7 @@ void exit(int code)
 u64 cpl0_call(u64 (*fn)(u64), u64 arg)
 {
 	u64 ret;
-	asm volatile("int $0x80"
+	asm volatile("int3"
 		     : "=a"(ret), "+D"(arg)
 		     : "a"(fn)
 		     : "rcx", "rdx", "rsi", "r8", "r9", "r10", "r11", "memory", "cc");

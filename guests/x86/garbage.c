@@ -1,0 +1,74 @@
+/*
+ * garbage: a hostile guest. Writes pseudo-random values (1, 2 or 4 bytes)
+ * to every I/O port 0..0xffff and reads each back, then writes and reads
+ * one address per stride=S (0x10000) bytes across the MMIO hole
+ * 0xc0000000-0xffffffff. Prints "garbage: survived" and exits 0.
+ * Skipped ports, each documented:
+ *   0xf4-0xf7  the exit device (a write would end the run)
+ *   0x64       i8042: 0xfe pulses the reset line
+ *   0x92       port A: bit 0 is a fast reset
+ *   0xcf9      reset control register (PIIX/ICH)
+ *   0x510-0x51b QEMU fw_cfg (its DMA register writes guest memory), only
+ *              when not running under Lucid
+ * The UART is reset afterwards (garbage may set DLAB or loopback) and the
+ * console shows some garbage bytes. Params: ports=0 / mmio=0 to skip a part,
+ * seed=N.
+ */
+#include "libcflat.h"
+
+static u64 rng = 0x9e3779b97f4a7c15UL;
+
+static u32 next(void)
+{
+	rng ^= rng << 13;
+	rng ^= rng >> 7;
+	rng ^= rng << 17;
+	return rng >> 16;
+}
+
+static int skip_port(u32 p, int lucid)
+{
+	if ((p >= 0xf4 && p <= 0xf7) || p == 0x64 || p == 0x92 || p == 0xcf9)
+		return 1;
+	if (!lucid && p >= 0x510 && p <= 0x51b)
+		return 1;
+	return 0;
+}
+
+int main(void)
+{
+	int lucid = lucid_present();
+	u64 stride = param_u64("stride", 0x10000);
+	u64 ports = 0, mmios = 0;
+	u32 sink = 0;
+
+	rng ^= param_u64("seed", 1);
+	printf("garbage: writing to every I/O port and across the MMIO hole\n");
+	if (param_u64("ports", 1)) {
+		for (u32 p = 0; p <= 0xffff; p++) {
+			if (skip_port(p, lucid))
+				continue;
+			u32 v = next();
+			switch (v & 3) {
+			case 0: outw(p, v >> 8); sink += inw(p); break;
+			case 1: outl(p, v); sink += inl(p); break;
+			default: outb(p, v >> 8); sink += inb(p); break;
+			}
+			ports++;
+		}
+	}
+	serial_reset();
+	printf("\ngarbage: %lu ports done\n", ports);
+	if (param_u64("mmio", 1) && stride) {
+		for (u64 a = 0xc0000000UL; a < 0x100000000UL; a += stride) {
+			u32 v = next();
+			mmio_write32(a, v);
+			sink += mmio_read32(a);
+			mmios++;
+		}
+	}
+	serial_reset();
+	printf("\ngarbage: %lu mmio addresses done (sink %#x)\n", mmios, sink);
+	printf("garbage: survived\n");
+	return 0;
+}
