@@ -158,6 +158,17 @@ impl KernelImage {
         self.kind
     }
 
+    /// Whether this is a Linux kernel: a bzImage, a 64-bit vmlinux, or a vmlinux with a PVH note
+    /// (recognised by the kernel's banner, `Linux version `, which every vmlinux carries).
+    pub fn is_linux(&self) -> bool {
+        const BANNER: &[u8] = b"Linux version ";
+        match self.kind {
+            KernelKind::BzImage | KernelKind::LinuxElf => true,
+            KernelKind::Multiboot => false,
+            KernelKind::PvhElf => self.bytes.windows(BANNER.len()).any(|w| w == BANNER),
+        }
+    }
+
     /// The file this image was read from.
     pub fn path(&self) -> &Path {
         &self.path

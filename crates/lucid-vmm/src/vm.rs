@@ -179,7 +179,7 @@ impl Vm {
             }
         };
         let kind = image.kind();
-        let cmdline = kernel_cmdline(&config.cmdline, kind, backend, &mut warnings);
+        let cmdline = kernel_cmdline(&config.cmdline, image.is_linux(), backend, &mut warnings);
         let rsdp = lucid_boot::write_acpi_tables(ram.memory(), &AcpiConfig::new(config.vcpus))?;
         let setup = lucid_boot::load_image(
             ram.memory(),
@@ -353,13 +353,7 @@ fn check_config(c: &VmConfig) -> Result<(), VmmError> {
 
 /// The command line the kernel gets: Linux gets a console by default, and on a host that emulates
 /// guest kernel code the switches that avoid instructions KVM cannot emulate.
-fn kernel_cmdline(
-    user: &str,
-    kind: KernelKind,
-    backend: Backend,
-    warnings: &mut Vec<String>,
-) -> String {
-    let linux = matches!(kind, KernelKind::BzImage | KernelKind::LinuxElf);
+fn kernel_cmdline(user: &str, linux: bool, backend: Backend, warnings: &mut Vec<String>) -> String {
     let mut cmdline = if linux && user.trim().is_empty() {
         DEFAULT_LINUX_CMDLINE.to_string()
     } else {
