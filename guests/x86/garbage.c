@@ -12,7 +12,7 @@
  *              when not running under Lucid
  * The UART is reset afterwards (garbage may set DLAB or loopback) and the
  * console shows some garbage bytes. Params: ports=0 / mmio=0 to skip a part,
- * seed=N.
+ * port_first/port_last (0/0xffff), stride, seed=N.
  */
 #include "libcflat.h"
 
@@ -26,12 +26,18 @@ static u32 next(void)
 	return rng >> 16;
 }
 
-static int skip_port(u32 p, int lucid)
+static const struct { u32 first, last; int qemu_only; } skip[] = {
+	{ 0xf4, 0xf7, 0 }, { 0x64, 0x64, 0 }, { 0x92, 0x92, 0 }, { 0xcf9, 0xcf9, 0 },
+	{ 0x510, 0x51b, 1 },
+};
+
+/* does an access of size bytes at port p touch a skipped port? */
+static int skip_port(u32 p, u32 size, int lucid)
 {
-	if ((p >= 0xf4 && p <= 0xf7) || p == 0x64 || p == 0x92 || p == 0xcf9)
-		return 1;
-	if (!lucid && p >= 0x510 && p <= 0x51b)
-		return 1;
+	for (u32 i = 0; i < ARRAY_SIZE(skip); i++)
+		if (p <= skip[i].last && p + size - 1 >= skip[i].first &&
+		    !(lucid && skip[i].qemu_only))
+			return 1;
 	return 0;
 }
 
@@ -45,10 +51,14 @@ int main(void)
 	rng ^= param_u64("seed", 1);
 	printf("garbage: writing to every I/O port and across the MMIO hole\n");
 	if (param_u64("ports", 1)) {
-		for (u32 p = 0; p <= 0xffff; p++) {
-			if (skip_port(p, lucid))
-				continue;
+		u32 first = param_u64("port_first", 0), last = param_u64("port_last", 0xffff);
+		for (u32 p = first; p <= last && p <= 0xffff; p++) {
 			u32 v = next();
+			u32 size = (v & 3) == 0 ? 2 : (v & 3) == 1 ? 4 : 1;
+			if (p + size - 1 > 0xffff)	/* stay inside the port space */
+				v |= 2, size = 1;
+			if (skip_port(p, size, lucid))
+				continue;
 			switch (v & 3) {
 			case 0: outw(p, v >> 8); sink += inw(p); break;
 			case 1: outl(p, v); sink += inl(p); break;
