@@ -1,1 +1,90 @@
-//! lucid-guests
+//! The probe-guest kit: small freestanding PVH guests (C, built from `guests/` by build.rs with gcc) embedded as ELF images, plus the host twin of the `compute` guest.
+//!
+//! Every guest boots through the PVH entry note (so the same image runs under
+//! Lucid and `qemu-system-x86_64 -M microvm -kernel`), drops to CPL3 with
+//! the TSS I/O bitmap open, prints `key=value` lines on COM1 and exits by
+//! writing its code to port 0xf4 (process status `(code << 1) | 1`).
+//! Parameters come from the kernel command line (`count=100 port=0x80`).
+//! See `guests/README.md` for the ABI and each guest's parameters and output.
+
+use std::path::PathBuf;
+
+macro_rules! guests {
+    ($($name:literal),* $(,)?) => {
+        /// Names of the embedded guests, as accepted by [`get`].
+        pub const NAMES: &[&str] = &[$($name),*];
+
+        /// The ELF image of the guest called `name`, or `None`.
+        pub fn get(name: &str) -> Option<&'static [u8]> {
+            match name {
+                $($name => Some(include_bytes!(concat!(env!("OUT_DIR"), "/guests/", $name, ".elf"))),)*
+                _ => None,
+            }
+        }
+    };
+}
+
+guests!(
+    "hello",
+    "compute",
+    "pio-ping",
+    "mmio-ping",
+    "memtouch",
+    "smp",
+    "hostinfo",
+    "triplefault",
+    "garbage",
+    "spin",
+);
+
+/// The guest `lucid run` boots when none is named.
+pub const DEFAULT: &str = "hostinfo";
+
+/// Exit code a guest reports after an unexpected CPU exception (status 253).
+pub const EXIT_EXCEPTION: u32 = 0x7e;
+
+/// Process exit status QEMU's isa-debug-exit (and Lucid) give for guest exit `code`.
+pub const fn exit_status(code: u32) -> u32 {
+    (code << 1) | 1
+}
+
+/// Path of the host build of the `compute` kernel (`compute-host [iters=N]`),
+/// which prints the same `checksum=` line as the `compute` guest.
+pub fn compute_host_path() -> PathBuf {
+    PathBuf::from(concat!(env!("OUT_DIR"), "/guests/compute-host"))
+}
+
+/// Directory holding the built guest ELF files (`<name>.elf`).
+pub fn build_dir() -> PathBuf {
+    PathBuf::from(concat!(env!("OUT_DIR"), "/guests"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_guest_is_a_pvh_elf() {
+        for name in NAMES {
+            let elf = get(name).unwrap();
+            assert_eq!(&elf[..4], b"\x7fELF", "{name}");
+            assert_eq!(elf[4], 2, "{name}: ELF64");
+            // the PVH note: namesz 4, descsz 4, type 18, "Xen\0"
+            let note = [4u8, 0, 0, 0, 4, 0, 0, 0, 18, 0, 0, 0, b'X', b'e', b'n', 0];
+            assert!(elf.windows(note.len()).any(|w| w == note), "{name}: PVH note");
+        }
+        assert!(get("no-such-guest").is_none());
+        assert!(NAMES.contains(&DEFAULT));
+    }
+
+    #[test]
+    fn compute_host_runs() {
+        let out = std::process::Command::new(compute_host_path())
+            .arg("iters=1000")
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(text.contains("checksum=0x"), "{text}");
+    }
+}
