@@ -32,6 +32,7 @@ guests!(
     "memtouch",
     "smp",
     "hostinfo",
+    "irq-self",
     "triplefault",
     "garbage",
     "spin",
