@@ -1,0 +1,99 @@
+//! Lucid's virtio devices and the seam between a device and its transport (virtio-pci in
+//! `lucid-pci`). A device sees queues, kick eventfds, an interrupt and the DMA path; it never knows
+//! whether a kick came through a userspace exit or an ioeventfd, nor whether its interrupt goes out
+//! by `KVM_SIGNAL_MSI` or an irqfd: that is the transport's rung of the exit ladder.
+
+use std::sync::Arc;
+
+use lucid_mem::{DeviceId, DmaPath, GuestMemoryMmap};
+use lucid_stats::StatsRegistry;
+use vmm_sys_util::eventfd::EventFd;
+
+pub use virtio_queue;
+
+/// Feature bits every Lucid virtio device may offer (virtio 1.x).
+pub mod features {
+    pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+    pub const VIRTIO_F_ACCESS_PLATFORM: u64 = 1 << 33;
+    pub const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << 29;
+    pub const VIRTIO_RING_F_INDIRECT_DESC: u64 = 1 << 28;
+}
+
+/// Device types (virtio spec 5).
+pub mod device_type {
+    pub const NET: u32 = 1;
+    pub const BLOCK: u32 = 2;
+}
+
+/// How a device's back-end thread learns of new requests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Notify {
+    /// Wait on the kick eventfds (the guest notifies; the transport delivers by exit or
+    /// ioeventfd).
+    #[default]
+    Kicks,
+    /// L4: a polling back-end thread ("sidecore") watches the avail rings and keeps guest
+    /// notifications suppressed; `idle_sleep_us` = 0 spins.
+    Poll { idle_sleep_us: u32 },
+}
+
+/// Interrupt coalescing: at most one interrupt per `max_completions` used buffers, or per
+/// `max_delay_us` since the first unsignalled completion, whichever comes first
+/// (in the spirit of `VIRTIO_NET_F_NOTF_COAL`). `max_completions <= 1` disables it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Coalescing {
+    pub max_completions: u32,
+    pub max_delay_us: u32,
+}
+
+/// Raises a device's interrupts. The transport implements it (MSI-X vector per queue).
+pub trait VirtioInterrupt: Send + Sync {
+    /// The device put buffers in queue `queue`'s used ring.
+    fn signal_queue(&self, queue: u16);
+    /// The device's configuration changed.
+    fn signal_config(&self);
+}
+
+/// Everything a device gets when the driver sets DRIVER_OK.
+pub struct ActivateContext {
+    /// Ring memory for virtio-queue (the rings are guest-physical).
+    pub mem: GuestMemoryMmap,
+    /// Buffer data goes through the one DMA path, with this requester ID.
+    pub dma: Arc<DmaPath>,
+    pub dev_id: DeviceId,
+    /// One per queue the driver enabled, with its kick eventfd.
+    pub queues: Vec<(u16, virtio_queue::Queue, EventFd)>,
+    pub interrupt: Arc<dyn VirtioInterrupt>,
+    /// Negotiated features.
+    pub features: u64,
+    pub notify: Notify,
+    pub coalescing: Coalescing,
+    pub stats: Arc<StatsRegistry>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ActivateError {
+    #[error("{0}")]
+    BadConfig(String),
+    #[error("cannot start back-end thread: {0}")]
+    Thread(std::io::Error),
+}
+
+/// A virtio device, transport-independent.
+pub trait VirtioDevice: Send {
+    /// Short name for counters and threads, e.g. `blk0`.
+    fn name(&self) -> &str;
+    fn device_type(&self) -> u32;
+    /// Maximum size of each queue; its length is the number of queues.
+    fn queue_max_sizes(&self) -> &[u16];
+    /// Feature bits offered.
+    fn features(&self) -> u64;
+    /// Device-specific configuration space.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    fn write_config(&mut self, offset: u64, data: &[u8]);
+    /// DRIVER_OK: start the back-end.
+    fn activate(&mut self, ctx: ActivateContext) -> Result<(), ActivateError>;
+    /// The driver reset the device: stop the back-end and forget the queues. Returns once the
+    /// back-end thread no longer touches guest memory.
+    fn reset(&mut self);
+}

@@ -1,0 +1,73 @@
+//! The per-vCPU handle and the run-time hook registry, on real KVM with the probe kit's guests.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lucid_hv::kvm_bindings::kvm_regs;
+use lucid_vmm::{KernelSource, SerialOutput, StopReason, Vm, VmConfig};
+
+fn config(guest: &str, cmdline: &str) -> VmConfig {
+    let mut c = VmConfig::new(KernelSource::Builtin {
+        name: guest.into(),
+        bytes: lucid_guests::get(guest).expect("built-in guest"),
+    });
+    c.cmdline = cmdline.into();
+    c.serial = SerialOutput::File(
+        std::env::temp_dir().join(format!("lucid-handle-{}-{guest}.txt", std::process::id())),
+    );
+    c
+}
+
+#[test]
+fn pause_read_write_registers_and_resume() {
+    let mut vm = Vm::build(config("spin", "")).unwrap();
+    vm.start().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let h = vm.vcpus()[0].clone();
+    h.pause().unwrap();
+    let r1 = h.get_regs().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let r2 = h.get_regs().unwrap();
+    // Paused: the guest does not move.
+    assert_eq!(r1.rip, r2.rip);
+    assert_eq!(r1.rcx, r2.rcx);
+    let sregs = h.get_sregs().unwrap();
+    assert_eq!(sregs.cs.dpl, 3, "probe guests run at CPL3");
+    // A register written while paused is what the guest sees.
+    let mut w = r2;
+    w.r15 = 0x1234_5678;
+    h.set_regs(w).unwrap();
+    assert_eq!(h.get_regs().unwrap().r15, 0x1234_5678);
+    h.resume().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    // Code run on the vCPU thread sees the live vCPU.
+    let id = h.call(|ctx| ctx.id()).unwrap();
+    assert_eq!(id, 0);
+    vm.stop(StopReason::Signal(15));
+    let report = vm.wait();
+    assert_eq!(report.stop, StopReason::Signal(15));
+    // After the VM stopped, the handle says so instead of blocking.
+    assert!(h.get_regs().is_err());
+}
+
+#[test]
+fn a_registered_hypercall_hook_replaces_the_builtin_one() {
+    let vm = Vm::build(config("hello", "")).unwrap();
+    let calls = Arc::new(AtomicU64::new(0));
+    let c = calls.clone();
+    vm.hooks().add_hypercall(
+        0,
+        Arc::new(move |_vcpu: u32, _r: &kvm_regs| {
+            c.fetch_add(1, Ordering::SeqCst);
+            lucid_vmm::hypercall::MAGIC
+        }),
+    );
+    let mut vm = vm;
+    vm.start().unwrap();
+    let report = vm.wait();
+    assert_eq!(report.stop, StopReason::DebugExit(0));
+    // The probe kit discovers Lucid at start-up with hypercall 0.
+    assert!(calls.load(Ordering::SeqCst) >= 1);
+    assert!(report.counters["vcpu0.hypercalls"] >= calls.load(Ordering::SeqCst));
+}

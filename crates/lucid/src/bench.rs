@@ -1,0 +1,279 @@
+//! `lucid bench`: benchmarks that print ratios measured side by side in one run. Not tests: no
+//! pass/fail on speed, only figures.
+//!
+//! `exits` runs the same probe guest (`pio-ping`, which times N `out` instructions with the TSC)
+//! three ways: under Lucid, under a minimal harness that only re-enters KVM after each exit (the
+//! floor), and under QEMU. All three report TSC ticks per exit from inside the guest, converted
+//! with the host's TSC frequency, so boot time does not enter the figure.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use lucid_vmm::{KernelSource, SerialOutput, Vm, VmConfig};
+use serde_json::json;
+
+#[derive(clap::Subcommand)]
+pub enum BenchCmd {
+    /// PIO-exit round trip: Lucid vs the raw KVM floor vs QEMU, on the same probe guest; and
+    /// time from process start to the guest's first output from CPL3.
+    Exits {
+        #[arg(long)]
+        json: bool,
+        /// Exits per run.
+        #[arg(long, default_value_t = 20000)]
+        count: u64,
+        /// Runs of each; the median is reported.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
+}
+
+pub fn run(cmd: BenchCmd) -> Result<ExitCode, String> {
+    match cmd {
+        BenchCmd::Exits { json, count, runs } => exits(json, count, runs.max(1)),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
+    Some(v[v.len() / 2])
+}
+
+/// `tsc_per_exit=X` from the guest's output.
+fn parse_tsc_per_exit(out: &str) -> Option<f64> {
+    out.split_whitespace()
+        .find_map(|w| w.strip_prefix("tsc_per_exit="))
+        .and_then(|v| v.parse().ok())
+}
+
+fn tsc_khz() -> Result<f64, String> {
+    let kvm = lucid_hv::open_kvm().map_err(|e| e.to_string())?;
+    let vm = lucid_hv::Vm::new(kvm).map_err(|e| e.to_string())?;
+    let vcpu = vm.create_vcpu(0).map_err(|e| e.to_string())?;
+    Ok(vcpu.tsc_khz().map_err(|e| e.to_string())? as f64)
+}
+
+fn guest_file(name: &str) -> Result<PathBuf, String> {
+    let bytes = lucid_guests::get(name).ok_or(format!("no built-in guest {name}"))?;
+    let path = std::env::temp_dir().join(format!("lucid-bench-{}-{name}.elf", std::process::id()));
+    std::fs::write(&path, bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(path)
+}
+
+/// One pio-ping run under Lucid, in this process; TSC ticks per exit.
+fn lucid_run(kernel: &Path, count: u64) -> Result<f64, String> {
+    let out = std::env::temp_dir().join(format!("lucid-bench-{}.serial", std::process::id()));
+    let mut c = VmConfig::new(KernelSource::File(kernel.into()));
+    c.cmdline = format!("count={count}");
+    c.serial = SerialOutput::File(out.clone());
+    let report = Vm::run(c).map_err(|e| e.to_string())?;
+    let text = std::fs::read_to_string(&out).unwrap_or_default();
+    let _ = std::fs::remove_file(&out);
+    parse_tsc_per_exit(&text).ok_or(format!(
+        "Lucid run of pio-ping printed no tsc_per_exit ({}): {text}",
+        report.stop_text()
+    ))
+}
+
+/// The floor: the same guest booted the same way, but the exit loop only collects serial bytes
+/// and re-enters KVM; no buses, no counters, no hooks.
+fn floor_run(kernel: &Path, count: u64) -> Result<f64, String> {
+    use lucid_boot::{layout, AcpiConfig, BootParams};
+    use lucid_hv::Exit;
+    let e = |e: &dyn std::fmt::Display| e.to_string();
+    let kvm = lucid_hv::open_kvm().map_err(|x| e(&x))?;
+    let vm = lucid_hv::Vm::new(kvm.clone()).map_err(|x| e(&x))?;
+    let mem_size = 256u64 << 20;
+    let ram = lucid_mem::GuestRam::new(&layout::ram_regions(mem_size), Default::default())
+        .map_err(|x| e(&x))?;
+    for (slot, r) in ram.regions().iter().enumerate() {
+        // SAFETY: `ram` outlives the VM in this function.
+        unsafe { vm.set_memory_slot(slot as u32, r.gpa, r.size, r.host_addr, false) }
+            .map_err(|x| e(&x))?;
+    }
+    vm.create_irqchip_and_pit().map_err(|x| e(&x))?;
+    let rsdp = lucid_boot::write_acpi_tables(ram.memory(), &AcpiConfig::new(1)).map_err(|x| e(&x))?;
+    let cmdline = format!("count={count}");
+    let setup = lucid_boot::load(
+        ram.memory(),
+        BootParams {
+            kernel,
+            initrd: None,
+            cmdline: &cmdline,
+            mem_size,
+            acpi_rsdp: Some(rsdp),
+        },
+    )
+    .map_err(|x| e(&x))?;
+    let mut vcpu = vm.create_vcpu(0).map_err(|x| e(&x))?;
+    let mut cpuid = kvm
+        .get_supported_cpuid(lucid_hv::kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+        .map_err(|x| e(&x))?;
+    lucid_boot::filter_cpuid(&mut cpuid, 0, 1);
+    vcpu.set_cpuid(&cpuid).map_err(|x| e(&x))?;
+    let (mut regs, mut sregs) = (
+        vcpu.get_regs().map_err(|x| e(&x))?,
+        vcpu.get_sregs().map_err(|x| e(&x))?,
+    );
+    lucid_boot::setup_boot_regs(&setup.entry, &mut regs, &mut sregs, ram.memory())
+        .map_err(|x| e(&x))?;
+    vcpu.set_sregs(&sregs).map_err(|x| e(&x))?;
+    vcpu.set_regs(&regs).map_err(|x| e(&x))?;
+    let mut serial = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        match vcpu.run().map_err(|x| e(&x))? {
+            Exit::IoOut(0x3f8, d) => serial.push(d[0]),
+            Exit::IoOut(layout::ports::DEBUG_EXIT, _) => break,
+            Exit::IoIn(_, d) => d.fill(0xff),
+            Exit::Shutdown | Exit::InternalError(_) | Exit::FailEntry(_) => {
+                return Err("floor harness: guest crashed".into())
+            }
+            _ => {}
+        }
+        if Instant::now() > deadline {
+            return Err("floor harness: guest did not finish in 120 s".into());
+        }
+    }
+    let text = String::from_utf8_lossy(&serial).into_owned();
+    parse_tsc_per_exit(&text).ok_or(format!("floor run printed no tsc_per_exit: {text}"))
+}
+
+fn qemu_cmd(kernel: &Path, append: &str) -> Command {
+    let mut c = Command::new("qemu-system-x86_64");
+    c.args([
+        "-M",
+        "microvm,x-option-roms=off,rtc=off,isa-serial=on",
+        "-enable-kvm",
+        "-cpu",
+        "host",
+        "-m",
+        "256",
+        "-smp",
+        "1",
+        "-nodefaults",
+        "-no-user-config",
+        "-nographic",
+        "-no-reboot",
+        "-serial",
+        "stdio",
+        "-monitor",
+        "none",
+        "-display",
+        "none",
+        "-device",
+        "isa-debug-exit,iobase=0xf4,iosize=4",
+        "-kernel",
+    ])
+    .arg(kernel)
+    .args(["-append", append])
+    .stdin(Stdio::null())
+    .stderr(Stdio::null());
+    c
+}
+
+fn qemu_run(kernel: &Path, count: u64) -> Result<f64, String> {
+    let out = qemu_cmd(kernel, &format!("count={count}"))
+        .output()
+        .map_err(|e| format!("qemu-system-x86_64: {e} (apt-get install qemu-system-x86)"))?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    parse_tsc_per_exit(&text).ok_or(format!("QEMU run printed no tsc_per_exit: {text}"))
+}
+
+/// Wall time from spawning `cmd` to the first byte on its stdout (the guest's first serial
+/// output, which the probe kit prints from CPL3), then waits for it to exit.
+fn time_to_first_byte(mut cmd: Command) -> Result<f64, String> {
+    let start = Instant::now();
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("{cmd:?}: {e}"))?;
+    let mut stdout = child.stdout.take().expect("piped");
+    let mut b = [0u8; 1];
+    let got = stdout.read(&mut b).map_err(|e| e.to_string())?;
+    let t = start.elapsed().as_secs_f64() * 1e3;
+    let mut rest = Vec::new();
+    let _ = stdout.read_to_end(&mut rest);
+    let _ = child.wait();
+    if got == 0 {
+        return Err(format!("{cmd:?} printed nothing"));
+    }
+    Ok(t)
+}
+
+fn exits(json: bool, count: u64, runs: usize) -> Result<ExitCode, String> {
+    let khz = tsc_khz()?;
+    let to_us = |ticks: f64| ticks / khz * 1e3;
+    let ping = guest_file("pio-ping")?;
+    let hello = guest_file("hello")?;
+    let mut lucid = Vec::new();
+    let mut floor = Vec::new();
+    let mut qemu = Vec::new();
+    let mut qemu_error = None;
+    // Interleaved, so that drift in the machine's load hits all three alike.
+    for _ in 0..runs {
+        lucid.push(to_us(lucid_run(&ping, count)?));
+        floor.push(to_us(floor_run(&ping, count)?));
+        match qemu_run(&ping, count) {
+            Ok(t) => qemu.push(to_us(t)),
+            Err(e) => qemu_error = Some(e),
+        }
+    }
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut lucid_start = Vec::new();
+    let mut qemu_start = Vec::new();
+    for _ in 0..runs {
+        let mut c = Command::new(&exe);
+        c.args(["run", "--quiet", "--kernel"])
+            .arg(&hello)
+            .stdin(Stdio::null())
+            .stderr(Stdio::null());
+        lucid_start.push(time_to_first_byte(c)?);
+        if qemu_error.is_none() {
+            match time_to_first_byte(qemu_cmd(&hello, "")) {
+                Ok(t) => qemu_start.push(t),
+                Err(e) => qemu_error = Some(e),
+            }
+        }
+    }
+    let _ = std::fs::remove_file(&ping);
+    let _ = std::fs::remove_file(&hello);
+    let (l, f) = (median(lucid).expect("runs >= 1"), median(floor).expect("runs >= 1"));
+    let q = median(qemu);
+    let ls = median(lucid_start).expect("runs >= 1");
+    let qs = median(qemu_start);
+    let result = json!({
+        "count": count,
+        "runs": runs,
+        "tsc_khz": khz,
+        "lucid_us": l,
+        "floor_us": f,
+        "qemu_us": q,
+        "lucid_over_floor": l / f,
+        "qemu_over_lucid": q.map(|q| q / l),
+        "start_to_first_output_ms": { "lucid": ls, "qemu_microvm": qs },
+        "qemu_error": qemu_error,
+    });
+    if json {
+        println!("{result}");
+    } else {
+        println!("lucid bench exits: {count} PIO exits per run, median of {runs} runs, guest-timed (TSC {khz} kHz)");
+        println!("  Lucid          {l:8.2} us per exit");
+        println!("  KVM floor      {f:8.2} us per exit   (Lucid / floor = {:.3})", l / f);
+        match q {
+            Some(q) => println!("  QEMU           {q:8.2} us per exit   (QEMU / Lucid = {:.3})", q / l),
+            None => println!("  QEMU           not measured: {}", qemu_error.as_deref().unwrap_or("?")),
+        }
+        println!("  process start to the guest's first output (from CPL3):");
+        println!("  Lucid          {ls:8.1} ms");
+        if let Some(qs) = qs {
+            println!("  QEMU microvm   {qs:8.1} ms   (QEMU / Lucid = {:.2})", qs / ls);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

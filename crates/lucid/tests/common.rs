@@ -1,0 +1,118 @@
+//! Shared helpers for the integration tests: run the real `lucid` binary on real KVM, with a
+//! deadline, and collect its output, exit status and statistics.
+
+#![allow(dead_code)]
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct Outcome {
+    pub status: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub stats: Option<serde_json::Value>,
+    pub timed_out: bool,
+}
+
+impl Outcome {
+    /// A counter from the stats JSON by dotted path, e.g. `post.writes`.
+    pub fn counter(&self, path: &str) -> u64 {
+        let mut v = &self.stats.as_ref().expect("stats JSON written")["counters"];
+        for part in path.split('.') {
+            v = &v[part];
+        }
+        v.as_u64()
+            .or_else(|| v["total"].as_u64())
+            .unwrap_or(0)
+    }
+}
+
+pub fn tmp(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("lucid-test-{}-{name}", std::process::id()))
+}
+
+/// Runs `lucid` with `args` (plus `--stats-json`), killing it with SIGKILL after `limit`.
+pub fn lucid(args: &[&str], limit: Duration) -> Outcome {
+    let stats = tmp(&format!("stats-{}.json", rand_suffix()));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lucid"))
+        .args(args)
+        .arg("--stats-json")
+        .arg(&stats)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn lucid");
+    let out = wait_with_deadline(&mut child, limit);
+    let stats_json = std::fs::read_to_string(&stats)
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok());
+    let _ = std::fs::remove_file(&stats);
+    Outcome {
+        stats: stats_json,
+        ..out
+    }
+}
+
+/// Runs any command with a deadline.
+pub fn run_cmd(mut cmd: Command, limit: Duration) -> Outcome {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    wait_with_deadline(&mut child, limit)
+}
+
+fn wait_with_deadline(child: &mut std::process::Child, limit: Duration) -> Outcome {
+    let mut so = child.stdout.take().expect("piped");
+    let mut se = child.stderr.take().expect("piped");
+    let t_out = std::thread::spawn(move || {
+        let mut s = Vec::new();
+        let _ = so.read_to_end(&mut s);
+        s
+    });
+    let t_err = std::thread::spawn(move || {
+        let mut s = Vec::new();
+        let _ = se.read_to_end(&mut s);
+        s
+    });
+    let start = Instant::now();
+    let mut timed_out = false;
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if start.elapsed() > limit {
+            timed_out = true;
+            let _ = child.kill();
+            break child.wait().expect("wait");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Outcome {
+        status: status.code(),
+        stdout: String::from_utf8_lossy(&t_out.join().unwrap()).into_owned(),
+        stderr: String::from_utf8_lossy(&t_err.join().unwrap()).into_owned(),
+        stats: None,
+        timed_out,
+    }
+}
+
+fn rand_suffix() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!("{nanos}-{:?}", std::thread::current().id()).replace(['(', ')'], "")
+}
+
+/// Writes a built-in guest's ELF to a file, for tests that need a path (e.g. for QEMU).
+pub fn guest_file(name: &str) -> PathBuf {
+    let path = tmp(&format!("{name}.elf"));
+    std::fs::write(&path, lucid_guests::get(name).expect("built-in guest")).unwrap();
+    path
+}
