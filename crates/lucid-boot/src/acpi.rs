@@ -17,8 +17,11 @@
 //! - `IAPC_BOOT_ARCH` has the 8042 bit (and the DSDT has a `PNP0303` device), so `i8042` probes
 //!   ports 0x60/0x64 (`reboot=k` works through it); VGA-not-present and PCIe-ASPM-controls are set.
 //! - COM1 is a `PNP0501` device with I/O 0x3f8-0x3ff and IRQ 4, which `8250_pnp` binds.
-//! - The PIT stays usable by the kernel's TSC calibration (port 0x40-0x43), it is simply not the
-//!   timer tick.
+//! - The PIT (ports 0x40-0x43) is not described and Linux does not register it as a clock event
+//!   device on a hardware-reduced platform; the guest still may program it directly.
+//!
+//! If a guest ever needs the PIT/8259 path, switch to a full FADT: that needs PM1a event/control
+//! and PM timer blocks emulated by the VMM (QEMU's q35 style), not just a flag flip.
 //!
 //! The MADT still has the `PCAT_COMPAT` flag and the interrupt source overrides IRQ0 -> GSI2 and
 //! IRQ9 level/active-high that KVM's in-kernel irqchip routing (and a non-reduced guest) expects.

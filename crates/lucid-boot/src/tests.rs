@@ -1044,4 +1044,85 @@ mod kvm {
             assert_eq!(out, vec![0x5372_6448, 0xfeed_f00d, 0x1234_5678]);
         }
     }
+
+    /// Boots a real kernel until it prints `Linux version` and the e820 map on the serial port
+    /// (`LUCID_TEST_BZIMAGE` / `LUCID_TEST_VMLINUX`, see `real_kernels`). COM1 is faked just enough
+    /// (LSR says "transmitter empty"); everything else reads as 0xff / is ignored.
+    #[test]
+    #[ignore]
+    fn real_kernel_prints_banner() {
+        for var in ["LUCID_TEST_BZIMAGE", "LUCID_TEST_VMLINUX"] {
+            let Ok(p) = std::env::var(var) else { continue };
+            let Ok(kvm) = Kvm::new() else { return };
+            let mem_size = 256 << 20;
+            let mem = guest(mem_size);
+            let rsdp = write_acpi_tables(&mem, &AcpiConfig::new(1)).unwrap();
+            let k = PathBuf::from(p);
+            let s = load(
+                &mem,
+                BootParams {
+                    kernel: &k,
+                    initrd: None,
+                    cmdline: "console=ttyS0 earlyprintk=serial,ttyS0,115200 noxsave \
+                              clearcpuid=141,154,156",
+                    mem_size,
+                    acpi_rsdp: Some(rsdp),
+                },
+            )
+            .unwrap();
+            let vm = kvm.create_vm().unwrap();
+            vm.set_tss_address(0xfffb_d000).unwrap();
+            vm.create_irq_chip().unwrap();
+            for (slot, r) in mem.iter().enumerate() {
+                let host = mem.get_host_address(r.start_addr()).unwrap();
+                let region = kvm_bindings::kvm_userspace_memory_region {
+                    slot: slot as u32,
+                    flags: 0,
+                    guest_phys_addr: r.start_addr().0,
+                    memory_size: r.len(),
+                    userspace_addr: host as u64,
+                };
+                // SAFETY: `host` maps `r.len()` bytes of guest memory owned by `mem`, which
+                // outlives the VM.
+                unsafe { vm.set_user_memory_region(region) }.unwrap();
+            }
+            let mut vcpu = vm.create_vcpu(0).unwrap();
+            let mut cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).unwrap();
+            filter_cpuid(&mut cpuid, 0, 1);
+            vcpu.set_cpuid2(&cpuid).unwrap();
+            let mut regs = vcpu.get_regs().unwrap();
+            let mut sregs = vcpu.get_sregs().unwrap();
+            setup_boot_regs(&s.entry, &mut regs, &mut sregs, &mem).unwrap();
+            vcpu.set_sregs(&sregs).unwrap();
+            vcpu.set_regs(&regs).unwrap();
+            let mut console = Vec::new();
+            let start = std::time::Instant::now();
+            let done = |c: &[u8]| {
+                let t = String::from_utf8_lossy(c);
+                t.contains("Linux version")
+                    && t.contains("BIOS-e820")
+                    && t.matches("BIOS-e820").count() >= 4
+            };
+            while !done(&console) && start.elapsed().as_secs() < 60 {
+                match vcpu.run() {
+                    Ok(VcpuExit::IoOut(0x3f8, data)) => console.extend_from_slice(data),
+                    Ok(VcpuExit::IoOut(..)) => {}
+                    Ok(VcpuExit::IoIn(port, data)) => {
+                        let v = if port == 0x3fd { 0x60 } else { 0xff };
+                        data.fill(v);
+                    }
+                    Ok(VcpuExit::MmioRead(_, data)) => data.fill(0xff),
+                    Ok(VcpuExit::MmioWrite(..)) => {}
+                    other => {
+                        let s = format!("{other:?}");
+                        eprintln!("{}", String::from_utf8_lossy(&console));
+                        panic!("{var}: exit {s} at {:#x}", vcpu.get_regs().unwrap().rip);
+                    }
+                }
+            }
+            let text = String::from_utf8_lossy(&console);
+            eprintln!("--- {var} ({:?}) ---\n{text}", start.elapsed());
+            assert!(done(&console), "{var}: no banner/e820 within 60 s");
+        }
+    }
 }
