@@ -44,7 +44,11 @@ fn main() {
         .status()
         .unwrap_or_else(|e| panic!("lucid-guests: running make failed: {e}"));
     if !status.success() {
-        panic!("lucid-guests: `make -C {} O={}` failed ({status})", guests.display(), out.display());
+        panic!(
+            "lucid-guests: `make -C {} O={}` failed ({status})",
+            guests.display(),
+            out.display()
+        );
     }
     check_built(&out);
 }

@@ -11,7 +11,6 @@ int main(void)
 	char b[32];
 
 	tsc_khz();
-	outb(port, 0);			/* warm up */
 	u64 t0 = rdtsc();
 	for (u64 i = 0; i < count; i++)
 		outb(port, i);

@@ -72,7 +72,10 @@ mod tests {
             assert_eq!(elf[4], 2, "{name}: ELF64");
             // the PVH note: namesz 4, descsz 4, type 18, "Xen\0"
             let note = [4u8, 0, 0, 0, 4, 0, 0, 0, 18, 0, 0, 0, b'X', b'e', b'n', 0];
-            assert!(elf.windows(note.len()).any(|w| w == note), "{name}: PVH note");
+            assert!(
+                elf.windows(note.len()).any(|w| w == note),
+                "{name}: PVH note"
+            );
         }
         assert!(get("no-such-guest").is_none());
         assert!(NAMES.contains(&DEFAULT));

@@ -181,7 +181,7 @@ impl GuestRam {
             .regions
             .iter()
             .find(|r| gpa >= r.gpa && gpa.saturating_add(len) <= r.gpa + r.size)
-            .filter(|_| gpa % PAGE == 0 && len % PAGE == 0 && len > 0)
+            .filter(|_| gpa.is_multiple_of(PAGE) && len.is_multiple_of(PAGE) && len > 0)
             .ok_or(MemError::BadRemap { gpa, len })?;
         let host = region.host_addr + (gpa - region.gpa);
         let (flags, fd, off) = match file {

@@ -57,6 +57,18 @@ impl StatsRegistry {
 
     /// All counters and probe values, sorted by name.
     pub fn snapshot(&self) -> BTreeMap<String, u64> {
+        // Probes first: a probe may fold what it read into a counter.
+        let probed: Vec<(String, u64)> = self
+            .probes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .flat_map(|(prefix, probe)| {
+                probe()
+                    .into_iter()
+                    .map(move |(name, value)| (format!("{prefix}.{name}"), value))
+            })
+            .collect();
         let mut out: BTreeMap<String, u64> = self
             .counters
             .lock()
@@ -64,11 +76,7 @@ impl StatsRegistry {
             .iter()
             .map(|(k, v)| (k.clone(), v.get()))
             .collect();
-        for (prefix, probe) in self.probes.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-            for (name, value) in probe() {
-                out.insert(format!("{prefix}.{name}"), value);
-            }
-        }
+        out.extend(probed);
         out
     }
 

@@ -65,12 +65,7 @@ impl RunReport {
         let in_run = self.sum_suffix(".time.in_kvm_run_ns") as f64 / 1e9;
         let in_vmm = self.sum_suffix(".time.in_vmm_ns") as f64 / 1e9;
         let mut s = String::new();
-        let _ = writeln!(
-            s,
-            "lucid: VM stopped: {} (exit status {})",
-            self.stop_text(),
-            self.exit_code()
-        );
+        let _ = writeln!(s, "lucid: VM stopped: {}", self.stop_text());
         let _ = writeln!(
             s,
             "lucid: {:.3} s wall, {} vCPU(s), {} exits to userspace ({:.0}/s)",

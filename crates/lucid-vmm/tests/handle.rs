@@ -53,7 +53,7 @@ fn pause_read_write_registers_and_resume() {
 
 #[test]
 fn a_registered_hypercall_hook_replaces_the_builtin_one() {
-    let vm = Vm::build(config("hello", "")).unwrap();
+    let vm = Vm::build(config("pio-ping", "count=10")).unwrap();
     let calls = Arc::new(AtomicU64::new(0));
     let c = calls.clone();
     vm.hooks().add_hypercall(
@@ -67,7 +67,7 @@ fn a_registered_hypercall_hook_replaces_the_builtin_one() {
     vm.start().unwrap();
     let report = vm.wait();
     assert_eq!(report.stop, StopReason::DebugExit(0));
-    // The probe kit discovers Lucid at start-up with hypercall 0.
+    // The probe kit discovers Lucid with hypercall 0 before it asks for the TSC frequency.
     assert!(calls.load(Ordering::SeqCst) >= 1);
     assert!(report.counters["vcpu0.hypercalls"] >= calls.load(Ordering::SeqCst));
 }

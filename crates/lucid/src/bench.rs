@@ -97,7 +97,8 @@ fn floor_run(kernel: &Path, count: u64) -> Result<f64, String> {
             .map_err(|x| e(&x))?;
     }
     vm.create_irqchip_and_pit().map_err(|x| e(&x))?;
-    let rsdp = lucid_boot::write_acpi_tables(ram.memory(), &AcpiConfig::new(1)).map_err(|x| e(&x))?;
+    let rsdp =
+        lucid_boot::write_acpi_tables(ram.memory(), &AcpiConfig::new(1)).map_err(|x| e(&x))?;
     let cmdline = format!("count={count}");
     let setup = lucid_boot::load(
         ram.memory(),
@@ -243,7 +244,10 @@ fn exits(json: bool, count: u64, runs: usize) -> Result<ExitCode, String> {
     }
     let _ = std::fs::remove_file(&ping);
     let _ = std::fs::remove_file(&hello);
-    let (l, f) = (median(lucid).expect("runs >= 1"), median(floor).expect("runs >= 1"));
+    let (l, f) = (
+        median(lucid).expect("runs >= 1"),
+        median(floor).expect("runs >= 1"),
+    );
     let q = median(qemu);
     let ls = median(lucid_start).expect("runs >= 1");
     let qs = median(qemu_start);
@@ -264,15 +268,27 @@ fn exits(json: bool, count: u64, runs: usize) -> Result<ExitCode, String> {
     } else {
         println!("lucid bench exits: {count} PIO exits per run, median of {runs} runs, guest-timed (TSC {khz} kHz)");
         println!("  Lucid          {l:8.2} us per exit");
-        println!("  KVM floor      {f:8.2} us per exit   (Lucid / floor = {:.3})", l / f);
+        println!(
+            "  KVM floor      {f:8.2} us per exit   (Lucid / floor = {:.3})",
+            l / f
+        );
         match q {
-            Some(q) => println!("  QEMU           {q:8.2} us per exit   (QEMU / Lucid = {:.3})", q / l),
-            None => println!("  QEMU           not measured: {}", qemu_error.as_deref().unwrap_or("?")),
+            Some(q) => println!(
+                "  QEMU           {q:8.2} us per exit   (QEMU / Lucid = {:.3})",
+                q / l
+            ),
+            None => println!(
+                "  QEMU           not measured: {}",
+                qemu_error.as_deref().unwrap_or("?")
+            ),
         }
         println!("  process start to the guest's first output (from CPL3):");
         println!("  Lucid          {ls:8.1} ms");
         if let Some(qs) = qs {
-            println!("  QEMU microvm   {qs:8.1} ms   (QEMU / Lucid = {:.2})", qs / ls);
+            println!(
+                "  QEMU microvm   {qs:8.1} ms   (QEMU / Lucid = {:.2})",
+                qs / ls
+            );
         }
     }
     Ok(ExitCode::SUCCESS)

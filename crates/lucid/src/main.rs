@@ -11,7 +11,11 @@ use clap::{Parser, Subcommand};
 use lucid_vmm::{Backing, KernelSource, SerialOutput, StopReason, Vm, VmConfig};
 
 #[derive(Parser)]
-#[command(name = "lucid", version, about = "Lucid: a KVM virtual machine monitor")]
+#[command(
+    name = "lucid",
+    version,
+    about = "Lucid: a KVM virtual machine monitor"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -75,7 +79,9 @@ fn parse_backing(s: &str) -> Result<Backing, String> {
         _ if s == "anon" => Ok(Backing::Anonymous),
         _ if s == "memfd" => Ok(Backing::SharedMemfd),
         Some(("file", p)) if !p.is_empty() => Ok(Backing::FilePrivate(p.into())),
-        _ => Err(format!("bad --backing {s:?}: expected anon, memfd or file:PATH")),
+        _ => Err(format!(
+            "bad --backing {s:?}: expected anon, memfd or file:PATH"
+        )),
     }
 }
 

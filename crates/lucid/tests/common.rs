@@ -23,9 +23,7 @@ impl Outcome {
         for part in path.split('.') {
             v = &v[part];
         }
-        v.as_u64()
-            .or_else(|| v["total"].as_u64())
-            .unwrap_or(0)
+        v.as_u64().or_else(|| v["total"].as_u64()).unwrap_or(0)
     }
 }
 
