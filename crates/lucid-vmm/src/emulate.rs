@@ -4,8 +4,16 @@
 //! those it knows how to finish it finishes and resumes the guest, and it counts them; any other
 //! stops the VM with a report of the instruction and the guest state.
 
-use iced_x86::{Decoder, DecoderOptions, Formatter, IntelFormatter, Mnemonic};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use iced_x86::{
+    Decoder, DecoderOptions, Formatter, Instruction, IntelFormatter, Mnemonic, OpKind, Register,
+};
+use lucid_hv::kvm_bindings::{kvm_regs, kvm_sregs};
 use lucid_hv::{InternalError, Vcpu};
+use lucid_mem::GuestMemoryMmap;
+use lucid_stats::{Counter, StatsRegistry};
 
 /// Decoded bytes of a failed instruction, for reports.
 fn describe(bytes: &[u8], bitness: u32, rip: u64) -> (String, Option<iced_x86::Instruction>) {
@@ -24,16 +32,319 @@ fn describe(bytes: &[u8], bitness: u32, rip: u64) -> (String, Option<iced_x86::I
     (format!("`{text}` ({})", hex[..used].join(" ")), Some(insn))
 }
 
-/// Per-vCPU state of the completer (counts by mnemonic live in the stats registry).
-#[derive(Default)]
+/// RFLAGS bits the completed instructions set.
+mod flags {
+    pub const CF: u64 = 1 << 0;
+    pub const PF: u64 = 1 << 2;
+    pub const AF: u64 = 1 << 4;
+    pub const ZF: u64 = 1 << 6;
+    pub const SF: u64 = 1 << 7;
+    pub const OF: u64 = 1 << 11;
+    pub const ARITH: u64 = CF | PF | AF | ZF | SF | OF;
+}
+
+/// Why an instruction was not completed.
+enum NotDone {
+    /// Lucid has no completion for this instruction (or this form of it).
+    Unsupported(&'static str),
+    /// The completion failed (register access, a guest address that does not translate).
+    Failed(String),
+}
+
+impl<E: std::fmt::Display> From<E> for NotDone
+where
+    E: std::error::Error,
+{
+    fn from(e: E) -> Self {
+        NotDone::Failed(e.to_string())
+    }
+}
+
+/// The guest state one completion works on: registers are read once, changed here and written
+/// back once; guest memory is reached through the vCPU's page tables.
+struct Guest<'a> {
+    vcpu: &'a Vcpu,
+    mem: Option<&'a GuestMemoryMmap>,
+    regs: kvm_regs,
+    sregs: kvm_sregs,
+}
+
+impl Guest<'_> {
+    fn gpr_slot(&mut self, full: Register) -> Option<&mut u64> {
+        let r = &mut self.regs;
+        Some(match full {
+            Register::RAX => &mut r.rax,
+            Register::RBX => &mut r.rbx,
+            Register::RCX => &mut r.rcx,
+            Register::RDX => &mut r.rdx,
+            Register::RSI => &mut r.rsi,
+            Register::RDI => &mut r.rdi,
+            Register::RSP => &mut r.rsp,
+            Register::RBP => &mut r.rbp,
+            Register::R8 => &mut r.r8,
+            Register::R9 => &mut r.r9,
+            Register::R10 => &mut r.r10,
+            Register::R11 => &mut r.r11,
+            Register::R12 => &mut r.r12,
+            Register::R13 => &mut r.r13,
+            Register::R14 => &mut r.r14,
+            Register::R15 => &mut r.r15,
+            _ => return None,
+        })
+    }
+
+    /// A general-purpose register's value, at its size (AH..BH are the high bytes).
+    fn get(&mut self, reg: Register) -> Option<u64> {
+        if reg.is_segment_register() {
+            let s = &self.sregs;
+            return Some(match reg {
+                Register::ES => s.es.base,
+                Register::CS => s.cs.base,
+                Register::SS => s.ss.base,
+                Register::DS => s.ds.base,
+                Register::FS => s.fs.base,
+                Register::GS => s.gs.base,
+                _ => return None,
+            });
+        }
+        if reg == Register::RIP {
+            return Some(self.regs.rip);
+        }
+        let high = matches!(reg, Register::AH | Register::CH | Register::DH | Register::BH);
+        let v = *self.gpr_slot(reg.full_register())?;
+        Some(match (reg.size(), high) {
+            (1, true) => (v >> 8) & 0xff,
+            (1, false) => v & 0xff,
+            (2, _) => v & 0xffff,
+            (4, _) => v & 0xffff_ffff,
+            _ => v,
+        })
+    }
+
+    /// Writes a general-purpose register with the architecture's rules: 32-bit writes clear the
+    /// upper half, 8- and 16-bit writes keep the other bits.
+    fn set(&mut self, reg: Register, val: u64) -> Result<(), NotDone> {
+        let high = matches!(reg, Register::AH | Register::CH | Register::DH | Register::BH);
+        let size = reg.size();
+        let slot = self
+            .gpr_slot(reg.full_register())
+            .ok_or(NotDone::Unsupported("destination register"))?;
+        *slot = match (size, high) {
+            (1, true) => (*slot & !0xff00) | ((val & 0xff) << 8),
+            (1, false) => (*slot & !0xff) | (val & 0xff),
+            (2, _) => (*slot & !0xffff) | (val & 0xffff),
+            (4, _) => val & 0xffff_ffff,
+            _ => val,
+        };
+        Ok(())
+    }
+
+    /// The guest-virtual address of memory operand `op`.
+    fn address(&mut self, insn: &Instruction, op: u32) -> Result<u64, NotDone> {
+        let regs = self.regs;
+        let sregs = self.sregs;
+        let mut g = Guest {
+            vcpu: self.vcpu,
+            mem: None,
+            regs,
+            sregs,
+        };
+        insn.try_virtual_address(op, 0, |r, _, _| g.get(r))
+            .ok_or(NotDone::Unsupported("memory operand addressing"))
+    }
+
+    /// Copies between guest-virtual memory and `buf`, page by page.
+    fn access(&self, gva: u64, buf: &mut [u8], write: bool) -> Result<(), NotDone> {
+        use lucid_mem::vm_memory::{Bytes, GuestAddress};
+        let mem = self
+            .mem
+            .ok_or(NotDone::Unsupported("guest memory access"))?;
+        let mut done = 0usize;
+        while done < buf.len() {
+            let va = gva.wrapping_add(done as u64);
+            let in_page = (0x1000 - (va & 0xfff)) as usize;
+            let n = in_page.min(buf.len() - done);
+            let gpa = self.vcpu.translate(va)?.ok_or_else(|| {
+                NotDone::Failed(format!("guest address {va:#x} is not mapped"))
+            })?;
+            let chunk = &mut buf[done..done + n];
+            let r = if write {
+                mem.write_slice(chunk, GuestAddress(gpa))
+            } else {
+                mem.read_slice(chunk, GuestAddress(gpa))
+            };
+            r.map_err(|e| NotDone::Failed(format!("guest physical {gpa:#x}: {e}")))?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// The value of operand `op` (register or memory), zero-extended, and its size in bytes.
+    fn read_op(&mut self, insn: &Instruction, op: u32) -> Result<(u64, usize), NotDone> {
+        match insn.op_kind(op) {
+            OpKind::Register => {
+                let r = insn.op_register(op);
+                let v = self
+                    .get(r)
+                    .ok_or(NotDone::Unsupported("source register"))?;
+                Ok((v, r.size()))
+            }
+            OpKind::Memory => {
+                let size = insn.memory_size().size();
+                if !matches!(size, 1 | 2 | 4 | 8) {
+                    return Err(NotDone::Unsupported("memory operand size"));
+                }
+                let gva = self.address(insn, op)?;
+                let mut b = [0u8; 8];
+                self.access(gva, &mut b[..size], false)?;
+                Ok((u64::from_le_bytes(b), size))
+            }
+            _ => Err(NotDone::Unsupported("operand kind")),
+        }
+    }
+
+    fn set_flags(&mut self, mask: u64, set: u64) {
+        self.regs.rflags = (self.regs.rflags & !mask) | (set & mask);
+    }
+}
+
+/// CRC-32C (Castagnoli, reflected), one byte at a time, as the SSE4.2 `crc32` instruction.
+fn crc32c(mut crc: u32, data: &[u8]) -> u32 {
+    for &b in data {
+        crc ^= b as u32;
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0x82f6_3b78
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    crc
+}
+
+/// A random 64-bit value for `rdrand`/`rdseed`, from the host's kernel.
+fn host_random() -> Option<u64> {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most `b.len()` bytes into the buffer it is given.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    (n == 8).then(|| u64::from_le_bytes(b))
+}
+
+/// Completes `insn` on `g` (registers are written back by the caller). Returns the name the
+/// completion is counted under.
+fn complete_insn(g: &mut Guest<'_>, insn: &Instruction) -> Result<(), NotDone> {
+    let next = g.regs.rip.wrapping_add(insn.len() as u64);
+    match insn.mnemonic() {
+        Mnemonic::Int3 => {
+            // INT3 is a trap: the handler's return address is the next instruction.
+            g.regs.rip = next;
+            g.vcpu.inject_exception(3, None)?;
+            return Ok(());
+        }
+        Mnemonic::Popcnt | Mnemonic::Lzcnt | Mnemonic::Tzcnt => {
+            let (src, size) = g.read_op(insn, 1)?;
+            let bits = (size * 8) as u32;
+            let (res, cf) = match insn.mnemonic() {
+                Mnemonic::Popcnt => (src.count_ones(), false),
+                Mnemonic::Lzcnt => {
+                    let lz = if src == 0 {
+                        bits
+                    } else {
+                        src.leading_zeros() - (64 - bits)
+                    };
+                    (lz, src == 0)
+                }
+                _ => (if src == 0 { bits } else { src.trailing_zeros() }, src == 0),
+            };
+            g.set(insn.op_register(0), res as u64)?;
+            let zf = if insn.mnemonic() == Mnemonic::Popcnt {
+                src == 0
+            } else {
+                res == 0
+            };
+            let f = if zf { flags::ZF } else { 0 } | if cf { flags::CF } else { 0 };
+            // POPCNT clears the other arithmetic flags; LZCNT/TZCNT leave them undefined.
+            g.set_flags(flags::ARITH, f);
+        }
+        Mnemonic::Crc32 => {
+            let (src, size) = g.read_op(insn, 1)?;
+            let dst = insn.op_register(0);
+            let crc = g.get(dst).ok_or(NotDone::Unsupported("crc32 destination"))? as u32;
+            let out = crc32c(crc, &src.to_le_bytes()[..size]);
+            // The result is 32 bits, zero-extended into a 64-bit destination.
+            g.set(dst.full_register32(), out as u64)?;
+        }
+        Mnemonic::Rdrand | Mnemonic::Rdseed => {
+            let dst = insn.op_register(0);
+            match host_random() {
+                Some(v) => {
+                    g.set(dst, v)?;
+                    g.set_flags(flags::ARITH, flags::CF);
+                }
+                None => {
+                    g.set(dst, 0)?;
+                    g.set_flags(flags::ARITH, 0);
+                }
+            }
+        }
+        _ => return Err(NotDone::Unsupported("no completion for this instruction")),
+    }
+    g.regs.rip = next;
+    Ok(())
+}
+
+/// Per-vCPU state of the completer; counts by mnemonic go to the stats registry as
+/// `vcpuN.emulated.<mnemonic>`.
 pub struct Emulator {
-    /// Mnemonics completed so far, for the report.
+    id: u32,
+    mem: Option<GuestMemoryMmap>,
+    stats: Option<Arc<StatsRegistry>>,
+    counters: HashMap<Mnemonic, Arc<Counter>>,
+    /// Mnemonics completed so far (each once), for the report.
     pub completed: Vec<String>,
 }
 
+impl Default for Emulator {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Emulator {
+    /// A completer without guest memory: only instructions with no memory operand complete.
     pub fn new() -> Self {
-        Self::default()
+        Emulator {
+            id: 0,
+            mem: None,
+            stats: None,
+            counters: HashMap::new(),
+            completed: Vec::new(),
+        }
+    }
+
+    /// A completer for vCPU `id` that reaches guest memory and counts what it completes.
+    pub fn with_memory(id: u32, mem: GuestMemoryMmap, stats: Arc<StatsRegistry>) -> Self {
+        Emulator {
+            id,
+            mem: Some(mem),
+            stats: Some(stats),
+            ..Self::new()
+        }
+    }
+
+    fn count(&mut self, m: Mnemonic) {
+        let name = format!("{m:?}").to_lowercase();
+        if let Some(stats) = &self.stats {
+            let id = self.id;
+            self.counters
+                .entry(m)
+                .or_insert_with(|| stats.counter(format!("vcpu{id}.emulated.{name}")))
+                .inc();
+        }
+        if !self.completed.contains(&name) {
+            self.completed.push(name);
+        }
     }
 
     /// Completes the failed instruction, or returns a one-paragraph report of why not.
@@ -55,19 +366,30 @@ impl Emulator {
             ));
         }
         let (text, insn) = describe(&err.insn_bytes, bitness, regs.rip);
-        if let Some(insn) = insn {
-            if insn.mnemonic() == Mnemonic::Int3 {
-                // INT3 is a trap: the handler's return address is the next instruction.
-                let mut r = regs;
-                r.rip = regs.rip.wrapping_add(insn.len() as u64);
-                vcpu.set_regs(&r).map_err(|e| e.to_string())?;
-                vcpu.inject_exception(3, None).map_err(|e| e.to_string())?;
-                self.completed.push("int3".into());
-                return Ok(());
+        let why = match insn {
+            Some(insn) => {
+                let mut g = Guest {
+                    vcpu,
+                    mem: self.mem.as_ref(),
+                    regs,
+                    sregs,
+                };
+                match complete_insn(&mut g, &insn) {
+                    Ok(()) => {
+                        if g.regs != regs {
+                            vcpu.set_regs(&g.regs).map_err(|e| e.to_string())?;
+                        }
+                        self.count(insn.mnemonic());
+                        return Ok(());
+                    }
+                    Err(NotDone::Unsupported(what)) => format!("Lucid cannot complete it: {what}"),
+                    Err(NotDone::Failed(e)) => format!("Lucid's completion failed: {e}"),
+                }
             }
-        }
+            None => "Lucid cannot complete it".into(),
+        };
         Err(format!(
-            "vCPU {id}: KVM could not emulate {text} at rip={:#x}, and Lucid cannot complete it \
+            "vCPU {id}: KVM could not emulate {text} at rip={:#x}, and {why} \
              ({bitness}-bit, cpl={}, cr0={:#x} cr3={:#x} cr4={:#x} efer={:#x}, rsp={:#x} \
              rax={:#x} rbx={:#x} rcx={:#x} rdx={:#x} rsi={:#x} rdi={:#x})",
             regs.rip,
@@ -100,5 +422,25 @@ mod tests {
         assert!(t.contains("cmpxchg16b"), "{t}");
         let (t, i) = describe(&[], 64, 0);
         assert!(i.is_none() && t.contains("no instruction"));
+    }
+
+    #[test]
+    fn crc32c_matches_the_standard_check_value() {
+        // CRC-32C of "123456789" is 0xE3069283 (initial value and final xor 0xFFFFFFFF).
+        assert_eq!(crc32c(!0, b"123456789") ^ !0, 0xe306_9283);
+    }
+
+    #[test]
+    fn decodes_the_instructions_it_completes() {
+        for (bytes, m) in [
+            (&[0xf3, 0x48, 0x0f, 0xb8, 0xc7][..], Mnemonic::Popcnt),
+            (&[0xf3, 0x48, 0x0f, 0xbd, 0xc7][..], Mnemonic::Lzcnt),
+            (&[0xf3, 0x48, 0x0f, 0xbc, 0xc7][..], Mnemonic::Tzcnt),
+            (&[0xf2, 0x48, 0x0f, 0x38, 0xf1, 0xc7][..], Mnemonic::Crc32),
+            (&[0x48, 0x0f, 0xc7, 0xf0][..], Mnemonic::Rdrand),
+        ] {
+            let (_, i) = describe(bytes, 64, 0);
+            assert_eq!(i.unwrap().mnemonic(), m);
+        }
     }
 }

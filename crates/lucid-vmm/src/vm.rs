@@ -222,7 +222,7 @@ impl Vm {
                 hooks.clone(),
                 lifecycle.clone(),
                 &stats,
-                Emulator::new(),
+                Emulator::with_memory(id as u32, ram.memory().clone(), stats.clone()),
             );
             let h = handle.clone();
             lifecycle.add_kicker(Box::new(move || h.kick()));
