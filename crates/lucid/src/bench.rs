@@ -151,8 +151,6 @@ fn qemu_cmd(kernel: &Path, append: &str) -> Command {
         "-M",
         "microvm,x-option-roms=off,rtc=off,isa-serial=on",
         "-enable-kvm",
-        "-cpu",
-        "host",
         "-m",
         "256",
         "-smp",
