@@ -1,6 +1,7 @@
 //! Lucid's narrow seam to KVM: opening the device, VMs, vCPUs, capabilities, the host probe and
 //! KVM's binary statistics. Nothing above this crate calls a KVM ioctl directly.
 
+pub mod irq;
 mod kvm_stats;
 pub mod probe;
 mod vcpu;
@@ -10,6 +11,7 @@ use std::sync::Arc;
 
 pub use kvm_bindings;
 pub use kvm_ioctls::Kvm;
+pub use irq::{GsiRouter, MsiMessage};
 pub use kvm_stats::KvmStats;
 pub use vcpu::{Exit, ImmediateExit, InternalError, Vcpu, EXIT_REASONS};
 pub use vm::{IoAddr, Vm};
