@@ -40,6 +40,7 @@ mod flags {
     pub const ZF: u64 = 1 << 6;
     pub const SF: u64 = 1 << 7;
     pub const OF: u64 = 1 << 11;
+    pub const AC: u64 = 1 << 18;
     pub const ARITH: u64 = CF | PF | AF | ZF | SF | OF;
 }
 
@@ -67,6 +68,7 @@ struct Guest<'a> {
     mem: Option<&'a GuestMemoryMmap>,
     regs: kvm_regs,
     sregs: kvm_sregs,
+    sregs_dirty: bool,
 }
 
 impl Guest<'_> {
@@ -148,6 +150,7 @@ impl Guest<'_> {
             mem: None,
             regs,
             sregs,
+            sregs_dirty: false,
         };
         insn.try_virtual_address(op, 0, |r, _, _| g.get(r))
             .ok_or(NotDone::Unsupported("memory operand addressing"))
@@ -231,7 +234,7 @@ fn host_random() -> Option<u64> {
     (n == 8).then(|| u64::from_le_bytes(b))
 }
 
-/// Completes `insn` on `g` (registers are written back by the caller). Returns the name the
+/// Completes `insn` on `g`; the caller writes the registers back and counts it.
 /// completion is counted under.
 fn complete_insn(g: &mut Guest<'_>, insn: &Instruction) -> Result<(), NotDone> {
     let next = g.regs.rip.wrapping_add(insn.len() as u64);
@@ -287,6 +290,27 @@ fn complete_insn(g: &mut Guest<'_>, insn: &Instruction) -> Result<(), NotDone> {
                     g.set_flags(flags::ARITH, 0);
                 }
             }
+        }
+        // SMAP: user-access windows open and close with the AC flag.
+        Mnemonic::Clac => g.regs.rflags &= !flags::AC,
+        Mnemonic::Stac => g.regs.rflags |= flags::AC,
+        // FSGSBASE: the kernel reads and writes the segment bases directly.
+        Mnemonic::Rdfsbase | Mnemonic::Rdgsbase => {
+            let base = if insn.mnemonic() == Mnemonic::Rdfsbase {
+                g.sregs.fs.base
+            } else {
+                g.sregs.gs.base
+            };
+            g.set(insn.op_register(0), base)?;
+        }
+        Mnemonic::Wrfsbase | Mnemonic::Wrgsbase => {
+            let (v, _) = g.read_op(insn, 0)?;
+            if insn.mnemonic() == Mnemonic::Wrfsbase {
+                g.sregs.fs.base = v;
+            } else {
+                g.sregs.gs.base = v;
+            }
+            g.sregs_dirty = true;
         }
         _ => return Err(NotDone::Unsupported("no completion for this instruction")),
     }
@@ -373,9 +397,13 @@ impl Emulator {
                     mem: self.mem.as_ref(),
                     regs,
                     sregs,
+                    sregs_dirty: false,
                 };
                 match complete_insn(&mut g, &insn) {
                     Ok(()) => {
+                        if g.sregs_dirty {
+                            vcpu.set_sregs(&g.sregs).map_err(|e| e.to_string())?;
+                        }
                         if g.regs != regs {
                             vcpu.set_regs(&g.regs).map_err(|e| e.to_string())?;
                         }
@@ -438,6 +466,10 @@ mod tests {
             (&[0xf3, 0x48, 0x0f, 0xbc, 0xc7][..], Mnemonic::Tzcnt),
             (&[0xf2, 0x48, 0x0f, 0x38, 0xf1, 0xc7][..], Mnemonic::Crc32),
             (&[0x48, 0x0f, 0xc7, 0xf0][..], Mnemonic::Rdrand),
+            (&[0x0f, 0x01, 0xca][..], Mnemonic::Clac),
+            (&[0x0f, 0x01, 0xcb][..], Mnemonic::Stac),
+            (&[0xf3, 0x48, 0x0f, 0xae, 0xc8][..], Mnemonic::Rdgsbase),
+            (&[0xf3, 0x48, 0x0f, 0xae, 0xd8][..], Mnemonic::Wrgsbase),
         ] {
             let (_, i) = describe(bytes, 64, 0);
             assert_eq!(i.unwrap().mnemonic(), m);
