@@ -11,6 +11,10 @@ use vmm_sys_util::eventfd::EventFd;
 
 pub use virtio_queue;
 
+pub mod blk;
+pub mod net;
+mod worker;
+
 /// Feature bits every Lucid virtio device may offer (virtio 1.x).
 pub mod features {
     pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
@@ -52,7 +56,11 @@ impl std::str::FromStr for Rung {
             "L3" => Rung::L3,
             "L4" => Rung::L4 { guest_polls: false },
             "L4P" | "L4-POLL" => Rung::L4 { guest_polls: true },
-            _ => return Err(format!("bad rung {s:?}: expected L0, L1, L2, L3, L4 or L4p")),
+            _ => {
+                return Err(format!(
+                    "bad rung {s:?}: expected L0, L1, L2, L3, L4 or L4p"
+                ))
+            }
         })
     }
 }
@@ -128,4 +136,12 @@ pub trait VirtioDevice: Send {
     /// The driver reset the device: stop the back-end and forget the queues. Returns once the
     /// back-end thread no longer touches guest memory.
     fn reset(&mut self);
+    /// The device met something it cannot recover from without a reset (a malformed ring or
+    /// descriptor chain, a request with nowhere to put its status): the transport should set
+    /// `DEVICE_NEEDS_RESET` (0x40) in the device status it reports. The device has already
+    /// stopped processing its queues and signalled a configuration change
+    /// (`VirtioInterrupt::signal_config`). Cleared by [`VirtioDevice::reset`].
+    fn needs_reset(&self) -> bool {
+        false
+    }
 }

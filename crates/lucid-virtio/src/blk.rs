@@ -1,0 +1,550 @@
+//! virtio-blk over a raw image file.
+//!
+//! One request queue (index 0). Requests: `IN`, `OUT`, `FLUSH` (fdatasync: a completed flush
+//! means the data is on stable storage, so it survives a `kill -9` of Lucid and a host crash),
+//! `GET_ID`, `DISCARD` (punches a hole: the range then reads as zeros) and `WRITE_ZEROES`
+//! (zero-range, or a hole with the unmap flag; plain writes of zeros where the file system has
+//! neither). Data moves between the file and guest memory only through the DMA path, in bounce
+//! buffers of at most 1 MiB.
+//!
+//! Layout: the chain's device-readable descriptors come first and hold the 16-byte header, then
+//! (for OUT, DISCARD, WRITE_ZEROES) the data; the device-writable ones follow and hold (for IN
+//! and GET_ID) the data, then the status byte, which is the last byte of the last descriptor
+//! (any framing, as `VIRTIO_F_VERSION_1` implies).
+//!
+//! Statuses: `OK`; `IOERR` for a request the device refuses (range past capacity or not aligned
+//! to the logical block size, zero or non-512-multiple length, data in a descriptor of the wrong
+//! direction, a write on a read-only device, a DMA address outside guest memory, a host I/O
+//! error); `UNSUPP` for an unknown type or reserved flags. A chain with no writable last byte for
+//! the status, or whose status byte cannot be written, cannot be completed: the device then
+//! needs a reset ([`crate::VirtioDevice::needs_reset`]).
+
+use std::fs::{File, OpenOptions};
+use std::io::{Seek, SeekFrom};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use crate::worker::{gather, scatter, split_off, Backend, Desc, Io, Region, Served, Worker};
+use crate::{device_type, features, ActivateContext, ActivateError, VirtioDevice};
+
+/// Feature bits (virtio spec 5.2.3).
+pub mod feature {
+    pub const VIRTIO_BLK_F_SIZE_MAX: u64 = 1 << 1;
+    pub const VIRTIO_BLK_F_SEG_MAX: u64 = 1 << 2;
+    pub const VIRTIO_BLK_F_RO: u64 = 1 << 5;
+    pub const VIRTIO_BLK_F_BLK_SIZE: u64 = 1 << 6;
+    pub const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
+    pub const VIRTIO_BLK_F_DISCARD: u64 = 1 << 13;
+    pub const VIRTIO_BLK_F_WRITE_ZEROES: u64 = 1 << 14;
+}
+
+/// Request types and statuses (virtio spec 5.2.6).
+pub mod req {
+    pub const VIRTIO_BLK_T_IN: u32 = 0;
+    pub const VIRTIO_BLK_T_OUT: u32 = 1;
+    pub const VIRTIO_BLK_T_FLUSH: u32 = 4;
+    pub const VIRTIO_BLK_T_GET_ID: u32 = 8;
+    pub const VIRTIO_BLK_T_DISCARD: u32 = 11;
+    pub const VIRTIO_BLK_T_WRITE_ZEROES: u32 = 13;
+    pub const VIRTIO_BLK_S_OK: u8 = 0;
+    pub const VIRTIO_BLK_S_IOERR: u8 = 1;
+    pub const VIRTIO_BLK_S_UNSUPP: u8 = 2;
+    /// `flags` bit of a discard / write-zeroes segment.
+    pub const VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP: u32 = 1;
+    /// Length of `GET_ID`'s answer.
+    pub const VIRTIO_BLK_ID_BYTES: usize = 20;
+}
+
+use req::*;
+
+/// Size of the request queue.
+pub const QUEUE_SIZE: u16 = 256;
+/// `seg_max`: data descriptors per request (the queue less header and status).
+pub const SEG_MAX: u32 = QUEUE_SIZE as u32 - 2;
+/// `size_max`: bytes per data descriptor.
+pub const SIZE_MAX: u32 = 1 << 20;
+/// Discard / write-zeroes limits offered in config space.
+pub const MAX_DISCARD_SECTORS: u32 = 1 << 22;
+pub const MAX_DISCARD_SEG: u32 = 16;
+pub const MAX_WRITE_ZEROES_SECTORS: u32 = 1 << 22;
+pub const MAX_WRITE_ZEROES_SEG: u32 = 16;
+/// Size of the configuration space (up to and including `write_zeroes_may_unmap` and padding).
+pub const CONFIG_SIZE: usize = 60;
+
+const SECTOR: u64 = 512;
+const BOUNCE_MAX: usize = 1 << 20;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockConfig {
+    /// The raw image file (or block device).
+    pub path: PathBuf,
+    pub read_only: bool,
+    /// 512 or 4096.
+    pub logical_block_size: u32,
+    /// Answer to `GET_ID`, at most 20 bytes.
+    pub id: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BlockError {
+    #[error("block image {path}: cannot open {mode}: {err}")]
+    Open {
+        path: PathBuf,
+        mode: &'static str,
+        err: std::io::Error,
+    },
+    #[error("block image {0}: is a directory")]
+    IsDirectory(PathBuf),
+    #[error("block image {path}: cannot find its size: {err}")]
+    Size { path: PathBuf, err: std::io::Error },
+    #[error("block image {path}: {size} bytes is smaller than one {block}-byte block")]
+    TooSmall {
+        path: PathBuf,
+        size: u64,
+        block: u32,
+    },
+    #[error("bad logical block size {0}: expected 512 or 4096")]
+    BadBlockSize(u32),
+    #[error("block id {0:?} is {1} bytes long: at most 20 allowed")]
+    IdTooLong(String, usize),
+}
+
+/// A virtio-blk device.
+pub struct Block {
+    name: String,
+    cfg: BlockConfig,
+    file: Arc<File>,
+    capacity_sectors: u64,
+    config: [u8; CONFIG_SIZE],
+    worker: Option<Worker>,
+    needs_reset: Arc<AtomicBool>,
+}
+
+impl Block {
+    pub fn new(name: String, cfg: BlockConfig) -> Result<Block, BlockError> {
+        if cfg.logical_block_size != 512 && cfg.logical_block_size != 4096 {
+            return Err(BlockError::BadBlockSize(cfg.logical_block_size));
+        }
+        if cfg.id.len() > VIRTIO_BLK_ID_BYTES {
+            return Err(BlockError::IdTooLong(cfg.id.clone(), cfg.id.len()));
+        }
+        let mode = if cfg.read_only {
+            "read-only"
+        } else {
+            "read-write"
+        };
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(!cfg.read_only)
+            .open(&cfg.path)
+            .map_err(|err| BlockError::Open {
+                path: cfg.path.clone(),
+                mode,
+                err,
+            })?;
+        let meta = file.metadata().map_err(|err| BlockError::Size {
+            path: cfg.path.clone(),
+            err,
+        })?;
+        if meta.is_dir() {
+            return Err(BlockError::IsDirectory(cfg.path.clone()));
+        }
+        // Seeking to the end also sizes block devices, whose metadata length is 0.
+        let size = file
+            .seek(SeekFrom::End(0))
+            .map_err(|err| BlockError::Size {
+                path: cfg.path.clone(),
+                err,
+            })?;
+        let lbs = u64::from(cfg.logical_block_size);
+        if size < lbs {
+            return Err(BlockError::TooSmall {
+                path: cfg.path.clone(),
+                size,
+                block: cfg.logical_block_size,
+            });
+        }
+        // A partial last block is not offered.
+        let capacity_sectors = size / lbs * lbs / SECTOR;
+        let mut blk = Block {
+            name,
+            cfg,
+            file: Arc::new(file),
+            capacity_sectors,
+            config: [0; CONFIG_SIZE],
+            worker: None,
+            needs_reset: Arc::new(AtomicBool::new(false)),
+        };
+        blk.config = blk.build_config();
+        Ok(blk)
+    }
+
+    /// Capacity in 512-byte sectors.
+    pub fn capacity_sectors(&self) -> u64 {
+        self.capacity_sectors
+    }
+
+    fn build_config(&self) -> [u8; CONFIG_SIZE] {
+        let mut c = [0u8; CONFIG_SIZE];
+        let lbs = self.cfg.logical_block_size;
+        let put32 = |c: &mut [u8; CONFIG_SIZE], off: usize, v: u32| {
+            c[off..off + 4].copy_from_slice(&v.to_le_bytes())
+        };
+        c[0..8].copy_from_slice(&self.capacity_sectors.to_le_bytes());
+        put32(&mut c, 8, SIZE_MAX);
+        put32(&mut c, 12, SEG_MAX);
+        // 16..20: geometry, not offered.
+        put32(&mut c, 20, lbs);
+        // 24: physical_block_exp, alignment_offset, min_io_size (in logical blocks).
+        c[26..28].copy_from_slice(&1u16.to_le_bytes());
+        // 28: opt_io_size; 32: writeback; 34: num_queues (no MQ).
+        put32(&mut c, 36, MAX_DISCARD_SECTORS);
+        put32(&mut c, 40, MAX_DISCARD_SEG);
+        put32(&mut c, 44, lbs / SECTOR as u32);
+        put32(&mut c, 48, MAX_WRITE_ZEROES_SECTORS);
+        put32(&mut c, 52, MAX_WRITE_ZEROES_SEG);
+        c[56] = 1; // write_zeroes_may_unmap
+        c
+    }
+}
+
+impl VirtioDevice for Block {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn device_type(&self) -> u32 {
+        device_type::BLOCK
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &[QUEUE_SIZE]
+    }
+
+    fn features(&self) -> u64 {
+        use feature::*;
+        let mut f = features::VIRTIO_F_VERSION_1
+            | features::VIRTIO_F_ACCESS_PLATFORM
+            | features::VIRTIO_RING_F_EVENT_IDX
+            | VIRTIO_BLK_F_SIZE_MAX
+            | VIRTIO_BLK_F_SEG_MAX
+            | VIRTIO_BLK_F_BLK_SIZE
+            | VIRTIO_BLK_F_FLUSH;
+        if self.cfg.read_only {
+            f |= VIRTIO_BLK_F_RO;
+        } else {
+            f |= VIRTIO_BLK_F_DISCARD | VIRTIO_BLK_F_WRITE_ZEROES;
+        }
+        f
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        read_config_bytes(&self.config, offset, data);
+    }
+
+    fn write_config(&mut self, _offset: u64, _data: &[u8]) {
+        // Nothing is writable: `writeback` needs VIRTIO_BLK_F_CONFIG_WCE, not offered.
+    }
+
+    fn activate(&mut self, mut ctx: ActivateContext) -> Result<(), ActivateError> {
+        if self.worker.is_some() {
+            return Err(ActivateError::BadConfig(format!(
+                "{}: activated twice without a reset",
+                self.name
+            )));
+        }
+        ctx.queues.retain(|(i, _, _)| *i == 0);
+        if ctx.queues.is_empty() {
+            return Err(ActivateError::BadConfig(format!(
+                "{}: the driver enabled no request queue (queue 0)",
+                self.name
+            )));
+        }
+        let backend = BlkBackend {
+            file: self.file.clone(),
+            capacity_bytes: self.capacity_sectors * SECTOR,
+            lbs: u64::from(self.cfg.logical_block_size),
+            read_only: self.cfg.read_only,
+            id: self.cfg.id.as_bytes().to_vec(),
+            bounce: Vec::new(),
+        };
+        self.needs_reset.store(false, Ordering::SeqCst);
+        self.worker = Some(Worker::spawn(
+            &self.name,
+            ctx,
+            self.needs_reset.clone(),
+            backend,
+        )?);
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        if let Some(w) = self.worker.take() {
+            w.stop();
+        }
+        self.needs_reset.store(false, Ordering::SeqCst);
+    }
+
+    fn needs_reset(&self) -> bool {
+        self.needs_reset.load(Ordering::SeqCst)
+    }
+}
+
+/// Copies `data.len()` bytes of `config` from `offset`; bytes past its end read as zero.
+pub(crate) fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = usize::try_from(offset)
+            .ok()
+            .and_then(|o| o.checked_add(i))
+            .and_then(|o| config.get(o).copied())
+            .unwrap_or(0);
+    }
+}
+
+struct BlkBackend {
+    file: Arc<File>,
+    capacity_bytes: u64,
+    lbs: u64,
+    read_only: bool,
+    id: Vec<u8>,
+    bounce: Vec<u8>,
+}
+
+/// Why a request failed, with the status it gets.
+struct Fail(u8);
+
+const IOERR: Fail = Fail(VIRTIO_BLK_S_IOERR);
+const UNSUPP: Fail = Fail(VIRTIO_BLK_S_UNSUPP);
+
+impl Backend for BlkBackend {
+    fn process_queue(&mut self, io: &mut Io, qi: usize) -> bool {
+        io.serve(qi, &mut |io, descs| self.handle(io, descs))
+    }
+}
+
+impl BlkBackend {
+    fn handle(&mut self, io: &Io, descs: &[Desc]) -> Served {
+        // The status byte: the last byte of the last descriptor, which must be device-writable.
+        let last = descs[descs.len() - 1];
+        if !last.is_write_only() || last.len() == 0 {
+            return Served::Fatal(format!(
+                "request at descriptor {:#x} has no device-writable status byte",
+                last.addr().0
+            ));
+        }
+        let status_addr = last.addr().0.wrapping_add(u64::from(last.len()) - 1);
+        let (status, written) = match self.request(io, descs) {
+            Ok(written) => (VIRTIO_BLK_S_OK, written),
+            Err(Fail(s)) => (s, 0),
+        };
+        if status != VIRTIO_BLK_S_OK {
+            io.c.errors.inc();
+        }
+        if io.dma.write(io.dev_id, status_addr, &[status]).is_err() {
+            return Served::Fatal(format!(
+                "status byte at {status_addr:#x} is outside guest memory"
+            ));
+        }
+        Served::Used(written.saturating_add(1))
+    }
+
+    /// Serves one request; returns the data bytes written into guest buffers.
+    fn request(&mut self, io: &Io, descs: &[Desc]) -> Result<u32, Fail> {
+        // Readable descriptors, then writable ones; a readable one after a writable one is a
+        // malformed layout.
+        let first_w = descs
+            .iter()
+            .position(|d| d.is_write_only())
+            .unwrap_or(descs.len());
+        if descs[first_w..].iter().any(|d| !d.is_write_only()) {
+            return Err(IOERR);
+        }
+        let readable: Vec<Region> = descs[..first_w]
+            .iter()
+            .map(|d| (d.addr().0, u64::from(d.len())))
+            .collect();
+        let mut writable: Vec<Region> = descs[first_w..]
+            .iter()
+            .map(|d| (d.addr().0, u64::from(d.len())))
+            .collect();
+        // Drop the status byte from the writable data.
+        if let Some(l) = writable.last_mut() {
+            l.1 -= 1;
+        }
+        writable.retain(|r| r.1 > 0);
+
+        let mut hdr = [0u8; 16];
+        let data_in = split_off(&readable, 16).ok_or(IOERR)?;
+        gather(io, &readable, &mut hdr).map_err(|_| IOERR)?;
+        let rtype = u32::from_le_bytes(hdr[0..4].try_into().expect("4 bytes"));
+        let sector = u64::from_le_bytes(hdr[8..16].try_into().expect("8 bytes"));
+        let in_len: u64 = data_in.iter().map(|r| r.1).sum();
+        let out_len: u64 = writable.iter().map(|r| r.1).sum();
+
+        match rtype {
+            VIRTIO_BLK_T_IN => {
+                // Data must go into device-writable buffers only.
+                if in_len != 0 {
+                    return Err(IOERR);
+                }
+                let off = self.check_range(sector, out_len)?;
+                self.read_into(io, off, &writable)?;
+                io.c.bytes_written.add(out_len);
+                Ok(out_len as u32)
+            }
+            VIRTIO_BLK_T_OUT => {
+                if out_len != 0 || self.read_only {
+                    return Err(IOERR);
+                }
+                let off = self.check_range(sector, in_len)?;
+                self.write_from(io, off, &data_in)?;
+                io.c.bytes_read.add(in_len);
+                Ok(0)
+            }
+            VIRTIO_BLK_T_FLUSH => {
+                if !self.read_only {
+                    // SAFETY: fdatasync on a descriptor we own; no memory is involved.
+                    if unsafe { libc::fdatasync(self.file.as_raw_fd()) } != 0 {
+                        return Err(IOERR);
+                    }
+                }
+                Ok(0)
+            }
+            VIRTIO_BLK_T_GET_ID => {
+                if out_len == 0 || in_len != 0 {
+                    return Err(IOERR);
+                }
+                let mut id = [0u8; VIRTIO_BLK_ID_BYTES];
+                id[..self.id.len()].copy_from_slice(&self.id);
+                let n = (out_len as usize).min(VIRTIO_BLK_ID_BYTES);
+                scatter(io, &writable, &id[..n]).map_err(|_| IOERR)?;
+                io.c.bytes_written.add(n as u64);
+                Ok(n as u32)
+            }
+            VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES => {
+                if self.read_only || out_len != 0 {
+                    return Err(IOERR);
+                }
+                let discard = rtype == VIRTIO_BLK_T_DISCARD;
+                let (max_seg, max_sectors) = if discard {
+                    (MAX_DISCARD_SEG, MAX_DISCARD_SECTORS)
+                } else {
+                    (MAX_WRITE_ZEROES_SEG, MAX_WRITE_ZEROES_SECTORS)
+                };
+                if in_len == 0 || !in_len.is_multiple_of(16) || in_len / 16 > u64::from(max_seg) {
+                    return Err(IOERR);
+                }
+                let mut segs = vec![0u8; in_len as usize];
+                gather(io, &data_in, &mut segs).map_err(|_| IOERR)?;
+                // Check every segment before changing anything.
+                let mut ranges = Vec::new();
+                for s in segs.chunks_exact(16) {
+                    let sector = u64::from_le_bytes(s[0..8].try_into().expect("8 bytes"));
+                    let num = u32::from_le_bytes(s[8..12].try_into().expect("4 bytes"));
+                    let flags = u32::from_le_bytes(s[12..16].try_into().expect("4 bytes"));
+                    let unmap = flags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
+                    if flags & !VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0 || (discard && unmap) {
+                        return Err(UNSUPP);
+                    }
+                    if num == 0 || num > max_sectors {
+                        return Err(IOERR);
+                    }
+                    let len = u64::from(num) * SECTOR;
+                    let off = self.check_range(sector, len)?;
+                    ranges.push((off, len, unmap));
+                }
+                for (off, len, unmap) in ranges {
+                    self.zero(off, len, discard || unmap)?;
+                }
+                Ok(0)
+            }
+            _ => Err(UNSUPP),
+        }
+    }
+
+    /// Byte offset of a transfer of `len` bytes at `sector`, if inside the disk and aligned to
+    /// the logical block size.
+    fn check_range(&self, sector: u64, len: u64) -> Result<u64, Fail> {
+        if len == 0 || !len.is_multiple_of(SECTOR) || !len.is_multiple_of(self.lbs) {
+            return Err(IOERR);
+        }
+        let off = sector.checked_mul(SECTOR).ok_or(IOERR)?;
+        if !off.is_multiple_of(self.lbs) {
+            return Err(IOERR);
+        }
+        match off.checked_add(len) {
+            Some(end) if end <= self.capacity_bytes => Ok(off),
+            _ => Err(IOERR),
+        }
+    }
+
+    fn bounce(&mut self, len: u64) -> &mut [u8] {
+        let n = (len as usize).min(BOUNCE_MAX);
+        if self.bounce.len() < n {
+            self.bounce.resize(n, 0);
+        }
+        &mut self.bounce[..n]
+    }
+
+    fn read_into(&mut self, io: &Io, mut off: u64, regions: &[Region]) -> Result<(), Fail> {
+        for &(addr, len) in regions {
+            let mut done = 0u64;
+            while done < len {
+                let file = self.file.clone();
+                let buf = self.bounce(len - done);
+                file.read_exact_at(buf, off).map_err(|_| IOERR)?;
+                io.dma
+                    .write(io.dev_id, addr.wrapping_add(done), buf)
+                    .map_err(|_| IOERR)?;
+                done += buf.len() as u64;
+                off += buf.len() as u64;
+            }
+        }
+        Ok(())
+    }
+
+    fn write_from(&mut self, io: &Io, mut off: u64, regions: &[Region]) -> Result<(), Fail> {
+        for &(addr, len) in regions {
+            let mut done = 0u64;
+            while done < len {
+                let file = self.file.clone();
+                let buf = self.bounce(len - done);
+                io.dma
+                    .read(io.dev_id, addr.wrapping_add(done), buf)
+                    .map_err(|_| IOERR)?;
+                file.write_all_at(buf, off).map_err(|_| IOERR)?;
+                done += buf.len() as u64;
+                off += buf.len() as u64;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes `len` bytes at `off` read as zeros; `dealloc` frees the blocks (a hole) rather
+    /// than keeping them allocated.
+    fn zero(&mut self, off: u64, len: u64, dealloc: bool) -> Result<(), Fail> {
+        let mode = if dealloc {
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
+        } else {
+            libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
+        };
+        // SAFETY: fallocate on a descriptor we own with in-range offsets; no memory is involved.
+        let r = unsafe { libc::fallocate(self.file.as_raw_fd(), mode, off as i64, len as i64) };
+        if r == 0 {
+            return Ok(());
+        }
+        // Not supported by this file system (or a block device): write zeros.
+        let file = self.file.clone();
+        let mut done = 0u64;
+        while done < len {
+            let buf = self.bounce(len - done);
+            buf.fill(0);
+            file.write_all_at(buf, off + done).map_err(|_| IOERR)?;
+            done += buf.len() as u64;
+        }
+        Ok(())
+    }
+}

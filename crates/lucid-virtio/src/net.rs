@@ -1,0 +1,492 @@
+//! virtio-net with a tap, echo or sink back-end.
+//!
+//! Queues: rx0 (index 0) and tx0 (index 1); no control queue, no multiqueue, no offloads. Every
+//! buffer starts with the 12-byte `virtio_net_hdr_v1`: on tx the device ignores it, on rx it
+//! writes zeros with `num_buffers` = 1 (no `VIRTIO_NET_F_MRG_RXBUF`: each frame goes into one rx
+//! chain, which must hold 12 bytes plus the frame).
+//!
+//! Back-ends:
+//! - **tap**: `/dev/net/tun` with `IFF_TAP | IFF_NO_PI` (no vnet header: the device strips and
+//!   adds it), non-blocking. The tap is read only while the rx queue has buffers; when it has
+//!   none the device stops watching the tap (frames wait in the kernel's queue) until the driver
+//!   adds buffers and kicks rx.
+//! - **echo**: every transmitted frame comes back on rx unchanged (MAC addresses not swapped),
+//!   in order. Up to [`ECHO_BACKLOG`] frames wait for rx buffers; more are dropped and counted in
+//!   `rx_dropped_no_buffers`.
+//! - **sink**: transmitted frames are counted and dropped.
+//!
+//! Chains of the wrong shape (a device-writable descriptor in a tx chain, a read-only one in an
+//! rx chain, a tx chain shorter than the header or longer than [`MAX_FRAME`]) are completed with
+//! length 0 and counted in `errors`; a DMA address outside guest memory likewise. An rx frame
+//! larger than the rx chain is dropped (`rx_dropped_too_big`) and the chain kept for the next.
+
+use std::collections::VecDeque;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use lucid_stats::{Counter, StatsRegistry};
+
+use crate::blk::read_config_bytes;
+use crate::worker::{gather, scatter, split_off, Backend, Desc, Io, Pop, Region, Served, Worker};
+use crate::{device_type, features, ActivateContext, ActivateError, VirtioDevice};
+
+/// Feature bits (virtio spec 5.1.3).
+pub mod feature {
+    pub const VIRTIO_NET_F_MAC: u64 = 1 << 5;
+}
+
+/// Length of `virtio_net_hdr_v1` (with `num_buffers`).
+pub const NET_HDR_LEN: usize = 12;
+/// Largest frame (without the virtio header) the device moves.
+pub const MAX_FRAME: usize = 65_536 + 14;
+/// Frames the echo back-end holds while the rx queue has no buffers.
+pub const ECHO_BACKLOG: usize = 1024;
+pub const QUEUE_SIZE: u16 = 256;
+pub const RX_QUEUE: u16 = 0;
+pub const TX_QUEUE: u16 = 1;
+
+const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+const IFF_TAP: libc::c_short = 0x0002;
+const IFF_NO_PI: libc::c_short = 0x1000;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NetBackend {
+    /// A tap interface by name (created if it does not exist).
+    Tap(String),
+    /// Transmitted frames come back on rx.
+    Echo,
+    /// Transmitted frames are dropped.
+    Sink,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NetConfig {
+    pub backend: NetBackend,
+    pub mac: [u8; 6],
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error("tap name {0:?} is empty or longer than 15 bytes")]
+    TapName(String),
+    #[error("cannot open /dev/net/tun for tap {ifname}: {err}{hint}")]
+    TunOpen {
+        ifname: String,
+        err: std::io::Error,
+        hint: &'static str,
+    },
+    #[error("cannot create tap {ifname}: {err}{hint}")]
+    TapCreate {
+        ifname: String,
+        err: std::io::Error,
+        hint: &'static str,
+    },
+    #[error("bad MAC address {0:02x?}: multicast or all zeros")]
+    BadMac([u8; 6]),
+}
+
+/// A virtio-net device.
+pub struct Net {
+    name: String,
+    cfg: NetConfig,
+    tap: Option<Arc<File>>,
+    config: [u8; 8],
+    worker: Option<Worker>,
+    needs_reset: Arc<AtomicBool>,
+}
+
+fn hint_for(err: &std::io::Error) -> &'static str {
+    match err.raw_os_error() {
+        Some(libc::EPERM) | Some(libc::EACCES) => " (needs root or CAP_NET_ADMIN)",
+        Some(libc::ENOENT) | Some(libc::ENODEV) => " (no tun driver: modprobe tun)",
+        Some(libc::EBUSY) => " (the tap is already in use by another process)",
+        Some(libc::EINVAL) => " (an interface of that name exists and is not a tap)",
+        _ => "",
+    }
+}
+
+/// Opens (creating if needed) tap `ifname`, non-blocking, without packet info or vnet header.
+fn open_tap(ifname: &str) -> Result<File, NetError> {
+    if ifname.is_empty() || ifname.len() > 15 || ifname.contains('\0') {
+        return Err(NetError::TapName(ifname.to_string()));
+    }
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open("/dev/net/tun")
+        .map_err(|err| NetError::TunOpen {
+            ifname: ifname.to_string(),
+            hint: hint_for(&err),
+            err,
+        })?;
+    #[repr(C)]
+    struct IfReq {
+        name: [u8; 16],
+        flags: libc::c_short,
+        _pad: [u8; 22],
+    }
+    let mut req = IfReq {
+        name: [0; 16],
+        flags: IFF_TAP | IFF_NO_PI,
+        _pad: [0; 22],
+    };
+    req.name[..ifname.len()].copy_from_slice(ifname.as_bytes());
+    // SAFETY: TUNSETIFF reads and writes a `struct ifreq` (40 bytes on Linux), which `req` is,
+    // laid out as the kernel expects; it lives for the whole call.
+    let r = unsafe { libc::ioctl(file.as_raw_fd(), TUNSETIFF, &mut req as *mut IfReq) };
+    if r < 0 {
+        let err = std::io::Error::last_os_error();
+        return Err(NetError::TapCreate {
+            ifname: ifname.to_string(),
+            hint: hint_for(&err),
+            err,
+        });
+    }
+    Ok(file)
+}
+
+impl Net {
+    pub fn new(name: String, cfg: NetConfig) -> Result<Net, NetError> {
+        if cfg.mac[0] & 1 != 0 || cfg.mac == [0; 6] {
+            return Err(NetError::BadMac(cfg.mac));
+        }
+        let tap = match &cfg.backend {
+            NetBackend::Tap(ifname) => Some(Arc::new(open_tap(ifname)?)),
+            _ => None,
+        };
+        let mut config = [0u8; 8];
+        config[..6].copy_from_slice(&cfg.mac);
+        Ok(Net {
+            name,
+            cfg,
+            tap,
+            config,
+            worker: None,
+            needs_reset: Arc::new(AtomicBool::new(false)),
+        })
+    }
+}
+
+impl VirtioDevice for Net {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn device_type(&self) -> u32 {
+        device_type::NET
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &[QUEUE_SIZE, QUEUE_SIZE]
+    }
+
+    fn features(&self) -> u64 {
+        features::VIRTIO_F_VERSION_1
+            | features::VIRTIO_F_ACCESS_PLATFORM
+            | features::VIRTIO_RING_F_EVENT_IDX
+            | feature::VIRTIO_NET_F_MAC
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        read_config_bytes(&self.config, offset, data);
+    }
+
+    fn write_config(&mut self, _offset: u64, _data: &[u8]) {
+        // The MAC is writable only in legacy devices; nothing else is writable.
+    }
+
+    fn activate(&mut self, mut ctx: ActivateContext) -> Result<(), ActivateError> {
+        if self.worker.is_some() {
+            return Err(ActivateError::BadConfig(format!(
+                "{}: activated twice without a reset",
+                self.name
+            )));
+        }
+        ctx.queues
+            .retain(|(i, _, _)| *i == RX_QUEUE || *i == TX_QUEUE);
+        let pos = |idx: u16| ctx.queues.iter().position(|(i, _, _)| *i == idx);
+        let kind = match (&self.cfg.backend, &self.tap) {
+            (NetBackend::Tap(_), Some(t)) => Kind::Tap(t.clone()),
+            (NetBackend::Echo, _) => Kind::Echo,
+            _ => Kind::Sink,
+        };
+        let backend = NetWorker {
+            kind,
+            rx: pos(RX_QUEUE),
+            tx: pos(TX_QUEUE),
+            echo: VecDeque::new(),
+            rx_waiting: false,
+            frame: vec![0; MAX_FRAME],
+            descs: Vec::new(),
+            c: NetCounters::new(&ctx.stats, &self.name),
+        };
+        self.needs_reset.store(false, Ordering::SeqCst);
+        self.worker = Some(Worker::spawn(
+            &self.name,
+            ctx,
+            self.needs_reset.clone(),
+            backend,
+        )?);
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        if let Some(w) = self.worker.take() {
+            w.stop();
+        }
+        self.needs_reset.store(false, Ordering::SeqCst);
+    }
+
+    fn needs_reset(&self) -> bool {
+        self.needs_reset.load(Ordering::SeqCst)
+    }
+}
+
+struct NetCounters {
+    tx_packets: Arc<Counter>,
+    tx_bytes: Arc<Counter>,
+    tx_dropped: Arc<Counter>,
+    rx_packets: Arc<Counter>,
+    rx_bytes: Arc<Counter>,
+    rx_dropped_no_buffers: Arc<Counter>,
+    rx_dropped_too_big: Arc<Counter>,
+}
+
+impl NetCounters {
+    fn new(stats: &StatsRegistry, name: &str) -> Self {
+        let c = |n: &str| stats.counter(format!("{name}.{n}"));
+        NetCounters {
+            tx_packets: c("tx_packets"),
+            tx_bytes: c("tx_bytes"),
+            tx_dropped: c("tx_dropped"),
+            rx_packets: c("rx_packets"),
+            rx_bytes: c("rx_bytes"),
+            rx_dropped_no_buffers: c("rx_dropped_no_buffers"),
+            rx_dropped_too_big: c("rx_dropped_too_big"),
+        }
+    }
+}
+
+enum Kind {
+    Tap(Arc<File>),
+    Echo,
+    Sink,
+}
+
+struct NetWorker {
+    kind: Kind,
+    /// Positions of rx0 and tx0 in the worker's queue list, if the driver enabled them.
+    rx: Option<usize>,
+    tx: Option<usize>,
+    echo: VecDeque<Vec<u8>>,
+    /// Tap: the rx queue ran out of buffers; the tap is not watched until the driver adds some.
+    rx_waiting: bool,
+    frame: Vec<u8>,
+    descs: Vec<Desc>,
+    c: NetCounters,
+}
+
+/// What became of one frame offered to the rx queue.
+enum Delivery {
+    Delivered,
+    /// The frame is gone (dropped: too big, or the buffer was bad).
+    Dropped,
+    /// No rx buffer (or the device needs reset); the frame was not consumed.
+    NoBuffer,
+}
+
+impl Backend for NetWorker {
+    fn process_queue(&mut self, io: &mut Io, qi: usize) -> bool {
+        if Some(qi) == self.tx {
+            let found = io.serve(qi, &mut |io, descs| self.transmit(io, descs));
+            if !self.echo.is_empty() {
+                self.receive(io);
+            }
+            found
+        } else if Some(qi) == self.rx {
+            match self.kind {
+                Kind::Echo if !self.echo.is_empty() => self.receive(io),
+                Kind::Tap(_) if self.rx_waiting && io.has_avail(qi) => {
+                    self.rx_waiting = false;
+                    io.disable_notify(qi);
+                    self.receive(io)
+                }
+                _ => false,
+            }
+        } else {
+            false
+        }
+    }
+
+    fn extra_fd(&self) -> Option<RawFd> {
+        match &self.kind {
+            Kind::Tap(t) => Some(t.as_raw_fd()),
+            _ => None,
+        }
+    }
+
+    fn extra_wanted(&self) -> bool {
+        self.rx.is_some() && !self.rx_waiting
+    }
+
+    fn on_extra(&mut self, io: &mut Io) -> bool {
+        self.receive(io)
+    }
+}
+
+impl NetWorker {
+    fn transmit(&mut self, io: &Io, descs: &[Desc]) -> Served {
+        if descs.iter().any(|d| d.is_write_only()) {
+            io.c.errors.inc();
+            self.c.tx_dropped.inc();
+            return Served::Used(0);
+        }
+        let regions: Vec<Region> = descs
+            .iter()
+            .map(|d| (d.addr().0, u64::from(d.len())))
+            .collect();
+        let total: u64 = regions.iter().map(|r| r.1).sum();
+        let Some(data) = split_off(&regions, NET_HDR_LEN as u64) else {
+            io.c.errors.inc();
+            self.c.tx_dropped.inc();
+            return Served::Used(0);
+        };
+        let len = (total - NET_HDR_LEN as u64) as usize;
+        if len > MAX_FRAME {
+            io.c.errors.inc();
+            self.c.tx_dropped.inc();
+            return Served::Used(0);
+        }
+        let frame = &mut self.frame[..len];
+        if gather(io, &data, frame).is_err() {
+            io.c.errors.inc();
+            self.c.tx_dropped.inc();
+            return Served::Used(0);
+        }
+        io.c.bytes_read.add(len as u64);
+        self.c.tx_packets.inc();
+        self.c.tx_bytes.add(len as u64);
+        match &self.kind {
+            Kind::Sink => {}
+            Kind::Echo => {
+                if self.rx.is_none() || self.echo.len() >= ECHO_BACKLOG {
+                    self.c.rx_dropped_no_buffers.inc();
+                } else {
+                    self.echo.push_back(frame.to_vec());
+                }
+            }
+            Kind::Tap(t) => {
+                // A tap write does not block (the frame enters the host stack or is dropped).
+                if (&**t).write(frame).is_err() {
+                    self.c.tx_dropped.inc();
+                    io.c.errors.inc();
+                }
+            }
+        }
+        Served::Used(0)
+    }
+
+    /// Moves frames from the back-end (echo backlog or tap) into rx buffers while both last.
+    fn receive(&mut self, io: &mut Io) -> bool {
+        let Some(rx) = self.rx else {
+            return false;
+        };
+        let mut found = false;
+        loop {
+            if io.halted() {
+                break;
+            }
+            if !io.has_avail(rx) {
+                // Out of buffers: ask for a kick when the driver adds some, then look again.
+                if io.enable_notify(rx) {
+                    continue;
+                }
+                if matches!(self.kind, Kind::Tap(_)) {
+                    self.rx_waiting = true;
+                }
+                break;
+            }
+            let len = match &self.kind {
+                Kind::Echo => match self.echo.front() {
+                    Some(f) => {
+                        let n = f.len();
+                        self.frame[..n].copy_from_slice(f);
+                        n
+                    }
+                    None => break,
+                },
+                Kind::Tap(t) => match (&**t).read(&mut self.frame) {
+                    Ok(n) => n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(_) => {
+                        io.c.errors.inc();
+                        break;
+                    }
+                },
+                Kind::Sink => break,
+            };
+            found = true;
+            let outcome = self.deliver(io, rx, len);
+            if matches!(self.kind, Kind::Echo) && !matches!(outcome, Delivery::NoBuffer) {
+                self.echo.pop_front();
+            }
+            if let Delivery::NoBuffer = outcome {
+                if let Kind::Tap(_) = self.kind {
+                    // The frame was read from the tap already and has nowhere to go.
+                    self.c.rx_dropped_no_buffers.inc();
+                }
+                break;
+            }
+        }
+        io.end_batch(rx);
+        found
+    }
+
+    /// Puts `self.frame[..len]` behind a virtio header in the next rx chain.
+    fn deliver(&mut self, io: &mut Io, rx: usize, len: usize) -> Delivery {
+        let head = loop {
+            let head = match io.pop(rx, &mut self.descs) {
+                Pop::Chain(h) => h,
+                Pop::Empty | Pop::Fatal => return Delivery::NoBuffer,
+            };
+            if self.descs.iter().all(|d| d.is_write_only()) {
+                break head;
+            }
+            // A read-only descriptor in an rx chain: give it back unused; the frame waits for
+            // the next buffer.
+            io.c.errors.inc();
+            io.complete(rx, head, 0);
+        };
+        let regions: Vec<Region> = self
+            .descs
+            .iter()
+            .map(|d| (d.addr().0, u64::from(d.len())))
+            .collect();
+        let room: u64 = regions.iter().map(|r| r.1).sum();
+        if room < (NET_HDR_LEN + len) as u64 {
+            io.unpop(rx);
+            self.c.rx_dropped_too_big.inc();
+            io.c.errors.inc();
+            return Delivery::Dropped;
+        }
+        let mut hdr = [0u8; NET_HDR_LEN];
+        hdr[10..12].copy_from_slice(&1u16.to_le_bytes()); // num_buffers
+        let body = split_off(&regions, NET_HDR_LEN as u64).unwrap_or_default();
+        if scatter(io, &regions, &hdr).is_err() || scatter(io, &body, &self.frame[..len]).is_err() {
+            io.c.errors.inc();
+            io.complete(rx, head, 0);
+            return Delivery::Dropped;
+        }
+        io.complete(rx, head, (NET_HDR_LEN + len) as u32);
+        io.c.bytes_written.add(len as u64);
+        self.c.rx_packets.inc();
+        self.c.rx_bytes.add(len as u64);
+        Delivery::Delivered
+    }
+}

@@ -1,0 +1,747 @@
+//! The queue-worker core shared by every Lucid virtio device: one back-end thread per device
+//! (named `lucid-<name>-io`) that learns of requests either from the queues' kick eventfds
+//! ([`Notify::Kicks`]) or by polling the avail rings with guest notifications suppressed
+//! ([`Notify::Poll`]), puts completions in the used rings, and raises interrupts honouring the
+//! driver's suppression (`VRING_AVAIL_F_NO_INTERRUPT` / `used_event`) and the device's
+//! [`Coalescing`].
+//!
+//! A device plugs in as a [`Backend`]; it sees the rings only through [`Io`] (pop a chain,
+//! complete it) and moves buffer data only through `io.dma`.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use lucid_mem::vm_memory::{Bytes, GuestAddress};
+use lucid_mem::{DeviceId, DmaPath, GuestMemoryMmap};
+use lucid_stats::{Counter, StatsRegistry};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::timerfd::TimerFd;
+
+use crate::{features, ActivateContext, ActivateError, Coalescing, Notify, VirtioInterrupt};
+
+/// A split-ring descriptor as read from the descriptor table.
+pub(crate) type Desc = virtio_queue::desc::split::Descriptor;
+
+const VRING_AVAIL_F_NO_INTERRUPT: u16 = 1;
+
+/// The per-device counters every worker keeps, named `<device>.<counter>`.
+pub(crate) struct Counters {
+    /// Kick eventfd signals consumed.
+    pub kicks: Arc<Counter>,
+    /// Poll-mode iterations that found work.
+    pub polls_found_work: Arc<Counter>,
+    /// Descriptor chains completed (put in a used ring).
+    pub requests: Arc<Counter>,
+    /// Payload bytes the device read from guest buffers (blk writes, net tx).
+    pub bytes_read: Arc<Counter>,
+    /// Payload bytes the device wrote into guest buffers (blk reads and get-id, net rx).
+    pub bytes_written: Arc<Counter>,
+    /// Interrupts signalled.
+    pub irqs: Arc<Counter>,
+    /// Completions covered by an interrupt they did not raise themselves.
+    pub irqs_coalesced: Arc<Counter>,
+    /// Completions for which the driver asked for no interrupt.
+    pub irqs_suppressed: Arc<Counter>,
+    /// Requests failed, malformed chains, back-end errors.
+    pub errors: Arc<Counter>,
+}
+
+impl Counters {
+    pub fn new(stats: &StatsRegistry, name: &str) -> Self {
+        let c = |n: &str| stats.counter(format!("{name}.{n}"));
+        Counters {
+            kicks: c("kicks"),
+            polls_found_work: c("polls_found_work"),
+            requests: c("requests"),
+            bytes_read: c("bytes_read"),
+            bytes_written: c("bytes_written"),
+            irqs: c("irqs"),
+            irqs_coalesced: c("irqs_coalesced"),
+            irqs_suppressed: c("irqs_suppressed"),
+            errors: c("errors"),
+        }
+    }
+}
+
+struct WorkerQueue {
+    /// The transport's queue index (what `signal_queue` takes).
+    index: u16,
+    queue: Queue,
+    kick: EventFd,
+    /// Completions since the last interrupt decision that will be covered by the next interrupt.
+    pending: u32,
+    /// The driver asked for an interrupt for one of the pending completions.
+    wanted: bool,
+    /// When the pending interrupt must go out at the latest (coalescing with a time cap).
+    deadline: Option<Instant>,
+    /// Completions since the last `end_batch`.
+    batch: u32,
+    /// Poll mode: the device position at which notifications were last suppressed.
+    suppressed_at: Option<u16>,
+}
+
+/// What popping a chain found.
+pub(crate) enum Pop {
+    /// A well-formed chain with this head index; its descriptors are in the caller's vector.
+    Chain(u16),
+    /// No available chain.
+    Empty,
+    /// The ring or the chain is malformed; the device now needs a reset.
+    Fatal,
+}
+
+/// What a request handler made of one chain.
+pub(crate) enum Served {
+    /// Put the chain in the used ring with this many bytes written.
+    Used(u32),
+    /// The chain cannot be completed (e.g. no place for a status byte): device needs reset.
+    Fatal(String),
+}
+
+/// The worker's view of the device's queues and of guest memory.
+pub(crate) struct Io {
+    mem: GuestMemoryMmap,
+    pub dma: Arc<DmaPath>,
+    pub dev_id: DeviceId,
+    pub c: Counters,
+    name: String,
+    queues: Vec<WorkerQueue>,
+    interrupt: Arc<dyn VirtioInterrupt>,
+    coalescing: Coalescing,
+    poll: bool,
+    needs_reset: Arc<AtomicBool>,
+    halted: bool,
+    scratch: Vec<Desc>,
+}
+
+impl Io {
+    pub fn halted(&self) -> bool {
+        self.halted
+    }
+
+    /// The device cannot go on: flag DEVICE_NEEDS_RESET (the transport reads it through
+    /// [`crate::VirtioDevice::needs_reset`]), tell the driver by a configuration interrupt, and
+    /// stop touching the rings until reset.
+    pub fn fatal(&mut self, reason: &str) {
+        self.c.errors.inc();
+        if !self.halted {
+            eprintln!("lucid: {}: device needs reset: {reason}", self.name);
+            self.halted = true;
+            self.needs_reset.store(true, Ordering::SeqCst);
+            self.interrupt.signal_config();
+        }
+    }
+
+    /// Whether the driver has made chains available that the device has not consumed.
+    pub fn has_avail(&self, qi: usize) -> bool {
+        let q = &self.queues[qi].queue;
+        match q.avail_idx(&self.mem, Ordering::Acquire) {
+            Ok(idx) => idx.0 != q.next_avail(),
+            Err(_) => false,
+        }
+    }
+
+    /// Pops the next available chain of queue `qi` into `out`. A chain is well formed when it has
+    /// at least one descriptor and its last one does not ask for a next (virtio-queue stops a
+    /// chain that loops, is longer than the queue, or names a descriptor outside the table
+    /// without saying so; a dangling NEXT flag is how we see it).
+    pub fn pop(&mut self, qi: usize, out: &mut Vec<Desc>) -> Pop {
+        out.clear();
+        if self.halted {
+            return Pop::Empty;
+        }
+        let wq = &mut self.queues[qi];
+        let chain = match wq.queue.iter(&self.mem) {
+            Ok(mut it) => it.next(),
+            Err(e) => {
+                let msg = format!("queue {}: bad avail ring: {e}", wq.index);
+                self.fatal(&msg);
+                return Pop::Fatal;
+            }
+        };
+        let Some(chain) = chain else {
+            return Pop::Empty;
+        };
+        let head = chain.head_index();
+        let mut dangling = true;
+        for d in chain {
+            dangling = d.has_next();
+            out.push(d);
+        }
+        if out.is_empty() || dangling {
+            let msg = format!(
+                "queue {}: descriptor chain at head {head} is malformed (loops, is longer than the \
+                 queue, or leaves the descriptor table)",
+                self.queues[qi].index
+            );
+            self.fatal(&msg);
+            return Pop::Fatal;
+        }
+        Pop::Chain(head)
+    }
+
+    /// Gives back the chain just popped (for example an rx buffer too small for the frame).
+    pub fn unpop(&mut self, qi: usize) {
+        self.queues[qi].queue.go_to_previous_position();
+    }
+
+    /// Puts chain `head` in queue `qi`'s used ring with `len` bytes written.
+    pub fn complete(&mut self, qi: usize, head: u16, len: u32) {
+        let wq = &mut self.queues[qi];
+        match wq.queue.add_used(&self.mem, head, len) {
+            Ok(()) => {
+                wq.batch += 1;
+                self.c.requests.inc();
+            }
+            Err(e) => {
+                let msg = format!("queue {}: cannot add used entry: {e}", wq.index);
+                self.fatal(&msg);
+            }
+        }
+    }
+
+    /// Kicks mode: asks the driver for no notifications while the device is busy.
+    pub fn disable_notify(&mut self, qi: usize) {
+        if self.poll {
+            return;
+        }
+        let _ = self.queues[qi].queue.disable_notification(&self.mem);
+    }
+
+    /// Kicks mode: asks the driver to notify on its next chain; returns true if chains arrived in
+    /// the meantime (the caller must look again, or it could sleep with work pending).
+    pub fn enable_notify(&mut self, qi: usize) -> bool {
+        if self.poll {
+            self.suppress(qi);
+            return self.has_avail(qi);
+        }
+        self.queues[qi]
+            .queue
+            .enable_notification(&self.mem)
+            .unwrap_or(false)
+    }
+
+    /// Poll mode: keeps the driver from notifying. Without EVENT_IDX that is
+    /// `VRING_USED_F_NO_NOTIFY`; with it, `avail_event` is set just behind the device's
+    /// position, so that the driver would notify only after 65,535 more chains.
+    fn suppress(&mut self, qi: usize) {
+        let wq = &mut self.queues[qi];
+        if wq.suppressed_at == Some(wq.queue.next_avail()) {
+            return;
+        }
+        wq.suppressed_at = Some(wq.queue.next_avail());
+        let q = &mut wq.queue;
+        if q.event_idx_enabled() {
+            let addr = q.used_ring() + 4 + 8 * u64::from(q.size());
+            let v = q.next_avail().wrapping_sub(1);
+            let _ = self
+                .mem
+                .store(v.to_le(), GuestAddress(addr), Ordering::Relaxed);
+        } else {
+            let _ = q.disable_notification(&self.mem);
+        }
+        fence(Ordering::SeqCst);
+    }
+
+    /// Whether the driver wants an interrupt for the completions since the last call.
+    fn driver_wants_irq(&mut self, qi: usize) -> bool {
+        let q = &mut self.queues[qi].queue;
+        if q.event_idx_enabled() {
+            q.needs_notification(&self.mem).unwrap_or(true)
+        } else {
+            fence(Ordering::SeqCst);
+            let flags: u16 = self
+                .mem
+                .load(GuestAddress(q.avail_ring()), Ordering::Relaxed)
+                .map(u16::from_le)
+                .unwrap_or(0);
+            flags & VRING_AVAIL_F_NO_INTERRUPT == 0
+        }
+    }
+
+    fn coalescing_on(&self) -> bool {
+        self.coalescing.max_completions > 1
+    }
+
+    /// Ends a batch of completions on queue `qi`: decides whether they need an interrupt and
+    /// raises it now or leaves it pending for coalescing.
+    pub fn end_batch(&mut self, qi: usize) {
+        let n = self.queues[qi].batch;
+        if self.poll {
+            self.suppress(qi);
+        }
+        if n == 0 {
+            return;
+        }
+        self.queues[qi].batch = 0;
+        let wants = self.driver_wants_irq(qi);
+        let coalescing_on = self.coalescing_on();
+        let max = self.coalescing.max_completions;
+        let delay = self.coalescing.max_delay_us;
+        let wq = &mut self.queues[qi];
+        if !wants && !wq.wanted {
+            self.c.irqs_suppressed.add(u64::from(n));
+            return;
+        }
+        wq.pending += n;
+        if wants && !wq.wanted {
+            wq.wanted = true;
+            if coalescing_on && delay > 0 {
+                wq.deadline = Some(Instant::now() + Duration::from_micros(u64::from(delay)));
+            }
+        }
+        if !coalescing_on || wq.pending >= max {
+            self.flush(qi);
+        }
+    }
+
+    fn flush(&mut self, qi: usize) {
+        let wq = &mut self.queues[qi];
+        if wq.pending == 0 {
+            return;
+        }
+        if wq.wanted {
+            self.interrupt.signal_queue(wq.index);
+            self.c.irqs.inc();
+            self.c.irqs_coalesced.add(u64::from(wq.pending - 1));
+        } else {
+            self.c.irqs_suppressed.add(u64::from(wq.pending));
+        }
+        wq.pending = 0;
+        wq.wanted = false;
+        wq.deadline = None;
+    }
+
+    /// Flushes every pending interrupt whose time cap has passed.
+    fn flush_due(&mut self, now: Instant) {
+        for qi in 0..self.queues.len() {
+            if self.queues[qi].deadline.is_some_and(|d| d <= now) {
+                self.flush(qi);
+            }
+        }
+    }
+
+    /// Coalescing without a time cap (`max_delay_us` = 0) flushes when the device goes idle.
+    fn flush_idle(&mut self) {
+        for qi in 0..self.queues.len() {
+            if self.queues[qi].pending > 0 && self.queues[qi].deadline.is_none() {
+                self.flush(qi);
+            }
+        }
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        self.queues.iter().filter_map(|q| q.deadline).min()
+    }
+
+    /// The usual request/response loop over queue `qi`: pops each chain, lets `handle` serve it,
+    /// completes it, and (in Kicks mode) re-enables notifications and looks again before
+    /// returning so that no chain is left behind. Returns whether any chain was found.
+    pub fn serve(&mut self, qi: usize, handle: &mut dyn FnMut(&Io, &[Desc]) -> Served) -> bool {
+        let mut found = false;
+        let mut descs = std::mem::take(&mut self.scratch);
+        'outer: loop {
+            self.disable_notify(qi);
+            loop {
+                match self.pop(qi, &mut descs) {
+                    Pop::Empty => break,
+                    Pop::Fatal => break 'outer,
+                    Pop::Chain(head) => {
+                        found = true;
+                        match handle(self, &descs) {
+                            Served::Used(len) => self.complete(qi, head, len),
+                            Served::Fatal(reason) => {
+                                self.fatal(&reason);
+                                break 'outer;
+                            }
+                        }
+                    }
+                }
+            }
+            self.end_batch(qi);
+            if self.halted || !self.enable_notify(qi) {
+                break;
+            }
+        }
+        self.scratch = descs;
+        found
+    }
+}
+
+/// A device's request handling, run on the worker thread.
+pub(crate) trait Backend: Send + 'static {
+    /// Queue `qi` (a position in the worker's queue list) may have new chains.
+    /// Returns whether it found work.
+    fn process_queue(&mut self, io: &mut Io, qi: usize) -> bool;
+    /// A file descriptor of the back-end (a tap) to watch for input.
+    fn extra_fd(&self) -> Option<RawFd> {
+        None
+    }
+    /// Whether the extra fd should be watched now (false while there is nowhere to put input).
+    fn extra_wanted(&self) -> bool {
+        false
+    }
+    /// The extra fd is readable (or, in poll mode, may be). Returns whether it found work.
+    fn on_extra(&mut self, _io: &mut Io) -> bool {
+        false
+    }
+}
+
+/// The running back-end thread of one device.
+pub(crate) struct Worker {
+    stop: Arc<AtomicBool>,
+    stop_evt: EventFd,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Worker {
+    /// Takes the queues of `ctx` and starts `lucid-<name>-io`.
+    pub fn spawn(
+        name: &str,
+        ctx: ActivateContext,
+        needs_reset: Arc<AtomicBool>,
+        backend: impl Backend,
+    ) -> Result<Worker, ActivateError> {
+        let event_idx = ctx.features & features::VIRTIO_RING_F_EVENT_IDX != 0;
+        let mut queues = Vec::new();
+        for (index, mut queue, kick) in ctx.queues {
+            queue.set_event_idx(event_idx);
+            if !queue.is_valid(&ctx.mem) {
+                return Err(ActivateError::BadConfig(format!(
+                    "{name}: queue {index} is not ready or its rings are outside guest memory"
+                )));
+            }
+            queues.push(WorkerQueue {
+                index,
+                queue,
+                kick,
+                pending: 0,
+                wanted: false,
+                deadline: None,
+                batch: 0,
+                suppressed_at: None,
+            });
+        }
+        let (poll, idle_sleep_us) = match ctx.notify {
+            Notify::Kicks => (false, 0),
+            Notify::Poll { idle_sleep_us } => (true, idle_sleep_us),
+        };
+        let io = Io {
+            mem: ctx.mem,
+            dma: ctx.dma,
+            dev_id: ctx.dev_id,
+            c: Counters::new(&ctx.stats, name),
+            name: name.to_string(),
+            queues,
+            interrupt: ctx.interrupt,
+            coalescing: ctx.coalescing,
+            poll,
+            needs_reset,
+            halted: false,
+            scratch: Vec::new(),
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop_evt = EventFd::new(0).map_err(ActivateError::Thread)?;
+        let thread_stop = stop.clone();
+        let thread_evt = stop_evt.try_clone().map_err(ActivateError::Thread)?;
+        let thread = std::thread::Builder::new()
+            .name(format!("lucid-{name}-io"))
+            .spawn(move || {
+                let mut run = Run {
+                    io,
+                    backend,
+                    stop: thread_stop,
+                    stop_evt: thread_evt,
+                };
+                let result = if poll {
+                    run.poll_loop(idle_sleep_us)
+                } else {
+                    run.kick_loop()
+                };
+                if let Err(e) = result {
+                    run.io.fatal(&format!("back-end thread: {e}"));
+                    run.wait_stop();
+                }
+            })
+            .map_err(ActivateError::Thread)?;
+        Ok(Worker {
+            stop,
+            stop_evt,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops the thread and waits for it: when this returns it no longer touches guest memory.
+    pub fn stop(mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = self.stop_evt.write(1);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = self.stop_evt.write(1);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Run<B: Backend> {
+    io: Io,
+    backend: B,
+    stop: Arc<AtomicBool>,
+    stop_evt: EventFd,
+}
+
+const EV_STOP: u64 = u64::MAX;
+const EV_TIMER: u64 = u64::MAX - 1;
+const EV_EXTRA: u64 = u64::MAX - 2;
+
+impl<B: Backend> Run<B> {
+    fn stopping(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    /// After a fatal error: touch nothing until the transport resets the device.
+    fn wait_stop(&mut self) {
+        while !self.stopping() {
+            let _ = self.stop_evt.read();
+        }
+    }
+
+    fn all_queues(&mut self) -> bool {
+        let mut found = false;
+        for qi in 0..self.io.queues.len() {
+            if self.io.halted {
+                break;
+            }
+            found |= self.backend.process_queue(&mut self.io, qi);
+        }
+        found
+    }
+
+    fn kick_loop(&mut self) -> std::io::Result<()> {
+        let epoll = Epoll::new()?;
+        let mut timer = TimerFd::new()?;
+        let add = |fd: RawFd, data: u64| {
+            epoll.ctl(
+                ControlOperation::Add,
+                fd,
+                EpollEvent::new(EventSet::IN, data),
+            )
+        };
+        add(self.stop_evt.as_raw_fd(), EV_STOP)?;
+        add(timer.as_raw_fd(), EV_TIMER)?;
+        for (qi, q) in self.io.queues.iter().enumerate() {
+            add(q.kick.as_raw_fd(), qi as u64)?;
+        }
+        let extra = self.backend.extra_fd();
+        let mut extra_armed = false;
+        if let Some(fd) = extra {
+            epoll.ctl(
+                ControlOperation::Add,
+                fd,
+                EpollEvent::new(EventSet::empty(), EV_EXTRA),
+            )?;
+        }
+        // Chains made available before the thread started got no kick we will see.
+        self.all_queues();
+        let mut events = vec![EpollEvent::default(); self.io.queues.len() + 3];
+        let mut timer_at: Option<Instant> = None;
+        loop {
+            if self.stopping() {
+                return Ok(());
+            }
+            if self.io.halted {
+                self.wait_stop();
+                return Ok(());
+            }
+            self.io.flush_idle();
+            let deadline = self.io.next_deadline();
+            if deadline != timer_at {
+                match deadline {
+                    Some(d) => {
+                        let left = d
+                            .saturating_duration_since(Instant::now())
+                            .max(Duration::from_nanos(1000));
+                        timer.reset(left, None)?;
+                    }
+                    None => timer.clear()?,
+                }
+                timer_at = deadline;
+            }
+            if let Some(fd) = extra {
+                let want = self.backend.extra_wanted();
+                if want != extra_armed {
+                    let ev = if want {
+                        EventSet::IN
+                    } else {
+                        EventSet::empty()
+                    };
+                    epoll.ctl(ControlOperation::Modify, fd, EpollEvent::new(ev, EV_EXTRA))?;
+                    extra_armed = want;
+                }
+            }
+            let n = match epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            };
+            for ev in &events[..n] {
+                match ev.data() {
+                    EV_STOP => return Ok(()),
+                    EV_TIMER => {
+                        // Readable: the read does not block.
+                        let _ = timer.wait();
+                        timer_at = None;
+                    }
+                    EV_EXTRA => {
+                        if !self.io.halted {
+                            self.backend.on_extra(&mut self.io);
+                        }
+                    }
+                    qi => {
+                        let qi = qi as usize;
+                        if let Ok(v) = self.io.queues[qi].kick.read() {
+                            self.io.c.kicks.add(v);
+                        }
+                        if !self.io.halted {
+                            self.backend.process_queue(&mut self.io, qi);
+                        }
+                    }
+                }
+            }
+            self.io.flush_due(Instant::now());
+        }
+    }
+
+    fn poll_loop(&mut self, idle_sleep_us: u32) -> std::io::Result<()> {
+        // Kicks that arrive anyway (a driver that ignores suppression) are drained and counted.
+        let epoll = Epoll::new()?;
+        for (qi, q) in self.io.queues.iter().enumerate() {
+            epoll.ctl(
+                ControlOperation::Add,
+                q.kick.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, qi as u64),
+            )?;
+        }
+        for qi in 0..self.io.queues.len() {
+            self.io.suppress(qi);
+        }
+        let mut events = vec![EpollEvent::default(); self.io.queues.len().max(1)];
+        let mut idle_rounds = 0u32;
+        loop {
+            if self.stopping() {
+                return Ok(());
+            }
+            if self.io.halted {
+                self.wait_stop();
+                return Ok(());
+            }
+            let mut found = self.all_queues();
+            if self.backend.extra_fd().is_some() && self.backend.extra_wanted() && !self.io.halted {
+                found |= self.backend.on_extra(&mut self.io);
+            }
+            let now = Instant::now();
+            self.io.flush_due(now);
+            if found {
+                self.io.c.polls_found_work.inc();
+                idle_rounds = 0;
+                continue;
+            }
+            self.io.flush_idle();
+            idle_rounds = idle_rounds.wrapping_add(1);
+            // Drain stray kicks now and then (always when sleeping anyway).
+            if idle_sleep_us > 0 || idle_rounds.is_multiple_of(64) {
+                if let Ok(n) = epoll.wait(0, &mut events) {
+                    for ev in &events[..n] {
+                        let qi = ev.data() as usize;
+                        if let Ok(v) = self.io.queues[qi].kick.read() {
+                            self.io.c.kicks.add(v);
+                        }
+                    }
+                }
+            }
+            if idle_sleep_us > 0 {
+                let mut d = Duration::from_micros(u64::from(idle_sleep_us));
+                if let Some(dl) = self.io.next_deadline() {
+                    d = d.min(dl.saturating_duration_since(now));
+                }
+                std::thread::sleep(d);
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+}
+
+/// A guest-memory region of a chain: device address and length.
+pub(crate) type Region = (u64, u64);
+
+/// Why a chain's data could not be moved.
+#[derive(Debug)]
+pub(crate) struct Short;
+
+/// The regions of `regions` after its first `skip` bytes, or None if it is shorter.
+pub(crate) fn split_off(regions: &[Region], mut skip: u64) -> Option<Vec<Region>> {
+    let mut out = Vec::new();
+    for &(addr, len) in regions {
+        if skip >= len {
+            skip -= len;
+            continue;
+        }
+        out.push((addr.wrapping_add(skip), len - skip));
+        skip = 0;
+    }
+    (skip == 0).then_some(out)
+}
+
+/// Reads `buf.len()` bytes from the start of `regions` through the DMA path.
+pub(crate) fn gather(io: &Io, regions: &[Region], buf: &mut [u8]) -> Result<(), Short> {
+    let mut done = 0usize;
+    for &(addr, len) in regions {
+        if done == buf.len() {
+            break;
+        }
+        let n = (len as usize).min(buf.len() - done);
+        io.dma
+            .read(io.dev_id, addr, &mut buf[done..done + n])
+            .map_err(|_| Short)?;
+        done += n;
+    }
+    if done == buf.len() {
+        Ok(())
+    } else {
+        Err(Short)
+    }
+}
+
+/// Writes `buf` at the start of `regions` through the DMA path.
+pub(crate) fn scatter(io: &Io, regions: &[Region], buf: &[u8]) -> Result<(), Short> {
+    let mut done = 0usize;
+    for &(addr, len) in regions {
+        if done == buf.len() {
+            break;
+        }
+        let n = (len as usize).min(buf.len() - done);
+        io.dma
+            .write(io.dev_id, addr, &buf[done..done + n])
+            .map_err(|_| Short)?;
+        done += n;
+    }
+    if done == buf.len() {
+        Ok(())
+    } else {
+        Err(Short)
+    }
+}
