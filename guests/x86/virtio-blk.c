@@ -1,0 +1,399 @@
+/*
+ * virtio-blk: block workload over a modern virtio-blk PCI device.
+ *
+ * Params: op=read|write|rw (read), pattern=seq|rand (rand), bs=4096 (multiple
+ * of 512), qd=1 (requests in flight), count=1000, mode=irq|poll (irq),
+ * verify=0|1, flush=0|1, seed=0x5eed, span=bytes of the disk used (all),
+ * prefill=0|1 (write the span with the pattern first, untimed), qsize=256,
+ * event_idx=1 (negotiate VIRTIO_F_EVENT_IDX if offered), timeout_ms=2000
+ * (per wait), dev=0 (which virtio-blk function).
+ *
+ * Data: every 512-byte sector written carries a pattern made of its sector
+ * number and the seed (word 0 = sector, word 1 = seed, the rest mixed), so
+ * a misplaced, stale or corrupted sector is detected. verify=1 checks
+ * reads: op=read checks every block read (the disk was written before with
+ * the same seed, or prefill=1); op=write and op=rw check reads of blocks
+ * written in this run, and re-read every written block at the end.
+ * A mismatch prints "MISMATCH sector=S offset=O expected=E got=G".
+ *
+ * Prints "virtio-blk id=... capacity=..." at start, "virtio-blk flush
+ * status=S" when flush=1, then "virtio-blk op=.. pattern=.. bs=.. qd=..
+ * ops=N bytes=B tsc=T ops_per_s=X kicks=K irqs=I mismatches=M" and
+ * "virtio-blk detail: ...". Exit 0; 1 on mismatch, I/O error or timeout;
+ * 2 when setup fails.
+ */
+#include "libcflat.h"
+#include "virtio.h"
+
+#define BLK_T_IN	0
+#define BLK_T_OUT	1
+#define BLK_T_FLUSH	4
+#define BLK_T_GET_ID	8
+
+struct blk_hdr {
+	u32 type;
+	u32 reserved;
+	u64 sector;
+};
+
+struct slot {
+	struct blk_hdr *hdr;
+	volatile u8 *status;
+	u8 *data;
+	u64 block;
+	int write, busy, check;
+	u16 head;
+};
+
+static struct virtio_dev dev;
+static struct virtq *q;
+static u64 bs, nblocks, seed, timeout_tsc, mismatches, io_errors;
+static int verify;
+static u8 *written;		/* bitmap: block written (completed) in this run */
+static struct slot *slots;
+static u16 *head2slot;
+static int nslots;
+
+static u64 mix(u64 x)
+{
+	x ^= x >> 31;
+	x *= 0x7fb5d329728ea185ull;
+	x ^= x >> 27;
+	x *= 0x81dadef4bc2dd44dull;
+	x ^= x >> 33;
+	return x;
+}
+
+static void fill(u64 *w, u64 sector, u64 nsect)
+{
+	for (u64 s = 0; s < nsect; s++, w += 64) {
+		u64 sec = sector + s;
+		w[0] = sec;
+		w[1] = seed;
+		u64 base = mix(sec ^ (seed << 1));
+		for (int k = 2; k < 64; k++)
+			w[k] = base + k * 0x9e3779b97f4a7c15ull;
+	}
+}
+
+static void check(const u64 *w, u64 sector, u64 nsect)
+{
+	u64 exp[64];
+	for (u64 s = 0; s < nsect; s++, w += 64) {
+		fill(exp, sector + s, 1);
+		for (int k = 0; k < 64; k++) {
+			if (w[k] == exp[k])
+				continue;
+			const u8 *a = (const u8 *)&exp[k], *b = (const u8 *)&w[k];
+			int i = 0;
+			while (a[i] == b[i])
+				i++;
+			if (mismatches < 10)
+				printf("MISMATCH sector=%lu offset=%d expected=%#x got=%#x\n",
+				       sector + s, k * 8 + i, a[i], b[i]);
+			mismatches++;
+			break;
+		}
+	}
+}
+
+static u64 rng_state;
+
+static u64 rng(void)
+{
+	rng_state ^= rng_state << 13;
+	rng_state ^= rng_state >> 7;
+	rng_state ^= rng_state << 17;
+	return rng_state;
+}
+
+/* queue one request on slot s; data NULL for flush */
+static void submit(struct slot *s, u32 type, u64 block)
+{
+	int ndesc = type == BLK_T_FLUSH ? 2 : 3;
+	int head = vq_alloc_chain(q, ndesc);
+	if (head < 0) {
+		printf("virtio-blk: no free descriptors\n");
+		exit(2);
+	}
+	s->head = head;
+	s->busy = 1;
+	s->block = block;
+	s->write = type == BLK_T_OUT;
+	s->hdr->type = type;
+	s->hdr->reserved = 0;
+	s->hdr->sector = type == BLK_T_FLUSH ? 0 : block * (bs / 512);
+	*s->status = 0xff;
+	head2slot[head] = s - slots;
+	struct vring_desc *d = &q->desc[head];
+	d->addr = (u64)s->hdr;
+	d->len = sizeof(struct blk_hdr);
+	d = &q->desc[d->next];
+	if (type != BLK_T_FLUSH) {
+		d->addr = (u64)s->data;
+		d->len = type == BLK_T_GET_ID ? 20 : bs;
+		d->flags |= type == BLK_T_OUT ? 0 : VRING_DESC_F_WRITE;
+		d = &q->desc[d->next];
+	}
+	d->addr = (u64)s->status;
+	d->len = 1;
+	d->flags = VRING_DESC_F_WRITE;
+	vq_push(q, head);
+}
+
+/* wait until the used ring has entries; -1 on timeout */
+static int wait_used(void)
+{
+	u64 t0 = rdtsc();
+	for (;;) {
+		if (vq_has_used(q))
+			return 0;
+		if (q->poll) {
+			cpu_relax();
+		} else {
+			if (vq_arm(q))
+				return 0;
+			irq_wait(timeout_tsc);
+		}
+		if (rdtsc() - t0 > timeout_tsc)
+			return -1;
+	}
+}
+
+/* reap completions; returns the number reaped */
+static int reap(int *done_slots)
+{
+	int n = 0;
+	u32 len;
+	int id;
+	while ((id = vq_pop(q, &len)) >= 0) {
+		if (id >= q->size || head2slot[id] >= nslots || !slots[head2slot[id]].busy) {
+			printf("virtio-blk: bogus used id %d\n", id);
+			exit(1);
+		}
+		struct slot *s = &slots[head2slot[id]];
+		vq_free_chain(q, s->head);
+		s->busy = 0;
+		if (*s->status != 0) {
+			if (io_errors < 10)
+				printf("virtio-blk: request failed status=%u sector=%lu %s\n", *s->status,
+				       s->block * (bs / 512), s->write ? "write" : "read");
+			io_errors++;
+		} else if (s->write) {
+			if (written)
+				written[s->block / 8] |= 1 << (s->block % 8);
+		} else if (s->check) {
+			check((const u64 *)s->data, s->block * (bs / 512), bs / 512);
+		}
+		if (done_slots)
+			done_slots[n] = s - slots;
+		n++;
+	}
+	return n;
+}
+
+static int is_written(u64 b)
+{
+	return written && (written[b / 8] >> (b % 8)) & 1;
+}
+
+/* run count ops; op: 0 read, 1 write, 2 mixed; pat: 0 seq, 1 rand; or a
+ * read-back of every written block (readback=1) */
+static int run(u64 count, int op, int pat, int qd, int readback)
+{
+	u64 issued = 0, done = 0, next_seq = 0;
+	int free_list[qd], nfree = qd, done_slots[qd];
+	for (int i = 0; i < qd; i++)
+		free_list[i] = i;
+	u64 rb_block = 0;
+	while (done < count) {
+		int pushed = 0;
+		while (issued < count && nfree > 0) {
+			u64 block;
+			int w;
+			if (readback) {
+				while (!is_written(rb_block))
+					rb_block++;
+				block = rb_block++;
+				w = 0;
+			} else {
+				block = pat ? rng() % nblocks : next_seq++ % nblocks;
+				w = op == 2 ? (int)((rng() >> 11) & 1) : op;
+			}
+			struct slot *s = &slots[free_list[--nfree]];
+			if (w && verify)
+				fill((u64 *)s->data, block * (bs / 512), bs / 512);
+			s->check = verify && !w && (op == 0 || is_written(block));
+			submit(s, w ? BLK_T_OUT : BLK_T_IN, block);
+			issued++;
+			pushed++;
+		}
+		if (pushed)
+			vq_kick(q);
+		int n = reap(done_slots);
+		if (!n) {
+			if (wait_used()) {
+				printf("virtio-blk: no completion (timeout) with %lu in flight\n",
+				       issued - done);
+				return -1;
+			}
+			continue;
+		}
+		for (int i = 0; i < n; i++)
+			free_list[nfree++] = done_slots[i];
+		done += n;
+	}
+	return 0;
+}
+
+static int single(u32 type, struct slot *s)
+{
+	submit(s, type, 0);
+	vq_kick(q);
+	if (wait_used())
+		return -1;
+	u32 len;
+	int id = vq_pop(q, &len);
+	if (id != s->head)
+		printf("virtio-blk: unexpected used id %d\n", id);
+	else
+		vq_free_chain(q, s->head);
+	s->busy = 0;
+	return *s->status;
+}
+
+int main(void)
+{
+	const char *ops = param_str("op", "read");
+	const char *pats = param_str("pattern", "rand");
+	const char *modes = param_str("mode", "irq");
+	u64 count = param_u64("count", 1000);
+	int qd = param_u64("qd", 1);
+	bs = param_u64("bs", 4096);
+	verify = param_u64("verify", 0);
+	seed = param_u64("seed", 0x5eed);
+	int op = !strcmp(ops, "write") ? 1 : !strcmp(ops, "rw") ? 2 : 0;
+	int pat = strcmp(pats, "seq") != 0;
+	int poll = !strcmp(modes, "poll");
+	char b[32];
+
+	if (strcmp(ops, "read") && strcmp(ops, "write") && strcmp(ops, "rw")) {
+		printf("virtio-blk: op must be read, write or rw\n");
+		return 2;
+	}
+	if (!bs || bs % 512 || bs > (1 << 20) || qd < 1 || qd > 1024) {
+		printf("virtio-blk: bs must be a multiple of 512 up to 1 MiB, qd 1-1024\n");
+		return 2;
+	}
+	u64 k = tsc_khz() ? tsc_khz() : 3000000;
+	timeout_tsc = param_u64("timeout_ms", 2000) * k;
+
+	if (virtio_probe(&dev, VIRTIO_DEV_BLK, param_u64("dev", 0)))
+		return 2;
+	u64 want = (1ull << VIRTIO_BLK_F_FLUSH) | (1ull << VIRTIO_BLK_F_BLK_SIZE);
+	if (param_u64("event_idx", 1))
+		want |= 1ull << VIRTIO_F_EVENT_IDX;
+	if (virtio_init(&dev, want))
+		return 2;
+	if (virtio_setup_queue(&dev, 0, param_u64("qsize", 256), poll))
+		return 2;
+	q = &dev.q[0];
+	virtio_driver_ok(&dev);
+	if (virtio_status(&dev) & (VIRTIO_S_NEEDS_RESET | VIRTIO_S_FAILED)) {
+		printf("virtio-blk: device status %#x after DRIVER_OK\n", virtio_status(&dev));
+		return 2;
+	}
+	if (qd * 3 > q->size) {
+		printf("virtio-blk: qd=%d needs %d descriptors, queue has %u: qd=%u\n", qd, qd * 3,
+		       q->size, q->size / 3);
+		qd = q->size / 3;
+	}
+
+	u64 cap = 0;
+	if (dev.devcfg) {
+		u8 g;
+		do {
+			g = vc_read8(&dev, VC_CFGGEN);
+			cap = mmio_read32(dev.devcfg) | (u64)mmio_read32(dev.devcfg + 4) << 32;
+		} while (g != vc_read8(&dev, VC_CFGGEN));
+	}
+	u64 span = param_u64("span", cap * 512);
+	if (span > cap * 512)
+		span = cap * 512;
+	nblocks = span / bs;
+	if (!nblocks) {
+		printf("virtio-blk: disk too small (capacity %lu sectors, bs %lu)\n", cap, bs);
+		return 2;
+	}
+
+	nslots = qd;
+	slots = dma_alloc(sizeof(struct slot) * qd, 64);
+	head2slot = dma_alloc(2ul * q->size, 64);
+	u8 *hdrs = dma_alloc(32ul * qd, 64);
+	for (int i = 0; i < qd; i++) {
+		slots[i].hdr = (struct blk_hdr *)(hdrs + 32 * i);
+		slots[i].status = hdrs + 32 * i + 16;
+		slots[i].data = dma_alloc(bs, 4096);
+	}
+	if (verify && op != 0)
+		written = dma_alloc((nblocks + 7) / 8, 64);
+	rng_state = seed * 2 + 1;
+
+	/* GET_ID */
+	memset(slots[0].data, 0, 21);
+	int st = single(BLK_T_GET_ID, &slots[0]);
+	char id[21];
+	memcpy(id, slots[0].data, 20);
+	id[20] = 0;
+	for (int i = 0; i < 20 && id[i]; i++)
+		if (id[i] < 0x20 || id[i] > 0x7e)
+			id[i] = '?';
+	printf("virtio-blk id=\"%s\" id_status=%d capacity=%lu features=%#lx qsize=%u msix=%d\n",
+	       id, st, cap, dev.features, q->size, q->vector >= 0);
+
+	if (param_u64("prefill", 0)) {
+		u8 *saved = written;
+		written = NULL;
+		int v = verify;
+		verify = 1;
+		if (run(nblocks, 1, 0, qd, 0))
+			return 1;
+		verify = v;
+		written = saved;
+		q->kicks = q->kicks_suppressed = 0;
+	}
+
+	u64 irq0 = this_cpu()->irq_count;
+	u64 t0 = rdtsc();
+	int rc = run(count, op, pat, qd, 0);
+	u64 t = rdtsc() - t0;
+	u64 irqs = this_cpu()->irq_count - irq0;
+	u64 kicks = q->kicks, supp = q->kicks_suppressed;
+
+	if (rc == 0 && param_u64("flush", 0)) {
+		if (virtio_has(&dev, VIRTIO_BLK_F_FLUSH))
+			printf("virtio-blk flush status=%d\n", single(BLK_T_FLUSH, &slots[0]));
+		else
+			printf("virtio-blk flush unsupported\n");
+	}
+	if (rc == 0 && written) {
+		u64 nw = 0;
+		for (u64 i = 0; i < nblocks; i++)
+			nw += is_written(i);
+		if (nw)
+			rc = run(nw, 0, 0, qd, 1);
+		printf("virtio-blk readback blocks=%lu\n", nw);
+	}
+
+	printf("virtio-blk op=%s pattern=%s bs=%lu qd=%d ops=%lu bytes=%lu tsc=%lu ops_per_s=%s "
+	       "kicks=%lu irqs=%lu mismatches=%lu\n",
+	       ops, pat ? "rand" : "seq", bs, qd, count, count * bs, t,
+	       tsc_khz() && t ? fmt_milli(b, rate_milli(count, t)) : "unknown", kicks,
+	       irqs, mismatches);
+	printf("virtio-blk detail: mode=%s event_idx=%d kicks_suppressed=%lu io_errors=%lu "
+	       "status=%#x\n",
+	       q->poll ? "poll" : "irq", q->event_idx, supp, io_errors, virtio_status(&dev));
+	if (rc || io_errors || mismatches)
+		return 1;
+	return 0;
+}
