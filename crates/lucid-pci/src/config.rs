@@ -241,7 +241,7 @@ impl ConfigSpace {
     pub fn capabilities(&self) -> Vec<(usize, u8)> {
         let mut out = Vec::new();
         let mut p = self.bytes[CAPABILITIES_POINTER] as usize & !3;
-        while p >= FIRST_CAP && p < LEGACY_CONFIG_SIZE && out.len() < 48 {
+        while (FIRST_CAP..LEGACY_CONFIG_SIZE).contains(&p) && out.len() < 48 {
             out.push((p, self.bytes[p]));
             p = self.bytes[p + 1] as usize & !3;
         }

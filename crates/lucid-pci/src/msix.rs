@@ -143,7 +143,7 @@ impl MsixTable {
     /// shapes are ignored (the spec lets a device do so). Returns what changed.
     pub fn write_table(&mut self, offset: u64, data: &[u8]) -> Option<EntryChange> {
         let len = data.len() as u64;
-        if !(len == 4 || len == 8) || offset % len != 0 {
+        if !(len == 4 || len == 8) || offset & (len - 1) != 0 {
             return None;
         }
         let v = (offset / MSIX_ENTRY_SIZE) as usize;

@@ -372,7 +372,7 @@ impl PciRoot {
         let reg = (offset & 0xfff) as usize;
         // Accesses must stay within one function's space and be 1, 2 or 4 bytes, aligned.
         let len = data.len();
-        let ok = matches!(len, 1 | 2 | 4) && reg % len == 0;
+        let ok = matches!(len, 1 | 2 | 4) && reg & (len - 1) == 0;
         if write {
             self.counters.ecam_writes.inc();
             if ok {

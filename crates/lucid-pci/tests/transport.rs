@@ -1,0 +1,726 @@
+//! The PCI root and the virtio-pci transport driven as a guest would drive them: configuration
+//! cycles through ports 0xCF8/0xCFC and ECAM on the VMM's buses, BAR accesses on the MMIO bus.
+//! A dummy virtio device stands in for blk/net. Needs /dev/kvm (for irqfds, routes and MSIs).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use lucid_devices::Bus;
+use lucid_hv::{GsiRouter, Vm};
+use lucid_mem::{Backing, DmaPath, GuestRam};
+use lucid_pci::config::{BAR0, COMMAND, COMMAND_MEMORY};
+use lucid_pci::virtio::{
+    common, status, MSIX_BAR, NOTIFY_MULTIPLIER, NOTIFY_OFFSET, NO_VECTOR, VIRTIO_BAR,
+};
+use lucid_pci::{
+    attach_virtio, HostCaps, MsiPath, PciRoot, PciWindows, TransportEnv, TransportOptions,
+    VirtioPciDevice,
+};
+use lucid_stats::StatsRegistry;
+use lucid_virtio::features::{VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
+use lucid_virtio::{ActivateContext, ActivateError, Notify, Rung, VirtioDevice, VirtioInterrupt};
+
+const MMIO_WINDOW: std::ops::Range<u64> = 0xc000_0000..0xd000_0000;
+const ECAM: u64 = 0xe000_0000;
+const RAM: u64 = 16 << 20;
+
+#[derive(Default)]
+struct Seen {
+    activations: AtomicUsize,
+    resets: AtomicUsize,
+    last: Mutex<Option<(Vec<(u16, u16)>, u64, Notify)>>,
+    irq: Mutex<Option<Arc<dyn VirtioInterrupt>>>,
+}
+
+struct Dummy {
+    name: String,
+    maxes: Vec<u16>,
+    config: [u8; 8],
+    seen: Arc<Seen>,
+}
+
+impl VirtioDevice for Dummy {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn device_type(&self) -> u32 {
+        2
+    }
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.maxes
+    }
+    fn features(&self) -> u64 {
+        VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX
+    }
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = self.config.get(offset as usize + i).copied().unwrap_or(0);
+        }
+    }
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        for (i, b) in data.iter().enumerate() {
+            if let Some(c) = self.config.get_mut(offset as usize + i) {
+                *c = *b;
+            }
+        }
+    }
+    fn activate(&mut self, ctx: ActivateContext) -> Result<(), ActivateError> {
+        use lucid_virtio::virtio_queue::QueueT;
+        self.seen.activations.fetch_add(1, Ordering::SeqCst);
+        let qs = ctx.queues.iter().map(|(i, q, _)| (*i, q.size())).collect();
+        *self.seen.last.lock().unwrap() = Some((qs, ctx.features, ctx.notify));
+        *self.seen.irq.lock().unwrap() = Some(ctx.interrupt);
+        Ok(())
+    }
+    fn reset(&mut self) {
+        self.seen.resets.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+struct Host {
+    vm: Vm,
+    mmio: Arc<Bus>,
+    pio: Arc<Bus>,
+    root: Arc<PciRoot>,
+    env: TransportEnv,
+    _ram: GuestRam,
+}
+
+fn host() -> Host {
+    let kvm = lucid_hv::open_kvm().expect("KVM");
+    let vm = Vm::new(kvm).unwrap();
+    vm.create_irqchip_and_pit().unwrap();
+    let stats = StatsRegistry::new();
+    let ram = GuestRam::new(&[(0, RAM)], Backing::Anonymous).unwrap();
+    let dma = DmaPath::new(ram.memory().clone(), &stats);
+    let (mmio, pio) = (Arc::new(Bus::new()), Arc::new(Bus::new()));
+    let root = PciRoot::new(
+        mmio.clone(),
+        pio.clone(),
+        PciWindows {
+            mmio: MMIO_WINDOW,
+            io: 0xc000..0x1_0000,
+            ecam: (ECAM, 0x1000_0000),
+        },
+        &stats,
+    );
+    root.register().unwrap();
+    let env = TransportEnv {
+        vm: vm.clone(),
+        router: GsiRouter::new(vm.clone()),
+        mem: ram.memory().clone(),
+        dma,
+        stats,
+        host: HostCaps::default(),
+    };
+    Host {
+        vm,
+        mmio,
+        pio,
+        root,
+        env,
+        _ram: ram,
+    }
+}
+
+fn dummy(name: &str, queues: usize) -> (Box<Dummy>, Arc<Seen>) {
+    let seen = Arc::new(Seen::default());
+    (
+        Box::new(Dummy {
+            name: name.into(),
+            maxes: vec![256; queues],
+            config: *b"LUCIDCFG",
+            seen: seen.clone(),
+        }),
+        seen,
+    )
+}
+
+fn opts(rung: Rung) -> TransportOptions {
+    TransportOptions {
+        rung,
+        intx_gsi: Some(16),
+        ..Default::default()
+    }
+}
+
+impl Host {
+    fn attach(
+        &self,
+        name: &str,
+        queues: usize,
+        rung: Rung,
+    ) -> (u8, Arc<Seen>, Arc<Mutex<VirtioPciDevice>>) {
+        let (d, seen) = dummy(name, queues);
+        let (addr, dev) = attach_virtio(&self.root, d, self.env.clone(), opts(rung)).unwrap();
+        (addr.slot, seen, dev)
+    }
+    fn cf8(&self, slot: u8, reg: u32) -> u32 {
+        let a = 0x8000_0000 | (slot as u32) << 11 | (reg & 0xfc);
+        assert!(self.pio.write(0xcf8, &a.to_le_bytes()));
+        let mut d = [0; 4];
+        assert!(self.pio.read(0xcfc, &mut d));
+        u32::from_le_bytes(d)
+    }
+    fn cf8_write(&self, slot: u8, reg: u32, v: u32) {
+        let a = 0x8000_0000 | (slot as u32) << 11 | (reg & 0xfc);
+        assert!(self.pio.write(0xcf8, &a.to_le_bytes()));
+        assert!(self.pio.write(0xcfc, &v.to_le_bytes()));
+    }
+    fn ecam(&self, slot: u8, reg: u64) -> u32 {
+        let mut d = [0; 4];
+        assert!(self.mmio.read(ECAM + ((slot as u64) << 15) + reg, &mut d));
+        u32::from_le_bytes(d)
+    }
+    fn ecam_write(&self, slot: u8, reg: u64, v: u32) {
+        assert!(self
+            .mmio
+            .write(ECAM + ((slot as u64) << 15) + reg, &v.to_le_bytes()));
+    }
+    fn bar(&self, slot: u8, i: usize) -> u64 {
+        let lo = self.cf8(slot, (BAR0 + 4 * i) as u32) as u64;
+        let is64 = lo & 0x6 == 0x4;
+        let hi = if is64 {
+            self.cf8(slot, (BAR0 + 4 * i + 4) as u32) as u64
+        } else {
+            0
+        };
+        hi << 32 | (lo & !0xf)
+    }
+    fn r(&self, addr: u64, len: usize) -> u64 {
+        let mut d = [0u8; 8];
+        assert!(
+            self.mmio.read(addr, &mut d[..len]),
+            "read {addr:#x} unclaimed"
+        );
+        u64::from_le_bytes(d)
+    }
+    fn w(&self, addr: u64, len: usize, v: u64) -> bool {
+        self.mmio.write(addr, &v.to_le_bytes()[..len])
+    }
+    fn counter(&self, name: &str) -> u64 {
+        self.env.stats.snapshot().get(name).copied().unwrap_or(0)
+    }
+}
+
+/// Brings a device to DRIVER_OK with every queue at `size`, rings in RAM.
+fn drive_to_ok(h: &Host, slot: u8, queues: u16, size: u16) -> u8 {
+    let b = h.bar(slot, VIRTIO_BAR);
+    h.w(
+        b + common::DEVICE_STATUS,
+        1,
+        (status::ACKNOWLEDGE | status::DRIVER) as u64,
+    );
+    h.w(b + common::DEVICE_FEATURE_SELECT, 4, 1);
+    let hi = h.r(b + common::DEVICE_FEATURE, 4);
+    assert_eq!(hi & 1, 1, "VERSION_1 offered");
+    h.w(b + common::DRIVER_FEATURE_SELECT, 4, 1);
+    h.w(b + common::DRIVER_FEATURE, 4, 1);
+    h.w(b + common::DEVICE_STATUS, 1, 0xb);
+    assert_eq!(
+        h.r(b + common::DEVICE_STATUS, 1) as u8 & status::FEATURES_OK,
+        status::FEATURES_OK
+    );
+    for q in 0..queues {
+        h.w(b + common::QUEUE_SELECT, 2, q as u64);
+        h.w(b + common::QUEUE_SIZE, 2, size as u64);
+        let base = 0x10_0000 + q as u64 * 0x1_0000;
+        h.w(b + common::QUEUE_DESC, 4, base);
+        h.w(b + common::QUEUE_DESC_HI, 4, 0);
+        h.w(b + common::QUEUE_DRIVER, 8, base + 0x4000);
+        h.w(b + common::QUEUE_DEVICE, 8, base + 0x8000);
+        h.w(b + common::QUEUE_MSIX_VECTOR, 2, q as u64);
+        h.w(b + common::QUEUE_ENABLE, 2, 1);
+    }
+    h.w(b + common::DEVICE_STATUS, 1, 0xf);
+    h.r(b + common::DEVICE_STATUS, 1) as u8
+}
+
+#[test]
+fn cf8_and_ecam_give_the_same_view() {
+    let h = host();
+    let (slot, _, _) = h.attach("blk0", 1, Rung::L1);
+    assert_eq!(slot, 1);
+    for s in [0u8, 1, 2, 31] {
+        for reg in (0..256).step_by(4) {
+            assert_eq!(
+                h.cf8(s, reg),
+                h.ecam(s, reg as u64),
+                "slot {s} reg {reg:#x}"
+            );
+        }
+    }
+    assert_eq!(h.cf8(0, 0), 0x0008_1b36, "host bridge");
+    assert_eq!(h.cf8(0, 8) >> 8, 0x06_00_00, "bridge class");
+    assert_eq!(h.cf8(1, 0), 0x1042_1af4, "virtio-blk modern");
+    assert_eq!(h.cf8(1, 8) & 0xff, 1, "revision 1");
+    assert_eq!(h.cf8(1, 0x2c), 0x1100_1af4);
+    assert_eq!(h.cf8(2, 0), u32::MAX, "empty slot");
+    // Extended space only through ECAM; other buses and functions are empty.
+    assert_eq!(h.ecam(1, 0x100), 0);
+    assert_eq!(h.ecam(1, 1 << 12), u32::MAX);
+    let mut d = [0u8; 4];
+    assert!(h.mmio.read(ECAM + (1 << 20), &mut d));
+    assert_eq!(u32::from_le_bytes(d), u32::MAX);
+    // A write through one path shows through the other.
+    h.ecam_write(1, 0x3c, 0x0000_0107);
+    assert_eq!(h.cf8(1, 0x3c) & 0xff, 0x07);
+    h.cf8_write(1, 0x3c, 0x0000_0109);
+    assert_eq!(h.ecam(1, 0x3c) & 0xff, 0x09);
+    // Disabled 0xCF8 reads all ones; byte reads of 0xCFE work.
+    assert!(h.pio.write(0xcf8, &0x0000_0000u32.to_le_bytes()));
+    assert!(h.pio.read(0xcfc, &mut d));
+    assert_eq!(d, [0xff; 4]);
+    assert!(h.pio.write(0xcf8, &(0x8000_0800u32).to_le_bytes()));
+    let mut w = [0u8; 2];
+    assert!(h.pio.read(0xcfe, &mut w));
+    assert_eq!(u16::from_le_bytes(w), 0x1042);
+    assert!(h.counter("pci.cf8_reads") > 0 && h.counter("pci.ecam_reads") > 0);
+}
+
+#[test]
+fn capability_chain_has_the_virtio_caps_and_msix() {
+    let h = host();
+    let (slot, _, _) = h.attach("net0", 2, Rung::L1);
+    assert_ne!(h.cf8(slot, 4) >> 16 & 0x10, 0, "capability list bit");
+    let mut p = h.cf8(slot, 0x34) & 0xff;
+    let mut found = Vec::new();
+    while p != 0 {
+        let hdr = h.cf8(slot, p);
+        let id = hdr & 0xff;
+        if id == 0x09 {
+            let cfg_type = (hdr >> 24) as u8;
+            let bar = h.cf8(slot, p + 4) & 0xff;
+            let off = h.cf8(slot, p + 8);
+            let len = h.cf8(slot, p + 12);
+            found.push((cfg_type, bar, off, len));
+            if cfg_type == 2 {
+                assert_eq!(h.cf8(slot, p + 16), NOTIFY_MULTIPLIER);
+            }
+        } else {
+            assert_eq!(id, 0x11);
+            let ctrl = hdr >> 16;
+            assert_eq!(ctrl & 0x7ff, 2, "3 vectors: 2 queues + config");
+            assert_eq!(h.cf8(slot, p + 4), MSIX_BAR as u32);
+            assert_eq!(h.cf8(slot, p + 8), 0x800 | MSIX_BAR as u32);
+        }
+        p = (hdr >> 8) & 0xfc;
+    }
+    assert_eq!(
+        found,
+        vec![
+            (1, 4, 0, 0x38),
+            (2, 4, 0x3000, 8),
+            (3, 4, 0x1000, 1),
+            (4, 4, 0x2000, 0x1000),
+            (5, 0, 0, 0)
+        ]
+    );
+}
+
+#[test]
+fn bars_assigned_in_window_and_moved_or_refused() {
+    let h = host();
+    let (a, _, _) = h.attach("blk0", 1, Rung::L1);
+    let (b, _, _) = h.attach("blk1", 2, Rung::L1);
+    for s in [a, b] {
+        assert_ne!(
+            h.cf8(s, COMMAND as u32) as u16 & COMMAND_MEMORY,
+            0,
+            "decoding on"
+        );
+        for (i, size) in [(MSIX_BAR, 0x1000u64), (VIRTIO_BAR, 0x4000)] {
+            let base = h.bar(s, i);
+            assert!(MMIO_WINDOW.contains(&base) && base % size == 0, "{base:#x}");
+        }
+    }
+    // Size probing: all ones, read back, restore.
+    let reg = (BAR0 + 4 * MSIX_BAR) as u32;
+    let orig = h.cf8(a, reg);
+    h.cf8_write(a, reg, u32::MAX);
+    assert_eq!(h.cf8(a, reg), !0xfff);
+    h.cf8_write(a, reg, orig);
+    assert_eq!(h.bar(a, MSIX_BAR), orig as u64);
+    let msix_a = h.bar(a, MSIX_BAR);
+    assert!(h.w(msix_a, 4, 0xfee0_0000), "remapped after sizing");
+
+    // Move a's virtio BAR to a free spot: the old range goes, the new one decodes, and the
+    // ioeventfds follow.
+    let old = h.bar(a, VIRTIO_BAR);
+    let new = 0xc800_0000u64;
+    let reg4 = (BAR0 + 4 * VIRTIO_BAR) as u32;
+    h.cf8_write(a, reg4, new as u32 | 0x4);
+    h.cf8_write(a, reg4 + 4, 0);
+    assert_eq!(h.bar(a, VIRTIO_BAR), new);
+    assert!(!h.mmio.read(old, &mut [0u8; 2]));
+    assert_eq!(h.r(new + common::NUM_QUEUES, 2), 1);
+    assert_eq!(h.counter("blk0.notify.ioeventfds_registered"), 1);
+
+    // Overlapping the other device's BAR, the ECAM, RAM, or outside the window: refused, the
+    // BAR decodes nothing, the other device is untouched.
+    let refused = h.counter("pci.bar_refused");
+    let other = h.bar(b, VIRTIO_BAR);
+    for bad in [other, ECAM, 0x1000, 0xfee0_0000, 0xd000_0000, 0xffff_c000] {
+        h.cf8_write(a, reg4, bad as u32 | 4);
+        assert_eq!(
+            h.r(other + common::NUM_QUEUES, 2),
+            2,
+            "b still there after {bad:#x}"
+        );
+    }
+    assert!(h.counter("pci.bar_refused") >= refused + 5);
+    assert_eq!(
+        h.counter("blk0.notify.ioeventfds_registered"),
+        0,
+        "no ioeventfd at a refused address"
+    );
+    assert_eq!(h.ecam(b, 0) & 0xffff, 0x1af4, "ECAM still decodes");
+    // A 64-bit BAR above 4 GiB (over RAM's high range) is refused too.
+    h.cf8_write(a, reg4, 0xc800_0004);
+    h.cf8_write(a, reg4 + 4, 1);
+    assert!(!h.mmio.read(0x1_c800_0000, &mut [0u8; 1]));
+    // Back to a good address: decodes again.
+    h.cf8_write(a, reg4 + 4, 0);
+    assert_eq!(h.r(0xc800_0000 + common::NUM_QUEUES, 2), 1);
+    // Memory decoding off: nothing decodes; on: back.
+    let cmd = h.cf8(a, 4) & 0xffff;
+    h.cf8_write(a, 4, cmd & !(COMMAND_MEMORY as u32));
+    assert!(!h.mmio.read(0xc800_0000, &mut [0u8; 2]));
+    h.cf8_write(a, 4, cmd);
+    assert_eq!(h.r(0xc800_0000 + common::NUM_QUEUES, 2), 1);
+    assert_eq!(h.counter("blk0.notify.ioeventfds_registered"), 1);
+    let names: Vec<String> = h.root.devices().into_iter().map(|d| d.1).collect();
+    assert_eq!(names, ["host-bridge", "blk0", "blk1"]);
+}
+
+#[test]
+fn feature_negotiation_and_status_machine() {
+    let h = host();
+    let (slot, seen, dev) = h.attach("blk0", 1, Rung::L1);
+    let b = h.bar(slot, VIRTIO_BAR);
+    h.w(b + common::DEVICE_STATUS, 1, 3);
+    // A driver that does not accept VERSION_1 is refused.
+    h.w(b + common::DRIVER_FEATURE_SELECT, 4, 0);
+    h.w(b + common::DRIVER_FEATURE, 4, VIRTIO_RING_F_EVENT_IDX);
+    h.w(b + common::DEVICE_STATUS, 1, 0xb);
+    assert_eq!(h.r(b + common::DEVICE_STATUS, 1), 3, "FEATURES_OK refused");
+    // Nor one that asks for a feature not offered.
+    h.w(b + common::DRIVER_FEATURE_SELECT, 4, 1);
+    h.w(b + common::DRIVER_FEATURE, 4, 1 | 2);
+    h.w(b + common::DEVICE_STATUS, 1, 0xb);
+    assert_eq!(h.r(b + common::DEVICE_STATUS, 1), 3);
+    assert_eq!(h.counter("blk0.virtio.features_refused"), 2);
+    // DRIVER_OK without FEATURES_OK is not taken.
+    h.w(b + common::DEVICE_STATUS, 1, 7);
+    assert_eq!(h.r(b + common::DEVICE_STATUS, 1), 3);
+    h.w(b + common::DRIVER_FEATURE, 4, 1);
+    h.w(b + common::DEVICE_STATUS, 1, 0xb);
+    assert_eq!(h.r(b + common::DEVICE_STATUS, 1), 0xb);
+    // Features freeze after FEATURES_OK.
+    h.w(b + common::DRIVER_FEATURE, 4, 0);
+    assert_eq!(h.r(b + common::DRIVER_FEATURE, 4), 1);
+    // Clearing a bit other than by reset is ignored.
+    h.w(b + common::DEVICE_STATUS, 1, 1);
+    assert_eq!(h.r(b + common::DEVICE_STATUS, 1), 0xb);
+    // Reset, then the whole dance.
+    h.w(b + common::DEVICE_STATUS, 1, 0);
+    assert_eq!(h.r(b + common::DEVICE_STATUS, 1), 0);
+    assert_eq!(seen.resets.load(Ordering::SeqCst), 0, "never activated");
+    assert_eq!(drive_to_ok(&h, slot, 1, 128), 0xf);
+    assert_eq!(seen.activations.load(Ordering::SeqCst), 1);
+    let (qs, feats, notify) = seen.last.lock().unwrap().clone().unwrap();
+    assert_eq!(qs, vec![(0, 128)]);
+    assert_eq!(feats, VIRTIO_F_VERSION_1);
+    assert_eq!(notify, Notify::Kicks);
+    // Queue fields are frozen while live.
+    h.w(b + common::QUEUE_SIZE, 2, 64);
+    assert_eq!(h.r(b + common::QUEUE_SIZE, 2), 128);
+    // Device config window.
+    assert_eq!(h.r(b + 0x2000, 4), u32::from_le_bytes(*b"LUCI") as u64);
+    h.w(b + 0x2004, 1, b'X' as u64);
+    assert_eq!(h.r(b + 0x2004, 1), b'X' as u64);
+    // Reset stops the device and clears everything.
+    h.w(b + common::DEVICE_STATUS, 1, 0);
+    assert_eq!(seen.resets.load(Ordering::SeqCst), 1);
+    assert_eq!(h.r(b + common::QUEUE_ENABLE, 2), 0);
+    assert_eq!(h.r(b + common::QUEUE_MSIX_VECTOR, 2), NO_VECTOR as u64);
+    assert_eq!(h.r(b + common::QUEUE_SIZE, 2), 256);
+    drop(dev);
+}
+
+#[test]
+fn bad_queues_set_needs_reset() {
+    let h = host();
+    let (slot, seen, _dev) = h.attach("blk0", 1, Rung::L1);
+    let b = h.bar(slot, VIRTIO_BAR);
+    for size in [0u16, 3, 100, 512, 0xffff] {
+        h.w(b + common::DEVICE_STATUS, 1, 0);
+        let st = drive_to_ok(&h, slot, 1, size);
+        assert_eq!(st & status::NEEDS_RESET, status::NEEDS_RESET, "size {size}");
+    }
+    // Rings outside guest memory, or straddling its end, or misaligned.
+    for (desc, drv, devr) in [
+        (RAM, 0x1000, 0x2000),
+        (RAM - 0x10, 0x1000, 0x2000),
+        (0x1000, 0x2000, u64::MAX - 3),
+        (0x1008, 0x2000, 0x3000),
+        (0x1000, 0x2001, 0x3000),
+    ] {
+        h.w(b + common::DEVICE_STATUS, 1, 0);
+        h.w(b + common::DEVICE_STATUS, 1, 3);
+        h.w(b + common::DRIVER_FEATURE_SELECT, 4, 1);
+        h.w(b + common::DRIVER_FEATURE, 4, 1);
+        h.w(b + common::DEVICE_STATUS, 1, 0xb);
+        h.w(b + common::QUEUE_SELECT, 2, 0);
+        h.w(b + common::QUEUE_DESC, 8, desc);
+        h.w(b + common::QUEUE_DRIVER, 8, drv);
+        h.w(b + common::QUEUE_DEVICE, 8, devr);
+        h.w(b + common::QUEUE_ENABLE, 2, 1);
+        h.w(b + common::DEVICE_STATUS, 1, 0xf);
+        let st = h.r(b + common::DEVICE_STATUS, 1) as u8;
+        assert_ne!(st & status::NEEDS_RESET, 0, "{desc:#x} {drv:#x} {devr:#x}");
+        // Further status writes cannot get it going.
+        h.w(b + common::DEVICE_STATUS, 1, (st | 4) as u64);
+    }
+    assert_eq!(seen.activations.load(Ordering::SeqCst), 0);
+    assert_eq!(h.counter("blk0.virtio.needs_reset"), 10);
+    // Selecting a queue that does not exist: reads 0, writes ignored.
+    h.w(b + common::DEVICE_STATUS, 1, 0);
+    h.w(b + common::QUEUE_SELECT, 2, 7);
+    assert_eq!(h.r(b + common::QUEUE_SIZE, 2), 0);
+    h.w(b + common::QUEUE_ENABLE, 2, 1);
+    h.w(b + common::QUEUE_MSIX_VECTOR, 2, 0);
+    // Vectors the device does not have read back as NO_VECTOR.
+    h.w(b + common::QUEUE_SELECT, 2, 0);
+    h.w(b + common::QUEUE_MSIX_VECTOR, 2, 9);
+    assert_eq!(h.r(b + common::QUEUE_MSIX_VECTOR, 2), NO_VECTOR as u64);
+    // A good setup still works afterwards.
+    h.w(b + common::DEVICE_STATUS, 1, 0);
+    assert_eq!(drive_to_ok(&h, slot, 1, 256), 0xf);
+    assert_eq!(seen.activations.load(Ordering::SeqCst), 1);
+}
+
+fn enable_msix(h: &Host, slot: u8) -> u32 {
+    // The MSI-X capability is the last in the chain.
+    let mut p = h.cf8(slot, 0x34) & 0xff;
+    loop {
+        let hdr = h.cf8(slot, p);
+        if hdr & 0xff == 0x11 {
+            h.cf8_write(slot, p, 0x8000 << 16);
+            return p;
+        }
+        p = (hdr >> 8) & 0xfc;
+    }
+}
+
+fn program_vector(h: &Host, slot: u8, v: u64, data: u32, masked: bool) {
+    let t = h.bar(slot, MSIX_BAR) + v * 16;
+    h.w(t, 4, 0xfee0_0000);
+    h.w(t + 4, 4, 0);
+    h.w(t + 8, 4, data as u64);
+    h.w(t + 12, 4, masked as u64);
+}
+
+fn msix_rung(rung: Rung, path: MsiPath, counter: &str) {
+    let h = host();
+    let (slot, seen, dev) = h.attach("net0", 2, rung);
+    assert_eq!(dev.lock().unwrap().interrupts().path(), path);
+    assert_eq!(drive_to_ok(&h, slot, 2, 256), 0xf);
+    let irq = seen.irq.lock().unwrap().clone().unwrap();
+    // MSI-X still disabled: INTx with the ISR bit.
+    irq.signal_queue(0);
+    assert_eq!(h.counter("net0.irq.intx"), 1);
+    let isr = h.bar(slot, VIRTIO_BAR) + 0x1000;
+    assert_eq!(h.r(isr, 1), 1);
+    assert_eq!(h.r(isr, 1), 0, "read clears");
+    let cap = enable_msix(&h, slot);
+    program_vector(&h, slot, 0, 0x31, false);
+    program_vector(&h, slot, 1, 0x32, true);
+    irq.signal_queue(0);
+    assert_eq!(h.counter(counter), 1);
+    // Vector 1 is masked: pending, then delivered on unmask.
+    irq.signal_queue(1);
+    assert_eq!(h.counter(counter), 1);
+    assert_eq!(h.counter("net0.irq.masked_pending"), 1);
+    let pba = h.bar(slot, MSIX_BAR) + 0x800;
+    assert_eq!(h.r(pba, 8), 0b10);
+    h.w(h.bar(slot, MSIX_BAR) + 16 + 12, 4, 0);
+    assert_eq!(h.counter(counter), 2);
+    assert_eq!(h.r(pba, 8), 0);
+    // Function mask holds everything back.
+    h.cf8_write(slot, cap, 0xc000 << 16);
+    irq.signal_queue(0);
+    assert_eq!(h.counter(counter), 2);
+    assert_eq!(h.r(pba, 8), 0b01);
+    h.cf8_write(slot, cap, 0x8000 << 16);
+    assert_eq!(h.counter(counter), 3);
+    // The config vector is unset: nothing goes out, counted.
+    irq.signal_config();
+    assert_eq!(h.counter("net0.irq.no_vector"), 1);
+    assert_eq!(
+        h.r(h.bar(slot, VIRTIO_BAR) + common::CONFIG_GENERATION, 1),
+        1
+    );
+    if path == MsiPath::Irqfd {
+        let d = dev.lock().unwrap();
+        let gsi = d.interrupts().gsi(0).unwrap();
+        assert_eq!(h.env.router.route(gsi).unwrap().data, 0x31);
+    }
+    // Garbage in the table does not hurt: odd addresses and data route or signal without error
+    // to the VMM, and odd-sized writes are ignored.
+    let t = h.bar(slot, MSIX_BAR);
+    h.w(t, 4, 0xdead_beef);
+    h.w(t + 4, 4, 0xffff_ffff);
+    h.w(t + 8, 2, 0x1234);
+    h.w(t + 3, 4, 1);
+    irq.signal_queue(0);
+    let _ = &h.vm;
+}
+
+#[test]
+fn msix_l0_signals_msi() {
+    msix_rung(Rung::L0, MsiPath::SignalMsi, "net0.irq.msi_signal");
+}
+
+#[test]
+fn msix_l1_uses_irqfd_routes() {
+    msix_rung(Rung::L1, MsiPath::Irqfd, "net0.irq.irqfd");
+}
+
+#[test]
+fn l0_notify_exit_kicks_the_queue() {
+    let h = host();
+    let (slot, _, dev) = h.attach("net0", 2, Rung::L0);
+    let b = h.bar(slot, VIRTIO_BAR);
+    assert!(h.w(b + NOTIFY_OFFSET + NOTIFY_MULTIPLIER as u64, 2, 1));
+    assert!(h.w(b + NOTIFY_OFFSET + NOTIFY_MULTIPLIER as u64, 2, 1));
+    assert_eq!(h.counter("net0.notify.exit"), 2);
+    let d = dev.lock().unwrap();
+    assert_eq!(d.kick(1).unwrap().read().unwrap(), 2);
+    assert!(d.kick(0).unwrap().read().is_err(), "queue 0 not kicked");
+    assert_eq!(
+        h.counter("net0.notify.ioeventfds_registered"),
+        0,
+        "L0 has no ioeventfds"
+    );
+}
+
+#[test]
+fn rungs_plan_as_documented() {
+    use lucid_pci::plan_rung;
+    let none = HostCaps::default();
+    assert!(plan_rung(Rung::L3, none, 0).is_err());
+    let l3 = plan_rung(
+        Rung::L3,
+        HostCaps {
+            posted_interrupts: true,
+            ..none
+        },
+        0,
+    )
+    .unwrap();
+    assert!(l3.ioeventfd && l3.msi == MsiPath::Irqfd);
+    let l2 = plan_rung(Rung::L2, none, 0).unwrap();
+    assert!(l2.pv_eoi && !l2.pv_eoi_effective);
+    let l2 = plan_rung(
+        Rung::L2,
+        HostCaps {
+            cpuid_intercepted: true,
+            ..none
+        },
+        0,
+    )
+    .unwrap();
+    assert!(l2.pv_eoi_effective);
+    let l4 = plan_rung(Rung::L4 { guest_polls: true }, none, 5).unwrap();
+    assert_eq!(l4.notify, Notify::Poll { idle_sleep_us: 5 });
+    assert!(l4.ioeventfd);
+    let l0 = plan_rung(Rung::L0, none, 0).unwrap();
+    assert!(!l0.ioeventfd && l0.msi == MsiPath::SignalMsi);
+    // The transport refuses L3 here with the same error.
+    let h = host();
+    let (d, _) = dummy("blk0", 1);
+    let e = VirtioPciDevice::new(d, h.env.clone(), opts(Rung::L3))
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("posted interrupts"), "{e}");
+}
+
+#[test]
+fn l4_passes_poll_to_the_device() {
+    let h = host();
+    let (slot, seen, _dev) = h.attach("blk0", 1, Rung::L4 { guest_polls: false });
+    assert_eq!(drive_to_ok(&h, slot, 1, 64), 0xf);
+    let (_, _, notify) = seen.last.lock().unwrap().clone().unwrap();
+    assert!(matches!(notify, Notify::Poll { .. }));
+    assert_eq!(h.counter("blk0.rung"), 4);
+}
+
+#[test]
+fn pci_cfg_capability_window_reaches_the_bar() {
+    let h = host();
+    let (slot, _, _) = h.attach("net0", 2, Rung::L1);
+    let mut p = h.cf8(slot, 0x34) & 0xff;
+    let cap = loop {
+        let hdr = h.cf8(slot, p);
+        if hdr & 0xff == 9 && hdr >> 24 == 5 {
+            break p;
+        }
+        p = (hdr >> 8) & 0xfc;
+    };
+    h.cf8_write(slot, cap + 4, VIRTIO_BAR as u32);
+    h.cf8_write(slot, cap + 8, common::NUM_QUEUES as u32);
+    h.cf8_write(slot, cap + 12, 2);
+    assert_eq!(h.cf8(slot, cap + 16) & 0xffff, 2);
+}
+
+#[test]
+fn hostile_config_and_bar_garbage_never_panics() {
+    let h = host();
+    let (a, _, _) = h.attach("blk0", 1, Rung::L1);
+    let (_b, _, _) = h.attach("net0", 2, Rung::L0);
+    let mut x: u64 = 0x1234_5678_9abc_def1;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    for _ in 0..20_000 {
+        let r = next();
+        let slot = (r % 4) as u8;
+        let reg = ((r >> 8) % 256) as u32 & !3;
+        let v = next() as u32;
+        match r >> 60 {
+            0..=5 => h.cf8_write(slot, reg, v),
+            6..=9 => {
+                let _ = h.cf8(slot, reg);
+            }
+            10 | 11 => h.ecam_write(slot, ((r >> 16) % 0x1000) & !3, v),
+            _ => {
+                // Anywhere in the PCI window, any size.
+                let addr = MMIO_WINDOW.start + (next() % 0x10_0000);
+                let len = [1usize, 2, 4, 8][(r % 4) as usize];
+                let _ = h.w(addr, len, next());
+                let _ = h.mmio.read(addr, &mut [0u8; 8][..len]);
+            }
+        }
+    }
+    // The root and its host bridge still answer; device a still enumerates.
+    assert_eq!(h.cf8(0, 0), 0x0008_1b36);
+    assert_eq!(h.cf8(a, 0), 0x1042_1af4);
+    // No two mapped BARs overlap.
+    let mut ranges: Vec<(u64, u64)> = h
+        .mmio
+        .ranges()
+        .into_iter()
+        .map(|(b, l, _)| (b, l))
+        .collect();
+    ranges.sort();
+    for w in ranges.windows(2) {
+        assert!(w[0].0 + w[0].1 <= w[1].0, "{ranges:x?}");
+    }
+    for (b, l) in ranges {
+        assert!((b >= MMIO_WINDOW.start && b + l <= MMIO_WINDOW.end) || b == ECAM);
+    }
+}
