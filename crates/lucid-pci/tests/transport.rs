@@ -24,11 +24,14 @@ const MMIO_WINDOW: std::ops::Range<u64> = 0xc000_0000..0xd000_0000;
 const ECAM: u64 = 0xe000_0000;
 const RAM: u64 = 16 << 20;
 
+/// (queue index, size) of each queue, features, notify mode.
+type Activation = (Vec<(u16, u16)>, u64, Notify);
+
 #[derive(Default)]
 struct Seen {
     activations: AtomicUsize,
     resets: AtomicUsize,
-    last: Mutex<Option<(Vec<(u16, u16)>, u64, Notify)>>,
+    last: Mutex<Option<Activation>>,
     irq: Mutex<Option<Arc<dyn VirtioInterrupt>>>,
 }
 
@@ -331,7 +334,7 @@ fn bars_assigned_in_window_and_moved_or_refused() {
         );
         for (i, size) in [(MSIX_BAR, 0x1000u64), (VIRTIO_BAR, 0x4000)] {
             let base = h.bar(s, i);
-            assert!(MMIO_WINDOW.contains(&base) && base % size == 0, "{base:#x}");
+            assert!(MMIO_WINDOW.contains(&base) && base.is_multiple_of(size), "{base:#x}");
         }
     }
     // Size probing: all ones, read back, restore.
