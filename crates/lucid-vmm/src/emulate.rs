@@ -235,7 +235,6 @@ fn host_random() -> Option<u64> {
 }
 
 /// Completes `insn` on `g`; the caller writes the registers back and counts it.
-/// completion is counted under.
 fn complete_insn(g: &mut Guest<'_>, insn: &Instruction) -> Result<(), NotDone> {
     let next = g.regs.rip.wrapping_add(insn.len() as u64);
     match insn.mnemonic() {
@@ -311,6 +310,42 @@ fn complete_insn(g: &mut Guest<'_>, insn: &Instruction) -> Result<(), NotDone> {
                 g.sregs.gs.base = v;
             }
             g.sregs_dirty = true;
+        }
+        // x87 and SSE control: state through KVM_GET/SET_FPU.
+        Mnemonic::Wait => {
+            // With CR0.TS and CR0.MP set, WAIT raises #NM; with an unmasked x87 exception
+            // pending (FSW.ES), #MF. Both are faults: the handler returns to the WAIT.
+            if g.sregs.cr0 & 0xa == 0xa {
+                g.vcpu.inject_exception(7, None)?;
+                return Ok(());
+            }
+            if g.vcpu.get_fpu()?.fsw & 0x80 != 0 {
+                g.vcpu.inject_exception(16, None)?;
+                return Ok(());
+            }
+        }
+        Mnemonic::Fnclex | Mnemonic::Emms => {
+            let mut fpu = g.vcpu.get_fpu()?;
+            if insn.mnemonic() == Mnemonic::Fnclex {
+                // Clear the exception flags, the summary and busy bits.
+                fpu.fsw &= !0x80ff;
+            } else {
+                // EMMS marks every x87 register empty (the abridged tag word is 0 for empty).
+                fpu.ftwx = 0;
+            }
+            g.vcpu.set_fpu(&fpu)?;
+        }
+        Mnemonic::Ldmxcsr | Mnemonic::Stmxcsr => {
+            let gva = g.address(insn, 0)?;
+            let mut fpu = g.vcpu.get_fpu()?;
+            let mut b = fpu.mxcsr.to_le_bytes();
+            if insn.mnemonic() == Mnemonic::Ldmxcsr {
+                g.access(gva, &mut b, false)?;
+                fpu.mxcsr = u32::from_le_bytes(b);
+                g.vcpu.set_fpu(&fpu)?;
+            } else {
+                g.access(gva, &mut b, true)?;
+            }
         }
         _ => return Err(NotDone::Unsupported("no completion for this instruction")),
     }
@@ -467,6 +502,9 @@ mod tests {
             (&[0xf2, 0x48, 0x0f, 0x38, 0xf1, 0xc7][..], Mnemonic::Crc32),
             (&[0x48, 0x0f, 0xc7, 0xf0][..], Mnemonic::Rdrand),
             (&[0x0f, 0x01, 0xca][..], Mnemonic::Clac),
+            (&[0x9b][..], Mnemonic::Wait),
+            (&[0xdb, 0xe2][..], Mnemonic::Fnclex),
+            (&[0x0f, 0xae, 0x17][..], Mnemonic::Ldmxcsr),
             (&[0x0f, 0x01, 0xcb][..], Mnemonic::Stac),
             (&[0xf3, 0x48, 0x0f, 0xae, 0xc8][..], Mnemonic::Rdgsbase),
             (&[0xf3, 0x48, 0x0f, 0xae, 0xd8][..], Mnemonic::Wrgsbase),
