@@ -112,7 +112,10 @@ impl Guest<'_> {
         if reg == Register::RIP {
             return Some(self.regs.rip);
         }
-        let high = matches!(reg, Register::AH | Register::CH | Register::DH | Register::BH);
+        let high = matches!(
+            reg,
+            Register::AH | Register::CH | Register::DH | Register::BH
+        );
         let v = *self.gpr_slot(reg.full_register())?;
         Some(match (reg.size(), high) {
             (1, true) => (v >> 8) & 0xff,
@@ -126,7 +129,10 @@ impl Guest<'_> {
     /// Writes a general-purpose register with the architecture's rules: 32-bit writes clear the
     /// upper half, 8- and 16-bit writes keep the other bits.
     fn set(&mut self, reg: Register, val: u64) -> Result<(), NotDone> {
-        let high = matches!(reg, Register::AH | Register::CH | Register::DH | Register::BH);
+        let high = matches!(
+            reg,
+            Register::AH | Register::CH | Register::DH | Register::BH
+        );
         let size = reg.size();
         let slot = self
             .gpr_slot(reg.full_register())
@@ -167,9 +173,10 @@ impl Guest<'_> {
             let va = gva.wrapping_add(done as u64);
             let in_page = (0x1000 - (va & 0xfff)) as usize;
             let n = in_page.min(buf.len() - done);
-            let gpa = self.vcpu.translate(va)?.ok_or_else(|| {
-                NotDone::Failed(format!("guest address {va:#x} is not mapped"))
-            })?;
+            let gpa = self
+                .vcpu
+                .translate(va)?
+                .ok_or_else(|| NotDone::Failed(format!("guest address {va:#x} is not mapped")))?;
             let chunk = &mut buf[done..done + n];
             let r = if write {
                 mem.write_slice(chunk, GuestAddress(gpa))
@@ -187,9 +194,7 @@ impl Guest<'_> {
         match insn.op_kind(op) {
             OpKind::Register => {
                 let r = insn.op_register(op);
-                let v = self
-                    .get(r)
-                    .ok_or(NotDone::Unsupported("source register"))?;
+                let v = self.get(r).ok_or(NotDone::Unsupported("source register"))?;
                 Ok((v, r.size()))
             }
             OpKind::Memory => {
@@ -272,7 +277,9 @@ fn complete_insn(g: &mut Guest<'_>, insn: &Instruction) -> Result<(), NotDone> {
         Mnemonic::Crc32 => {
             let (src, size) = g.read_op(insn, 1)?;
             let dst = insn.op_register(0);
-            let crc = g.get(dst).ok_or(NotDone::Unsupported("crc32 destination"))? as u32;
+            let crc = g
+                .get(dst)
+                .ok_or(NotDone::Unsupported("crc32 destination"))? as u32;
             let out = crc32c(crc, &src.to_le_bytes()[..size]);
             // The result is 32 bits, zero-extended into a 64-bit destination.
             g.set(dst.full_register32(), out as u64)?;
