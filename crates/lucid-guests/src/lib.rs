@@ -36,6 +36,9 @@ guests!(
     "triplefault",
     "garbage",
     "spin",
+    "pci-scan",
+    "virtio-blk",
+    "virtio-net",
 );
 
 /// The guest `lucid run` boots when none is named.
