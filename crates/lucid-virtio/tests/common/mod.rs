@@ -2,6 +2,8 @@
 //! descriptors and avail entries, kicks real eventfds and reads the used rings.
 #![allow(dead_code)]
 
+pub mod blkdrv;
+
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
