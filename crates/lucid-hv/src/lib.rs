@@ -9,9 +9,9 @@ mod vm;
 
 use std::sync::Arc;
 
+pub use irq::{GsiRouter, MsiMessage};
 pub use kvm_bindings;
 pub use kvm_ioctls::Kvm;
-pub use irq::{GsiRouter, MsiMessage};
 pub use kvm_stats::KvmStats;
 pub use vcpu::{Exit, ImmediateExit, InternalError, Vcpu, EXIT_REASONS};
 pub use vm::{IoAddr, Vm};

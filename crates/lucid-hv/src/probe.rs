@@ -684,6 +684,20 @@ impl fmt::Display for ProbeReport {
     }
 }
 
+/// Whether the host virtualizes APIC interrupts (VT-x APICv posted interrupts or AMD AVIC), read
+/// from the KVM module parameters: what the exit ladder's L3 needs.
+pub fn posted_interrupts_available() -> bool {
+    read_bool_param("/sys/module/kvm_intel/parameters/enable_apicv")
+        || read_bool_param("/sys/module/kvm_amd/parameters/avic")
+}
+
+/// Whether a guest at CPL3 reads the CPUID that `KVM_SET_CPUID2` set (one tiny VM, a few ms).
+/// PV features offered in CPUID (PV EOI: the exit ladder's L2) only reach guests where it is.
+pub fn cpuid_intercepted(kvm: &Kvm) -> Result<bool, ProbeError> {
+    let (set, seen) = measure::cpuid_seen(kvm, CpuMode::User)?;
+    Ok(measure::cpuid_result(CpuMode::User, set, seen).intercepted)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -837,18 +851,4 @@ mod tests {
         assert!(vm.write(2 << 20, &[0]).is_err());
         assert!(vm.write((2 << 20) - 1, &[0]).is_ok());
     }
-}
-
-/// Whether the host virtualizes APIC interrupts (VT-x APICv posted interrupts or AMD AVIC), read
-/// from the KVM module parameters: what the exit ladder's L3 needs.
-pub fn posted_interrupts_available() -> bool {
-    read_bool_param("/sys/module/kvm_intel/parameters/enable_apicv")
-        || read_bool_param("/sys/module/kvm_amd/parameters/avic")
-}
-
-/// Whether a guest at CPL3 reads the CPUID that `KVM_SET_CPUID2` set (one tiny VM, a few ms).
-/// PV features offered in CPUID (PV EOI: the exit ladder's L2) only reach guests where it is.
-pub fn cpuid_intercepted(kvm: &Kvm) -> Result<bool, ProbeError> {
-    let (set, seen) = measure::cpuid_seen(kvm, CpuMode::User)?;
-    Ok(measure::cpuid_result(CpuMode::User, set, seen).intercepted)
 }

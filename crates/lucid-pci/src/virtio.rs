@@ -550,6 +550,9 @@ impl VirtioPciDevice {
             self.reset_device();
             return;
         }
+        if self.activated && self.device.needs_reset() {
+            self.status |= status::NEEDS_RESET;
+        }
         let old = self.status;
         let v = (v & !status::NEEDS_RESET) | (old & status::NEEDS_RESET);
         if v & old != old {
@@ -649,7 +652,12 @@ impl VirtioPciDevice {
             },
             (CONFIG_MSIX_VECTOR, 2) => self.irq.config_vector.load(Ordering::Acquire) as u64,
             (NUM_QUEUES, 2) => self.queues.len() as u64,
-            (DEVICE_STATUS, 1) => self.status as u64,
+            (DEVICE_STATUS, 1) => {
+                if self.activated && self.device.needs_reset() {
+                    self.status |= status::NEEDS_RESET;
+                }
+                self.status as u64
+            }
             (CONFIG_GENERATION, 1) => self.irq.config_generation.load(Ordering::Acquire) as u64,
             (QUEUE_SELECT, 2) => self.queue_select as u64,
             (QUEUE_SIZE, 2) => q.map_or(0, |q| q.size as u64),

@@ -334,7 +334,10 @@ fn bars_assigned_in_window_and_moved_or_refused() {
         );
         for (i, size) in [(MSIX_BAR, 0x1000u64), (VIRTIO_BAR, 0x4000)] {
             let base = h.bar(s, i);
-            assert!(MMIO_WINDOW.contains(&base) && base.is_multiple_of(size), "{base:#x}");
+            assert!(
+                MMIO_WINDOW.contains(&base) && base.is_multiple_of(size),
+                "{base:#x}"
+            );
         }
     }
     // Size probing: all ones, read back, restore.

@@ -33,8 +33,9 @@ pub const HYPERCALL_UNKNOWN: u64 = u64::MAX;
 
 #[derive(Default)]
 pub struct ExitHooks {
-    pub pio: Bus,
-    pub mmio: Bus,
+    /// Shared (`Arc`) so that the PCI root can move BAR ranges while the VM runs.
+    pub pio: Arc<Bus>,
+    pub mmio: Arc<Bus>,
     hypercalls: RwLock<HashMap<u64, Arc<dyn HypercallHook>>>,
     msrs: RwLock<HashMap<u32, Arc<dyn MsrHook>>>,
 }

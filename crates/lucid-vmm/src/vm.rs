@@ -72,6 +72,19 @@ pub struct Vm {
     /// Kept open: the irqfd and ioeventfd registrations refer to them.
     _eventfds: Vec<EventFd>,
     warnings: Vec<String>,
+    pci: Option<PciBus>,
+}
+
+/// The VM's PCI bus and its virtio devices.
+pub struct PciBus {
+    pub root: Arc<lucid_pci::PciRoot>,
+    pub router: Arc<lucid_hv::GsiRouter>,
+    /// (name, address, transport) in attach order.
+    pub devices: Vec<(
+        String,
+        lucid_pci::PciAddress,
+        Arc<Mutex<lucid_pci::VirtioPciDevice>>,
+    )>,
 }
 
 impl Vm {
@@ -153,6 +166,22 @@ impl Vm {
             )
             .map_err(|e| VmmError::Device(e.to_string()))?;
 
+        // virtio devices on PCI (only when there are any).
+        let pci = if config.pci.is_empty() {
+            None
+        } else {
+            Some(attach_pci(
+                &config,
+                &kvm,
+                &vm,
+                &ram,
+                &dma,
+                &hooks,
+                &stats,
+                &mut warnings,
+            )?)
+        };
+
         // Lucid's own hypercalls.
         let tsc_khz = Arc::new(std::sync::atomic::AtomicU64::new(0));
         hooks.add_hypercall(
@@ -180,7 +209,12 @@ impl Vm {
         };
         let kind = image.kind();
         let cmdline = kernel_cmdline(&config.cmdline, image.is_linux(), backend, &mut warnings);
-        let rsdp = lucid_boot::write_acpi_tables(ram.memory(), &AcpiConfig::new(config.vcpus))?;
+        let mut acpi = AcpiConfig::new(config.vcpus);
+        if pci.is_some() {
+            let last_bus = ((layout::PCI_ECAM_SIZE >> 20) - 1).min(255) as u8;
+            acpi.pci_ecam = Some((layout::PCI_ECAM_START, 0, last_bus));
+        }
+        let rsdp = lucid_boot::write_acpi_tables(ram.memory(), &acpi)?;
         let setup = lucid_boot::load_image(
             ram.memory(),
             &image,
@@ -246,6 +280,7 @@ impl Vm {
             backend,
             _eventfds: eventfds,
             warnings,
+            pci,
         })
     }
 
@@ -316,6 +351,10 @@ impl Vm {
     pub fn backend(&self) -> Backend {
         self.backend
     }
+    /// The PCI bus, when the VM has PCI devices.
+    pub fn pci(&self) -> Option<&PciBus> {
+        self.pci.as_ref()
+    }
     /// Things the user should know before the guest runs (e.g. emulated guest kernel code).
     pub fn warnings(&self) -> &[String] {
         &self.warnings
@@ -324,6 +363,106 @@ impl Vm {
     pub fn stop(&self, reason: StopReason) {
         self.lifecycle.stop(reason)
     }
+}
+
+/// IOAPIC pins 16-23 carry PCI INTx (the ISA IRQs keep 0-15); devices share them round-robin.
+const PCI_INTX_FIRST_GSI: u32 = 16;
+const PCI_INTX_PINS: u32 = 8;
+
+/// Builds the PCI root complex (0xCF8 ports and ECAM), then each configured virtio device on its
+/// rung, attached in order from slot 1.
+#[allow(clippy::too_many_arguments)]
+fn attach_pci(
+    config: &VmConfig,
+    kvm: &lucid_hv::Kvm,
+    vm: &lucid_hv::Vm,
+    ram: &GuestRam,
+    dma: &Arc<DmaPath>,
+    hooks: &Arc<ExitHooks>,
+    stats: &Arc<StatsRegistry>,
+    warnings: &mut Vec<String>,
+) -> Result<PciBus, VmmError> {
+    use lucid_pci::{HostCaps, PciWindows, TransportEnv, TransportOptions};
+    use lucid_virtio::Rung;
+
+    let pci_err = |e: lucid_pci::PciError| VmmError::Device(format!("PCI: {e}"));
+    let wants_l2 = config.pci.iter().any(|d| d.rung == Rung::L2);
+    let host = HostCaps {
+        posted_interrupts: lucid_hv::probe::posted_interrupts_available(),
+        // Only measured when a device asks for L2 (it runs a tiny VM).
+        cpuid_intercepted: wants_l2 && lucid_hv::probe::cpuid_intercepted(kvm).unwrap_or(false),
+    };
+    let router = lucid_hv::GsiRouter::new(vm.clone());
+    let root = lucid_pci::PciRoot::new(
+        hooks.mmio.clone(),
+        hooks.pio.clone(),
+        PciWindows {
+            mmio: layout::PCI_MMIO_START..layout::PCI_MMIO_END,
+            io: 0xc000..0x1_0000,
+            ecam: (layout::PCI_ECAM_START, layout::PCI_ECAM_SIZE),
+        },
+        stats,
+    );
+    root.register().map_err(pci_err)?;
+    let env = TransportEnv {
+        vm: vm.clone(),
+        router: router.clone(),
+        mem: ram.memory().clone(),
+        dma: dma.clone(),
+        stats: stats.clone(),
+        host,
+    };
+    let (mut nblk, mut nnet) = (0, 0);
+    let mut devices = Vec::new();
+    for (i, d) in config.pci.iter().enumerate() {
+        let device: Box<dyn lucid_virtio::VirtioDevice> = match &d.kind {
+            crate::config::PciDeviceKind::Block(b) => {
+                let name = format!("blk{nblk}");
+                nblk += 1;
+                Box::new(
+                    lucid_virtio::blk::Block::new(name.clone(), b.clone())
+                        .map_err(|e| VmmError::Device(format!("{name}: {e}")))?,
+                )
+            }
+            crate::config::PciDeviceKind::Net(n) => {
+                let name = format!("net{nnet}");
+                nnet += 1;
+                Box::new(
+                    lucid_virtio::net::Net::new(name.clone(), n.clone())
+                        .map_err(|e| VmmError::Device(format!("{name}: {e}")))?,
+                )
+            }
+        };
+        let name = device.name().to_string();
+        let opts = TransportOptions {
+            rung: d.rung,
+            coalescing: d.coalescing,
+            poll_idle_us: d.poll_idle_us,
+            intx_gsi: Some(PCI_INTX_FIRST_GSI + i as u32 % PCI_INTX_PINS),
+        };
+        let (addr, dev) = lucid_pci::attach_virtio(&root, device, env.clone(), opts)
+            .map_err(|e| VmmError::Device(format!("{name}: {e}")))?;
+        let plan = lock_transport(&dev).plan();
+        if plan.pv_eoi && !plan.pv_eoi_effective {
+            warnings.push(format!(
+                "{name}: rung L2 offers PV EOI in CPUID, but guests on this host read the host's CPUID \
+                 (not intercepted), so PV EOI is not in effect: L2 runs as L1 \
+                 ({name}.pv_eoi.effective = 0)"
+            ));
+        }
+        devices.push((name, addr, dev));
+    }
+    Ok(PciBus {
+        root,
+        router,
+        devices,
+    })
+}
+
+fn lock_transport(
+    d: &Arc<Mutex<lucid_pci::VirtioPciDevice>>,
+) -> std::sync::MutexGuard<'_, lucid_pci::VirtioPciDevice> {
+    d.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn dev_err(what: &'static str) -> impl Fn(std::io::Error) -> VmmError {

@@ -24,7 +24,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Boot a kernel, or with no --kernel the built-in host-report probe guest.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Report this host's KVM: backend, capabilities, CPUID interception, exit costs.
     Probe {
         /// One JSON object instead of text.
@@ -72,6 +72,14 @@ struct RunArgs {
     /// Do not print the summary at VM exit.
     #[arg(long)]
     quiet: bool,
+    /// A virtio-blk disk on PCI (repeatable):
+    /// path=FILE[,ro=on][,bs=512|4096][,id=STR][,rung=L0|L1|L2|L3|L4|L4p][,coalesce=N:USEC][,poll_us=N]
+    #[arg(long = "blk", value_name = "OPTS")]
+    blk: Vec<String>,
+    /// A virtio-net NIC on PCI (repeatable):
+    /// backend=tap:IFNAME|echo|sink[,mac=52:54:00:12:34:56][,rung=..][,coalesce=N:USEC][,poll_us=N]
+    #[arg(long = "net", value_name = "OPTS")]
+    net: Vec<String>,
 }
 
 fn parse_backing(s: &str) -> Result<Backing, String> {
@@ -113,6 +121,12 @@ fn run(args: RunArgs) -> Result<ExitCode, String> {
     config.serial_stdin = unsafe { libc::isatty(0) } == 1;
     config.backing = parse_backing(&args.backing)?;
     config.handle_signals = true;
+    for b in &args.blk {
+        config.pci.push(lucid_vmm::parse_blk(b)?);
+    }
+    for (i, n) in args.net.iter().enumerate() {
+        config.pci.push(lucid_vmm::parse_net(n, i)?);
+    }
 
     let mut vm = Vm::build(config).map_err(|e| e.to_string())?;
     if builtin_default {
@@ -149,7 +163,7 @@ fn run(args: RunArgs) -> Result<ExitCode, String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
-        Cmd::Run(args) => run(args),
+        Cmd::Run(args) => run(*args),
         Cmd::Probe { json, quick } => {
             match lucid_hv::probe::run_probe(&lucid_hv::probe::ProbeOptions { quick }) {
                 Ok(r) if json => {
