@@ -337,6 +337,13 @@ impl Backend for NetWorker {
     fn on_extra(&mut self, io: &mut Io) -> bool {
         self.receive(io)
     }
+
+    fn init(&mut self, io: &mut Io) {
+        // rx kicks matter only when the device ran out of buffers (it then re-enables them).
+        if let Some(rx) = self.rx {
+            io.disable_notify(rx);
+        }
+    }
 }
 
 impl NetWorker {

@@ -116,12 +116,16 @@ pub(crate) struct Io {
     poll: bool,
     needs_reset: Arc<AtomicBool>,
     halted: bool,
+    /// Set by `Worker::stop`: long loops give up early so that a reset is not held up by a
+    /// driver that keeps the queue full.
+    stop: Arc<AtomicBool>,
     scratch: Vec<Desc>,
 }
 
 impl Io {
+    /// The device needs a reset or is being stopped: touch nothing more.
     pub fn halted(&self) -> bool {
-        self.halted
+        self.halted || self.stop.load(Ordering::Relaxed)
     }
 
     /// The device cannot go on: flag DEVICE_NEEDS_RESET (the transport reads it through
@@ -353,6 +357,10 @@ impl Io {
                     Pop::Fatal => break 'outer,
                     Pop::Chain(head) => {
                         found = true;
+                        if self.stop.load(Ordering::Relaxed) {
+                            // Being reset: the chain is abandoned with the queue.
+                            break 'outer;
+                        }
                         match handle(self, &descs) {
                             Served::Used(len) => self.complete(qi, head, len),
                             Served::Fatal(reason) => {
@@ -364,7 +372,7 @@ impl Io {
                 }
             }
             self.end_batch(qi);
-            if self.halted || !self.enable_notify(qi) {
+            if self.halted() || !self.enable_notify(qi) {
                 break;
             }
         }
@@ -390,6 +398,8 @@ pub(crate) trait Backend: Send + 'static {
     fn on_extra(&mut self, _io: &mut Io) -> bool {
         false
     }
+    /// Called once on the worker thread before the first request.
+    fn init(&mut self, _io: &mut Io) {}
 }
 
 /// The running back-end thread of one device.
@@ -443,9 +453,10 @@ impl Worker {
             poll,
             needs_reset,
             halted: false,
+            stop: Arc::new(AtomicBool::new(false)),
             scratch: Vec::new(),
         };
-        let stop = Arc::new(AtomicBool::new(false));
+        let stop = io.stop.clone();
         let stop_evt = EventFd::new(0).map_err(ActivateError::Thread)?;
         let thread_stop = stop.clone();
         let thread_evt = stop_evt.try_clone().map_err(ActivateError::Thread)?;
@@ -554,6 +565,7 @@ impl<B: Backend> Run<B> {
                 EpollEvent::new(EventSet::empty(), EV_EXTRA),
             )?;
         }
+        self.backend.init(&mut self.io);
         // Chains made available before the thread started got no kick we will see.
         self.all_queues();
         let mut events = vec![EpollEvent::default(); self.io.queues.len() + 3];
@@ -638,6 +650,7 @@ impl<B: Backend> Run<B> {
         for qi in 0..self.io.queues.len() {
             self.io.suppress(qi);
         }
+        self.backend.init(&mut self.io);
         let mut events = vec![EpollEvent::default(); self.io.queues.len().max(1)];
         let mut idle_rounds = 0u32;
         loop {
