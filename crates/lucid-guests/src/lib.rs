@@ -39,6 +39,7 @@ guests!(
     "pci-scan",
     "virtio-blk",
     "virtio-net",
+    "virtio-evil",
 );
 
 /// The guest `lucid run` boots when none is named.
