@@ -300,6 +300,11 @@ impl Interrupts {
         self.lock().clone()
     }
 
+    /// How many vectors the table has.
+    pub fn vectors(&self) -> u16 {
+        self.lock().len()
+    }
+
     pub fn msix_enabled(&self) -> bool {
         self.lock().enabled()
     }

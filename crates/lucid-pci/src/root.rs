@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use lucid_devices::{Bus, BusDevice};
 use lucid_stats::{Counter, StatsRegistry};
@@ -193,14 +193,14 @@ impl PciRoot {
             CONFIG_ADDRESS_PORT,
             8,
             "pci-config",
-            Arc::new(Mutex::new(PortAccess(self.clone()))),
+            Arc::new(Mutex::new(PortAccess(Arc::downgrade(self)))),
         )?;
         let (base, size) = self.windows.ecam;
         self.mmio.insert(
             base,
             size,
             "pci-ecam",
-            Arc::new(Mutex::new(EcamAccess(self.clone()))),
+            Arc::new(Mutex::new(EcamAccess(Arc::downgrade(self)))),
         )?;
         Ok(())
     }
@@ -439,26 +439,38 @@ impl PciRoot {
     }
 }
 
-struct PortAccess(Arc<PciRoot>);
+/// The handlers hold the root weakly: the root holds the buses they sit on, and the VM's
+/// teardown must drop the devices (stopping their threads).
+struct PortAccess(Weak<PciRoot>);
 
 impl BusDevice for PortAccess {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
-        self.0.port(offset, data, false)
+        match self.0.upgrade() {
+            Some(root) => root.port(offset, data, false),
+            None => data.fill(0xff),
+        }
     }
     fn write(&mut self, offset: u64, data: &[u8]) {
-        let mut d = data.to_vec();
-        self.0.port(offset, &mut d, true)
+        if let Some(root) = self.0.upgrade() {
+            let mut d = data.to_vec();
+            root.port(offset, &mut d, true)
+        }
     }
 }
 
-struct EcamAccess(Arc<PciRoot>);
+struct EcamAccess(Weak<PciRoot>);
 
 impl BusDevice for EcamAccess {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
-        self.0.ecam(offset, data, false)
+        match self.0.upgrade() {
+            Some(root) => root.ecam(offset, data, false),
+            None => data.fill(0xff),
+        }
     }
     fn write(&mut self, offset: u64, data: &[u8]) {
-        let mut d = data.to_vec();
-        self.0.ecam(offset, &mut d, true)
+        if let Some(root) = self.0.upgrade() {
+            let mut d = data.to_vec();
+            root.ecam(offset, &mut d, true)
+        }
     }
 }

@@ -752,7 +752,7 @@ impl VirtioPciDevice {
 
     /// A vector the device has, or NO_VECTOR (which the driver reads back as the failure).
     fn vector_or_none(&self, v: u16) -> u16 {
-        if v < self.irq.interrupts.snapshot().len() {
+        if v < self.irq.interrupts.vectors() {
             v
         } else {
             NO_VECTOR

@@ -730,3 +730,25 @@ fn hostile_config_and_bar_garbage_never_panics() {
         assert!((b >= MMIO_WINDOW.start && b + l <= MMIO_WINDOW.end) || b == ECAM);
     }
 }
+
+#[test]
+fn dropping_the_root_drops_and_resets_active_devices() {
+    let h = host();
+    let (slot, seen, dev) = h.attach("blk0", 1, Rung::L1);
+    assert_eq!(drive_to_ok(&h, slot, 1, 64), 0xf);
+    drop(dev);
+    let Host { root, mmio, pio, .. } = h;
+    drop(root);
+    // The access handlers stay on the buses but answer all ones once the root is gone.
+    let mut d = [0u8; 4];
+    assert!(pio.write(0xcf8, &0x8000_0800u32.to_le_bytes()));
+    assert!(pio.read(0xcfc, &mut d));
+    assert_eq!(d, [0xff; 4]);
+    // The BAR ranges still hold the device; unmapping them drops it, which resets it.
+    for (base, _, name) in mmio.ranges() {
+        if name.starts_with("blk0") {
+            mmio.remove(base);
+        }
+    }
+    assert_eq!(seen.resets.load(Ordering::SeqCst), 1, "reset on drop");
+}
