@@ -737,7 +737,9 @@ fn dropping_the_root_drops_and_resets_active_devices() {
     let (slot, seen, dev) = h.attach("blk0", 1, Rung::L1);
     assert_eq!(drive_to_ok(&h, slot, 1, 64), 0xf);
     drop(dev);
-    let Host { root, mmio, pio, .. } = h;
+    let Host {
+        root, mmio, pio, ..
+    } = h;
     drop(root);
     // The access handlers stay on the buses but answer all ones once the root is gone.
     let mut d = [0u8; 4];
