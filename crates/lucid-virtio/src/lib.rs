@@ -2,6 +2,25 @@
 //! `lucid-pci`). A device sees queues, kick eventfds, an interrupt and the DMA path; it never knows
 //! whether a kick came through a userspace exit or an ioeventfd, nor whether its interrupt goes out
 //! by `KVM_SIGNAL_MSI` or an irqfd: that is the transport's rung of the exit ladder.
+//!
+//! Devices: [`blk::Block`] (raw image file) and [`net::Net`] (tap, echo, sink). Each runs one
+//! back-end thread, `lucid-<name>-io` (Linux keeps the first 15 bytes of a thread name, so keep
+//! device names to 6 bytes), started by `activate` and joined by `reset`. The thread waits on the
+//! kick eventfds ([`Notify::Kicks`]) or polls the avail rings with the driver's notifications
+//! suppressed ([`Notify::Poll`]); it raises interrupts only when the driver asks for them
+//! (`VRING_AVAIL_F_NO_INTERRUPT`, or `used_event` with EVENT_IDX) and at most as often as
+//! [`Coalescing`] allows (a time cap of 0 means: flush when the device goes idle). The transport
+//! must hand over queues that are `ready`, with EVENT_IDX as negotiated (the device sets it again
+//! from `features`); rings are accessed on `mem`, buffer data only through the DMA path.
+//!
+//! Counters, under `<name>.`: `kicks` (kick eventfd signals consumed), `polls_found_work`,
+//! `requests` (chains completed), `bytes_read` / `bytes_written` (payload the device read from /
+//! wrote into guest buffers: blk writes / blk reads, net tx / net rx), `irqs` (signalled),
+//! `irqs_coalesced` (completions covered by another's interrupt), `irqs_suppressed` (completions
+//! for which the driver asked for none), `errors`; net adds `tx_packets`, `tx_bytes`,
+//! `tx_dropped`, `rx_packets`, `rx_bytes`, `rx_dropped_no_buffers`, `rx_dropped_too_big`.
+//! Every completion is counted in exactly one of `irqs`, `irqs_coalesced`, `irqs_suppressed`
+//! once its interrupt decision is made.
 
 use std::sync::Arc;
 

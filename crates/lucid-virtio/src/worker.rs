@@ -231,8 +231,11 @@ impl Io {
     }
 
     /// Poll mode: keeps the driver from notifying. Without EVENT_IDX that is
-    /// `VRING_USED_F_NO_NOTIFY`; with it, `avail_event` is set just behind the device's
-    /// position, so that the driver would notify only after 65,535 more chains.
+    /// `VRING_USED_F_NO_NOTIFY`; with it, `avail_event` is set half the index space away from
+    /// the device's position: the driver notifies when its index steps over `avail_event`, and
+    /// it is never more than a queue's worth ahead of the device. (Just behind, `next_avail - 1`,
+    /// would not do: a driver that publishes entry N and reads `avail_event` after the device
+    /// consumed N and wrote N would still notify.)
     fn suppress(&mut self, qi: usize) {
         let wq = &mut self.queues[qi];
         if wq.suppressed_at == Some(wq.queue.next_avail()) {
@@ -242,7 +245,7 @@ impl Io {
         let q = &mut wq.queue;
         if q.event_idx_enabled() {
             let addr = q.used_ring() + 4 + 8 * u64::from(q.size());
-            let v = q.next_avail().wrapping_sub(1);
+            let v = q.next_avail().wrapping_add(0x8000);
             let _ = self
                 .mem
                 .store(v.to_le(), GuestAddress(addr), Ordering::Relaxed);
