@@ -264,6 +264,10 @@ fn config_features_and_bad_configs() {
     ));
     let m = e(NetBackend::Tap("a-name-longer-than-15".into()), MAC).to_string();
     assert!(m.contains("longer than 15"), "{m}");
+    // An existing interface that is not a tap.
+    let m = e(NetBackend::Tap("lo".into()), MAC).to_string();
+    eprintln!("{m}");
+    assert!(m.starts_with("cannot create tap lo:"), "{m}");
 }
 
 // ---- tap in a network namespace ----
@@ -482,4 +486,58 @@ fn tap_stops_reading_without_rx_buffers() {
         (f.len() >= 42 && f[12..14] == [0x08, 0x06] && f[20..22] == [0, 2]).then_some(())
     });
     d.dev.reset();
+}
+
+/// Child half of `tap_without_privilege_says_what_is_needed`.
+#[test]
+#[ignore = "run by tap_without_privilege_says_what_is_needed as an unprivileged user"]
+fn tap_unprivileged_child() {
+    if std::env::var_os("LUCID_TAP_CHILD").is_none() {
+        return;
+    }
+    let e = Net::new(
+        "net0".into(),
+        NetConfig {
+            backend: NetBackend::Tap("lucidtapnp".into()),
+            mac: MAC,
+        },
+    )
+    .err()
+    .expect("an unprivileged user created a tap");
+    println!("ERROR: {e}");
+}
+
+#[test]
+fn tap_without_privilege_says_what_is_needed() {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to run a child as an unprivileged user");
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "tap_unprivileged_child",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env("LUCID_TAP_CHILD", "1")
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() && !text.contains("ERROR") {
+        eprintln!(
+            "skipped: cannot run the test binary as nobody: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return;
+    }
+    assert!(
+        text.contains("needs root or CAP_NET_ADMIN"),
+        "unexpected: {text} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
