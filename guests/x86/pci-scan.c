@@ -34,6 +34,6 @@ int main(void)
 				printf("%02x@%02x,", pci_cfg_read8(d->bdf, p), p);
 		printf(" cmd=%#x\n", pci_cfg_read16(d->bdf, PCI_COMMAND));
 	}
-	printf("pci-scan: %d functions\n", n);
+	printf("pci-scan: %d functions (%s)\n", n, pci_cfg_mechanism());
 	return n ? 0 : 1;
 }

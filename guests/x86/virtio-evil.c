@@ -98,6 +98,10 @@ static const char *outcome(struct virtio_dev *v, struct virtq *q, char *buf, int
 		if (rdtsc() - last_status > timeout_tsc / 100) {
 			st = virtio_status(v);
 			last_status = rdtsc();
+			if (st == 0xff) {
+				snprintf(buf, size, "device unreachable (status reads 0xff)");
+				return buf;
+			}
 			if (st & VIRTIO_S_NEEDS_RESET) {
 				snprintf(buf, size, "needs reset (status %#x)", st);
 				return buf;
@@ -501,8 +505,8 @@ static void bar_cases(void)
 		report(cases[c].name, line);
 	}
 	/* a legitimate move while the device runs: requests follow the BAR */
-	u64 window = 0xf0000000ull - 4 * size;
-	u64 nb = window & ~(size - 1);
+	/* 1 MiB above: past the BARs assigned from the same window */
+	u64 nb = (d->bar[vb] + 0x100000) & ~(size - 1);
 	if (setup(&blk, 1) == 0) {
 		pci_cfg_write32(d->bdf, off, (u32)nb | (orig_lo & 0xf));
 		if (d->bar_64[vb])

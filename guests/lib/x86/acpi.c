@@ -85,3 +85,9 @@ int acpi_madt_cpus(u32 *ids, int max)
 	}
 	return n;
 }
+
+const void *acpi_find_table(const char *sig)
+{
+	u64 rsdp = acpi_find_rsdp();
+	return rsdp ? find_table(rsdp, sig) : NULL;
+}

@@ -108,6 +108,8 @@ u32 lapic_id(void);
 u64 acpi_find_rsdp(void);		/* 0 if none */
 /* fill apic_ids with enabled CPUs from the MADT; -1 no RSDP, -2 no MADT */
 int acpi_madt_cpus(u32 *apic_ids, int max);
+/* the table with this 4-byte signature (header first), NULL if none */
+const void *acpi_find_table(const char *sig);
 
 /* ---- SMP ---- */
 extern volatile u32 smp_cpus_up;	/* CPUs that reported in, BSP included */

@@ -5,6 +5,16 @@
 #define PCI_CONFIG_ADDR 0xcf8
 #define PCI_CONFIG_DATA 0xcfc
 
+/*
+ * Two configuration mechanisms: ports 0xCF8/0xCFC (default) and ECAM from
+ * the ACPI MCFG table (or param ecam=<base> for buses 0-255), used when
+ * port 0xCF8 finds nothing at 00:00.0 (QEMU microvm's PCIe host has ECAM
+ * only, and QEMU 7.2 gives it no MCFG: ecam=0xe0000000) or with pci=ecam.
+ */
+static int cfg_mode;		/* 0 not chosen, 1 ports, 2 ECAM */
+static u64 ecam_base;
+static u8 ecam_bus0, ecam_bus1;
+
 /* port 0xCF8 then 0xCFC is two accesses: keep them together across CPUs */
 static volatile int cfg_lock;
 
@@ -25,7 +35,7 @@ static u32 cfg_addr(u32 bdf, u32 off)
 	return 0x80000000u | (bdf << 8) | (off & 0xfc);
 }
 
-u32 pci_cfg_read32(u32 bdf, u32 off)
+static u32 port_read(u32 bdf, u32 off)
 {
 	lock();
 	outl(PCI_CONFIG_ADDR, cfg_addr(bdf, off));
@@ -34,8 +44,71 @@ u32 pci_cfg_read32(u32 bdf, u32 off)
 	return v;
 }
 
+static int ecam_find(void)
+{
+	if (param_present("ecam")) {	/* no MCFG (QEMU 7.2 microvm): give the base */
+		ecam_base = param_u64("ecam", 0);
+		ecam_bus0 = 0;
+		ecam_bus1 = 255;
+		return 0;
+	}
+	const u8 *t = acpi_find_table("MCFG");
+	if (!t || *(const u32 *)(t + 4) < 44 + 16)
+		return -1;
+	ecam_base = *(const u64 *)(t + 44);
+	ecam_bus0 = t[44 + 10];
+	ecam_bus1 = t[44 + 11];
+	return 0;
+}
+
+static void choose(void)
+{
+	const char *m = param_str("pci", "auto");
+	cfg_mode = 1;
+	if (!strcmp(m, "ecam") || (strcmp(m, "cf8") && port_read(0, 0) == 0xffffffff)) {
+		if (ecam_find() == 0)
+			cfg_mode = 2;
+	}
+}
+
+/* ECAM address of (bdf, off), 0 when outside the MCFG bus range */
+static u64 ecam_addr(u32 bdf, u32 off)
+{
+	u32 bus = bdf >> 8;
+	if (bus < ecam_bus0 || bus > ecam_bus1)
+		return 0;
+	return ecam_base + (((u64)(bus - ecam_bus0) << 20) | ((u64)(bdf & 0xff) << 12) |
+			    (off & 0xffc));
+}
+
+const char *pci_cfg_mechanism(void)
+{
+	if (!cfg_mode)
+		choose();
+	return cfg_mode == 2 ? "ecam" : "cf8";
+}
+
+u32 pci_cfg_read32(u32 bdf, u32 off)
+{
+	if (!cfg_mode)
+		choose();
+	if (cfg_mode == 2) {
+		u64 a = ecam_addr(bdf, off);
+		return a ? mmio_read32(a) : 0xffffffff;
+	}
+	return port_read(bdf, off);
+}
+
 void pci_cfg_write32(u32 bdf, u32 off, u32 v)
 {
+	if (!cfg_mode)
+		choose();
+	if (cfg_mode == 2) {
+		u64 a = ecam_addr(bdf, off);
+		if (a)
+			mmio_write32(a, v);
+		return;
+	}
 	lock();
 	outl(PCI_CONFIG_ADDR, cfg_addr(bdf, off));
 	outl(PCI_CONFIG_DATA, v);

@@ -1,6 +1,8 @@
 /*
  * PCI for probe guests: configuration space through ports 0xCF8/0xCFC
- * (32-bit dword accesses only, from CPL3 through the TSS I/O bitmap),
+ * (32-bit dword accesses only, from CPL3 through the TSS I/O bitmap), or
+ * ECAM from the ACPI MCFG table when the ports find no host bridge (param
+ * pci=auto|cf8|ecam),
  * bus 0 enumeration, BARs as the firmware/VMM assigned them, the
  * capability list, and MSI-X (table in a memory BAR, identity-mapped).
  */
@@ -50,6 +52,8 @@ struct pci_dev {
 	u64 msix_table, msix_pba;	/* addresses, 0 if the BAR is unassigned */
 };
 
+/* "cf8" or "ecam": the configuration mechanism in use */
+const char *pci_cfg_mechanism(void);
 u32 pci_cfg_read32(u32 bdf, u32 off);
 u16 pci_cfg_read16(u32 bdf, u32 off);
 u8 pci_cfg_read8(u32 bdf, u32 off);

@@ -69,11 +69,11 @@ int virtio_probe(struct virtio_dev *v, u16 device_id, int index)
 	}
 	struct pci_dev *d = &v->pci;
 	if (!mmio_window)
-		mmio_window = param_u64("pci_mmio", 0xe0000000);
+		mmio_window = param_u64("pci_mmio", 0xc0000000);
 	int n = pci_assign_bars(d, &mmio_window);
 	if (n)
 		printf("virtio: %02x:%02x.%x: firmware left %d BAR(s) unassigned; assigned from %#lx\n",
-		       d->bdf >> 8, (d->bdf >> 3) & 31, d->bdf & 7, n, param_u64("pci_mmio", 0xe0000000));
+		       d->bdf >> 8, (d->bdf >> 3) & 31, d->bdf & 7, n, param_u64("pci_mmio", 0xc0000000));
 	pci_enable(d);
 
 	for (u8 p = pci_find_cap(d->bdf, PCI_CAP_VENDOR, 0); p;
