@@ -67,10 +67,11 @@ fn write_pattern_read_back_checksums() {
     assert_eq!(st("errors"), 0);
     assert!(st("kicks") >= 1);
     // Every request asked for an interrupt (EVENT_IDX with used_event 0 only on the first).
-    assert_eq!(
-        st("irqs") + st("irqs_coalesced") + st("irqs_suppressed"),
-        st("requests")
-    );
+    // Each completion gets its interrupt decision (just after it is published).
+    assert!(wait_for(|| st("irqs")
+        + st("irqs_coalesced")
+        + st("irqs_suppressed")
+        == 8));
     b.dev.reset();
 }
 
