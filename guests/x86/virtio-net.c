@@ -16,6 +16,11 @@
  * its peer) must echo. tx sends as fast as the queue allows and reclaims;
  * received frames are recycled and counted.
  *
+ * op=ping: IPv4 from src=10.0.2.15 to dst=10.0.2.2; resolves dst's MAC
+ * with ARP (3 tries), answers ARP requests for src, then sends count ICMP
+ * echo requests of size bytes (frame, >= 42) one at a time and checks each
+ * reply's id, sequence and payload; `lost` replies fail the run.
+ *
  * Prints "virtio-net mac=... features=..." then "virtio-net op=.. size=..
  * packets=N bytes=B tsc=T pps=X kicks=K irqs=I mismatches=M" and
  * "virtio-net detail: ...". Exit 0; 1 on mismatch or timeout; 2 setup.
@@ -119,6 +124,221 @@ static int reap_tx(void)
 	return n;
 }
 
+/* ---- op=ping: ARP resolution and ICMP echo over IPv4 ---- */
+
+static u64 ping_inflight;
+
+static int parse_ip(const char *s, u8 *ip)
+{
+	for (int i = 0; i < 4; i++) {
+		u32 v = 0;
+		if (*s < '0' || *s > '9')
+			return -1;
+		while (*s >= '0' && *s <= '9')
+			v = v * 10 + (*s++ - '0');
+		ip[i] = v;
+		if (i < 3 && *s++ != '.')
+			return -1;
+	}
+	return 0;
+}
+
+static u16 csum(const u8 *p, u64 n)
+{
+	u32 s = 0;
+	for (u64 i = 0; i + 1 < n; i += 2)
+		s += (p[i] << 8) | p[i + 1];
+	if (n & 1)
+		s += p[n - 1] << 8;
+	while (s >> 16)
+		s = (s & 0xffff) + (s >> 16);
+	return ~s;
+}
+
+/* transmit frame f of len bytes (copied), reclaiming finished ones */
+static int send_frame(const u8 *f, u64 len)
+{
+	u64 t0 = rdtsc();
+	int head;
+	for (;;) {
+		int id;
+		while ((id = vq_pop(txq, NULL)) >= 0) {
+			vq_free_chain(txq, id);
+			ping_inflight--;
+		}
+		head = vq_alloc_chain(txq, 1);
+		if (head >= 0)
+			break;
+		if (rdtsc() - t0 > timeout_tsc)
+			return -1;
+		cpu_relax();
+	}
+	memset(txbuf[head], 0, NET_HDR);
+	memcpy(txbuf[head] + NET_HDR, f, len);
+	txq->desc[head].addr = (u64)txbuf[head];
+	txq->desc[head].len = NET_HDR + len;
+	txq->desc[head].flags = 0;
+	vq_push(txq, head);
+	vq_kick(txq);
+	ping_inflight++;
+	return 0;
+}
+
+static u8 my_ip[4], peer_ip[4], peer_mac[6];
+
+static void put16(u8 *p, u16 v) { p[0] = v >> 8; p[1] = v; }
+static u16 get16(const u8 *p) { return (p[0] << 8) | p[1]; }
+
+static void send_arp(int oper, const u8 *tmac, const u8 *tip)
+{
+	u8 f[60];
+	memset(f, 0, sizeof(f));
+	if (oper == 1)
+		memset(f, 0xff, 6);
+	else
+		memcpy(f, tmac, 6);
+	memcpy(f + 6, mac, 6);
+	put16(f + 12, 0x0806);
+	put16(f + 14, 1);
+	put16(f + 16, 0x0800);
+	f[18] = 6;
+	f[19] = 4;
+	put16(f + 20, oper);
+	memcpy(f + 22, mac, 6);
+	memcpy(f + 28, my_ip, 4);
+	if (oper == 2)
+		memcpy(f + 32, tmac, 6);
+	memcpy(f + 38, tip, 4);
+	send_frame(f, sizeof(f));
+}
+
+/* receive one frame into out (returns its length) within the timeout, -1
+ * on timeout; answers ARP requests for our address on the way */
+static int recv_frame(u8 *out, u64 max)
+{
+	for (;;) {
+		u32 len;
+		int id = vq_pop(rxq, &len);
+		if (id < 0) {
+			if (wait_any(rxq, NULL))
+				return -1;
+			continue;
+		}
+		if (id >= rxq->size)
+			return -1;
+		u16 bi = rxhead2buf[id];
+		vq_free_chain(rxq, id);
+		u64 flen = len >= NET_HDR ? len - NET_HDR : 0;
+		if (flen > max)
+			flen = max;
+		memcpy(out, rxbuf[bi] + NET_HDR, flen);
+		post_rx_buf(bi);
+		vq_kick(rxq);
+		received++;
+		if (flen >= 42 && get16(out + 12) == 0x0806 && get16(out + 20) == 1 &&
+		    !memcmp(out + 38, my_ip, 4)) {
+			send_arp(2, out + 22, out + 28);
+			continue;
+		}
+		return flen;
+	}
+}
+
+static int do_ping(u64 count, u64 size, char *b)
+{
+	if (parse_ip(param_str("src", "10.0.2.15"), my_ip) ||
+	    parse_ip(param_str("dst", "10.0.2.2"), peer_ip)) {
+		printf("virtio-net: src=/dst= must be dotted IPv4 addresses\n");
+		return 2;
+	}
+	if (size < 42)
+		size = 42;
+	u8 f[1514], r[1514];
+	int resolved = 0;
+	for (int tries = 0; tries < 3 && !resolved; tries++) {
+		send_arp(1, NULL, peer_ip);
+		int n;
+		while (!resolved && (n = recv_frame(r, sizeof(r))) >= 0) {
+			if (n >= 42 && get16(r + 12) == 0x0806 && get16(r + 20) == 2 &&
+			    !memcmp(r + 28, peer_ip, 4)) {
+				memcpy(peer_mac, r + 22, 6);
+				resolved = 1;
+			} else {
+				other++;
+			}
+		}
+	}
+	if (!resolved) {
+		printf("virtio-net: no ARP reply from %u.%u.%u.%u (timeout)\n", peer_ip[0],
+		       peer_ip[1], peer_ip[2], peer_ip[3]);
+		return 1;
+	}
+	printf("virtio-net arp %u.%u.%u.%u is-at %02x:%02x:%02x:%02x:%02x:%02x\n", peer_ip[0],
+	       peer_ip[1], peer_ip[2], peer_ip[3], peer_mac[0], peer_mac[1], peer_mac[2],
+	       peer_mac[3], peer_mac[4], peer_mac[5]);
+	u64 irq0 = this_cpu()->irq_count, done = 0, lost = 0;
+	u16 ident = rdtsc();
+	u64 t0 = rdtsc();
+	for (u64 seq = 0; seq < count; seq++) {
+		memcpy(f, peer_mac, 6);
+		memcpy(f + 6, mac, 6);
+		put16(f + 12, 0x0800);
+		u8 *ip = f + 14, *icmp = f + 34;
+		u64 iplen = size - 14;
+		memset(ip, 0, 20);
+		ip[0] = 0x45;
+		put16(ip + 2, iplen);
+		put16(ip + 4, seq);
+		put16(ip + 6, 0x4000);
+		ip[8] = 64;
+		ip[9] = 1;
+		memcpy(ip + 12, my_ip, 4);
+		memcpy(ip + 16, peer_ip, 4);
+		put16(ip + 10, csum(ip, 20));
+		icmp[0] = 8;
+		icmp[1] = 0;
+		put16(icmp + 2, 0);
+		put16(icmp + 4, ident);
+		put16(icmp + 6, seq);
+		for (u64 i = 8; i < iplen - 20; i++)
+			icmp[i] = seq * 7 + i;
+		put16(icmp + 2, csum(icmp, iplen - 20));
+		if (send_frame(f, size)) {
+			printf("virtio-net: tx stuck (timeout)\n");
+			return 1;
+		}
+		int got = 0, n;
+		while (!got && (n = recv_frame(r, sizeof(r))) >= 0) {
+			if ((u64)n < 42 || get16(r + 12) != 0x0800 || r[23] != 1 ||
+			    memcmp(r + 26, peer_ip, 4) || r[34] != 0 || get16(r + 38) != ident ||
+			    get16(r + 40) != (u16)seq) {
+				other++;
+				continue;
+			}
+			got = 1;
+			if ((u64)n < size || memcmp(r + 42, f + 42, size - 42)) {
+				if (mismatches < 10)
+					printf("MISMATCH packet=%lu len=%d\n", seq, n);
+				mismatches++;
+			}
+		}
+		if (got)
+			done++;
+		else
+			lost++;
+	}
+	u64 t = rdtsc() - t0;
+	printf("virtio-net op=ping size=%lu packets=%lu bytes=%lu tsc=%lu pps=%s kicks=%lu irqs=%lu "
+	       "mismatches=%lu\n",
+	       size, done, done * size, t,
+	       tsc_khz() && t ? fmt_milli(b, rate_milli(done, t)) : "unknown",
+	       rxq->kicks + txq->kicks, this_cpu()->irq_count - irq0, mismatches);
+	printf("virtio-net detail: mode=%s event_idx=%d lost=%lu received=%lu other=%lu status=%#x\n",
+	       txq->poll ? "poll" : "irq", txq->event_idx, lost, received, other,
+	       virtio_status(&dev));
+	return lost || mismatches ? 1 : 0;
+}
+
 int main(void)
 {
 	const char *ops = param_str("op", "rr");
@@ -127,10 +347,11 @@ int main(void)
 	u64 count = param_u64("count", 1000);
 	int poll = !strcmp(modes, "poll");
 	int rr = strcmp(ops, "tx") != 0;
+	int ping = !strcmp(ops, "ping");
 	char b[32];
 
-	if (strcmp(ops, "rr") && strcmp(ops, "tx")) {
-		printf("virtio-net: op must be rr or tx\n");
+	if (strcmp(ops, "rr") && strcmp(ops, "tx") && !ping) {
+		printf("virtio-net: op must be rr, tx or ping\n");
 		return 2;
 	}
 	if (size < 22 || size > 1514) {
@@ -192,6 +413,8 @@ int main(void)
 	       mac[0], mac[1], mac[2], mac[3], mac[4], mac[5], dev.features, txq->size,
 	       txq->vector >= 0);
 
+	if (ping)
+		return do_ping(count, size, b);
 	u64 irq0 = this_cpu()->irq_count;
 	u64 sent = 0, done = 0;
 	u64 t0 = rdtsc();
