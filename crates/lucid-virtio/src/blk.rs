@@ -270,6 +270,9 @@ impl VirtioDevice for Block {
             read_only: self.cfg.read_only,
             id: self.cfg.id.as_bytes().to_vec(),
             bounce: Vec::new(),
+            readable: Vec::new(),
+            writable: Vec::new(),
+            data_in: Vec::new(),
         };
         self.needs_reset.store(false, Ordering::SeqCst);
         self.worker = Some(Worker::spawn(
@@ -311,6 +314,9 @@ struct BlkBackend {
     read_only: bool,
     id: Vec<u8>,
     bounce: Vec<u8>,
+    readable: Vec<Region>,
+    writable: Vec<Region>,
+    data_in: Vec<Region>,
 }
 
 /// Why a request failed, with the status it gets.
@@ -362,23 +368,49 @@ impl BlkBackend {
         if descs[first_w..].iter().any(|d| !d.is_write_only()) {
             return Err(IOERR);
         }
-        let readable: Vec<Region> = descs[..first_w]
-            .iter()
-            .map(|d| (d.addr().0, u64::from(d.len())))
-            .collect();
-        let mut writable: Vec<Region> = descs[first_w..]
-            .iter()
-            .map(|d| (d.addr().0, u64::from(d.len())))
-            .collect();
+        // Region lists are kept between requests (no allocation per request).
+        let mut readable = std::mem::take(&mut self.readable);
+        let mut writable = std::mem::take(&mut self.writable);
+        let mut data_in = std::mem::take(&mut self.data_in);
+        readable.clear();
+        readable.extend(
+            descs[..first_w]
+                .iter()
+                .map(|d| (d.addr().0, u64::from(d.len()))),
+        );
+        writable.clear();
+        writable.extend(
+            descs[first_w..]
+                .iter()
+                .map(|d| (d.addr().0, u64::from(d.len()))),
+        );
         // Drop the status byte from the writable data.
         if let Some(l) = writable.last_mut() {
             l.1 -= 1;
         }
         writable.retain(|r| r.1 > 0);
+        let r = if split_off(&readable, 16, &mut data_in) {
+            self.serve_parsed(io, &readable, &data_in, &writable)
+        } else {
+            Err(IOERR)
+        };
+        self.readable = readable;
+        self.writable = writable;
+        self.data_in = data_in;
+        r
+    }
 
+    /// Serves a request whose chain is split into the readable regions (header first), the
+    /// readable data after the header, and the writable data before the status byte.
+    fn serve_parsed(
+        &mut self,
+        io: &Io,
+        readable: &[Region],
+        data_in: &[Region],
+        writable: &[Region],
+    ) -> Result<u32, Fail> {
         let mut hdr = [0u8; 16];
-        let data_in = split_off(&readable, 16).ok_or(IOERR)?;
-        gather(io, &readable, &mut hdr).map_err(|_| IOERR)?;
+        gather(io, readable, &mut hdr).map_err(|_| IOERR)?;
         let rtype = u32::from_le_bytes(hdr[0..4].try_into().expect("4 bytes"));
         let sector = u64::from_le_bytes(hdr[8..16].try_into().expect("8 bytes"));
         let in_len: u64 = data_in.iter().map(|r| r.1).sum();
@@ -391,7 +423,7 @@ impl BlkBackend {
                     return Err(IOERR);
                 }
                 let off = self.check_range(sector, out_len)?;
-                self.read_into(io, off, &writable)?;
+                self.read_into(io, off, writable)?;
                 io.c.bytes_written.add(out_len);
                 Ok(out_len as u32)
             }
@@ -400,7 +432,7 @@ impl BlkBackend {
                     return Err(IOERR);
                 }
                 let off = self.check_range(sector, in_len)?;
-                self.write_from(io, off, &data_in)?;
+                self.write_from(io, off, data_in)?;
                 io.c.bytes_read.add(in_len);
                 Ok(0)
             }
@@ -420,7 +452,7 @@ impl BlkBackend {
                 let mut id = [0u8; VIRTIO_BLK_ID_BYTES];
                 id[..self.id.len()].copy_from_slice(&self.id);
                 let n = (out_len as usize).min(VIRTIO_BLK_ID_BYTES);
-                scatter(io, &writable, &id[..n]).map_err(|_| IOERR)?;
+                scatter(io, writable, &id[..n]).map_err(|_| IOERR)?;
                 io.c.bytes_written.add(n as u64);
                 Ok(n as u32)
             }
@@ -438,7 +470,7 @@ impl BlkBackend {
                     return Err(IOERR);
                 }
                 let mut segs = vec![0u8; in_len as usize];
-                gather(io, &data_in, &mut segs).map_err(|_| IOERR)?;
+                gather(io, data_in, &mut segs).map_err(|_| IOERR)?;
                 // Check every segment before changing anything.
                 let mut ranges = Vec::new();
                 for s in segs.chunks_exact(16) {

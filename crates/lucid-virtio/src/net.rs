@@ -223,6 +223,8 @@ impl VirtioDevice for Net {
             rx_waiting: false,
             frame: vec![0; MAX_FRAME],
             descs: Vec::new(),
+            regions: Vec::new(),
+            body: Vec::new(),
             c: NetCounters::new(&ctx.stats, &self.name),
         };
         self.needs_reset.store(false, Ordering::SeqCst);
@@ -288,6 +290,9 @@ struct NetWorker {
     rx_waiting: bool,
     frame: Vec<u8>,
     descs: Vec<Desc>,
+    /// Region lists kept between frames (no allocation per frame).
+    regions: Vec<Region>,
+    body: Vec<Region>,
     c: NetCounters,
 }
 
@@ -353,16 +358,23 @@ impl NetWorker {
             self.c.tx_dropped.inc();
             return Served::Used(0);
         }
-        let regions: Vec<Region> = descs
-            .iter()
-            .map(|d| (d.addr().0, u64::from(d.len())))
-            .collect();
+        let mut regions = std::mem::take(&mut self.regions);
+        let mut data = std::mem::take(&mut self.body);
+        regions.clear();
+        regions.extend(descs.iter().map(|d| (d.addr().0, u64::from(d.len()))));
+        let r = self.transmit_regions(io, &regions, &mut data);
+        self.regions = regions;
+        self.body = data;
+        r
+    }
+
+    fn transmit_regions(&mut self, io: &Io, regions: &[Region], data: &mut Vec<Region>) -> Served {
         let total: u64 = regions.iter().map(|r| r.1).sum();
-        let Some(data) = split_off(&regions, NET_HDR_LEN as u64) else {
+        if !split_off(regions, NET_HDR_LEN as u64, data) {
             io.c.errors.inc();
             self.c.tx_dropped.inc();
             return Served::Used(0);
-        };
+        }
         let len = (total - NET_HDR_LEN as u64) as usize;
         if len > MAX_FRAME {
             io.c.errors.inc();
@@ -370,7 +382,7 @@ impl NetWorker {
             return Served::Used(0);
         }
         let frame = &mut self.frame[..len];
-        if gather(io, &data, frame).is_err() {
+        if gather(io, data, frame).is_err() {
             io.c.errors.inc();
             self.c.tx_dropped.inc();
             return Served::Used(0);
@@ -470,11 +482,26 @@ impl NetWorker {
             io.c.errors.inc();
             io.complete(rx, head, 0);
         };
-        let regions: Vec<Region> = self
-            .descs
-            .iter()
-            .map(|d| (d.addr().0, u64::from(d.len())))
-            .collect();
+        let mut regions = std::mem::take(&mut self.regions);
+        let mut body = std::mem::take(&mut self.body);
+        regions.clear();
+        regions.extend(self.descs.iter().map(|d| (d.addr().0, u64::from(d.len()))));
+        let r = self.fill(io, rx, head, len, &regions, &mut body);
+        self.regions = regions;
+        self.body = body;
+        r
+    }
+
+    /// Writes the header and `self.frame[..len]` into rx chain `head` made of `regions`.
+    fn fill(
+        &mut self,
+        io: &mut Io,
+        rx: usize,
+        head: u16,
+        len: usize,
+        regions: &[Region],
+        body: &mut Vec<Region>,
+    ) -> Delivery {
         let room: u64 = regions.iter().map(|r| r.1).sum();
         if room < (NET_HDR_LEN + len) as u64 {
             io.unpop(rx);
@@ -484,8 +511,8 @@ impl NetWorker {
         }
         let mut hdr = [0u8; NET_HDR_LEN];
         hdr[10..12].copy_from_slice(&1u16.to_le_bytes()); // num_buffers
-        let body = split_off(&regions, NET_HDR_LEN as u64).unwrap_or_default();
-        if scatter(io, &regions, &hdr).is_err() || scatter(io, &body, &self.frame[..len]).is_err() {
+        split_off(regions, NET_HDR_LEN as u64, body);
+        if scatter(io, regions, &hdr).is_err() || scatter(io, body, &self.frame[..len]).is_err() {
             io.c.errors.inc();
             io.complete(rx, head, 0);
             return Delivery::Dropped;

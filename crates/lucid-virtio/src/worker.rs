@@ -708,9 +708,9 @@ pub(crate) type Region = (u64, u64);
 #[derive(Debug)]
 pub(crate) struct Short;
 
-/// The regions of `regions` after its first `skip` bytes, or None if it is shorter.
-pub(crate) fn split_off(regions: &[Region], mut skip: u64) -> Option<Vec<Region>> {
-    let mut out = Vec::new();
+/// Puts in `out` the regions of `regions` after its first `skip` bytes; false if it is shorter.
+pub(crate) fn split_off(regions: &[Region], mut skip: u64, out: &mut Vec<Region>) -> bool {
+    out.clear();
     for &(addr, len) in regions {
         if skip >= len {
             skip -= len;
@@ -719,7 +719,7 @@ pub(crate) fn split_off(regions: &[Region], mut skip: u64) -> Option<Vec<Region>
         out.push((addr.wrapping_add(skip), len - skip));
         skip = 0;
     }
-    (skip == 0).then_some(out)
+    skip == 0
 }
 
 /// Reads `buf.len()` bytes from the start of `regions` through the DMA path.
