@@ -6,7 +6,8 @@
  * verify=0|1, flush=0|1, seed=0x5eed, span=bytes of the disk used (all),
  * prefill=0|1 (write the span with the pattern first, untimed), qsize=256,
  * event_idx=1 (negotiate VIRTIO_F_EVENT_IDX if offered), timeout_ms=2000
- * (per wait), dev=0 (which virtio-blk function).
+ * (per wait), dev=0 (which virtio-blk function), hold=0 (1: after the
+ * report print "virtio-blk: holding" and spin, for kill -9 durability tests).
  *
  * Data: every 512-byte sector written carries a pattern made of its sector
  * number and the seed (word 0 = sector, word 1 = seed, the rest mixed), so
@@ -393,6 +394,11 @@ int main(void)
 	printf("virtio-blk detail: mode=%s event_idx=%d kicks_suppressed=%lu io_errors=%lu "
 	       "status=%#x\n",
 	       q->poll ? "poll" : "irq", q->event_idx, supp, io_errors, virtio_status(&dev));
+	if (param_u64("hold", 0)) {	/* for kill -9 tests: stay up after the report */
+		printf("virtio-blk: holding\n");
+		for (;;)
+			cpu_relax();
+	}
 	if (rc || io_errors || mismatches)
 		return 1;
 	return 0;

@@ -379,7 +379,7 @@ int main(void)
 		for (int i = 0; i < 6; i++)
 			mac[i] = mmio_read8(dev.devcfg + i);
 	memcpy(dst, mac, 6);
-	if (param_present("dst"))
+	if (param_present("dst") && !ping)
 		parse_mac(param_str("dst", ""), dst);
 
 	/* buffers: rx (rxbufs of them), tx (one per tx descriptor) */
