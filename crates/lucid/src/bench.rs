@@ -28,11 +28,14 @@ pub enum BenchCmd {
         #[arg(long, default_value_t = 3)]
         runs: usize,
     },
+    /// The exit ladder: every rung on block and network workloads, against QEMU and native.
+    Io(crate::bench_io::IoArgs),
 }
 
 pub fn run(cmd: BenchCmd) -> Result<ExitCode, String> {
     match cmd {
         BenchCmd::Exits { json, count, runs } => exits(json, count, runs.max(1)),
+        BenchCmd::Io(args) => crate::bench_io::run(args),
     }
 }
 

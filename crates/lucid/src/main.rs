@@ -3,6 +3,7 @@
 //! do, and `lucid bench` measures Lucid against the KVM floor and QEMU.
 
 mod bench;
+mod bench_io;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
