@@ -29,8 +29,16 @@ const MILESTONES: &[(&str, &str)] = &[
     ("RCU", "rcu: "),
     ("ACPI: Core revision", "ACPI: Core revision"),
     ("console [ttyS0] enabled", "printk: console [ttyS0] enabled"),
-    ("x2apic / APIC", "x2apic"),
+    ("x2apic", "x2apic enabled"),
+    ("FPU (then the int3 self-test)", "x86/fpu: x87 FPU will use"),
+    ("alternatives applied", "Freeing SMP alternatives memory"),
+    ("smp: Brought up", "smp: Brought up"),
+    ("devtmpfs", "devtmpfs: initialized"),
+    ("clocksource kvm-clock", "Switched to clocksource"),
+    ("initramfs unpacked", "Trying to unpack rootfs"),
+    ("serial driver (ttyS0 at I/O)", "ttyS0 at I/O"),
     ("Freeing unused kernel image", "Freeing unused kernel image"),
+    ("Run /init", "Run /init"),
     (
         "userspace (initramfs /init)",
         "lucid-initramfs: userspace reached",
@@ -259,7 +267,14 @@ fn linux_boot_milestones() {
     let ended = boot.wait_for(Duration::from_secs(secs), |_| false);
     let t = boot.start.elapsed().as_secs_f64();
     let (code, stderr, lines, stats) = boot.terminate();
+    let log = artifacts_dir().join("linux_boot_milestones.log");
+    let text: String = lines
+        .iter()
+        .map(|l| format!("{:8.3} {}\n", l.t, l.text))
+        .collect();
+    let _ = std::fs::write(&log, text);
     println!("{}", milestone_table(&lines));
+    println!("console log with times: {}", log.display());
     println!(
         "run {} after {t:.0} s (exit status {code:?}); last console lines:",
         if ended {
