@@ -3,6 +3,8 @@
 //! faults) and observers such as the VSWAPPER Swap Mapper can see which guest pages a device
 //! filled. With neither installed, an access is a bounds-checked copy.
 
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
 use lucid_stats::{Counter, StatsRegistry};
@@ -31,6 +33,8 @@ pub enum DmaError {
         len: u64,
         access: Access,
     },
+    #[error("device {dev:#x}: DMA while bus mastering is disabled")]
+    BusMasterOff { dev: DeviceId },
     #[error("device {dev:#x}: DMA {access:?} at IOVA {iova:#x} faulted: {reason}")]
     Fault {
         dev: DeviceId,
@@ -70,6 +74,10 @@ pub struct DmaPath {
     mem: GuestMemoryMmap,
     translator: RwLock<Option<Arc<dyn DmaTranslator>>>,
     observers: RwLock<Vec<Arc<dyn DmaObserver>>>,
+    /// Devices whose bus mastering is off (PCI command register): their DMA fails.
+    blocked: RwLock<HashSet<DeviceId>>,
+    /// Fast path: false while no device is blocked, so the common case takes no lock.
+    any_blocked: AtomicBool,
     counters: DmaCounters,
 }
 
@@ -79,6 +87,8 @@ impl DmaPath {
             mem,
             translator: RwLock::new(None),
             observers: RwLock::new(Vec::new()),
+            blocked: RwLock::new(HashSet::new()),
+            any_blocked: AtomicBool::new(false),
             counters: DmaCounters {
                 reads: stats.counter("dma.reads"),
                 writes: stats.counter("dma.writes"),
@@ -99,6 +109,18 @@ impl DmaPath {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .push(o);
+    }
+
+    /// Allows or refuses DMA by `dev` (a PCI function's bus-master enable).
+    pub fn set_bus_master(&self, dev: DeviceId, enabled: bool) {
+        let mut blocked = self.blocked.write().unwrap_or_else(|e| e.into_inner());
+        if enabled {
+            blocked.remove(&dev);
+        } else {
+            blocked.insert(dev);
+        }
+        self.any_blocked
+            .store(!blocked.is_empty(), Ordering::Release);
     }
 
     /// Guest memory as the VMM itself sees it (for boot and for devices' own structures that the
@@ -150,6 +172,16 @@ impl DmaPath {
         if addr.checked_add(len).is_none() {
             self.counters.errors.inc();
             return Err(out_of_range());
+        }
+        if self.any_blocked.load(Ordering::Acquire)
+            && self
+                .blocked
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(&dev)
+        {
+            self.counters.errors.inc();
+            return Err(DmaError::BusMasterOff { dev });
         }
         let translator = self
             .translator
@@ -229,6 +261,14 @@ mod tests {
         assert!(dma.read(1, u64::MAX - 1, &mut b).is_err());
         assert_eq!(stats.snapshot()["dma.errors"], 2);
         assert_eq!(stats.snapshot()["dma.bytes_written"], 5);
+        dma.set_bus_master(1, false);
+        assert_eq!(
+            dma.read(1, 0x100, &mut b),
+            Err(DmaError::BusMasterOff { dev: 1 })
+        );
+        dma.read(2, 0x100, &mut b).unwrap();
+        dma.set_bus_master(1, true);
+        dma.read(1, 0x100, &mut b).unwrap();
     }
 
     #[test]

@@ -845,6 +845,7 @@ impl PciDevice for VirtioPciDevice {
         if touches(offset, len, COMMAND, 2) {
             let allowed = self.cfg.command() & COMMAND_INTX_DISABLE == 0;
             self.irq.intx_allowed.store(allowed, Ordering::Release);
+            self.apply_bus_master();
         }
         if touches(offset, len, self.pci_cfg_cap + 16, 4) {
             self.pci_cfg_window(true);
@@ -876,6 +877,15 @@ impl PciDevice for VirtioPciDevice {
 
     fn set_requester_id(&mut self, rid: u16) {
         self.rid = rid;
+        self.apply_bus_master();
+    }
+}
+
+impl VirtioPciDevice {
+    /// A function without bus mastering may not DMA: the DMA path refuses its accesses.
+    fn apply_bus_master(&self) {
+        let on = self.cfg.command() & crate::config::COMMAND_BUS_MASTER != 0;
+        self.env.dma.set_bus_master(self.rid as u32, on);
     }
 }
 
