@@ -2,8 +2,8 @@
 //! queue depth 1 and 32; virtio-net request-response with 64 B and 1500 B frames) and each rung
 //! (L0, L1, L2, L4, L4 with a polling guest, L1 with coalescing), the same probe-guest binary runs
 //! under Lucid; then under QEMU (q35 with qboot, ioeventfd on, an iothread with adaptive polling);
-//! then the same access pattern runs as a host process on the backing file or back-end (the
-//! limit). Figures come from inside the guest (TSC-timed ops/s) and from Lucid's counters.
+//! then the same access pattern runs as a host process (the limit): random 4 KiB `pread`s of the
+//! same file, or request-response of the same frames between two threads over a socket pair. Figures come from inside the guest (TSC-timed ops/s) and from Lucid's counters.
 //!
 //! Exits per I/O are measured by difference: each configuration runs twice, with N and 2N
 //! operations, so boot, PCI enumeration and printing cancel out.
@@ -31,6 +31,9 @@ pub struct IoArgs {
     /// Skip the QEMU peer.
     #[arg(long)]
     no_qemu: bool,
+    /// Repetitions of each measurement; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
 }
 
 struct Workload {
@@ -193,6 +196,24 @@ fn measure(
     }))
 }
 
+/// Runs `f` `runs` times and returns, for every numeric key, the median.
+fn median_of(runs: usize, mut f: impl FnMut() -> Result<Value, String>) -> Result<Value, String> {
+    let samples: Vec<Value> = (0..runs).map(|_| f()).collect::<Result<_, _>>()?;
+    let mut out = serde_json::Map::new();
+    for key in samples[0]
+        .as_object()
+        .map(|o| o.keys().cloned().collect::<Vec<_>>())
+        .unwrap_or_default()
+    {
+        let mut v: Vec<f64> = samples.iter().filter_map(|s| s[&key].as_f64()).collect();
+        v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
+        if let Some(m) = v.get(v.len() / 2) {
+            out.insert(key, json!(m));
+        }
+    }
+    Ok(Value::Object(out))
+}
+
 fn qemu_cmd(w: &Workload, kernel: &Path, disk: &Path, count: u64, iothread_poll: bool) -> Command {
     let mut c = Command::new("qemu-system-x86_64");
     c.args([
@@ -273,17 +294,33 @@ fn native(w: &Workload, disk: &Path, count: u64) -> Result<f64, String> {
     let n = (4 * count).max(10_000);
     let start = Instant::now();
     if w.net {
-        // The echo back-end's work per packet, in a plain loop: copy the frame out and back.
+        // Request-response between two host threads over a kernel socket pair: the frame is
+        // copied to the peer and back and compared, as the guest's rr does with the echo back-end.
+        use std::os::unix::net::UnixDatagram;
         let size = if w.name.ends_with("64") { 64 } else { 1500 };
-        let frame: Vec<u8> = (0..size).map(|i| i as u8).collect();
-        let mut tx = vec![0u8; size];
-        let mut rx = vec![0u8; size];
+        let (a, b) = UnixDatagram::pair().map_err(|e| e.to_string())?;
+        let echo = std::thread::spawn(move || {
+            let mut buf = vec![0u8; 2048];
+            while let Ok(n) = b.recv(&mut buf) {
+                if n == 0 || b.send(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut tx: Vec<u8> = (0..size).map(|i| i as u8).collect();
+        let mut rx = vec![0u8; 2048];
         for i in 0..n {
-            tx.copy_from_slice(&frame);
             tx[0] = i as u8;
-            rx.copy_from_slice(std::hint::black_box(&tx));
-            assert_eq!(rx[0], i as u8);
+            a.send(&tx).map_err(|e| e.to_string())?;
+            let got = a.recv(&mut rx).map_err(|e| e.to_string())?;
+            if rx[..got] != tx[..] {
+                return Err("native echo returned a different frame".into());
+            }
         }
+        let elapsed = start.elapsed();
+        a.send(&[]).map_err(|e| e.to_string())?;
+        let _ = echo.join();
+        return Ok(n as f64 / elapsed.as_secs_f64());
     } else {
         let f = std::fs::File::open(disk).map_err(|e| e.to_string())?;
         let blocks = (DISK_MIB << 20) / 4096;
@@ -421,8 +458,10 @@ pub fn run(args: IoArgs) -> Result<ExitCode, String> {
             } else {
                 args.count * 2
             };
-            let r = measure(w, &kernel, &disk, dev, mode, count, &dir)
-                .unwrap_or_else(|e| json!({ "error": e }));
+            let r = median_of(args.runs.max(1), || {
+                measure(w, &kernel, &disk, dev, mode, count, &dir)
+            })
+            .unwrap_or_else(|e| json!({ "error": e }));
             if !args.json {
                 eprintln!("{:<22} {:<12} {}", w.name, label, r);
             }
