@@ -32,11 +32,11 @@ done
 if [ "$vmm" = lucid ]; then
     bin="${LUCID:-$repo_root/target/release/lucid}"
     [ -x "$bin" ] || { echo "missing $bin: cargo build --release -p lucid" >&2; exit 1; }
-    cmd=("$bin" run --kernel "$wl/vmlinux" --initrd "$wl/initramfs.cpio.gz" --memory 256
+    cmd=("$bin" run --kernel "${LUCID_KERNEL:-$wl/vmlinux}" --initrd "$wl/initramfs.cpio.gz" --memory 256
         --stats-json "${out%.log}.stats.json" "${extra[@]+"${extra[@]}"}")
 else
     cmd=(qemu-system-x86_64 -M microvm,x-option-roms=off,rtc=off -enable-kvm -m 256 -nographic
-        -no-reboot -kernel "$wl/vmlinux" -initrd "$wl/initramfs.cpio.gz"
+        -no-reboot -kernel "${LUCID_KERNEL:-$wl/vmlinux}" -initrd "$wl/initramfs.cpio.gz"
         -append "console=ttyS0 earlyprintk=serial reboot=k panic=-1 noxsave clearcpuid=141,154,156"
         "${extra[@]+"${extra[@]}"}")
 fi

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use iced_x86::{
     Decoder, DecoderOptions, Formatter, Instruction, IntelFormatter, Mnemonic, OpKind, Register,
 };
-use lucid_hv::kvm_bindings::{kvm_regs, kvm_sregs};
+use lucid_hv::kvm_bindings::{kvm_fpu, kvm_regs, kvm_sregs};
 use lucid_hv::{InternalError, Vcpu};
 use lucid_mem::GuestMemoryMmap;
 use lucid_stats::{Counter, StatsRegistry};
@@ -211,8 +211,183 @@ impl Guest<'_> {
         }
     }
 
+    /// The 128-bit value of an XMM register or a memory operand (of its size, zero-extended).
+    fn read_xmm_op(&mut self, insn: &Instruction, op: u32, fpu: &kvm_fpu) -> Result<u128, NotDone> {
+        match insn.op_kind(op) {
+            OpKind::Register => {
+                let r = insn.op_register(op);
+                if r.is_xmm() {
+                    let i = r.number();
+                    Ok(u128::from_le_bytes(fpu.xmm[i]))
+                } else {
+                    Ok(self.read_op(insn, op)?.0 as u128)
+                }
+            }
+            OpKind::Memory => {
+                let size = insn.memory_size().size();
+                if !matches!(size, 4 | 8 | 16) {
+                    return Err(NotDone::Unsupported("SSE memory operand size"));
+                }
+                let gva = self.address(insn, op)?;
+                let mut b = [0u8; 16];
+                self.access(gva, &mut b[..size], false)?;
+                Ok(u128::from_le_bytes(b))
+            }
+            OpKind::Immediate8 => Ok(insn.immediate8() as u128),
+            _ => Err(NotDone::Unsupported("SSE operand kind")),
+        }
+    }
+
     fn set_flags(&mut self, mask: u64, set: u64) {
         self.regs.rflags = (self.regs.rflags & !mask) | (set & mask);
+    }
+}
+
+/// Integer SSE instructions on 128-bit values (little-endian lanes), enough for the kernel's
+/// SIMD code that runs during boot (e.g. BLAKE2s-SSSE3 in the random pool).
+mod sse {
+    use iced_x86::Mnemonic;
+
+    pub fn handles(m: Mnemonic) -> bool {
+        use Mnemonic::*;
+        matches!(
+            m,
+            Movd | Movq
+                | Movdqa
+                | Movdqu
+                | Movaps
+                | Movups
+                | Pxor
+                | Por
+                | Pand
+                | Pandn
+                | Xorps
+                | Paddd
+                | Paddq
+                | Psubd
+                | Psubq
+                | Punpckldq
+                | Punpcklqdq
+                | Punpckhdq
+                | Punpckhqdq
+                | Pshufd
+                | Pshufb
+                | Psrld
+                | Pslld
+                | Psrlq
+                | Psllq
+                | Psrldq
+                | Pslldq
+                | Pcmpeqd
+                | Palignr
+        )
+    }
+
+    fn lanes32(v: u128) -> [u32; 4] {
+        std::array::from_fn(|i| (v >> (32 * i)) as u32)
+    }
+    fn from32(l: [u32; 4]) -> u128 {
+        l.iter()
+            .enumerate()
+            .fold(0, |acc, (i, &x)| acc | (x as u128) << (32 * i))
+    }
+    fn lanes64(v: u128) -> [u64; 2] {
+        [v as u64, (v >> 64) as u64]
+    }
+    fn from64(l: [u64; 2]) -> u128 {
+        l[0] as u128 | (l[1] as u128) << 64
+    }
+
+    /// `dst op src` for register destinations; `imm` for the forms with an immediate. The shift
+    /// forms take their count from `src` when there is no immediate.
+    pub fn compute(m: Mnemonic, dst: u128, src: u128, imm: Option<u8>) -> Option<u128> {
+        use Mnemonic::*;
+        let count = imm.map(u64::from).unwrap_or(src as u64);
+        let (d32, s32) = (lanes32(dst), lanes32(src));
+        let (d64, s64) = (lanes64(dst), lanes64(src));
+        Some(match m {
+            // movd/movq into an XMM register zero the rest of it.
+            Movd => src as u32 as u128,
+            Movq => src as u64 as u128,
+            Movdqa | Movdqu | Movaps | Movups => src,
+            Pxor | Xorps => dst ^ src,
+            Por => dst | src,
+            Pand => dst & src,
+            Pandn => !dst & src,
+            Paddd => from32(std::array::from_fn(|i| d32[i].wrapping_add(s32[i]))),
+            Psubd => from32(std::array::from_fn(|i| d32[i].wrapping_sub(s32[i]))),
+            Paddq => from64([d64[0].wrapping_add(s64[0]), d64[1].wrapping_add(s64[1])]),
+            Psubq => from64([d64[0].wrapping_sub(s64[0]), d64[1].wrapping_sub(s64[1])]),
+            Pcmpeqd => from32(std::array::from_fn(|i| {
+                if d32[i] == s32[i] {
+                    u32::MAX
+                } else {
+                    0
+                }
+            })),
+            Punpckldq => from32([d32[0], s32[0], d32[1], s32[1]]),
+            Punpckhdq => from32([d32[2], s32[2], d32[3], s32[3]]),
+            Punpcklqdq => from64([d64[0], s64[0]]),
+            Punpckhqdq => from64([d64[1], s64[1]]),
+            Pshufd => {
+                let i = imm?;
+                from32(std::array::from_fn(|k| s32[((i >> (2 * k)) & 3) as usize]))
+            }
+            Pshufb => {
+                let (d, s) = (dst.to_le_bytes(), src.to_le_bytes());
+                let r: [u8; 16] = std::array::from_fn(|k| {
+                    if s[k] & 0x80 != 0 {
+                        0
+                    } else {
+                        d[(s[k] & 15) as usize]
+                    }
+                });
+                u128::from_le_bytes(r)
+            }
+            Psrld | Pslld => {
+                if count > 31 {
+                    0
+                } else if m == Psrld {
+                    from32(d32.map(|x| x >> count))
+                } else {
+                    from32(d32.map(|x| x << count))
+                }
+            }
+            Psrlq | Psllq => {
+                if count > 63 {
+                    0
+                } else if m == Psrlq {
+                    from64(d64.map(|x| x >> count))
+                } else {
+                    from64(d64.map(|x| x << count))
+                }
+            }
+            Psrldq | Pslldq => {
+                let bytes = imm? as u32;
+                if bytes > 15 {
+                    0
+                } else if m == Psrldq {
+                    dst >> (8 * bytes)
+                } else {
+                    dst << (8 * bytes)
+                }
+            }
+            Palignr => {
+                // (dst:src) >> (8 * imm), low 128 bits.
+                let sh = imm? as u32 * 8;
+                let wide = [src, dst];
+                if sh >= 256 {
+                    0
+                } else if sh >= 128 {
+                    wide[1] >> (sh - 128)
+                } else if sh == 0 {
+                    src
+                } else {
+                    (src >> sh) | (dst << (128 - sh))
+                }
+            }
+            _ => return None,
+        })
     }
 }
 
@@ -352,6 +527,36 @@ fn complete_insn(g: &mut Guest<'_>, insn: &Instruction) -> Result<(), NotDone> {
                 g.vcpu.set_fpu(&fpu)?;
             } else {
                 g.access(gva, &mut b, true)?;
+            }
+        }
+        m if sse::handles(m) => {
+            // Legacy-SSE forms only (VEX/EVEX would need the upper lanes and AVX state).
+            if insn.encoding() != iced_x86::EncodingKind::Legacy {
+                return Err(NotDone::Unsupported("VEX/EVEX-encoded SSE instruction"));
+            }
+            let mut fpu = g.vcpu.get_fpu()?;
+            let dst = insn.op_register(0);
+            if insn.op_kind(0) == OpKind::Memory {
+                // Stores: movd/movq/movdqa/movdqu m, xmm.
+                let v = g.read_xmm_op(insn, 1, &fpu)?;
+                let size = insn.memory_size().size();
+                let gva = g.address(insn, 0)?;
+                let mut b = v.to_le_bytes();
+                g.access(gva, &mut b[..size], true)?;
+            } else if !dst.is_xmm() {
+                // movd/movq r, xmm.
+                let v = g.read_xmm_op(insn, 1, &fpu)?;
+                g.set(dst, v as u64)?;
+            } else {
+                let a = u128::from_le_bytes(fpu.xmm[dst.number()]);
+                let b = g.read_xmm_op(insn, 1, &fpu)?;
+                let imm = (0..insn.op_count())
+                    .any(|i| insn.op_kind(i) == OpKind::Immediate8)
+                    .then(|| insn.immediate8());
+                let r = sse::compute(insn.mnemonic(), a, b, imm)
+                    .ok_or(NotDone::Unsupported("this SSE instruction form"))?;
+                fpu.xmm[dst.number()] = r.to_le_bytes();
+                g.vcpu.set_fpu(&fpu)?;
             }
         }
         _ => return Err(NotDone::Unsupported("no completion for this instruction")),
@@ -495,6 +700,51 @@ mod tests {
     }
 
     #[test]
+    fn sse_lanes() {
+        use sse::compute;
+        let a: u128 = 0x0000_0004_0000_0003_0000_0002_0000_0001;
+        let b: u128 = 0x0000_0040_0000_0030_0000_0020_ffff_ffff;
+        assert_eq!(
+            compute(Mnemonic::Paddd, a, b, None),
+            Some(0x0000_0044_0000_0033_0000_0022_0000_0000)
+        );
+        assert_eq!(
+            compute(Mnemonic::Punpckldq, a, b, None),
+            Some(0x0000_0020_0000_0002_ffff_ffff_0000_0001)
+        );
+        assert_eq!(
+            compute(Mnemonic::Punpcklqdq, a, b, None),
+            Some(0x0000_0020_ffff_ffff_0000_0002_0000_0001)
+        );
+        // pshufd 0x93 rotates the dwords up by one: [3,0,1,2].
+        assert_eq!(
+            compute(Mnemonic::Pshufd, 0, a, Some(0x93)),
+            Some(0x0000_0003_0000_0002_0000_0001_0000_0004)
+        );
+        assert_eq!(
+            compute(Mnemonic::Psrld, a, 0, Some(1)),
+            Some(0x0000_0002_0000_0001_0000_0001_0000_0000)
+        );
+        assert_eq!(compute(Mnemonic::Pslld, a, 0, Some(32)), Some(0));
+        // pshufb with a byte-reversing mask; a set top bit zeroes the byte.
+        let rev = u128::from_le_bytes(std::array::from_fn(|i| 15 - i as u8));
+        assert_eq!(
+            compute(Mnemonic::Pshufb, a, rev, None),
+            Some(a.swap_bytes())
+        );
+        let zero = u128::from_le_bytes([0x80; 16]);
+        assert_eq!(compute(Mnemonic::Pshufb, a, zero, None), Some(0));
+        assert_eq!(
+            compute(Mnemonic::Movd, a, 0x1_2345_6789, None),
+            Some(0x2345_6789)
+        );
+        assert_eq!(
+            compute(Mnemonic::Palignr, a, b, Some(4)),
+            Some((b >> 32) | (a << 96))
+        );
+    }
+
+    #[test]
     fn crc32c_matches_the_standard_check_value() {
         // CRC-32C of "123456789" is 0xE3069283 (initial value and final xor 0xFFFFFFFF).
         assert_eq!(crc32c(!0, b"123456789") ^ !0, 0xe306_9283);
@@ -509,6 +759,8 @@ mod tests {
             (&[0xf2, 0x48, 0x0f, 0x38, 0xf1, 0xc7][..], Mnemonic::Crc32),
             (&[0x48, 0x0f, 0xc7, 0xf0][..], Mnemonic::Rdrand),
             (&[0x0f, 0x01, 0xca][..], Mnemonic::Clac),
+            (&[0x66, 0x44, 0x0f, 0x6e, 0xf9][..], Mnemonic::Movd),
+            (&[0x66, 0x0f, 0x38, 0x00, 0xc1][..], Mnemonic::Pshufb),
             (&[0x9b][..], Mnemonic::Wait),
             (&[0xdb, 0xe2][..], Mnemonic::Fnclex),
             (&[0x0f, 0xae, 0x17][..], Mnemonic::Ldmxcsr),
