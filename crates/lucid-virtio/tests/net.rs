@@ -515,7 +515,12 @@ fn tap_without_privilege_says_what_is_needed() {
         eprintln!("skipped: needs root to run a child as an unprivileged user");
         return;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
+    // A copy of this test binary where the unprivileged user can run it (the build tree may sit
+    // in a directory only root can enter).
+    let exe = std::env::temp_dir().join(format!("lucid-tap-child-{}", std::process::id()));
+    std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
+    std::fs::set_permissions(&exe, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let out = std::process::Command::new(&exe)
         .args([
             "--exact",
             "tap_unprivileged_child",
@@ -527,6 +532,7 @@ fn tap_without_privilege_says_what_is_needed() {
         .gid(65534)
         .output()
         .unwrap();
+    let _ = std::fs::remove_file(&exe);
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() && !text.contains("ERROR") {
         eprintln!(
