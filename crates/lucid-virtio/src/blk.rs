@@ -24,10 +24,9 @@ use std::io::{Seek, SeekFrom};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crate::worker::{gather, scatter, split_off, Backend, Desc, Io, Region, Served, Worker};
+use crate::worker::{gather, scatter, split_off, Backend, Desc, Io, Region, Served, WorkerSlot};
 use crate::{device_type, features, ActivateContext, ActivateError, VirtioDevice};
 
 /// Feature bits (virtio spec 5.2.3).
@@ -119,8 +118,7 @@ pub struct Block {
     file: Arc<File>,
     capacity_sectors: u64,
     config: [u8; CONFIG_SIZE],
-    worker: Option<Worker>,
-    needs_reset: Arc<AtomicBool>,
+    worker: WorkerSlot,
 }
 
 impl Block {
@@ -175,8 +173,7 @@ impl Block {
             file: Arc::new(file),
             capacity_sectors,
             config: [0; CONFIG_SIZE],
-            worker: None,
-            needs_reset: Arc::new(AtomicBool::new(false)),
+            worker: WorkerSlot::default(),
         };
         blk.config = blk.build_config();
         Ok(blk)
@@ -250,7 +247,7 @@ impl VirtioDevice for Block {
     }
 
     fn activate(&mut self, mut ctx: ActivateContext) -> Result<(), ActivateError> {
-        if self.worker.is_some() {
+        if self.worker.is_running() {
             return Err(ActivateError::BadConfig(format!(
                 "{}: activated twice without a reset",
                 self.name
@@ -274,25 +271,15 @@ impl VirtioDevice for Block {
             writable: Vec::new(),
             data_in: Vec::new(),
         };
-        self.needs_reset.store(false, Ordering::SeqCst);
-        self.worker = Some(Worker::spawn(
-            &self.name,
-            ctx,
-            self.needs_reset.clone(),
-            backend,
-        )?);
-        Ok(())
+        self.worker.start(&self.name, ctx, backend)
     }
 
     fn reset(&mut self) {
-        if let Some(w) = self.worker.take() {
-            w.stop();
-        }
-        self.needs_reset.store(false, Ordering::SeqCst);
+        self.worker.stop();
     }
 
     fn needs_reset(&self) -> bool {
-        self.needs_reset.load(Ordering::SeqCst)
+        self.worker.needs_reset()
     }
 }
 

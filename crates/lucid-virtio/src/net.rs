@@ -25,13 +25,14 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use lucid_stats::{Counter, StatsRegistry};
 
 use crate::blk::read_config_bytes;
-use crate::worker::{gather, scatter, split_off, Backend, Desc, Io, Pop, Region, Served, Worker};
+use crate::worker::{
+    gather, scatter, split_off, Backend, Desc, Io, Pop, Region, Served, WorkerSlot,
+};
 use crate::{device_type, features, ActivateContext, ActivateError, VirtioDevice};
 
 /// Feature bits (virtio spec 5.1.3).
@@ -95,8 +96,7 @@ pub struct Net {
     cfg: NetConfig,
     tap: Option<Arc<File>>,
     config: [u8; 8],
-    worker: Option<Worker>,
-    needs_reset: Arc<AtomicBool>,
+    worker: WorkerSlot,
 }
 
 fn hint_for(err: &std::io::Error) -> &'static str {
@@ -166,8 +166,7 @@ impl Net {
             cfg,
             tap,
             config,
-            worker: None,
-            needs_reset: Arc::new(AtomicBool::new(false)),
+            worker: WorkerSlot::default(),
         })
     }
 }
@@ -201,7 +200,7 @@ impl VirtioDevice for Net {
     }
 
     fn activate(&mut self, mut ctx: ActivateContext) -> Result<(), ActivateError> {
-        if self.worker.is_some() {
+        if self.worker.is_running() {
             return Err(ActivateError::BadConfig(format!(
                 "{}: activated twice without a reset",
                 self.name
@@ -227,25 +226,15 @@ impl VirtioDevice for Net {
             body: Vec::new(),
             c: NetCounters::new(&ctx.stats, &self.name),
         };
-        self.needs_reset.store(false, Ordering::SeqCst);
-        self.worker = Some(Worker::spawn(
-            &self.name,
-            ctx,
-            self.needs_reset.clone(),
-            backend,
-        )?);
-        Ok(())
+        self.worker.start(&self.name, ctx, backend)
     }
 
     fn reset(&mut self) {
-        if let Some(w) = self.worker.take() {
-            w.stop();
-        }
-        self.needs_reset.store(false, Ordering::SeqCst);
+        self.worker.stop();
     }
 
     fn needs_reset(&self) -> bool {
-        self.needs_reset.load(Ordering::SeqCst)
+        self.worker.needs_reset()
     }
 }
 

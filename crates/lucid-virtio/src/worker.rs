@@ -412,6 +412,43 @@ pub(crate) struct Worker {
     thread: Option<JoinHandle<()>>,
 }
 
+/// A device's back-end thread, started at activation and stopped at reset, with the flag the
+/// worker raises when the driver broke its rings.
+#[derive(Default)]
+pub(crate) struct WorkerSlot {
+    worker: Option<Worker>,
+    needs_reset: Arc<AtomicBool>,
+}
+
+impl WorkerSlot {
+    pub fn is_running(&self) -> bool {
+        self.worker.is_some()
+    }
+
+    pub fn start(
+        &mut self,
+        name: &str,
+        ctx: ActivateContext,
+        backend: impl Backend,
+    ) -> Result<(), ActivateError> {
+        self.needs_reset.store(false, Ordering::SeqCst);
+        self.worker = Some(Worker::spawn(name, ctx, self.needs_reset.clone(), backend)?);
+        Ok(())
+    }
+
+    /// Returns once the thread no longer touches guest memory.
+    pub fn stop(&mut self) {
+        if let Some(w) = self.worker.take() {
+            w.stop();
+        }
+        self.needs_reset.store(false, Ordering::SeqCst);
+    }
+
+    pub fn needs_reset(&self) -> bool {
+        self.needs_reset.load(Ordering::SeqCst)
+    }
+}
+
 impl Worker {
     /// Takes the queues of `ctx` and starts `lucid-<name>-io`.
     pub fn spawn(

@@ -520,18 +520,32 @@ fn tap_without_privilege_says_what_is_needed() {
     let exe = std::env::temp_dir().join(format!("lucid-tap-child-{}", std::process::id()));
     std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
     std::fs::set_permissions(&exe, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let out = std::process::Command::new(&exe)
-        .args([
-            "--exact",
-            "tap_unprivileged_child",
-            "--ignored",
-            "--nocapture",
-        ])
-        .env("LUCID_TAP_CHILD", "1")
-        .uid(65534)
-        .gid(65534)
-        .output()
-        .unwrap();
+    // Another test thread forking while the copy was open for writing makes exec fail with
+    // ETXTBSY for a moment: retry.
+    let run = || {
+        std::process::Command::new(&exe)
+            .args([
+                "--exact",
+                "tap_unprivileged_child",
+                "--ignored",
+                "--nocapture",
+            ])
+            .env("LUCID_TAP_CHILD", "1")
+            .uid(65534)
+            .gid(65534)
+            .output()
+    };
+    let mut out = run();
+    for _ in 0..50 {
+        match &out {
+            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                out = run();
+            }
+            _ => break,
+        }
+    }
+    let out = out.unwrap();
     let _ = std::fs::remove_file(&exe);
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() && !text.contains("ERROR") {
