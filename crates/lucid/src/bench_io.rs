@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Stdio};
+use std::process::{Command, ExitCode};
 use std::time::Instant;
 
 use lucid_vmm::{KernelSource, SerialOutput, Vm, VmConfig};
@@ -215,30 +215,8 @@ fn median_of(runs: usize, mut f: impl FnMut() -> Result<Value, String>) -> Resul
 }
 
 fn qemu_cmd(w: &Workload, kernel: &Path, disk: &Path, count: u64, iothread_poll: bool) -> Command {
-    let mut c = Command::new("qemu-system-x86_64");
-    c.args([
-        "-M",
-        "q35",
-        "-bios",
-        "/usr/share/qemu/qboot.rom",
-        "-enable-kvm",
-        "-m",
-        "256",
-        "-smp",
-        "1",
-        "-nodefaults",
-        "-no-user-config",
-        "-nographic",
-        "-no-reboot",
-        "-serial",
-        "stdio",
-        "-monitor",
-        "none",
-        "-display",
-        "none",
-        "-device",
-        "isa-debug-exit,iobase=0xf4,iosize=4",
-    ]);
+    let append = format!("{} mode=irq count={count}", w.args);
+    let mut c = crate::bench::qemu_command(crate::bench::QEMU_Q35, kernel, &append);
     let poll = if iothread_poll { "" } else { ",poll-max-ns=0" };
     c.args(["-object", &format!("iothread,id=io0{poll}")]);
     if w.net {
@@ -261,9 +239,6 @@ fn qemu_cmd(w: &Workload, kernel: &Path, disk: &Path, count: u64, iothread_poll:
             "virtio-blk-pci,drive=d0,disable-legacy=on,iothread=io0",
         ]);
     }
-    c.arg("-kernel").arg(kernel);
-    c.args(["-append", &format!("{} mode=irq count={count}", w.args)]);
-    c.stdin(Stdio::null()).stderr(Stdio::null());
     c
 }
 
