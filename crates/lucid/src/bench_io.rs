@@ -349,6 +349,15 @@ fn svg_plot(results: &Value) -> String {
             y + 4.0
         );
     }
+    for v in 0..=(max_exits as i32) {
+        let y = y_exits(v as f64);
+        let _ = writeln!(
+            s,
+            r##"<text x="{}" y="{}" fill="#d0542c">{v}</text>"##,
+            w - 14.0,
+            y + 4.0
+        );
+    }
     for (i, name) in workloads.iter().enumerate() {
         let x0 = 45.0 + i as f64 * panel_w;
         let _ = writeln!(
@@ -402,7 +411,7 @@ fn svg_plot(results: &Value) -> String {
     }
     let _ = writeln!(
         s,
-        r##"<text x="{}" y="{}" fill="#d0542c">exits/IO 0..{max_exits} (clipped)</text>"##,
+        r##"<text x="{}" y="{}" fill="#d0542c">exits per I/O (right axis, clipped at {max_exits})</text>"##,
         w - 190.0,
         top - 4.0
     );
