@@ -499,7 +499,23 @@ fn kernel_cmdline(user: &str, linux: bool, backend: Backend, warnings: &mut Vec<
         user.to_string()
     };
     if linux && backend == Backend::Pvm {
-        cmdline = format!("{cmdline} {PVM_LINUX_CMDLINE}").trim().to_string();
+        // Linux honours only the last `clearcpuid=`: fold the user's bits into Lucid's.
+        let mut extra = PVM_LINUX_CMDLINE.to_string();
+        let words: Vec<&str> = cmdline.split_whitespace().collect();
+        if let Some(user_bits) = words
+            .iter()
+            .rev()
+            .find_map(|w| w.strip_prefix("clearcpuid="))
+        {
+            extra = extra.replacen("clearcpuid=", &format!("clearcpuid={user_bits},"), 1);
+            cmdline = words
+                .iter()
+                .filter(|w| !w.starts_with("clearcpuid="))
+                .copied()
+                .collect::<Vec<_>>()
+                .join(" ");
+        }
+        cmdline = format!("{cmdline} {extra}").trim().to_string();
         warnings.push(format!(
             "this host's KVM is PVM: guest kernel code is emulated (thousands of times slower than \
              native), so Linux boots slowly; added `{PVM_LINUX_CMDLINE}` to the command line"
