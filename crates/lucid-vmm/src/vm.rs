@@ -236,6 +236,11 @@ impl Vm {
                 .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
                 .map_err(|e| lucid_hv::HvError::Ioctl("KVM_GET_SUPPORTED_CPUID", e))?;
             lucid_boot::filter_cpuid(&mut cpuid, id, config.vcpus);
+            // PV EOI is the ladder's L2: offered only when a device runs on L2, so that L1 and
+            // L2 differ where the guest reads Lucid's CPUID.
+            if !config.pci.iter().any(|d| d.rung == lucid_virtio::Rung::L2) {
+                hide_pv_eoi(&mut cpuid);
+            }
             vcpu.set_cpuid(&cpuid)?;
             set_lint_virtual_wire(&vcpu)?;
             if id == 0 {
@@ -542,6 +547,17 @@ fn ioeventfd_probe(vm: &lucid_hv::Vm, stats: &Arc<StatsRegistry>) -> Result<Even
         }),
     );
     Ok(evt)
+}
+
+/// Clears `KVM_FEATURE_PV_EOI` (bit 6 of leaf 0x40000001 EAX).
+fn hide_pv_eoi(cpuid: &mut lucid_hv::kvm_bindings::CpuId) {
+    const KVM_CPUID_FEATURES: u32 = 0x4000_0001;
+    const KVM_FEATURE_PV_EOI: u32 = 1 << 6;
+    for e in cpuid.as_mut_slice() {
+        if e.function == KVM_CPUID_FEATURES {
+            e.eax &= !KVM_FEATURE_PV_EOI;
+        }
+    }
 }
 
 /// LINT0 as ExtINT and LINT1 as NMI, the virtual-wire setup firmware leaves for an OS.
