@@ -45,6 +45,17 @@ impl RunReport {
         self.sum_suffix(".exits")
     }
 
+    /// Virtio devices and their completed requests (`<dev>.requests`).
+    fn devices(&self) -> Vec<(String, u64)> {
+        self.counters
+            .iter()
+            .filter_map(|(k, v)| {
+                let dev = k.strip_suffix(".requests")?;
+                (!dev.contains('.')).then(|| (dev.to_string(), *v))
+            })
+            .collect()
+    }
+
     pub fn stop_text(&self) -> String {
         match &self.stop {
             StopReason::DebugExit(v) => format!("guest wrote {v:#x} to the debug-exit port"),
@@ -86,6 +97,20 @@ impl RunReport {
             s,
             "lucid: vCPU time in KVM_RUN (guest and in-kernel exits) {in_run:.3} s, in the VMM {in_vmm:.3} s"
         );
+        for (dev, requests) in self.devices() {
+            let irqs: u64 = ["irq.msi_signal", "irq.irqfd", "irq.intx"]
+                .iter()
+                .filter_map(|k| self.counters.get(&format!("{dev}.{k}")))
+                .sum();
+            let r = requests.max(1) as f64;
+            let _ = writeln!(
+                s,
+                "lucid: {dev}: {requests} requests, {:.3} exits and {:.3} interrupts per request \
+                 (whole run, boot included)",
+                exits as f64 / r,
+                irqs as f64 / r
+            );
+        }
         if let Some(k) = self.counters.get("kvm.vcpu0.exits") {
             let _ = writeln!(
                 s,
@@ -112,6 +137,18 @@ impl RunReport {
             "exits_by_reason": self.exits_by_reason(),
             "time_in_kvm_run_s": self.sum_suffix(".time.in_kvm_run_ns") as f64 / 1e9,
             "time_in_vmm_s": self.sum_suffix(".time.in_vmm_ns") as f64 / 1e9,
+            "devices": self.devices().iter().map(|(dev, requests)| {
+                let irqs: u64 = ["irq.msi_signal", "irq.irqfd", "irq.intx"]
+                    .iter()
+                    .filter_map(|k| self.counters.get(&format!("{dev}.{k}")))
+                    .sum();
+                let r = (*requests).max(1) as f64;
+                (dev.clone(), json!({
+                    "requests": requests,
+                    "exits_per_request": exits as f64 / r,
+                    "irqs_per_request": irqs as f64 / r,
+                }))
+            }).collect::<serde_json::Map<String, serde_json::Value>>(),
             "counters": lucid_stats::nest(&self.counters),
         })
     }
