@@ -3,7 +3,7 @@
 //! (L0, L1, L2, L4, L4 with a polling guest, L1 with coalescing), the same probe-guest binary runs
 //! under Lucid; then under QEMU (q35 with qboot, ioeventfd on, an iothread with adaptive polling);
 //! then the same access pattern runs as a host process (the limit): random 4 KiB `pread`s of the
-//! same file, or request-response of the same frames between two threads over a socket pair. Figures come from inside the guest (TSC-timed ops/s) and from Lucid's counters.
+//! same file, or request-response of the same frames between two host threads. Figures come from inside the guest (TSC-timed ops/s) and from Lucid's counters.
 //!
 //! Exits per I/O are measured by difference: each configuration runs twice, with N and 2N
 //! operations, so boot, PCI enumeration and printing cancel out.
@@ -214,8 +214,15 @@ fn median_of(runs: usize, mut f: impl FnMut() -> Result<Value, String>) -> Resul
     Ok(Value::Object(out))
 }
 
-fn qemu_cmd(w: &Workload, kernel: &Path, disk: &Path, count: u64, iothread_poll: bool) -> Command {
-    let append = format!("{} mode=irq count={count}", w.args);
+fn qemu_cmd(
+    w: &Workload,
+    kernel: &Path,
+    disk: &Path,
+    count: u64,
+    iothread_poll: bool,
+    guest_mode: &str,
+) -> Command {
+    let append = format!("{} mode={guest_mode} count={count}", w.args);
     let mut c = crate::bench::qemu_command(crate::bench::QEMU_Q35, kernel, &append);
     let poll = if iothread_poll { "" } else { ",poll-max-ns=0" };
     c.args(["-object", &format!("iothread,id=io0{poll}")]);
@@ -242,12 +249,18 @@ fn qemu_cmd(w: &Workload, kernel: &Path, disk: &Path, count: u64, iothread_poll:
     c
 }
 
-/// QEMU's best of (iothread with adaptive polling, without): ops/s.
+/// QEMU's best of (iothread with adaptive polling, without) x (guest waits for interrupts,
+/// guest polls): ops/s.
 fn qemu_best(w: &Workload, kernel: &Path, disk: &Path, count: u64) -> Result<f64, String> {
     let mut best: Option<f64> = None;
     let mut last_err = String::new();
-    for poll in [true, false] {
-        let out = qemu_cmd(w, kernel, disk, 2 * count, poll)
+    for (poll, mode) in [
+        (true, "irq"),
+        (false, "irq"),
+        (true, "poll"),
+        (false, "poll"),
+    ] {
+        let out = qemu_cmd(w, kernel, disk, 2 * count, poll, mode)
             .output()
             .map_err(|e| format!("qemu-system-x86_64: {e}"))?;
         let text = String::from_utf8_lossy(&out.stdout);
@@ -264,52 +277,95 @@ fn qemu_best(w: &Workload, kernel: &Path, disk: &Path, count: u64) -> Result<f64
     best.ok_or(last_err)
 }
 
-/// The limit: the same access pattern by a host process, without a VM.
-fn native(w: &Workload, disk: &Path, count: u64) -> Result<f64, String> {
-    let n = (4 * count).max(10_000);
-    let start = Instant::now();
+/// The limit: the same access pattern by a host process, without a VM. For the block workloads,
+/// random 4 KiB `pread`s of the same file; for the network workloads, request-response of the
+/// same frames between two threads, the better of a blocking exchange over a socket pair and a
+/// polling exchange through shared memory (the design of L4 with a polling guest).
+fn native(w: &Workload, disk: &Path) -> Result<f64, String> {
     if w.net {
-        // Request-response between two host threads over a kernel socket pair: the frame is
-        // copied to the peer and back and compared, as the guest's rr does with the echo back-end.
-        use std::os::unix::net::UnixDatagram;
         let size = if w.name.ends_with("64") { 64 } else { 1500 };
-        let (a, b) = UnixDatagram::pair().map_err(|e| e.to_string())?;
-        let echo = std::thread::spawn(move || {
-            let mut buf = vec![0u8; 2048];
-            while let Ok(n) = b.recv(&mut buf) {
-                if n == 0 || b.send(&buf[..n]).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut tx: Vec<u8> = (0..size).map(|i| i as u8).collect();
-        let mut rx = vec![0u8; 2048];
-        for i in 0..n {
-            tx[0] = i as u8;
-            a.send(&tx).map_err(|e| e.to_string())?;
-            let got = a.recv(&mut rx).map_err(|e| e.to_string())?;
-            if rx[..got] != tx[..] {
-                return Err("native echo returned a different frame".into());
-            }
-        }
-        let elapsed = start.elapsed();
-        a.send(&[]).map_err(|e| e.to_string())?;
-        let _ = echo.join();
-        return Ok(n as f64 / elapsed.as_secs_f64());
-    } else {
-        let f = std::fs::File::open(disk).map_err(|e| e.to_string())?;
-        let blocks = (DISK_MIB << 20) / 4096;
-        let mut buf = vec![0u8; 4096];
-        let mut x = 0x5eedu64;
-        for _ in 0..n {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            f.read_exact_at(&mut buf, (x % blocks) * 4096)
-                .map_err(|e| e.to_string())?;
-        }
+        return Ok(native_rr_blocking(size)?.max(native_rr_polling(size)));
+    }
+    let n = 200_000u64;
+    let f = std::fs::File::open(disk).map_err(|e| e.to_string())?;
+    let blocks = (DISK_MIB << 20) / 4096;
+    let mut buf = vec![0u8; 4096];
+    let mut x = 0x5eedu64;
+    let start = Instant::now();
+    for _ in 0..n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        f.read_exact_at(&mut buf, (x % blocks) * 4096)
+            .map_err(|e| e.to_string())?;
     }
     Ok(n as f64 / start.elapsed().as_secs_f64())
+}
+
+fn native_rr_blocking(size: usize) -> Result<f64, String> {
+    use std::os::unix::net::UnixDatagram;
+    let n = 20_000u64;
+    let (a, b) = UnixDatagram::pair().map_err(|e| e.to_string())?;
+    let echo = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 2048];
+        while let Ok(got) = b.recv(&mut buf) {
+            if got == 0 || b.send(&buf[..got]).is_err() {
+                break;
+            }
+        }
+    });
+    let mut tx: Vec<u8> = (0..size).map(|i| i as u8).collect();
+    let mut rx = vec![0u8; 2048];
+    let start = Instant::now();
+    for i in 0..n {
+        tx[0] = i as u8;
+        a.send(&tx).map_err(|e| e.to_string())?;
+        let got = a.recv(&mut rx).map_err(|e| e.to_string())?;
+        if rx[..got] != tx[..] {
+            return Err("native echo returned a different frame".into());
+        }
+    }
+    let elapsed = start.elapsed();
+    a.send(&[]).map_err(|e| e.to_string())?;
+    let _ = echo.join();
+    Ok(n as f64 / elapsed.as_secs_f64())
+}
+
+fn native_rr_polling(size: usize) -> f64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+    let n = 200_000u64;
+    // seq odd: a request is waiting; even: the reply is there. u64::MAX: stop.
+    let seq = Arc::new(AtomicU64::new(0));
+    let request = Arc::new(Mutex::new(vec![0u8; size]));
+    let reply = Arc::new(Mutex::new(vec![0u8; size]));
+    let (s, req, rep) = (seq.clone(), request.clone(), reply.clone());
+    let echo = std::thread::spawn(move || loop {
+        let v = s.load(Ordering::Acquire);
+        if v == u64::MAX {
+            break;
+        }
+        if v % 2 == 1 {
+            rep.lock().unwrap().copy_from_slice(&req.lock().unwrap());
+            s.store(v + 1, Ordering::Release);
+        }
+        std::hint::spin_loop();
+    });
+    let mut frame: Vec<u8> = (0..size).map(|i| i as u8).collect();
+    let start = Instant::now();
+    for i in 0..n {
+        frame[0] = i as u8;
+        request.lock().unwrap().copy_from_slice(&frame);
+        seq.store(2 * i + 1, Ordering::Release);
+        while seq.load(Ordering::Acquire) != 2 * i + 2 {
+            std::hint::spin_loop();
+        }
+        assert_eq!(reply.lock().unwrap()[0], i as u8);
+    }
+    let elapsed = start.elapsed();
+    seq.store(u64::MAX, Ordering::Release);
+    let _ = echo.join();
+    n as f64 / elapsed.as_secs_f64()
 }
 
 fn svg_plot(results: &Value) -> String {
@@ -460,7 +516,7 @@ pub fn run(args: IoArgs) -> Result<ExitCode, String> {
         } else {
             qemu_best(w, &kernel, &disk, args.count)
         };
-        let native = native(w, &disk, args.count)?;
+        let native = native(w, &disk)?;
         let mut entry = json!({
             "rungs": rungs,
             "lucid_best_ops_per_s": best,
