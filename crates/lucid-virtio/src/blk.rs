@@ -247,12 +247,6 @@ impl VirtioDevice for Block {
     }
 
     fn activate(&mut self, mut ctx: ActivateContext) -> Result<(), ActivateError> {
-        if self.worker.is_running() {
-            return Err(ActivateError::BadConfig(format!(
-                "{}: activated twice without a reset",
-                self.name
-            )));
-        }
         ctx.queues.retain(|(i, _, _)| *i == 0);
         if ctx.queues.is_empty() {
             return Err(ActivateError::BadConfig(format!(

@@ -200,12 +200,6 @@ impl VirtioDevice for Net {
     }
 
     fn activate(&mut self, mut ctx: ActivateContext) -> Result<(), ActivateError> {
-        if self.worker.is_running() {
-            return Err(ActivateError::BadConfig(format!(
-                "{}: activated twice without a reset",
-                self.name
-            )));
-        }
         ctx.queues
             .retain(|(i, _, _)| *i == RX_QUEUE || *i == TX_QUEUE);
         let pos = |idx: u16| ctx.queues.iter().position(|(i, _, _)| *i == idx);

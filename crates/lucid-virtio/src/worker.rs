@@ -431,6 +431,11 @@ impl WorkerSlot {
         ctx: ActivateContext,
         backend: impl Backend,
     ) -> Result<(), ActivateError> {
+        if self.is_running() {
+            return Err(ActivateError::BadConfig(format!(
+                "{name}: activated twice without a reset"
+            )));
+        }
         self.needs_reset.store(false, Ordering::SeqCst);
         self.worker = Some(Worker::spawn(name, ctx, self.needs_reset.clone(), backend)?);
         Ok(())
