@@ -11,6 +11,14 @@ use common::{lucid, tmp, Outcome};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
+/// The polling rungs spin a back-end thread and a guest each; two such tests at once on a 2-core
+/// machine starve each other (one CI run saw a 2 s stall of an L4p echo). The tests here take
+/// turns, as a polling deployment would give each poller its own core.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// (device option for the rung, guest mode)
 const RUNGS: &[(&str, &str)] = &[
     ("rung=L0", "irq"),
@@ -67,6 +75,7 @@ fn net(dev: &str, cmdline: &str) -> Outcome {
 
 #[test]
 fn blk_data_is_intact_on_every_rung() {
+    let _turn = one_at_a_time();
     for (dev, mode) in RUNGS {
         let img = disk("rungs", 16);
         let o = blk(
@@ -95,6 +104,7 @@ fn blk_data_is_intact_on_every_rung() {
 
 #[test]
 fn net_echo_returns_every_packet_intact_on_every_rung() {
+    let _turn = one_at_a_time();
     for (dev, mode) in RUNGS {
         for size in [64, 1500] {
             let o = net(dev, &format!("op=rr size={size} count=200 mode={mode}"));
@@ -136,6 +146,7 @@ fn exits_per_io(dev: &str, mode: &str, n: u64) -> (f64, Outcome) {
 
 #[test]
 fn l0_exits_once_per_io_and_l1_never() {
+    let _turn = one_at_a_time();
     let (l0, o) = exits_per_io("rung=L0", "irq", 500);
     assert!(
         l0 >= 0.9,
@@ -159,6 +170,7 @@ fn l0_exits_once_per_io_and_l1_never() {
 
 #[test]
 fn l4_with_a_polling_guest_stays_below_005_exits_per_io() {
+    let _turn = one_at_a_time();
     let (l4p, o) = exits_per_io("rung=L4p", "poll", 3000);
     assert!(l4p < 0.05, "L4 with suppression: {l4p} exits per I/O");
     assert!(o.counter("blk0.polls_found_work") > 0);
@@ -178,6 +190,7 @@ fn l4_with_a_polling_guest_stays_below_005_exits_per_io() {
 /// crates/lucid-virtio/tests/worker.rs, and `lucid bench io`.
 #[test]
 fn coalescing_never_adds_interrupts_and_accounts_for_every_completion() {
+    let _turn = one_at_a_time();
     let cmd = "op=read pattern=rand bs=4096 qd=8 count=2000 mode=irq event_idx=0";
     let img = disk("coalesce", 16);
     let plain = blk(&img, "rung=L4", cmd);
@@ -198,6 +211,7 @@ fn coalescing_never_adds_interrupts_and_accounts_for_every_completion() {
 
 #[test]
 fn a_completed_flush_survives_kill_9_of_lucid() {
+    let _turn = one_at_a_time();
     let img = disk("flush", 8);
     let stats = tmp("flush-stats.json");
     let mut child = Command::new(env!("CARGO_BIN_EXE_lucid"))
@@ -242,6 +256,7 @@ fn a_completed_flush_survives_kill_9_of_lucid() {
 
 #[test]
 fn hostile_guest_cannot_crash_or_hang_lucid() {
+    let _turn = one_at_a_time();
     let img = disk("evil", 4);
     for rung in ["L0", "L1", "L4"] {
         let o = lucid(
@@ -273,6 +288,7 @@ fn hostile_guest_cannot_crash_or_hang_lucid() {
 /// is touched.
 #[test]
 fn tap_backend_pings_a_host_peer_in_a_namespace() {
+    let _turn = one_at_a_time();
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         assert!(std::env::var_os("CI").is_none(), "CI runs as root");
