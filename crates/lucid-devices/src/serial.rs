@@ -7,6 +7,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+use lucid_seccomp::{Role, Seccomp};
 use lucid_stats::{Counter, StatsRegistry};
 use vm_superio::{serial::SerialEvents, Trigger};
 use vmm_sys_util::eventfd::EventFd;
@@ -155,12 +156,22 @@ impl Serial {
     }
 
     /// Starts the input side: the socket's accept loop, or a stdin reader when `stdin` is set.
-    pub fn start_input(dev: &Arc<Mutex<Serial>>, listener: Option<UnixListener>, stdin: bool) {
+    /// With `seccomp`, the input thread confines itself as a device back-end.
+    pub fn start_input(
+        dev: &Arc<Mutex<Serial>>,
+        listener: Option<UnixListener>,
+        stdin: bool,
+        seccomp: Option<Seccomp>,
+    ) {
+        let confine = move || lucid_seccomp::confine(seccomp.as_ref(), Role::Backend).is_ok();
         if let Some(l) = listener {
             let dev = dev.clone();
             let _ = std::thread::Builder::new()
                 .name("lucid-serial-accept".into())
                 .spawn(move || {
+                    if !confine() {
+                        return;
+                    }
                     for conn in l.incoming().flatten() {
                         let Ok(reader) = conn.try_clone() else {
                             continue;
@@ -182,7 +193,11 @@ impl Serial {
             let dev = dev.clone();
             let _ = std::thread::Builder::new()
                 .name("lucid-serial-stdin".into())
-                .spawn(move || pump_input(&dev, std::io::stdin()));
+                .spawn(move || {
+                    if confine() {
+                        pump_input(&dev, std::io::stdin())
+                    }
+                });
         }
     }
 }

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use lucid_mem::vm_memory::{Bytes, GuestAddress};
 use lucid_mem::{DeviceId, DmaPath, GuestMemoryMmap};
+use lucid_seccomp::Role;
 use lucid_stats::{Counter, StatsRegistry};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -505,6 +506,9 @@ impl Worker {
         let stop_evt = EventFd::new(0).map_err(ActivateError::Thread)?;
         let thread_stop = stop.clone();
         let thread_evt = stop_evt.try_clone().map_err(ActivateError::Thread)?;
+        // Started by a confined vCPU (the guest's activation), the thread confines itself too,
+        // after every reset as at the first activation.
+        let seccomp = lucid_seccomp::Seccomp::of_this_thread();
         let thread = std::thread::Builder::new()
             .name(format!("lucid-{name}-io"))
             .spawn(move || {
@@ -514,10 +518,10 @@ impl Worker {
                     stop: thread_stop,
                     stop_evt: thread_evt,
                 };
-                let result = if poll {
-                    run.poll_loop(idle_sleep_us)
-                } else {
-                    run.kick_loop()
+                let result = match lucid_seccomp::confine(seccomp.as_ref(), Role::Backend) {
+                    Err(e) => Err(std::io::Error::other(e)),
+                    Ok(()) if poll => run.poll_loop(idle_sleep_us),
+                    Ok(()) => run.kick_loop(),
                 };
                 if let Err(e) = result {
                     run.io.fatal(&format!("back-end thread: {e}"));

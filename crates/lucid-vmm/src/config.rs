@@ -60,6 +60,8 @@ pub struct VmConfig {
     /// virtio devices on PCI (bus 0, slots from 1 in this order; named blk0.., net0..). With
     /// none, the VM has no PCI bus at all.
     pub pci: Vec<PciDeviceConfig>,
+    /// Confine Lucid's threads with a seccomp filter per role (docs/security.md).
+    pub seccomp: bool,
 }
 
 impl VmConfig {
@@ -75,6 +77,7 @@ impl VmConfig {
             backing: Backing::Anonymous,
             handle_signals: false,
             pci: Vec::new(),
+            seccomp: true,
         }
     }
 }

@@ -14,6 +14,7 @@ use lucid_hv::kvm_bindings::{kvm_regs, KVM_MAX_CPUID_ENTRIES};
 use lucid_hv::probe::{detect_backend, Backend};
 use lucid_hv::IoAddr;
 use lucid_mem::{DmaPath, GuestRam};
+use lucid_seccomp::Role;
 use lucid_stats::StatsRegistry;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -54,6 +55,8 @@ pub enum VmmError {
     Config(String),
     #[error("cannot start vCPU thread: {0}")]
     Thread(std::io::Error),
+    #[error(transparent)]
+    Seccomp(#[from] lucid_seccomp::SeccompError),
 }
 
 /// A built VM.
@@ -75,6 +78,8 @@ pub struct Vm {
     _eventfds: Vec<EventFd>,
     warnings: Vec<String>,
     pci: Option<PciBus>,
+    /// Set when the VM's threads confine themselves (`VmConfig::seccomp`).
+    seccomp: Option<lucid_seccomp::Seccomp>,
 }
 
 /// The VM's PCI bus and its virtio devices.
@@ -95,6 +100,11 @@ impl Vm {
         let kvm = lucid_hv::open_kvm()?;
         let backend = detect_backend();
         let stats = StatsRegistry::new();
+        let seccomp = if config.seccomp {
+            Some(lucid_seccomp::Seccomp::prepare(&stats)?)
+        } else {
+            None
+        };
         let lifecycle = Arc::new(Lifecycle::new());
         let hooks = ExitHooks::new();
         let mut warnings = Vec::new();
@@ -129,7 +139,7 @@ impl Vm {
         eventfds.push(serial_irq);
         let serial = Arc::new(Mutex::new(serial));
         let stdin = config.serial_stdin && config.serial == lucid_devices::SerialOutput::Stdio;
-        Serial::start_input(&serial, listener, stdin);
+        Serial::start_input(&serial, listener, stdin, seccomp.clone());
         let pio = &hooks.pio;
         let add =
             |base: u16, len: u64, name: &str, dev: Arc<Mutex<dyn lucid_devices::BusDevice>>| {
@@ -288,6 +298,7 @@ impl Vm {
             _eventfds: eventfds,
             warnings,
             pci,
+            seccomp,
         })
     }
 
@@ -295,18 +306,32 @@ impl Vm {
     pub fn start(&mut self) -> Result<(), VmmError> {
         install_kick_handler();
         if self.config.handle_signals {
-            watch_stop_signals(self.lifecycle.clone());
+            watch_stop_signals(self.lifecycle.clone(), self.seccomp.clone());
         }
         self.started = Some(Instant::now());
         for ctx in self.ctxs.drain(..) {
             let name = format!("lucid-vcpu{}", ctx.id());
+            let (seccomp, lifecycle) = (self.seccomp.clone(), self.lifecycle.clone());
             let t = std::thread::Builder::new()
                 .name(name)
-                .spawn(move || ctx.run())
+                .spawn(
+                    move || match lucid_seccomp::confine(seccomp.as_ref(), Role::Vcpu) {
+                        Ok(()) => ctx.run(),
+                        Err(e) => lifecycle.stop(StopReason::Error(e.to_string())),
+                    },
+                )
                 .map_err(VmmError::Thread)?;
             self.threads.push(t);
         }
         Ok(())
+    }
+
+    /// Confines the calling thread to the main thread's seccomp role when the VM's threads are
+    /// confined: from then on it may wait, report and tear the VM down, not open files or
+    /// start processes. For the thread that started the VM and will only wait for it (the
+    /// CLI's main thread), once everything it will write to is open.
+    pub fn confine_caller(&self) -> Result<(), VmmError> {
+        Ok(lucid_seccomp::confine(self.seccomp.as_ref(), Role::Main)?)
     }
 
     /// Waits until the VM stops, joins the vCPU threads and reports.
@@ -595,7 +620,7 @@ fn install_kick_handler() {
 
 /// SIGINT and SIGTERM stop the VM cleanly: they are blocked in every thread and taken by one
 /// thread with sigwait. Called before the vCPU threads start, so they inherit the mask.
-fn watch_stop_signals(lifecycle: Arc<Lifecycle>) {
+fn watch_stop_signals(lifecycle: Arc<Lifecycle>, seccomp: Option<lucid_seccomp::Seccomp>) {
     // SAFETY: sigset manipulation on a local set, and pthread_sigmask on the calling thread.
     let set = unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -608,6 +633,9 @@ fn watch_stop_signals(lifecycle: Arc<Lifecycle>) {
     let _ = std::thread::Builder::new()
         .name("lucid-signals".into())
         .spawn(move || {
+            if let Err(e) = lucid_seccomp::confine(seccomp.as_ref(), Role::Main) {
+                return lifecycle.stop(StopReason::Error(e.to_string()));
+            }
             let mut sig: libc::c_int = 0;
             // SAFETY: sigwait on a valid set with a valid out pointer.
             if unsafe { libc::sigwait(&set, &mut sig) } == 0 {

@@ -81,6 +81,9 @@ struct RunArgs {
     /// backend=tap:IFNAME|echo|sink[,mac=52:54:00:12:34:56][,rung=..][,coalesce=N:USEC][,poll_us=N]
     #[arg(long = "net", value_name = "OPTS")]
     net: Vec<String>,
+    /// Run without the per-thread seccomp filters (see docs/security.md).
+    #[arg(long)]
+    no_seccomp: bool,
 }
 
 fn parse_backing(s: &str) -> Result<Backing, String> {
@@ -122,6 +125,7 @@ fn run(args: RunArgs) -> Result<ExitCode, String> {
     config.serial_stdin = unsafe { libc::isatty(0) } == 1;
     config.backing = parse_backing(&args.backing)?;
     config.handle_signals = true;
+    config.seccomp = !args.no_seccomp;
     for b in &args.blk {
         config.pci.push(lucid_vmm::parse_blk(b)?);
     }
@@ -139,14 +143,23 @@ fn run(args: RunArgs) -> Result<ExitCode, String> {
     for w in vm.warnings() {
         eprintln!("lucid: warning: {w}");
     }
+    // Opened now: once the VM runs, the main thread may write but not open files (seccomp).
+    let stats_file = match &args.stats_json {
+        Some(p) => Some(
+            std::fs::File::create(p)
+                .map_err(|e| format!("cannot write --stats-json {}: {e}", p.display()))?,
+        ),
+        None => None,
+    };
     vm.start().map_err(|e| e.to_string())?;
+    vm.confine_caller().map_err(|e| e.to_string())?;
     let report = vm.wait();
     if !args.quiet {
         eprint!("{}", report.summary());
     }
-    if let Some(path) = args.stats_json {
+    if let (Some(path), Some(mut file)) = (args.stats_json, stats_file) {
         let text = serde_json::to_string_pretty(&report.to_json()).expect("JSON of plain values");
-        std::fs::write(&path, text + "\n")
+        std::io::Write::write_all(&mut file, (text + "\n").as_bytes())
             .map_err(|e| format!("cannot write --stats-json {}: {e}", path.display()))?;
     }
     if let StopReason::Error(e) = &report.stop {

@@ -1,0 +1,437 @@
+//! What each thread role may call, as seccompiler rules. The lists come from `strace -f` of the
+//! runs the tests make (probe guests, virtio-blk and virtio-net on every rung, a hostile guest
+//! that resets its devices, Linux, the console on a file and on a socket), plus harmless
+//! read-only calls that a library may start making (time, `fstat`, `getrandom`, sleeping).
+//! docs/security.md explains each list; keep the two in step.
+
+use std::collections::BTreeMap;
+
+use kvm_bindings::{
+    kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_fpu, kvm_interrupt, kvm_ioeventfd,
+    kvm_irq_level, kvm_irq_routing, kvm_irqchip, kvm_irqfd, kvm_lapic_state, kvm_mp_state, kvm_msi,
+    kvm_msrs, kvm_pit_state2, kvm_regs, kvm_sregs, kvm_translation, kvm_vcpu_events, kvm_xcrs,
+    kvm_xsave, KVMIO,
+};
+use libc::c_long;
+use seccompiler::{
+    BackendError, SeccompCmpArgLen as Len, SeccompCmpOp as Op, SeccompCondition, SeccompRule,
+};
+use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr, ioctl_iow_nr, ioctl_iowr_nr};
+
+use crate::Role;
+
+// KVM ioctl request numbers (linux/kvm.h), computed from the structures they carry.
+ioctl_io_nr!(KVM_CHECK_EXTENSION, KVMIO, 0x03);
+ioctl_iow_nr!(KVM_IRQ_LINE, KVMIO, 0x61, kvm_irq_level);
+ioctl_iowr_nr!(KVM_GET_IRQCHIP, KVMIO, 0x62, kvm_irqchip);
+ioctl_ior_nr!(KVM_SET_IRQCHIP, KVMIO, 0x63, kvm_irqchip);
+ioctl_iowr_nr!(KVM_IRQ_LINE_STATUS, KVMIO, 0x67, kvm_irq_level);
+ioctl_iow_nr!(KVM_SET_GSI_ROUTING, KVMIO, 0x6a, kvm_irq_routing);
+ioctl_iow_nr!(KVM_IRQFD, KVMIO, 0x76, kvm_irqfd);
+ioctl_iow_nr!(KVM_IOEVENTFD, KVMIO, 0x79, kvm_ioeventfd);
+ioctl_iow_nr!(KVM_SET_CLOCK, KVMIO, 0x7b, kvm_clock_data);
+ioctl_ior_nr!(KVM_GET_CLOCK, KVMIO, 0x7c, kvm_clock_data);
+ioctl_ior_nr!(KVM_GET_PIT2, KVMIO, 0x9f, kvm_pit_state2);
+ioctl_iow_nr!(KVM_SET_PIT2, KVMIO, 0xa0, kvm_pit_state2);
+ioctl_iow_nr!(KVM_SIGNAL_MSI, KVMIO, 0xa5, kvm_msi);
+ioctl_io_nr!(KVM_RUN, KVMIO, 0x80);
+ioctl_ior_nr!(KVM_GET_REGS, KVMIO, 0x81, kvm_regs);
+ioctl_iow_nr!(KVM_SET_REGS, KVMIO, 0x82, kvm_regs);
+ioctl_ior_nr!(KVM_GET_SREGS, KVMIO, 0x83, kvm_sregs);
+ioctl_iow_nr!(KVM_SET_SREGS, KVMIO, 0x84, kvm_sregs);
+ioctl_iowr_nr!(KVM_TRANSLATE, KVMIO, 0x85, kvm_translation);
+ioctl_iow_nr!(KVM_INTERRUPT, KVMIO, 0x86, kvm_interrupt);
+ioctl_iowr_nr!(KVM_GET_MSRS, KVMIO, 0x88, kvm_msrs);
+ioctl_iow_nr!(KVM_SET_MSRS, KVMIO, 0x89, kvm_msrs);
+ioctl_ior_nr!(KVM_GET_FPU, KVMIO, 0x8c, kvm_fpu);
+ioctl_iow_nr!(KVM_SET_FPU, KVMIO, 0x8d, kvm_fpu);
+ioctl_ior_nr!(KVM_GET_LAPIC, KVMIO, 0x8e, kvm_lapic_state);
+ioctl_iow_nr!(KVM_SET_LAPIC, KVMIO, 0x8f, kvm_lapic_state);
+ioctl_iowr_nr!(KVM_GET_CPUID2, KVMIO, 0x91, kvm_cpuid2);
+ioctl_ior_nr!(KVM_GET_MP_STATE, KVMIO, 0x98, kvm_mp_state);
+ioctl_iow_nr!(KVM_SET_MP_STATE, KVMIO, 0x99, kvm_mp_state);
+ioctl_io_nr!(KVM_NMI, KVMIO, 0x9a);
+ioctl_ior_nr!(KVM_GET_VCPU_EVENTS, KVMIO, 0x9f, kvm_vcpu_events);
+ioctl_iow_nr!(KVM_SET_VCPU_EVENTS, KVMIO, 0xa0, kvm_vcpu_events);
+ioctl_ior_nr!(KVM_GET_DEBUGREGS, KVMIO, 0xa1, kvm_debugregs);
+ioctl_iow_nr!(KVM_SET_DEBUGREGS, KVMIO, 0xa2, kvm_debugregs);
+ioctl_io_nr!(KVM_GET_TSC_KHZ, KVMIO, 0xa3);
+ioctl_ior_nr!(KVM_GET_XSAVE, KVMIO, 0xa4, kvm_xsave);
+ioctl_iow_nr!(KVM_SET_XSAVE, KVMIO, 0xa5, kvm_xsave);
+ioctl_ior_nr!(KVM_GET_XCRS, KVMIO, 0xa6, kvm_xcrs);
+ioctl_iow_nr!(KVM_SET_XCRS, KVMIO, 0xa7, kvm_xcrs);
+ioctl_io_nr!(KVM_KVMCLOCK_CTRL, KVMIO, 0xad);
+ioctl_ior_nr!(KVM_GET_XSAVE2, KVMIO, 0xcf, kvm_xsave);
+
+// Tap (linux/if_tun.h): what a net back-end may set on its own tap once the driver negotiated
+// offloads. Opening and creating the tap (TUNSETIFF) happens before any filter.
+const TUNSETOFFLOAD: u64 = 0x4004_54d0;
+const TUNSETVNETHDRSZ: u64 = 0x4004_54d8;
+
+/// The vCPU's own ioctls, KVM_RUN first (conditions are tried in order). What the exit loop,
+/// the instruction completer and the hypercalls do to the vCPU, plus what a device's
+/// transport does to the VM when the guest programs it (irqfd, ioeventfd, MSI routes, INTx).
+fn vcpu_ioctls() -> Vec<u64> {
+    vec![
+        KVM_RUN(),
+        KVM_GET_REGS(),
+        KVM_SET_REGS(),
+        KVM_GET_SREGS(),
+        KVM_SET_SREGS(),
+        KVM_TRANSLATE(),
+        KVM_GET_FPU(),
+        KVM_SET_FPU(),
+        KVM_GET_XSAVE(),
+        KVM_GET_XSAVE2(),
+        KVM_SET_XSAVE(),
+        KVM_GET_XCRS(),
+        KVM_SET_XCRS(),
+        KVM_GET_MSRS(),
+        KVM_SET_MSRS(),
+        KVM_GET_LAPIC(),
+        KVM_SET_LAPIC(),
+        KVM_GET_MP_STATE(),
+        KVM_SET_MP_STATE(),
+        KVM_GET_VCPU_EVENTS(),
+        KVM_SET_VCPU_EVENTS(),
+        KVM_GET_DEBUGREGS(),
+        KVM_SET_DEBUGREGS(),
+        KVM_GET_CPUID2(),
+        KVM_GET_TSC_KHZ(),
+        KVM_KVMCLOCK_CTRL(),
+        KVM_INTERRUPT(),
+        KVM_NMI(),
+        KVM_CHECK_EXTENSION(),
+        KVM_IRQFD(),
+        KVM_IOEVENTFD(),
+        KVM_SET_GSI_ROUTING(),
+        KVM_SIGNAL_MSI(),
+        KVM_IRQ_LINE(),
+        KVM_IRQ_LINE_STATUS(),
+        KVM_GET_IRQCHIP(),
+        KVM_SET_IRQCHIP(),
+        KVM_GET_PIT2(),
+        KVM_SET_PIT2(),
+        KVM_GET_CLOCK(),
+        KVM_SET_CLOCK(),
+    ]
+}
+
+/// A back-end's ioctls: interrupts it raises itself (L0 sends MSIs, INTx lines) and its tap.
+fn backend_ioctls() -> Vec<u64> {
+    vec![
+        KVM_SIGNAL_MSI(),
+        KVM_IRQ_LINE(),
+        KVM_IRQ_LINE_STATUS(),
+        TUNSETOFFLOAD,
+        TUNSETVNETHDRSZ,
+        libc::FIONBIO,
+    ]
+}
+
+/// The main thread's ioctls: tearing the VM down deassigns irqfds and ioeventfds and releases
+/// MSI routes.
+fn main_ioctls() -> Vec<u64> {
+    vec![
+        KVM_IRQFD(),
+        KVM_IOEVENTFD(),
+        KVM_SET_GSI_ROUTING(),
+        KVM_CHECK_EXTENSION(),
+    ]
+}
+
+/// Syscalls a role may make: always, or only when the arguments match one of the rules.
+#[derive(Default)]
+pub(crate) struct Allowed(BTreeMap<c_long, Option<Vec<SeccompRule>>>);
+
+impl Allowed {
+    fn always(&mut self, nrs: &[c_long]) {
+        for &nr in nrs {
+            self.0.insert(nr, None);
+        }
+    }
+
+    /// Allows `nr` when one of `rules` matches (added to any rules it already has).
+    fn when(&mut self, nr: c_long, rules: Vec<SeccompRule>) {
+        // `None`: already allowed whatever the arguments.
+        if let Some(existing) = self.0.entry(nr).or_insert_with(|| Some(Vec::new())) {
+            existing.extend(rules);
+        }
+    }
+
+    /// `ioctl` with one of these requests (compared as the kernel does, on 32 bits).
+    fn ioctls(&mut self, requests: &[u64]) -> Result<(), BackendError> {
+        let rules = requests
+            .iter()
+            .map(|&r| rule(vec![arg(1, Op::Eq, r)?]))
+            .collect::<Result<_, _>>()?;
+        self.when(libc::SYS_ioctl, rules);
+        Ok(())
+    }
+
+    pub fn numbers(&self) -> impl Iterator<Item = c_long> + '_ {
+        self.0.keys().copied()
+    }
+
+    pub fn into_rules(self) -> BTreeMap<i64, Vec<SeccompRule>> {
+        self.0
+            .into_iter()
+            .map(|(nr, rules)| (nr, rules.unwrap_or_default()))
+            .collect()
+    }
+}
+
+fn arg(index: u8, op: Op, value: u64) -> Result<SeccompCondition, BackendError> {
+    SeccompCondition::new(index, Len::Dword, op, value)
+}
+
+fn rule(conditions: Vec<SeccompCondition>) -> Result<SeccompRule, BackendError> {
+    SeccompRule::new(conditions)
+}
+
+/// Every role: memory, locks, time, sleeping, signals' return, thread exit, writing logs to
+/// stderr (and whatever fd it already holds), closing fds, and what the violation report needs
+/// (`write`, `exit_group`). No new executable memory.
+fn base(a: &mut Allowed, pid: u32, kick_signal: i32) -> Result<(), BackendError> {
+    use libc::*;
+    a.always(&[
+        SYS_read,
+        SYS_write,
+        SYS_writev,
+        SYS_close,
+        SYS_lseek,
+        SYS_fstat,
+        SYS_newfstatat,
+        SYS_statx,
+        SYS_futex,
+        SYS_munmap,
+        SYS_madvise,
+        SYS_mremap,
+        SYS_brk,
+        SYS_sigaltstack,
+        SYS_rt_sigreturn,
+        SYS_rt_sigprocmask,
+        SYS_rt_sigaction,
+        SYS_restart_syscall,
+        SYS_exit,
+        SYS_exit_group,
+        SYS_clock_gettime,
+        SYS_clock_getres,
+        SYS_gettimeofday,
+        SYS_time,
+        SYS_clock_nanosleep,
+        SYS_nanosleep,
+        SYS_sched_yield,
+        SYS_sched_getaffinity,
+        SYS_getrandom,
+        SYS_getpid,
+        SYS_gettid,
+    ]);
+    let no_exec = || -> Result<_, BackendError> {
+        Ok(vec![rule(vec![arg(
+            2,
+            Op::MaskedEq(PROT_EXEC as u64),
+            0,
+        )?])?])
+    };
+    a.when(SYS_mmap, no_exec()?);
+    a.when(SYS_mprotect, no_exec()?);
+    // Signals only to this process: the vCPU kick, and SIGABRT for `abort()`.
+    let to_self = |sig: i32| -> Result<_, BackendError> {
+        rule(vec![
+            arg(0, Op::Eq, u64::from(pid))?,
+            arg(2, Op::Eq, sig as u64)?,
+        ])
+    };
+    a.when(SYS_tgkill, vec![to_self(kick_signal)?, to_self(SIGABRT)?]);
+    a.when(
+        SYS_fcntl,
+        [F_GETFD, F_SETFD, F_GETFL, F_SETFL, F_DUPFD_CLOEXEC]
+            .iter()
+            .map(|&cmd| rule(vec![arg(1, Op::Eq, cmd as u64)?]))
+            .collect::<Result<_, _>>()?,
+    );
+    a.ioctls(&[libc::TCGETS])
+}
+
+/// A device back-end: its loop (epoll, timerfd, eventfds), disk images (positioned reads and
+/// writes, flush, discard), taps, and the console's socket (accepting the one client, reading
+/// and writing the connected stream).
+fn backend(a: &mut Allowed) -> Result<(), BackendError> {
+    use libc::*;
+    a.always(&[
+        SYS_epoll_create1,
+        SYS_epoll_ctl,
+        SYS_epoll_wait,
+        SYS_epoll_pwait,
+        SYS_epoll_pwait2,
+        SYS_eventfd2,
+        SYS_timerfd_create,
+        SYS_timerfd_settime,
+        SYS_timerfd_gettime,
+        SYS_readv,
+        SYS_pread64,
+        SYS_pwrite64,
+        SYS_preadv,
+        SYS_pwritev,
+        SYS_preadv2,
+        SYS_pwritev2,
+        SYS_fsync,
+        SYS_fdatasync,
+        SYS_fallocate,
+        SYS_accept4,
+        SYS_recvfrom,
+    ]);
+    connected_send(a)?;
+    a.ioctls(&backend_ioctls())
+}
+
+/// `sendto` on a connected socket only (no destination address): how std writes to a stream.
+fn connected_send(a: &mut Allowed) -> Result<(), BackendError> {
+    a.when(
+        libc::SYS_sendto,
+        vec![rule(vec![SeccompCondition::new(
+            4,
+            Len::Qword,
+            Op::Eq,
+            0,
+        )?])?],
+    );
+    Ok(())
+}
+
+/// A vCPU: the exit loop's ioctls, the console's output, eventfds a transport creates when the
+/// guest activates a device, and starting that device's back-end thread, which inherits this
+/// filter before it adds its own: so the vCPU's list includes the back-end's, and what a new
+/// thread does before its first line of Rust (rseq, robust futexes, its name, its filter).
+fn vcpu(a: &mut Allowed) -> Result<(), BackendError> {
+    use libc::*;
+    backend(a)?;
+    // clone3 is listed so that the filter stacked before this one decides it: ENOSYS (which
+    // beats allow, while trap would beat ENOSYS), and glibc falls back to clone.
+    a.always(&[SYS_eventfd2, SYS_rseq, SYS_set_robust_list, SYS_clone3]);
+    a.when(
+        SYS_clone,
+        vec![rule(vec![arg(
+            0,
+            Op::MaskedEq(CLONE_THREAD as u64),
+            CLONE_THREAD as u64,
+        )?])?],
+    );
+    a.when(
+        SYS_prctl,
+        [PR_SET_NAME, PR_SET_NO_NEW_PRIVS, PR_GET_SECCOMP]
+            .iter()
+            .map(|&op| rule(vec![arg(0, Op::Eq, op as u64)?]))
+            .collect::<Result<_, _>>()?,
+    );
+    a.when(
+        SYS_seccomp,
+        vec![rule(vec![arg(
+            0,
+            Op::Eq,
+            u64::from(SECCOMP_SET_MODE_FILTER),
+        )?])?],
+    );
+    a.ioctls(&vcpu_ioctls())
+}
+
+/// The main thread once the VM runs, and the signal thread: waiting, taking SIGINT/SIGTERM,
+/// reading KVM's binary statistics, writing the report, tearing the VM down.
+fn main_thread(a: &mut Allowed) -> Result<(), BackendError> {
+    use libc::*;
+    a.always(&[SYS_pread64, SYS_rt_sigtimedwait, SYS_fsync, SYS_fdatasync]);
+    a.ioctls(&main_ioctls())
+}
+
+/// The syscalls `role` may make in process `pid`, whose vCPUs are kicked with `kick_signal`.
+pub(crate) fn allowed(role: Role, pid: u32, kick_signal: i32) -> Result<Allowed, BackendError> {
+    let mut a = Allowed::default();
+    base(&mut a, pid, kick_signal)?;
+    match role {
+        Role::Vcpu => vcpu(&mut a)?,
+        Role::Backend => backend(&mut a)?,
+        Role::Main => main_thread(&mut a)?,
+    }
+    Ok(a)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kvm_request_numbers_match_linux_headers() {
+        // From linux/kvm.h as the kernel's headers expand them.
+        assert_eq!(KVM_RUN(), 0xae80);
+        assert_eq!(KVM_GET_REGS(), 0x8090_ae81);
+        assert_eq!(KVM_SET_SREGS(), 0x4138_ae84);
+        assert_eq!(KVM_IRQFD(), 0x4020_ae76);
+        assert_eq!(KVM_IOEVENTFD(), 0x4040_ae79);
+        assert_eq!(KVM_SET_GSI_ROUTING(), 0x4008_ae6a);
+        assert_eq!(KVM_SIGNAL_MSI(), 0x4020_aea5);
+        assert_eq!(KVM_GET_VCPU_EVENTS(), 0x8040_ae9f);
+        assert_eq!(KVM_GET_FPU(), 0x81a0_ae8c);
+        assert_eq!(KVM_SET_IRQCHIP(), 0x8208_ae63);
+    }
+
+    fn has(role: Role, name: &str) -> bool {
+        allowed(role, 1, 34)
+            .unwrap()
+            .numbers()
+            .any(|nr| crate::names::name(nr) == Some(name))
+    }
+
+    #[test]
+    fn roles_get_what_their_paths_need_and_nothing_dangerous() {
+        for role in [Role::Vcpu, Role::Backend, Role::Main] {
+            for bad in [
+                "execve",
+                "execveat",
+                "fork",
+                "vfork",
+                "socket",
+                "connect",
+                "bind",
+                "listen",
+                "open",
+                "openat",
+                "openat2",
+                "ptrace",
+                "mount",
+                "umount2",
+                "kill",
+                "memfd_create",
+                "process_vm_writev",
+                "unlink",
+                "unlinkat",
+                "chmod",
+                "setuid",
+            ] {
+                assert!(!has(role, bad), "{role} may call {bad}");
+            }
+            for needed in [
+                "write",
+                "futex",
+                "mmap",
+                "exit",
+                "exit_group",
+                "rt_sigreturn",
+            ] {
+                assert!(has(role, needed), "{role} may not call {needed}");
+            }
+        }
+        // A vCPU starts back-ends, which inherit its filter.
+        let vcpu = allowed(Role::Vcpu, 1, 34).unwrap();
+        for nr in allowed(Role::Backend, 1, 34).unwrap().numbers() {
+            assert!(
+                vcpu.numbers().any(|v| v == nr),
+                "{:?}",
+                crate::names::name(nr)
+            );
+        }
+        assert!(has(Role::Backend, "pwrite64") && !has(Role::Main, "pwrite64"));
+        assert!(has(Role::Vcpu, "clone") && !has(Role::Backend, "clone"));
+        assert!(!has(Role::Main, "clone3") && !has(Role::Main, "accept4"));
+    }
+}
