@@ -189,9 +189,9 @@ fn rule(conditions: Vec<SeccompCondition>) -> Result<SeccompRule, BackendError> 
     SeccompRule::new(conditions)
 }
 
-/// Every role: memory, locks, time, sleeping, signals' return, thread exit, writing logs to
-/// stderr (and whatever fd it already holds), closing fds, and what the violation report needs
-/// (`write`, `exit_group`). No new executable memory.
+/// Every role: memory, locks, time, sleeping or waiting on its fds, signals' return, thread
+/// exit, writing logs to stderr (and to whatever fd it already holds), closing fds, and what the
+/// violation report needs (`write`, `exit_group`). No new executable memory.
 fn base(a: &mut Allowed, pid: u32, kick_signal: i32) -> Result<(), BackendError> {
     use libc::*;
     a.always(&[
@@ -222,6 +222,8 @@ fn base(a: &mut Allowed, pid: u32, kick_signal: i32) -> Result<(), BackendError>
         SYS_clock_nanosleep,
         SYS_nanosleep,
         SYS_sched_yield,
+        SYS_poll,
+        SYS_ppoll,
         SYS_sched_getaffinity,
         SYS_getrandom,
         SYS_getpid,
