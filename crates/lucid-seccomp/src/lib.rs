@@ -225,17 +225,19 @@ mod tests {
         )
     }
 
-    fn is_child(name: &str) -> bool {
-        std::env::var(CHILD_ENV).is_ok_and(|v| v == name)
+    /// In the child process running test `name`: the stats and confinement turned on.
+    fn as_child(name: &str) -> Option<(Arc<StatsRegistry>, Seccomp)> {
+        std::env::var(CHILD_ENV).ok().filter(|v| v == name)?;
+        let stats = StatsRegistry::new();
+        let s = Seccomp::prepare(&stats).unwrap();
+        Some((stats, s))
     }
 
     #[test]
     fn child_confined_backend_works_then_opens_a_file() {
-        if !is_child("tests::child_confined_backend_works_then_opens_a_file") {
+        let Some((_, s)) = as_child("tests::child_confined_backend_works_then_opens_a_file") else {
             return;
-        }
-        let stats = StatsRegistry::new();
-        let s = Seccomp::prepare(&stats).unwrap();
+        };
         std::thread::Builder::new()
             .name("lucid-test-io".into())
             .spawn(move || {
@@ -274,11 +276,9 @@ mod tests {
 
     #[test]
     fn child_thread_of_a_confined_thread() {
-        if !is_child("tests::child_thread_of_a_confined_thread") {
+        let Some((stats, s)) = as_child("tests::child_thread_of_a_confined_thread") else {
             return;
-        }
-        let stats = StatsRegistry::new();
-        let s = Seccomp::prepare(&stats).unwrap();
+        };
         std::thread::spawn(move || {
             confine(Some(&s), Role::Vcpu).unwrap();
             // A vCPU may start threads, but only through clone: clone3 (whose flags seccomp

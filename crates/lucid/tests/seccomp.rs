@@ -32,13 +32,16 @@ fn blk_run(img: &std::path::Path, env: &[(&str, &str)], extra: &[&str]) -> Outco
     run_cmd(cmd, LIMIT)
 }
 
+/// The first line of `text` that starts with `prefix`.
+fn line<'a>(text: &'a str, prefix: &str, what: &str) -> &'a str {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("{what}: no line {prefix:?} in\n{text}"))
+}
+
 fn assert_blk_guest_passed(o: &Outcome, what: &str) {
     assert_eq!(o.status, Some(1), "{what}: {}\n{}", o.stdout, o.stderr);
-    let line = o
-        .stdout
-        .lines()
-        .find(|l| l.starts_with("virtio-blk op="))
-        .unwrap_or_else(|| panic!("{what}: no result line\n{}", o.stdout));
+    let line = line(&o.stdout, "virtio-blk op=", what);
     assert!(
         line.contains("ops=200") && line.contains("mismatches=0"),
         "{what}: {line}"
@@ -62,11 +65,7 @@ fn a_forbidden_call_from_each_role_ends_only_its_vm_and_is_reported() {
         let o = blk_run(&mine, &[("LUCID_SECCOMP_SELFTEST", role)], &[]);
         assert!(!o.timed_out, "{role}: Lucid hung after the violation");
         assert_eq!(o.status, Some(VIOLATION), "{role}: {}", o.stderr);
-        let report = o
-            .stderr
-            .lines()
-            .find(|l| l.starts_with("lucid: seccomp: thread "))
-            .unwrap_or_else(|| panic!("{role}: no report\n{}", o.stderr));
+        let report = line(&o.stderr, "lucid: seccomp: thread ", role);
         assert!(
             threads.iter().any(|t| report.starts_with(&format!(
                 "lucid: seccomp: thread {t} (role {role}) made a forbidden system call: \
