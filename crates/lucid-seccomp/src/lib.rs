@@ -138,31 +138,18 @@ impl Seccomp {
 
 /// Confines the calling thread to `role` when `seccomp` is on (and is a no-op otherwise), then
 /// honours [`SELFTEST_ENV`]. Call at the start of the thread's body, after it opened what it
-/// needs; every later system call is checked.
+/// needs; every later system call is checked. A failure is also logged: the thread must not go
+/// on unconfined, and not every caller has a way to report it.
 pub fn confine(seccomp: Option<&Seccomp>, role: Role) -> Result<(), SeccompError> {
     if let Some(s) = seccomp {
-        let thread = || {
-            std::thread::current()
-                .name()
-                .unwrap_or("unnamed")
-                .to_string()
-        };
-        let prog = program(role)?;
-        let clone3 = clone3_filter().map_err(|source| SeccompError::Build { role, source })?;
-        report::set_identity(role);
-        // A new task must be a thread: clone3 (whose flags seccomp cannot read) fails with
-        // ENOSYS, and glibc falls back to clone, whose flags the role's filter checks.
-        for p in [clone3, prog] {
-            seccompiler::apply_filter(&p).map_err(|source| SeccompError::Install {
-                role,
-                thread: thread(),
-                source,
-            })?;
-        }
-        TOKEN.with(|t| *t.borrow_mut() = Some(s.clone()));
-        s.confined[role as usize].inc();
+        install(s, role).inspect_err(|e| log::error!("{e}"))?;
+        log::debug!("{}: confined to seccomp role {role}", thread_name());
     }
     if std::env::var_os(SELFTEST_ENV).is_some_and(|v| v == role.name()) {
+        log::warn!(
+            "{SELFTEST_ENV}: {} calls socket(2), which role {role} may not",
+            thread_name()
+        );
         // SAFETY: socket(2) with constant arguments; a returned fd is ours to close.
         unsafe {
             let fd = libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
@@ -171,6 +158,32 @@ pub fn confine(seccomp: Option<&Seccomp>, role: Role) -> Result<(), SeccompError
             }
         }
     }
+    Ok(())
+}
+
+fn thread_name() -> String {
+    std::thread::current()
+        .name()
+        .unwrap_or("unnamed")
+        .to_string()
+}
+
+/// Installs the role's filter (after the clone3 one) on the calling thread.
+fn install(s: &Seccomp, role: Role) -> Result<(), SeccompError> {
+    let prog = program(role)?;
+    let clone3 = clone3_filter().map_err(|source| SeccompError::Build { role, source })?;
+    report::set_identity(role);
+    // A new task must be a thread: clone3 (whose flags seccomp cannot read) fails with ENOSYS,
+    // and glibc falls back to clone, whose flags the role's filter checks.
+    for p in [clone3, prog] {
+        seccompiler::apply_filter(&p).map_err(|source| SeccompError::Install {
+            role,
+            thread: thread_name(),
+            source,
+        })?;
+    }
+    TOKEN.with(|t| *t.borrow_mut() = Some(s.clone()));
+    s.confined[role as usize].inc();
     Ok(())
 }
 
