@@ -13,6 +13,22 @@ pub enum BootError {
         #[source]
         source: std::io::Error,
     },
+    /// A kernel or initrd path names something other than a regular file (a device, a FIFO, a
+    /// directory): refused before reading, as reading `/dev/zero` or a FIFO would never end.
+    #[error("{what} {path} is {kind}, not a regular file")]
+    NotARegularFile {
+        path: PathBuf,
+        what: &'static str,
+        kind: crate::file::FileKind,
+    },
+    /// A kernel or initrd file is larger than Lucid reads for it.
+    #[error("{what} {path} is {size} bytes, more than the {max} bytes Lucid reads for it")]
+    FileTooLarge {
+        path: PathBuf,
+        what: &'static str,
+        size: u64,
+        max: u64,
+    },
     /// The file is none of the formats this crate boots.
     #[error("not a kernel: {path}: {why}")]
     NotAKernel { path: PathBuf, why: String },

@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::file::{read_regular, MAX_KERNEL_FILE};
 use crate::BootError;
 
 /// The boot protocol a kernel image is started with.
@@ -92,12 +93,9 @@ fn rd_u64(b: &[u8], off: u64) -> Option<u64> {
 }
 
 impl KernelImage {
-    /// Reads `path` and detects its format.
+    /// Reads `path` (a regular file of at most [`MAX_KERNEL_FILE`] bytes) and detects its format.
     pub fn open(path: &Path) -> Result<KernelImage, BootError> {
-        let bytes = std::fs::read(path).map_err(|source| BootError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let bytes = read_regular(path, "kernel", MAX_KERNEL_FILE)?;
         Self::from_bytes(path, bytes)
     }
 

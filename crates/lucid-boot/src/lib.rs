@@ -49,6 +49,7 @@
 pub mod acpi;
 pub mod cpuid;
 mod error;
+pub mod file;
 pub mod kernel;
 pub mod layout;
 pub mod loader;

@@ -10,6 +10,7 @@ use linux_loader::loader::elf::start_info::{
 };
 use vm_memory::{ByteValued, Bytes, GuestAddress, GuestMemoryMmap};
 
+use crate::file::open_regular;
 use crate::kernel::{bzhdr, ElfInfo, KernelImage, KernelKind, MULTIBOOT_AOUT_KLUDGE};
 use crate::layout::{
     BOOT_INFO, CMDLINE, CMDLINE_MAX, EBDA_START, HIGH_MEMORY, MEMMAP, MODLIST, MODLIST_STRINGS,
@@ -153,16 +154,6 @@ fn load_initrd_at(
         })
 }
 
-fn open_initrd(path: &Path) -> Result<(File, u64), BootError> {
-    let io = |source| BootError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    let file = File::open(path).map_err(io)?;
-    let size = file.metadata().map_err(io)?.len();
-    Ok((file, size))
-}
-
 /// Places an initrd of `size` bytes page-aligned as high as possible below `limit` (exclusive),
 /// above `kernel_end`; loads it and returns (address, size).
 fn load_initrd_high(
@@ -172,7 +163,7 @@ fn load_initrd_high(
     limit: u64,
     mem_size: u64,
 ) -> Result<(u64, u64), BootError> {
-    let (mut file, size) = open_initrd(path)?;
+    let (mut file, size) = open_regular(path, "initrd", mem_size)?;
     let floor = align_up(kernel_end, PAGE);
     let addr = limit.checked_sub(size).map(|a| a & !(PAGE - 1));
     match addr {
@@ -196,7 +187,7 @@ fn load_initrd_after(
     kernel_end: u64,
     mem_size: u64,
 ) -> Result<(u64, u64), BootError> {
-    let (mut file, size) = open_initrd(path)?;
+    let (mut file, size) = open_regular(path, "initrd", mem_size)?;
     let addr = align_up(kernel_end, PAGE);
     check_load_range(mem_size, path, "kernel with initrd", addr, addr + size)?;
     load_initrd_at(mem, path, &mut file, size, addr)?;

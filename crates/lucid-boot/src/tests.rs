@@ -656,6 +656,75 @@ fn bad_images_give_clear_errors() {
     ));
 }
 
+/// Kernels and initrds that are not regular files, or are too big, are refused before a byte is
+/// read: reading /dev/zero or a FIFO without a writer never ends.
+#[test]
+fn non_regular_and_oversized_files_are_refused() {
+    use crate::file::{FileKind, MAX_KERNEL_FILE};
+    let d = TempDir::new();
+    let mem = guest(MEM);
+    let fifo = d.0.join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo with a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let zero = std::path::Path::new("/dev/zero");
+    for (path, kind) in [
+        (zero, FileKind::CharDevice),
+        (fifo.as_path(), FileKind::Fifo),
+        (d.0.as_path(), FileKind::Directory),
+    ] {
+        let e = load(&mem, params(path, None, "")).unwrap_err();
+        assert!(
+            matches!(e, BootError::NotARegularFile { what: "kernel", kind: k, .. } if k == kind),
+            "{e}"
+        );
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+    }
+    let good = d.file(
+        "ok",
+        &elf(true, 0x10_0000, &[load_seg(0x10_0000, &[1; 64], 64)]),
+    );
+    for (path, kind) in [
+        (zero, FileKind::CharDevice),
+        (fifo.as_path(), FileKind::Fifo),
+    ] {
+        let e = load(&mem, params(&good, Some(path), "")).unwrap_err();
+        assert!(
+            matches!(e, BootError::NotARegularFile { what: "initrd", kind: k, .. } if k == kind),
+            "{e}"
+        );
+    }
+    // Sparse files: sizes from metadata, nothing read.
+    let huge = d.0.join("huge");
+    std::fs::File::create(&huge)
+        .unwrap()
+        .set_len(MAX_KERNEL_FILE + 1)
+        .unwrap();
+    let e = load(&mem, params(&huge, None, "")).unwrap_err();
+    assert!(
+        matches!(e, BootError::FileTooLarge { what: "kernel", size, max, .. }
+            if size == MAX_KERNEL_FILE + 1 && max == MAX_KERNEL_FILE),
+        "{e}"
+    );
+    let big_initrd = d.0.join("big-initrd");
+    std::fs::File::create(&big_initrd)
+        .unwrap()
+        .set_len(MEM + 1)
+        .unwrap();
+    let e = load(&mem, params(&good, Some(&big_initrd), "")).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            BootError::FileTooLarge {
+                what: "initrd",
+                max: MEM,
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
 #[test]
 fn long64_regs_and_page_tables() {
     let mem = guest(MEM);

@@ -153,6 +153,66 @@ fn missing_kernel_is_one_clear_error() {
     assert!(!o.stderr.contains("panicked"), "{}", o.stderr);
 }
 
+/// `--kernel /dev/zero` used to read forever; a FIFO blocked the open; a directory, a huge sparse
+/// file: each is one clear error, at once.
+#[test]
+fn kernel_and_initrd_that_are_not_regular_files_are_refused() {
+    let fifo = tmp("kernel.fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo with a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let sparse = tmp("sparse.img");
+    std::fs::File::create(&sparse)
+        .unwrap()
+        .set_len(64 << 30)
+        .unwrap();
+    let hello = guest_file("hello");
+    let limit = Duration::from_secs(20);
+    let dir = std::env::temp_dir();
+    for (args, want) in [
+        (vec!["--kernel", "/dev/zero"], "is a character device"),
+        (vec!["--kernel", fifo.to_str().unwrap()], "is a FIFO"),
+        (vec!["--kernel", dir.to_str().unwrap()], "is a directory"),
+        (
+            vec!["--kernel", sparse.to_str().unwrap()],
+            "bytes, more than",
+        ),
+        (
+            vec!["--kernel", hello.to_str().unwrap(), "--initrd", "/dev/zero"],
+            "initrd /dev/zero is a character device",
+        ),
+        (
+            vec![
+                "--kernel",
+                hello.to_str().unwrap(),
+                "--initrd",
+                fifo.to_str().unwrap(),
+            ],
+            "is a FIFO",
+        ),
+        (
+            vec![
+                "--kernel",
+                hello.to_str().unwrap(),
+                "--initrd",
+                sparse.to_str().unwrap(),
+            ],
+            "bytes, more than",
+        ),
+    ] {
+        let mut a = vec!["run"];
+        a.extend(args.iter().copied());
+        let o = lucid(&a, limit);
+        assert!(!o.timed_out, "{args:?}: Lucid hung");
+        assert_eq!(o.status, Some(1), "{args:?}: {}", o.stderr);
+        assert!(o.stderr.contains(want), "{args:?}: {}", o.stderr);
+        assert!(!o.stderr.contains("panicked"), "{args:?}: {}", o.stderr);
+    }
+    for f in [fifo, sparse, hello] {
+        let _ = std::fs::remove_file(f);
+    }
+}
+
 #[test]
 fn non_elf_and_truncated_elf_are_clear_errors() {
     let junk = tmp("junk.bin");
