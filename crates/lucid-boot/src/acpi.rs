@@ -1,7 +1,9 @@
 //! ACPI tables: RSDP (v2) -> XSDT -> FADT (-> DSDT), MADT, and MCFG when PCIe ECAM is configured.
 //!
 //! Written into the BIOS area at [`ACPI_START`] with the RSDP first (16-byte aligned), so that a
-//! legacy scan of 0xe0000..0x100000 finds it as well as the address passed in the boot info.
+//! legacy scan of 0xe0000..0x100000 finds it as well as the address passed in the boot info. A
+//! kernel that loads into the BIOS area pushes the RSDP to the next free 16 bytes there, and the
+//! tables, if they no longer fit, into free low RAM (reserved in the memory map).
 //!
 //! # FADT choice: hardware-reduced ACPI
 //!
@@ -38,8 +40,12 @@ use acpi_tables::xsdt::XSDT;
 use acpi_tables::Aml;
 use vm_memory::GuestMemoryMmap;
 
+use std::ops::Range;
+
+use crate::area::BootArea;
 use crate::layout::{
-    ports, ACPI_END, ACPI_START, IOAPIC_START, LAPIC_START, PCI_MMIO_END, PCI_MMIO_START,
+    ports, ACPI_END, ACPI_START, EBDA_START, IOAPIC_START, LAPIC_START, PCI_MMIO_END,
+    PCI_MMIO_START,
 };
 use crate::loader::write_bytes;
 use crate::BootError;
@@ -198,14 +204,29 @@ fn fadt(cfg: &AcpiConfig, dsdt: u64) -> Vec<u8> {
     to_bytes(&f.finalize())
 }
 
-/// Writes the ACPI tables for `cfg` at [`ACPI_START`] and returns the RSDP's guest-physical
-/// address (for `hvm_start_info.rsdp_paddr` / `boot_params.acpi_rsdp_addr`).
-pub fn write_acpi_tables(mem: &GuestMemoryMmap, cfg: &AcpiConfig) -> Result<u64, BootError> {
-    if cfg.vcpus == 0 || cfg.vcpus == u8::MAX {
-        return Err(BootError::BadVcpuCount(cfg.vcpus));
+/// Length of the ACPI 2.0 RSDP.
+const RSDP_LEN: u64 = 36;
+
+/// Where [`write_acpi`] put the tables.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct AcpiPlacement {
+    pub rsdp: u64,
+    pub tables: Range<u64>,
+}
+
+impl AcpiPlacement {
+    /// The tables' range when it lies outside the BIOS area (which the memory map always
+    /// reserves): the memory map must reserve it too.
+    pub fn outside_bios_area(&self) -> Option<Range<u64>> {
+        (self.tables.end <= EBDA_START || self.tables.start >= ACPI_END)
+            .then(|| self.tables.clone())
     }
-    let rsdp_addr = ACPI_START;
-    let mut cursor = ACPI_START + 0x40;
+}
+
+/// Lays the tables out from `base` (FACS first, 64-byte aligned; the rest 16-byte aligned).
+/// Returns each table's address and bytes, the XSDT's address, and the end of the last table.
+fn build_tables(cfg: &AcpiConfig, base: u64) -> (Vec<(u64, Vec<u8>)>, u64, u64) {
+    let mut cursor = base;
     let mut tables: Vec<(u64, Vec<u8>)> = Vec::new();
     let mut place = |bytes: Vec<u8>, tables: &mut Vec<(u64, Vec<u8>)>| {
         let addr = cursor;
@@ -213,7 +234,6 @@ pub fn write_acpi_tables(mem: &GuestMemoryMmap, cfg: &AcpiConfig) -> Result<u64,
         tables.push((addr, bytes));
         addr
     };
-
     let mut dsdt = Sdt::new(*b"DSDT", 36, 2, OEM_ID, table_id(b"DSDT"), OEM_REVISION);
     dsdt.append_slice(&dsdt_aml(cfg));
     let dsdt_addr = place(dsdt.as_slice().to_vec(), &mut tables);
@@ -230,17 +250,48 @@ pub fn write_acpi_tables(mem: &GuestMemoryMmap, cfg: &AcpiConfig) -> Result<u64,
         xsdt.add_entry(a);
     }
     let xsdt_addr = place(to_bytes(&xsdt), &mut tables);
-    if cursor > ACPI_END {
-        return Err(BootError::AcpiTooBig {
-            need: cursor - ACPI_START,
-            start: ACPI_START,
-            end: ACPI_END,
-        });
+    (tables, xsdt_addr, cursor)
+}
+
+/// Places and writes the ACPI tables for `cfg`: the RSDP in the BIOS area (where a legacy scan
+/// finds it), the tables after it if they fit there, else in free low RAM.
+pub(crate) fn write_acpi(
+    mem: &GuestMemoryMmap,
+    area: &mut BootArea,
+    cfg: &AcpiConfig,
+) -> Result<AcpiPlacement, BootError> {
+    if cfg.vcpus == 0 || cfg.vcpus == u8::MAX {
+        return Err(BootError::BadVcpuCount(cfg.vcpus));
     }
+    let bios_area = ACPI_START..ACPI_END;
+    let rsdp = area.place_in("ACPI RSDP", ACPI_START, RSDP_LEN, 16, bios_area.clone())?;
+    let size = build_tables(cfg, 0).2;
+    let what = "ACPI tables";
+    let pref = ACPI_START + 0x40;
+    let base = match area.place_in(what, pref, size, 64, bios_area) {
+        Ok(base) => base,
+        Err(_) => area.place(what, pref, size, 64)?,
+    };
+    let (tables, xsdt_addr, end) = build_tables(cfg, base);
     for (addr, bytes) in &tables {
         write_bytes(mem, *addr, bytes, "ACPI table")?;
     }
-    let rsdp = to_bytes(&Rsdp::new(OEM_ID, xsdt_addr));
-    write_bytes(mem, rsdp_addr, &rsdp, "ACPI RSDP")?;
-    Ok(rsdp_addr)
+    write_bytes(
+        mem,
+        rsdp,
+        &to_bytes(&Rsdp::new(OEM_ID, xsdt_addr)),
+        "ACPI RSDP",
+    )?;
+    Ok(AcpiPlacement {
+        rsdp,
+        tables: base..end,
+    })
+}
+
+/// Writes the ACPI tables for `cfg` at their usual place ([`ACPI_START`]), with no kernel to
+/// avoid, and returns the RSDP's address. [`crate::load`] writes them itself when
+/// [`crate::BootParams::acpi`] is set, around the kernel.
+pub fn write_acpi_tables(mem: &GuestMemoryMmap, cfg: &AcpiConfig) -> Result<u64, BootError> {
+    let mut area = BootArea::new(crate::layout::MMIO_HOLE_START);
+    Ok(write_acpi(mem, &mut area, cfg)?.rsdp)
 }

@@ -43,8 +43,8 @@ pub enum BootError {
         need_mib: u64,
         have_mib: u64,
     },
-    /// A range the kernel asks for is not guest RAM at all (in the MMIO hole, in the boot area
-    /// below 1 MiB, or above any RAM the layout can provide).
+    /// A range the kernel asks for is not guest RAM at all (in the MMIO hole, or above any RAM
+    /// the layout can provide).
     #[error("{path}: {what} {start:#x}..{end:#x} is not usable guest RAM ({why})")]
     OutsideRam {
         path: PathBuf,
@@ -52,6 +52,23 @@ pub enum BootError {
         start: u64,
         end: u64,
         why: &'static str,
+    },
+    /// A boot structure with a fixed home (the ACPI RSDP in the BIOS area), or one that found
+    /// no free low RAM at all, collides with what the kernel or initrd asked for.
+    #[error("no room for {what} ({size} bytes) in {start:#x}..{end:#x}: {taken}")]
+    NoRoom {
+        what: &'static str,
+        size: u64,
+        start: u64,
+        end: u64,
+        taken: crate::area::Claims,
+    },
+    /// linux-loader failed to copy a kernel that this crate's parser accepted.
+    #[error("loading {path} into guest memory failed: {source}")]
+    Loader {
+        path: PathBuf,
+        #[source]
+        source: linux_loader::loader::Error,
     },
     /// The kernel command line does not fit.
     #[error("kernel command line is {len} bytes, at most {max} are allowed")]
@@ -77,9 +94,6 @@ pub enum BootError {
         #[source]
         source: vm_memory::GuestMemoryError,
     },
-    /// The ACPI tables outgrew the ACPI area of the layout.
-    #[error("ACPI tables need {need:#x} bytes from {start:#x}, the ACPI area ends at {end:#x}")]
-    AcpiTooBig { need: u64, start: u64, end: u64 },
     /// A vCPU count this crate cannot describe (APIC IDs are 8 bits and one is the I/O APIC's).
     #[error("vcpu count {0} is not in 1..=254")]
     BadVcpuCount(u8),

@@ -216,7 +216,6 @@ impl Vm {
             let last_bus = ((layout::PCI_ECAM_SIZE >> 20) - 1).min(255) as u8;
             acpi.pci_ecam = Some((layout::PCI_ECAM_START, 0, last_bus));
         }
-        let rsdp = lucid_boot::write_acpi_tables(ram.memory(), &acpi)?;
         let setup = lucid_boot::load_image(
             ram.memory(),
             &image,
@@ -225,7 +224,7 @@ impl Vm {
                 initrd: config.initrd.as_deref(),
                 cmdline: &cmdline,
                 mem_size,
-                acpi_rsdp: Some(rsdp),
+                acpi: Some(&acpi),
             },
         )?;
 
