@@ -1,38 +1,43 @@
-//! ACPI tables: RSDP (v2) -> XSDT -> FADT (-> DSDT), MADT, and MCFG when PCIe ECAM is configured.
+//! ACPI tables: RSDP (v2) -> XSDT -> FADT (-> FACS, DSDT), MADT, and MCFG when PCIe ECAM is
+//! configured.
 //!
 //! Written into the BIOS area at [`ACPI_START`] with the RSDP first (16-byte aligned), so that a
 //! legacy scan of 0xe0000..0x100000 finds it as well as the address passed in the boot info. A
 //! kernel that loads into the BIOS area pushes the RSDP to the next free 16 bytes there, and the
 //! tables, if they no longer fit, into free low RAM (reserved in the memory map).
 //!
-//! # FADT choice: hardware-reduced ACPI
+//! # FADT: full ACPI with PM1a blocks and a PM timer (default), or hardware-reduced
 //!
-//! The FADT (revision 6.5) sets `HW_REDUCED_ACPI`, like Firecracker, Cloud Hypervisor and QEMU's
-//! microvm. Lucid has no PM1/PM-timer/GPE blocks and no SMI command port; a full (non-reduced)
-//! FADT without them makes ACPICA report missing required registers and makes Linux install an
-//! SCI handler on registers at address 0. With hardware-reduced ACPI Linux skips all of that, and
-//! on x86 it also uses the null legacy PIC and does not set up the PIT as a clock event; it runs
-//! on the local APIC timer (calibrated against the TSC / kvm-clock), and takes ISA interrupts
-//! through the I/O APIC with the GSIs from the DSDT `_CRS` resources. The legacy devices are
-//! still found:
+//! With [`AcpiConfig::pm`] (the default) the FADT describes ACPI fixed hardware as QEMU's q35
+//! does, at the ICH9 PM base 0x600 ([`ports::ACPI_PM_BASE`]; the VMM registers the device,
+//! `lucid_devices::AcpiPm`): PM1a event block 0x600 (4 bytes), PM1a control 0x604 (2), PM timer
+//! 0x608 (4, 32-bit: `TMR_VAL_EXT`), no GPE block, no SMI command port (always in ACPI mode:
+//! `SCI_EN` reads 1), SCI on IRQ 9 (level, active high, the MADT override) routed through the
+//! IOAPIC, a FACS (global lock, waking vector), and `\_S5_` in the DSDT ([`SLP_TYP_S5`]).
+//! Sleep states S1-S4 are not offered (no `_S3_`/`_S4_`): the device refuses them with a logged
+//! warning. Flags: WBINVD, PROC_C1, power and sleep buttons as control methods (no fixed-feature
+//! buttons), FIX_RTC (no RTC wake status), TMR_VAL_EXT; C2/C3 latencies say "not supported".
+//! A guest then takes the PC path: Linux uses the 8259 PIC and the PIT early (KVM's in-kernel
+//! ones), installs its SCI handler on IRQ 9 and registers the `acpi_pm` clocksource.
+//!
+//! Without it the FADT is hardware-reduced (`HW_REDUCED_ACPI`, like Firecracker, Cloud
+//! Hypervisor and QEMU's microvm): no fixed hardware at all, Linux uses the null legacy PIC and
+//! the local APIC timer. Either way:
 //!
 //! - `IAPC_BOOT_ARCH` has the 8042 bit (and the DSDT has a `PNP0303` device), so `i8042` probes
 //!   ports 0x60/0x64 (`reboot=k` works through it); VGA-not-present and PCIe-ASPM-controls are set.
 //! - COM1 is a `PNP0501` device with I/O 0x3f8-0x3ff and IRQ 4, which `8250_pnp` binds.
-//! - The PIT (ports 0x40-0x43) is not described and Linux does not register it as a clock event
-//!   device on a hardware-reduced platform; the guest still may program it directly.
 //!
-//! If a guest ever needs the PIT/8259 path, switch to a full FADT: that needs PM1a event/control
-//! and PM timer blocks emulated by the VMM (QEMU's q35 style), not just a flag flip.
-//!
-//! The MADT still has the `PCAT_COMPAT` flag and the interrupt source overrides IRQ0 -> GSI2 and
-//! IRQ9 level/active-high that KVM's in-kernel irqchip routing (and a non-reduced guest) expects.
+//! The MADT has the `PCAT_COMPAT` flag and the interrupt source overrides IRQ0 -> GSI2 and
+//! IRQ9 level/active-high that KVM's in-kernel irqchip routing (and the SCI) expect.
 
 use acpi_tables::aml::{
-    AddressSpace, AddressSpaceCacheable, Device, EISAName, Interrupt, Name, Path, ResourceTemplate,
-    Scope, IO,
+    AddressSpace, AddressSpaceCacheable, Device, EISAName, Interrupt, Name, Package, Path,
+    ResourceTemplate, Scope, IO,
 };
+use acpi_tables::facs::FACS;
 use acpi_tables::fadt::{FADTBuilder, Flags};
+use acpi_tables::gas::{AccessSize, AddressSpace as GasSpace, GAS};
 use acpi_tables::mcfg::MCFG;
 use acpi_tables::rsdp::Rsdp;
 use acpi_tables::sdt::Sdt;
@@ -44,7 +49,7 @@ use std::ops::Range;
 
 use crate::area::BootArea;
 use crate::layout::{
-    ports, ACPI_END, ACPI_START, EBDA_START, IOAPIC_START, LAPIC_START, PCI_MMIO_END,
+    ports, ACPI_END, ACPI_SCI_IRQ, ACPI_START, EBDA_START, IOAPIC_START, LAPIC_START, PCI_MMIO_END,
     PCI_MMIO_START,
 };
 use crate::loader::write_bytes;
@@ -66,7 +71,15 @@ pub struct AcpiConfig {
     pub com1: bool,
     /// Describe the i8042 (0x60/0x64, IRQ 1) in the DSDT and set the 8042 boot flag.
     pub i8042: bool,
+    /// A full FADT with PM1a event/control blocks, the PM timer, the SCI, a FACS and `\_S5_`
+    /// (the VMM must register `lucid_devices::AcpiPm` at [`ports::ACPI_PM_BASE`]); `false` gives
+    /// a hardware-reduced FADT.
+    pub pm: bool,
 }
+
+/// The SLP_TYP value of S5 (soft off) in `\_S5_`, as QEMU's PIIX4 and ICH9 PM use it, so that
+/// a guest written for q35 (`outw(0x604, 0x2000)`) powers off Lucid too.
+pub const SLP_TYP_S5: u8 = 0;
 
 impl AcpiConfig {
     /// `vcpus` vCPUs with COM1 and the i8042, no PCI.
@@ -76,6 +89,7 @@ impl AcpiConfig {
             pci_ecam: None,
             com1: true,
             i8042: true,
+            pm: true,
         }
     }
 }
@@ -84,6 +98,8 @@ impl AcpiConfig {
 const IAPC_8042: u16 = 1 << 1;
 const IAPC_VGA_NOT_PRESENT: u16 = 1 << 2;
 const IAPC_PCIE_ASPM_CONTROLS: u16 = 1 << 4;
+/// CMOS register with the century (BCD), which the RTC (`lucid_devices::Cmos`) keeps.
+const CMOS_CENTURY: u8 = 0x32;
 /// MADT flag: the system also has dual 8259s.
 const MADT_PCAT_COMPAT: u32 = 1;
 
@@ -163,6 +179,17 @@ fn dsdt_aml(cfg: &AcpiConfig) -> Vec<u8> {
     to_bytes(&Scope::new(Path::new("\\_SB_"), children))
 }
 
+/// The DSDT's sleep-state objects at root scope: `\_S5_` = {SLP_TYPa, SLP_TYPb, 0, 0} when the
+/// PM1 blocks exist. S1-S4 are not offered: Lucid cannot suspend (`lucid_devices::AcpiPm`).
+fn sleep_states_aml(cfg: &AcpiConfig) -> Vec<u8> {
+    if !cfg.pm {
+        return Vec::new();
+    }
+    let zero = 0u8;
+    let s5 = Package::new(vec![&SLP_TYP_S5, &SLP_TYP_S5, &zero, &zero]);
+    to_bytes(&Name::new(Path::new("_S5_"), &s5))
+}
+
 fn madt(cfg: &AcpiConfig) -> Vec<u8> {
     let mut t = Sdt::new(*b"APIC", 44, 5, OEM_ID, table_id(b"APIC"), OEM_REVISION);
     t.write_u32(36, LAPIC_START as u32);
@@ -188,10 +215,21 @@ fn madt(cfg: &AcpiConfig) -> Vec<u8> {
     t.as_slice().to_vec()
 }
 
-fn fadt(cfg: &AcpiConfig, dsdt: u64) -> Vec<u8> {
+/// The FACS (version 2): no hardware signature, waking vector 0 (Lucid does not resume).
+fn facs() -> Vec<u8> {
+    let mut f = FACS::new();
+    f.version = 2;
+    to_bytes(&f)
+}
+
+/// An I/O-port register block for the FADT's extended (GAS) fields.
+fn io_gas(port: u16, len: u8, access: AccessSize) -> GAS {
+    GAS::new(GasSpace::SystemIo, len * 8, 0, access, u64::from(port))
+}
+
+fn fadt(cfg: &AcpiConfig, dsdt: u64, facs: Option<u64>) -> Vec<u8> {
     let mut f = FADTBuilder::new(OEM_ID, table_id(b"FACP"), OEM_REVISION)
         .dsdt_64(dsdt)
-        .flag(Flags::HwReducedAcpi)
         .flag(Flags::PwrButton)
         .flag(Flags::SlpButton);
     let mut iapc = IAPC_VGA_NOT_PRESENT | IAPC_PCIE_ASPM_CONTROLS;
@@ -199,8 +237,36 @@ fn fadt(cfg: &AcpiConfig, dsdt: u64) -> Vec<u8> {
         iapc |= IAPC_8042;
     }
     f.iapc_boot_arch = iapc.into();
-    f.sci_int = 9u16.into();
+    f.sci_int = u16::from(ACPI_SCI_IRQ).into();
     f.hypervisor_vendor_identity = u64::from_le_bytes(*b"LUCIDVMM").into();
+    match facs {
+        Some(facs) => {
+            // Below 4 GiB always: the 32-bit field, which every OS reads.
+            f = f
+                .firmware_ctrl_32(facs as u32)
+                .flag(Flags::Wbinvd)
+                .flag(Flags::ProcC1)
+                .flag(Flags::FixRtc)
+                .flag(Flags::TmrValExt);
+            const PM1_EVT_LEN: u8 = 4;
+            const PM1_CNT_LEN: u8 = 2;
+            const PM_TMR_LEN: u8 = 4;
+            f.pm1a_evt_blk = u32::from(ports::ACPI_PM1A_EVT).into();
+            f.pm1a_cnt_blk = u32::from(ports::ACPI_PM1A_CNT).into();
+            f.pm_tmr_blk = u32::from(ports::ACPI_PM_TMR).into();
+            f.pm1_evt_len = PM1_EVT_LEN;
+            f.pm1_cnt_len = PM1_CNT_LEN;
+            f.pm_tmr_len = PM_TMR_LEN;
+            f.x_pm1a_evt_blk = io_gas(ports::ACPI_PM1A_EVT, PM1_EVT_LEN, AccessSize::WordAccess);
+            f.x_pm1a_cnt_blk = io_gas(ports::ACPI_PM1A_CNT, PM1_CNT_LEN, AccessSize::WordAccess);
+            f.x_pm_tmr_blk = io_gas(ports::ACPI_PM_TMR, PM_TMR_LEN, AccessSize::DwordAccess);
+            // Latencies above 100 / 1000 us: C2 and C3 are not supported.
+            f.p_lvl2_lat = 0x0fffu16.into();
+            f.p_lvl3_lat = 0xffffu16.into();
+            f.century = CMOS_CENTURY;
+        }
+        None => f = f.flag(Flags::HwReducedAcpi),
+    }
     to_bytes(&f.finalize())
 }
 
@@ -234,10 +300,13 @@ fn build_tables(cfg: &AcpiConfig, base: u64) -> (Vec<(u64, Vec<u8>)>, u64, u64) 
         tables.push((addr, bytes));
         addr
     };
+    // The FACS first: `base` is 64-byte aligned, as the FACS must be.
+    let facs_addr = cfg.pm.then(|| place(facs(), &mut tables));
     let mut dsdt = Sdt::new(*b"DSDT", 36, 2, OEM_ID, table_id(b"DSDT"), OEM_REVISION);
     dsdt.append_slice(&dsdt_aml(cfg));
+    dsdt.append_slice(&sleep_states_aml(cfg));
     let dsdt_addr = place(dsdt.as_slice().to_vec(), &mut tables);
-    let fadt_addr = place(fadt(cfg, dsdt_addr), &mut tables);
+    let fadt_addr = place(fadt(cfg, dsdt_addr, facs_addr), &mut tables);
     let madt_addr = place(madt(cfg), &mut tables);
     let mut xsdt = XSDT::new(OEM_ID, table_id(b"XSDT"), OEM_REVISION);
     xsdt.add_entry(fadt_addr);

@@ -66,7 +66,17 @@ pub mod ports {
     pub const HYPERCALL: u16 = 0x599;
     /// A port the probe kit writes to measure an exit that an ioeventfd absorbs in the kernel.
     pub const IOEVENTFD_PROBE: u16 = 0x598;
+    /// ACPI fixed hardware, at QEMU q35's (ICH9) PM base: PM1a event block (status, enable)
+    /// 0x600-0x603, PM1a control 0x604-0x605, PM timer 0x608-0x60b.
+    pub const ACPI_PM_BASE: u16 = 0x600;
+    pub const ACPI_PM1A_EVT: u16 = ACPI_PM_BASE;
+    pub const ACPI_PM1A_CNT: u16 = ACPI_PM_BASE + 4;
+    pub const ACPI_PM_TMR: u16 = ACPI_PM_BASE + 8;
 }
+
+/// The ACPI SCI: ISA IRQ 9, level-triggered, active high (the MADT overrides IRQ 9 so), through
+/// the IOAPIC pin of the same number.
+pub const ACPI_SCI_IRQ: u8 = 9;
 
 /// The RAM ranges (guest-physical start, length) for `mem_size` bytes of guest memory: low RAM up to
 /// the MMIO hole, the rest from 4 GiB.

@@ -1090,8 +1090,28 @@ fn acpi_tables_walk() {
         sigs.push(String::from_utf8(t[..4].to_vec()).unwrap());
         match &t[..4] {
             b"FACP" => {
-                let flags = u32::from_le_bytes(t[112..116].try_into().unwrap());
-                assert_ne!(flags & (1 << 20), 0, "HW_REDUCED_ACPI");
+                let u16_at = |o: usize| u16::from_le_bytes(t[o..o + 2].try_into().unwrap());
+                let u32_at = |o: usize| u32::from_le_bytes(t[o..o + 4].try_into().unwrap());
+                let flags = u32_at(112);
+                assert_eq!(flags & (1 << 20), 0, "not HW_REDUCED_ACPI");
+                assert_ne!(flags & (1 << 8), 0, "TMR_VAL_EXT: 32-bit PM timer");
+                assert_eq!(u16_at(46), 9, "SCI_INT");
+                assert_eq!(u32_at(48), 0, "no SMI_CMD: always in ACPI mode");
+                assert_eq!(
+                    (u32_at(56), u32_at(64), u32_at(76)),
+                    (0x600, 0x604, 0x608),
+                    "PM1a_EVT, PM1a_CNT, PM_TMR"
+                );
+                assert_eq!((t[88], t[89], t[91], t[92]), (4, 2, 4, 0), "block lengths");
+                // X_PM_TMR_BLK: GAS, system I/O, 32 bits, dword access, 0x608.
+                assert_eq!(t[208..212], [1, 32, 0, 3]);
+                assert_eq!(u64::from_le_bytes(t[212..220].try_into().unwrap()), 0x608);
+                let facs = u64::from(u32_at(36));
+                assert_eq!(facs % 64, 0, "FACS 64-byte aligned");
+                let f: [u8; 64] = read(&mem, facs);
+                assert_eq!(&f[..4], b"FACS");
+                assert_eq!(u32::from_le_bytes(f[4..8].try_into().unwrap()), 64);
+                assert_eq!(f[32], 2, "FACS version");
                 let iapc = u16::from_le_bytes(t[109..111].try_into().unwrap());
                 assert_ne!(iapc & 2, 0, "8042 present");
                 let x_dsdt = u64::from_le_bytes(t[140..148].try_into().unwrap());
@@ -1100,6 +1120,11 @@ fn acpi_tables_walk() {
                 let aml = &dsdt[36..];
                 let has = |s: &[u8]| aml.windows(s.len()).any(|w| w == s);
                 assert!(has(b"_SB_") && has(b"COM1") && has(b"PS2K") && has(b"PCI0"));
+                // Name(_S5_, Package(4) {0, 0, 0, 0}): NameOp, name, PackageOp, len, 4 elements.
+                assert!(has(&[
+                    0x08, b'_', b'S', b'5', b'_', 0x12, 0x06, 0x04, 0, 0, 0, 0
+                ]));
+                assert!(!has(b"_S3_"), "no suspend offered");
                 // EISAID("PNP0501") = 0x0105d041 little-endian.
                 assert!(has(&0x0105_d041u32.to_le_bytes()));
             }
@@ -1157,6 +1182,20 @@ fn acpi_tables_walk() {
     let rsdp = write_acpi_tables(&mem, &AcpiConfig::new(1)).unwrap();
     let xsdt = table(&mem, r64(&mem, rsdp + 24));
     assert_eq!(xsdt.len(), 36 + 16);
+
+    // Without PM: a hardware-reduced FADT, no FACS, no _S5_.
+    let mem = guest(MEM);
+    let cfg = AcpiConfig {
+        pm: false,
+        ..AcpiConfig::new(1)
+    };
+    let rsdp = write_acpi_tables(&mem, &cfg).unwrap();
+    let fadt = table(&mem, r64(&mem, r64(&mem, rsdp + 24) + 36));
+    assert_eq!(&fadt[..4], b"FACP");
+    let flags = u32::from_le_bytes(fadt[112..116].try_into().unwrap());
+    assert_ne!(flags & (1 << 20), 0, "HW_REDUCED_ACPI");
+    assert_eq!(fadt[36..40], [0; 4], "no FACS");
+    assert_eq!(fadt[76..80], [0; 4], "no PM timer");
 
     assert!(matches!(
         write_acpi_tables(&mem, &AcpiConfig::new(0)),

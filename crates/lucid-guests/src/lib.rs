@@ -42,6 +42,7 @@ guests!(
     "virtio-evil",
     "pvh-ttext",
     "mb-lowmem",
+    "acpi-pm",
 );
 
 /// Guests that boot through multiboot (32-bit ELF) rather than the PVH note.

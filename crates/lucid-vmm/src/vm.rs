@@ -150,6 +150,7 @@ impl Vm {
             Arc::new(Mutex::new(I8042::new(lifecycle.clone()))),
         )?;
         add(ports::RTC, 2, "cmos", Arc::new(Mutex::new(Cmos::new())))?;
+        crate::acpi_pm::add_acpi_pm(&vm, pio, &lifecycle, &stats)?;
         add(
             ports::POST,
             1,

@@ -379,9 +379,10 @@ fn qemu(machine: &str, kernel: &std::path::Path, append: &str) -> Option<common:
         return None;
     }
     let mut cmd = std::process::Command::new("qemu-system-x86_64");
+    let mut machine = machine.split_whitespace();
+    cmd.args(["-M", machine.next().expect("a machine")]);
+    cmd.args(machine);
     cmd.args([
-        "-M",
-        machine,
         "-enable-kvm",
         "-m",
         "256",
@@ -407,6 +408,9 @@ fn qemu(machine: &str, kernel: &std::path::Path, append: &str) -> Option<common:
 
 /// QEMU's microvm without option ROMs boots a PVH ELF directly (~0.1 s).
 const MICROVM: &str = "microvm,x-option-roms=off,rtc=off,isa-serial=on";
+/// q35 with qboot (passed to `qemu` as machine plus `-bios`): QEMU's ACPI tables with ICH9 PM at
+/// 0x600, PVH boot in ~0.2 s.
+const Q35_QBOOT: &str = "q35 -bios /usr/share/qemu/qboot.rom";
 
 #[test]
 fn the_same_guest_binary_boots_under_qemu() {
@@ -480,6 +484,74 @@ fn multiboot_kernel_in_low_memory_boots_as_under_qemu() {
             q.stderr
         );
         assert_eq!(q.status, Some(1));
+    }
+    let _ = std::fs::remove_file(elf);
+}
+
+/// The FADT describes PM1a event/control blocks, a 32-bit PM timer, the SCI and a FACS; the
+/// timer never runs backwards and ticks at 3.579545 MHz against the TSC (a wide band); S5
+/// through PM1a_CNT powers the VM off (exit 0); S3, which Lucid cannot do, is refused and
+/// counted, the guest keeps running. Before: a hardware-reduced FADT, no PM blocks (exit 2).
+#[test]
+fn acpi_pm_timer_ticks_and_s5_powers_off() {
+    let o = guest("acpi-pm", &[]);
+    assert!(
+        o.stdout.contains(
+            "acpi-pm: pm1a_evt=0x600 pm1a_cnt=0x604 pm_tmr=0x608 tmr_len=4 ext=1 sci=9 \
+             hw_reduced=0"
+        ),
+        "{}\n{}",
+        o.stdout,
+        o.stderr
+    );
+    assert!(o.stdout.contains("facs_sig=ok"), "{}", o.stdout);
+    assert!(
+        o.stdout.contains("sci_en=1 timer reads=1000 backwards=0"),
+        "{}",
+        o.stdout
+    );
+    assert!(o.stdout.contains("acpi-pm: ok"), "{}", o.stdout);
+    assert_eq!(o.status, Some(1), "{}", o.stderr);
+    assert!(o.counter("acpi_pm.timer_reads") > 1000);
+
+    let o = guest("acpi-pm", &["--cmdline", "sleep=s5 reads=10"]);
+    assert!(
+        o.stdout.contains("writing SLP_TYP=0|SLP_EN to 0x604 (S5)"),
+        "{}",
+        o.stdout
+    );
+    assert!(!o.stdout.contains("still running"), "{}", o.stdout);
+    assert_eq!(o.status, Some(0), "{}", o.stderr);
+    let stats = o.stats.as_ref().expect("stats JSON");
+    assert_eq!(stats["stop"]["reason"], "guest powered off");
+
+    let o = guest("acpi-pm", &["--cmdline", "sleep=1 reads=10"]);
+    assert!(
+        o.stdout.contains("still running after SLP_TYP=1"),
+        "{}",
+        o.stdout
+    );
+    assert_eq!(o.counter("acpi_pm.sleep_refused"), 1);
+    assert_eq!(o.status, Some(1), "{}", o.stderr);
+
+    // QEMU q35 (ICH9 PM at 0x600, a 24-bit timer) agrees with the probe and powers off on S5.
+    let elf = guest_file("acpi-pm");
+    if let Some(q) = qemu(Q35_QBOOT, &elf, "reads=100") {
+        assert!(
+            q.stdout.contains("backwards=0"),
+            "QEMU: {}\n{}",
+            q.stdout,
+            q.stderr
+        );
+        assert!(
+            q.stdout.contains("acpi-pm: ok"),
+            "QEMU: {}\n{}",
+            q.stdout,
+            q.stderr
+        );
+        let q = qemu(Q35_QBOOT, &elf, "sleep=s5 reads=10").unwrap();
+        assert!(q.stdout.contains("(S5)"), "QEMU: {}", q.stdout);
+        assert_eq!(q.status, Some(0), "QEMU: {}\n{}", q.stdout, q.stderr);
     }
     let _ = std::fs::remove_file(elf);
 }
