@@ -38,12 +38,16 @@ use acpi_tables::aml::{
 use acpi_tables::facs::FACS;
 use acpi_tables::fadt::{FADTBuilder, Flags};
 use acpi_tables::gas::{AccessSize, AddressSpace as GasSpace, GAS};
+use acpi_tables::madt::{
+    EnabledStatus, IoApic, LocalInterruptController, ProcessorLocalApic, MADT,
+};
 use acpi_tables::mcfg::MCFG;
 use acpi_tables::rsdp::Rsdp;
 use acpi_tables::sdt::Sdt;
 use acpi_tables::xsdt::XSDT;
-use acpi_tables::Aml;
+use acpi_tables::{Aml, AmlSink};
 use vm_memory::GuestMemoryMmap;
+use zerocopy::{Immutable, IntoBytes};
 
 use std::ops::Range;
 
@@ -190,29 +194,71 @@ fn sleep_states_aml(cfg: &AcpiConfig) -> Vec<u8> {
     to_bytes(&Name::new(Path::new("_S5_"), &s5))
 }
 
+/// MADT Interrupt Source Override (type 2), which acpi_tables 0.2 does not have.
+#[repr(C, packed)]
+#[derive(Clone, Copy, IntoBytes, Immutable)]
+struct InterruptSourceOverride {
+    r#type: u8,
+    length: u8,
+    bus: u8,
+    source: u8,
+    gsi: u32,
+    flags: u16,
+}
+
+/// MADT Local APIC NMI (type 4), which acpi_tables 0.2 does not have.
+#[repr(C, packed)]
+#[derive(Clone, Copy, IntoBytes, Immutable)]
+struct LocalApicNmi {
+    r#type: u8,
+    length: u8,
+    processor_uid: u8,
+    flags: u16,
+    lint: u8,
+}
+
+acpi_tables::aml_as_bytes!(InterruptSourceOverride);
+acpi_tables::aml_as_bytes!(LocalApicNmi);
+
+/// MPS INTI flags of the IRQ 9 override: active high (01), level-triggered (11).
+const INTI_LEVEL_HIGH: u16 = 0x000d;
+/// Offsets in the MADT header: checksum, flags.
+const SDT_CHECKSUM: usize = 9;
+const MADT_FLAGS: usize = 40;
+
 fn madt(cfg: &AcpiConfig) -> Vec<u8> {
-    let mut t = Sdt::new(*b"APIC", 44, 5, OEM_ID, table_id(b"APIC"), OEM_REVISION);
-    t.write_u32(36, LAPIC_START as u32);
-    t.write_u32(40, MADT_PCAT_COMPAT);
+    let lapic = LocalInterruptController::Address(LAPIC_START as u32);
+    let mut t = MADT::new(OEM_ID, table_id(b"APIC"), OEM_REVISION, lapic);
     for i in 0..cfg.vcpus {
-        // Processor Local APIC: type 0, len 8, UID, APIC ID, flags (enabled).
-        t.append_slice(&[0, 8, i, i, 1, 0, 0, 0]);
+        t.add_structure(ProcessorLocalApic::new(i, i, EnabledStatus::Enabled));
     }
-    // I/O APIC: type 1, len 12, ID, reserved, address, GSI base.
-    let mut ioapic = vec![1, 12, cfg.vcpus, 0];
-    ioapic.extend_from_slice(&(IOAPIC_START as u32).to_le_bytes());
-    ioapic.extend_from_slice(&0u32.to_le_bytes());
-    t.append_slice(&ioapic);
-    // Interrupt Source Overrides: type 2, len 10, bus 0 (ISA), source IRQ, GSI, MPS flags.
-    for (irq, gsi, flags) in [(0u8, 2u32, 0u16), (9, 9, 0x000d)] {
-        let mut iso = vec![2, 10, 0, irq];
-        iso.extend_from_slice(&gsi.to_le_bytes());
-        iso.extend_from_slice(&flags.to_le_bytes());
-        t.append_slice(&iso);
+    t.add_structure(IoApic::new(cfg.vcpus, IOAPIC_START as u32, 0));
+    // ISA IRQ 0 -> GSI 2 (the PIT on the IOAPIC), IRQ 9 (the SCI) level, active high.
+    for (source, gsi, flags) in [(0u8, 2u32, 0u16), (ACPI_SCI_IRQ, 9, INTI_LEVEL_HIGH)] {
+        t.add_structure(InterruptSourceOverride {
+            r#type: 2,
+            length: 10,
+            bus: 0,
+            source,
+            gsi,
+            flags,
+        });
     }
-    // Local APIC NMI: type 4, len 6, all processors (0xff), flags, LINT1.
-    t.append_slice(&[4, 6, 0xff, 0, 0, 1]);
-    t.as_slice().to_vec()
+    // NMI on LINT1 of every processor (UID 0xff).
+    t.add_structure(LocalApicNmi {
+        r#type: 4,
+        length: 6,
+        processor_uid: 0xff,
+        flags: 0,
+        lint: 1,
+    });
+    let mut bytes = to_bytes(&t);
+    // acpi_tables 0.2 has no setter for the MADT flags: set PCAT_COMPAT (dual 8259s present)
+    // and fix the checksum by the bytes added.
+    bytes[MADT_FLAGS..MADT_FLAGS + 4].copy_from_slice(&MADT_PCAT_COMPAT.to_le_bytes());
+    let sum = bytes.iter().fold(0u8, |a, b| a.wrapping_add(*b));
+    bytes[SDT_CHECKSUM] = bytes[SDT_CHECKSUM].wrapping_sub(sum);
+    bytes
 }
 
 /// The FACS (version 2): no hardware signature, waking vector 0 (Lucid does not resume).
