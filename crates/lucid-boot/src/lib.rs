@@ -65,7 +65,7 @@ use std::path::Path;
 pub use acpi::{write_acpi_tables, AcpiConfig};
 pub use area::{Claim, Claims};
 pub use cpuid::filter_cpuid;
-pub use error::BootError;
+pub use error::{BootError, ImageDefect, NotAKernel};
 pub use kernel::{KernelImage, KernelKind};
 pub use regs::setup_boot_regs;
 use vm_memory::GuestMemoryMmap;

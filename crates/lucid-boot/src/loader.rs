@@ -11,6 +11,7 @@ use linux_loader::loader::elf::start_info::{
 use vm_memory::{ByteValued, Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::area::BootArea;
+use crate::error::ImageDefect;
 use crate::file::open_regular;
 use crate::kernel::{bzhdr, ElfInfo, KernelImage, KernelKind, MULTIBOOT_AOUT_KLUDGE};
 use crate::layout::{
@@ -268,6 +269,11 @@ fn load_initrd_after(
     let (mut file, size) = open_regular(path, "initrd", mem_size)?;
     let mut addr = align_up(kernel_end, PAGE);
     if addr < HIGH_MEMORY && addr + size > EBDA_START {
+        log::info!(
+            "multiboot module {} ({size} bytes) does not fit between the kernel's end {addr:#x} \
+             and the BIOS area: loaded at {HIGH_MEMORY:#x} instead",
+            path.display()
+        );
         addr = HIGH_MEMORY;
     }
     check_load_range(mem_size, path, "kernel with initrd", addr, addr + size)?;
@@ -303,7 +309,7 @@ fn load_pvh(
     if entry >= 1 << 32 {
         return Err(BootError::BadImage {
             path: image.path.clone(),
-            why: format!("PVH entry point {entry:#x} is not a 32-bit address"),
+            why: ImageDefect::PvhEntryAbove4G(entry),
         });
     }
     let kernel_end = load_elf_segments(mem, image, elf, p.mem_size, area)?;
@@ -384,7 +390,7 @@ fn load_multiboot(
     area: &mut BootArea,
 ) -> Result<BootSetup, BootError> {
     let mb = image.multiboot.expect("multiboot kernels have a header");
-    let bad = |why: String| BootError::BadImage {
+    let bad = |why| BootError::BadImage {
         path: image.path.clone(),
         why,
     };
@@ -392,25 +398,26 @@ fn load_multiboot(
     // request we may ignore as QEMU does).
     let unknown = mb.flags & 0xfff8;
     if unknown != 0 {
-        return Err(bad(format!(
-            "multiboot header requires features {unknown:#x} (flags {:#x}) this loader lacks",
-            mb.flags
-        )));
+        return Err(bad(ImageDefect::MultibootFlags {
+            unknown,
+            flags: mb.flags,
+        }));
     }
     let (entry, kernel_end) = if mb.flags & MULTIBOOT_AOUT_KLUDGE != 0 {
         let [header_addr, load_addr, load_end_addr, bss_end_addr, entry_addr] =
             mb.aout.expect("kludge fields parsed with the flag");
         let (header_addr, load_addr) = (u64::from(header_addr), u64::from(load_addr));
         let back = header_addr.checked_sub(load_addr).ok_or_else(|| {
-            bad(format!(
-                "multiboot load_addr {load_addr:#x} is above header_addr {header_addr:#x}"
-            ))
+            bad(ImageDefect::MultibootLoadAboveHeader {
+                load: load_addr,
+                header: header_addr,
+            })
         })?;
         let file_start = mb.offset.checked_sub(back).ok_or_else(|| {
-            bad(format!(
-                "multiboot header at file offset {:#x} cannot be {back:#x} bytes past load_addr",
-                mb.offset
-            ))
+            bad(ImageDefect::MultibootHeaderOffset {
+                offset: mb.offset,
+                back,
+            })
         })?;
         let file_len = image.bytes.len() as u64 - file_start;
         let load_len = if load_end_addr == 0 {
@@ -418,14 +425,21 @@ fn load_multiboot(
         } else {
             u64::from(load_end_addr)
                 .checked_sub(load_addr)
-                .ok_or_else(|| bad(format!("multiboot load_end_addr {load_end_addr:#x} is below load_addr {load_addr:#x}")))?
+                .ok_or_else(|| {
+                    bad(ImageDefect::MultibootLoadEndBelowLoad {
+                        load_end: load_end_addr,
+                        load: load_addr,
+                    })
+                })?
         };
         if load_len > file_len {
-            return Err(bad(format!(
-                "multiboot load range {load_addr:#x}..{:#x} needs {load_len:#x} bytes from file \
-                 offset {file_start:#x}, the file has {file_len:#x}: truncated?",
-                load_addr + load_len
-            )));
+            return Err(bad(ImageDefect::MultibootTruncated {
+                load: load_addr,
+                end: load_addr + load_len,
+                size: load_len,
+                offset: file_start,
+                have: file_len,
+            }));
         }
         let load_end = load_addr + load_len;
         let bss_end = u64::from(bss_end_addr).max(load_end);
@@ -436,16 +450,18 @@ fn load_multiboot(
         zero(mem, load_end, bss_end - load_end, "multiboot bss")?;
         (u64::from(entry_addr), bss_end)
     } else {
-        let elf = image.elf.as_ref().ok_or_else(|| {
-            bad("multiboot header without address fields in a non-ELF file".into())
-        })?;
+        let elf = image
+            .elf
+            .as_ref()
+            .ok_or_else(|| bad(ImageDefect::MultibootWithoutAddresses))?;
         let end = load_elf_segments(mem, image, elf, p.mem_size, area)?;
         (image.elf_entry_paddr(elf)?, end)
     };
     if entry >= 1 << 32 || kernel_end > 1 << 32 {
-        return Err(bad(format!(
-            "multiboot kernel must lie below 4 GiB (entry {entry:#x}, end {kernel_end:#x})"
-        )));
+        return Err(bad(ImageDefect::MultibootAbove4G {
+            entry,
+            end: kernel_end,
+        }));
     }
 
     let initrd = match p.initrd {
@@ -526,7 +542,7 @@ fn load_linux(
     p: &BootParams,
     area: &mut BootArea,
 ) -> Result<BootSetup, BootError> {
-    let bad = |why: String| BootError::BadImage {
+    let bad = |why| BootError::BadImage {
         path: image.path.clone(),
         why,
     };
@@ -542,16 +558,13 @@ fn load_linux(
                 .copy_from_slice(&b[bzhdr::HEADER_START..bzhdr::HEADER_START + avail]);
             let (version, xloadflags) = (hdr.version, hdr.xloadflags);
             if version < 0x020c || xloadflags & XLF_KERNEL_64 == 0 {
-                return Err(bad(format!(
-                    "bzImage boot protocol {}.{:02} (xloadflags {:#x}) has no 64-bit entry point; \
-                     2.12 with XLF_KERNEL_64 is needed",
-                    version >> 8,
-                    version & 0xff,
-                    xloadflags
-                )));
+                return Err(bad(ImageDefect::BzImageNo64BitEntry {
+                    version,
+                    xloadflags,
+                }));
             }
             if hdr.loadflags & LOADED_HIGH == 0 {
-                return Err(bad("bzImage is not LOADED_HIGH (a zImage?)".into()));
+                return Err(bad(ImageDefect::BzImageNotLoadedHigh));
             }
             let setup_sects = match b[bzhdr::SETUP_SECTS] {
                 0 => 4,
@@ -559,19 +572,18 @@ fn load_linux(
             };
             let payload_off = (setup_sects + 1) * 512;
             if payload_off >= b.len() as u64 {
-                return Err(bad(format!(
-                    "bzImage setup is {payload_off:#x} bytes but the file has only {:#x}: truncated?",
-                    b.len()
-                )));
+                return Err(bad(ImageDefect::BzImageSetupTruncated {
+                    setup: payload_off,
+                    len: b.len() as u64,
+                }));
             }
             let syssize = u64::from(hdr.syssize) * 16;
             let payload = &b[payload_off as usize..];
             if syssize > payload.len() as u64 {
-                return Err(bad(format!(
-                    "bzImage protected-mode part is {syssize:#x} bytes (syssize) but only {:#x} \
-                     follow the setup: truncated?",
-                    payload.len()
-                )));
+                return Err(bad(ImageDefect::BzImagePayloadTruncated {
+                    syssize,
+                    have: payload.len() as u64,
+                }));
             }
             let load = u64::from(hdr.code32_start).max(HIGH_MEMORY);
             let load_end = load + payload.len() as u64;

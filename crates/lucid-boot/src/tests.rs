@@ -589,7 +589,10 @@ fn bad_images_give_clear_errors() {
     let k = d.file("empty", &[]);
     assert!(matches!(
         load(&mem, params(&k, None, "")),
-        Err(BootError::NotAKernel { .. })
+        Err(BootError::NotAKernel {
+            why: NotAKernel::Empty,
+            ..
+        })
     ));
     // Missing file.
     let missing = d.0.join("nope");
@@ -602,7 +605,21 @@ fn bad_images_give_clear_errors() {
     // Program headers past EOF.
     let k = d.file("trunc-ph", &good[..100]);
     let e = load(&mem, params(&k, None, "")).unwrap_err();
-    assert!(matches!(e, BootError::BadImage { .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            BootError::BadImage {
+                why: ImageDefect::ProgramHeadersPastEnd {
+                    count: 1,
+                    offset: 64,
+                    end: 120,
+                    len: 100
+                },
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert!(e.to_string().contains("program headers"), "{e}");
     // Segment past EOF.
     let k = d.file("trunc-seg", &good[..0x1010]);
