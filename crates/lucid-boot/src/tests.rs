@@ -296,15 +296,28 @@ fn pvh_elf32_and_pvh_wins_over_multiboot() {
     assert_eq!((info.nr_modules, info.modlist_paddr), (0, 0));
 }
 
+/// A multiboot ELF32 (flags: page-align modules, memory info) of `nops` NOPs after the header,
+/// one segment at `addr` of `memsz` bytes, entered right after the header.
+fn multiboot_elf(
+    d: &TempDir,
+    name: &str,
+    addr: u64,
+    nops: usize,
+    memsz: u64,
+) -> (PathBuf, Vec<u8>) {
+    let mut code = multiboot_header(0x3, None);
+    code.extend(std::iter::repeat_n(0x90, nops));
+    let k = d.file(
+        name,
+        &elf(false, addr + 12, &[load_seg(addr, &code, memsz)]),
+    );
+    (k, code)
+}
+
 #[test]
 fn multiboot_elf32_info() {
     let d = TempDir::new();
-    let mut code = multiboot_header(0x3, None); // page-align modules, memory info
-    code.extend_from_slice(&[0x90; 32]);
-    let k = d.file(
-        "mb",
-        &elf(false, 0x10_000c, &[load_seg(0x10_0000, &code, 0x5000)]),
-    );
+    let (k, _) = multiboot_elf(&d, "mb", 0x10_0000, 32, 0x5000);
     let rd = initrd_bytes(10000);
     let i = d.file("initrd.img", &rd);
     let mem = guest(MEM);
@@ -779,12 +792,7 @@ fn pvh_headers_at_0xff000_load() {
 #[test]
 fn multiboot_in_low_memory_gets_its_structures_elsewhere() {
     let d = TempDir::new();
-    let mut code = multiboot_header(0x3, None);
-    code.extend_from_slice(&[0x90; 0x700]);
-    let k = d.file(
-        "low",
-        &elf(false, 0x100c, &[load_seg(0x1000, &code, 0x6b90)]),
-    );
+    let (k, code) = multiboot_elf(&d, "low", 0x1000, 0x700, 0x6b90);
     let rd = initrd_bytes(3000);
     let i = d.file("initrd", &rd);
     let mem = guest(MEM);
@@ -931,22 +939,19 @@ fn non_regular_and_oversized_files_are_refused() {
         );
     }
     // Sparse files: sizes from metadata, nothing read.
-    let huge = d.0.join("huge");
-    std::fs::File::create(&huge)
-        .unwrap()
-        .set_len(MAX_KERNEL_FILE + 1)
-        .unwrap();
+    let sparse = |name: &str, len: u64| {
+        let p = d.0.join(name);
+        std::fs::File::create(&p).unwrap().set_len(len).unwrap();
+        p
+    };
+    let huge = sparse("huge", MAX_KERNEL_FILE + 1);
     let e = load(&mem, params(&huge, None, "")).unwrap_err();
     assert!(
         matches!(e, BootError::FileTooLarge { what: "kernel", size, max, .. }
             if size == MAX_KERNEL_FILE + 1 && max == MAX_KERNEL_FILE),
         "{e}"
     );
-    let big_initrd = d.0.join("big-initrd");
-    std::fs::File::create(&big_initrd)
-        .unwrap()
-        .set_len(MEM + 1)
-        .unwrap();
+    let big_initrd = sparse("big-initrd", MEM + 1);
     let e = load(&mem, params(&good, Some(&big_initrd), "")).unwrap_err();
     assert!(
         matches!(

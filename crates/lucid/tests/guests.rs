@@ -167,42 +167,29 @@ fn kernel_and_initrd_that_are_not_regular_files_are_refused() {
         .set_len(64 << 30)
         .unwrap();
     let hello = guest_file("hello");
-    let limit = Duration::from_secs(20);
+    let (fifo_s, sparse_s, hello_s) = (
+        fifo.to_str().unwrap(),
+        sparse.to_str().unwrap(),
+        hello.to_str().unwrap(),
+    );
     let dir = std::env::temp_dir();
-    for (args, want) in [
-        (vec!["--kernel", "/dev/zero"], "is a character device"),
-        (vec!["--kernel", fifo.to_str().unwrap()], "is a FIFO"),
-        (vec!["--kernel", dir.to_str().unwrap()], "is a directory"),
-        (
-            vec!["--kernel", sparse.to_str().unwrap()],
-            "bytes, more than",
-        ),
-        (
-            vec!["--kernel", hello.to_str().unwrap(), "--initrd", "/dev/zero"],
-            "initrd /dev/zero is a character device",
-        ),
-        (
-            vec![
-                "--kernel",
-                hello.to_str().unwrap(),
-                "--initrd",
-                fifo.to_str().unwrap(),
-            ],
-            "is a FIFO",
-        ),
-        (
-            vec![
-                "--kernel",
-                hello.to_str().unwrap(),
-                "--initrd",
-                sparse.to_str().unwrap(),
-            ],
-            "bytes, more than",
-        ),
-    ] {
+    let bad = [
+        ("/dev/zero", "/dev/zero is a character device"),
+        (fifo_s, "is a FIFO"),
+        (sparse_s, "bytes, more than"),
+    ];
+    let directory = [(dir.to_str().unwrap(), "is a directory")];
+    let kernels = bad
+        .iter()
+        .chain(&directory)
+        .map(|&(k, want)| (vec!["--kernel", k], want));
+    let initrds = bad
+        .iter()
+        .map(|&(i, want)| (vec!["--kernel", hello_s, "--initrd", i], want));
+    for (args, want) in kernels.chain(initrds) {
         let mut a = vec!["run"];
         a.extend(args.iter().copied());
-        let o = lucid(&a, limit);
+        let o = lucid(&a, Duration::from_secs(20));
         assert!(!o.timed_out, "{args:?}: Lucid hung");
         assert_eq!(o.status, Some(1), "{args:?}: {}", o.stderr);
         assert!(o.stderr.contains(want), "{args:?}: {}", o.stderr);
@@ -363,6 +350,18 @@ fn serial_to_file_and_unix_socket() {
     let _ = std::fs::remove_file(sock);
 }
 
+/// Asserts that the guest's console holds every one of `needles`.
+fn assert_prints(o: &common::Outcome, needles: &[&str]) {
+    for n in needles {
+        assert!(
+            o.stdout.contains(n),
+            "missing {n:?}:\n{}\n{}",
+            o.stdout,
+            o.stderr
+        );
+    }
+}
+
 /// Runs `kernel` under QEMU with `machine` and the debug-exit device; `None` when QEMU is not
 /// installed (which CI does not allow).
 fn qemu(machine: &str, kernel: &std::path::Path, append: &str) -> Option<common::Outcome> {
@@ -412,19 +411,31 @@ const MICROVM: &str = "microvm,x-option-roms=off,rtc=off,isa-serial=on";
 /// 0x600, PVH boot in ~0.2 s.
 const Q35_QBOOT: &str = "q35 -bios /usr/share/qemu/qboot.rom";
 
-#[test]
-fn the_same_guest_binary_boots_under_qemu() {
-    let elf = guest_file("hello");
-    if let Some(o) = qemu(MICROVM, &elf, "code=5") {
+/// Boots the built-in guest `name` under QEMU's `machine` with `append`: its console must hold
+/// `want` and its exit status be `status`. Nothing when QEMU is not installed (outside CI).
+fn qemu_agrees(name: &str, machine: &str, append: &str, want: &str, status: i32) {
+    let elf = guest_file(name);
+    if let Some(q) = qemu(machine, &elf, append) {
         assert!(
-            o.stdout.contains("hello from the lucid probe kit"),
-            "{}\n{}",
-            o.stdout,
-            o.stderr
+            q.stdout.contains(want),
+            "QEMU {machine}, {name} {append}: {}\n{}",
+            q.stdout,
+            q.stderr
         );
-        assert_eq!(o.status, Some(11));
+        assert_eq!(q.status, Some(status), "QEMU {machine}, {name} {append}");
     }
     let _ = std::fs::remove_file(elf);
+}
+
+#[test]
+fn the_same_guest_binary_boots_under_qemu() {
+    qemu_agrees(
+        "hello",
+        MICROVM,
+        "code=5",
+        "hello from the lucid probe kit",
+        11,
+    );
 }
 
 /// A PVH ELF linked with `ld -Ttext=0x100000` has its ELF headers in a PT_LOAD at 0xff000.
@@ -432,22 +443,11 @@ fn the_same_guest_binary_boots_under_qemu() {
 #[test]
 fn pvh_elf_with_headers_below_1_mib_boots_as_under_qemu() {
     let o = guest("pvh-ttext", &["--cmdline", "code=3"]);
-    assert!(
-        o.stdout
-            .contains("pvh-ttext: ehdr=0xff000 magic=ok rsdp=0xe0000"),
-        "{}\n{}",
-        o.stdout,
-        o.stderr
-    );
+    assert_prints(&o, &["pvh-ttext: ehdr=0xff000 magic=ok rsdp=0xe0000"]);
     assert_eq!(o.status, Some(7), "{}", o.stderr);
-    let elf = guest_file("pvh-ttext");
-    if let Some(q) = qemu(MICROVM, &elf, "code=3") {
-        // 0xff000 is qboot's BIOS ROM under microvm: QEMU boots the image, but the headers
-        // are not in memory there (magic=MISSING).
-        assert!(q.stdout.contains("pvh-ttext: ehdr=0xff000"), "{}", q.stdout);
-        assert_eq!(q.status, Some(7), "QEMU: {}\n{}", q.stdout, q.stderr);
-    }
-    let _ = std::fs::remove_file(elf);
+    // 0xff000 is qboot's BIOS ROM under microvm: QEMU boots the image, but the headers are not
+    // in memory there (magic=MISSING).
+    qemu_agrees("pvh-ttext", MICROVM, "code=3", "pvh-ttext: ehdr=0xff000", 7);
 }
 
 /// A multiboot kernel linked at 4 KiB, with bss over Lucid's usual places for the multiboot
@@ -457,35 +457,17 @@ fn pvh_elf_with_headers_below_1_mib_boots_as_under_qemu() {
 #[test]
 fn multiboot_kernel_in_low_memory_boots_as_under_qemu() {
     let o = guest("mb-lowmem", &["--cmdline", "low=1"]);
-    assert!(
-        o.stdout.contains("mb-lowmem: ok"),
-        "{}\n{}",
-        o.stdout,
-        o.stderr
-    );
-    assert!(
-        o.stdout.contains("bss_dirty_bytes=0x00000000"),
-        "{}",
-        o.stdout
-    );
-    assert!(
-        o.stdout.contains("real mode read 0x1badb002"),
-        "{}",
-        o.stdout
+    assert_prints(
+        &o,
+        &[
+            "mb-lowmem: ok",
+            "bss_dirty_bytes=0x00000000",
+            "real mode read 0x1badb002",
+        ],
     );
     assert!(!o.stdout.contains("OVERLAPS"), "{}", o.stdout);
     assert_eq!(o.status, Some(1), "{}", o.stderr);
-    let elf = guest_file("mb-lowmem");
-    if let Some(q) = qemu("pc", &elf, "low=1") {
-        assert!(
-            q.stdout.contains("mb-lowmem: ok"),
-            "QEMU: {}\n{}",
-            q.stdout,
-            q.stderr
-        );
-        assert_eq!(q.status, Some(1));
-    }
-    let _ = std::fs::remove_file(elf);
+    qemu_agrees("mb-lowmem", "pc", "low=1", "mb-lowmem: ok", 1);
 }
 
 /// The FADT describes PM1a event/control blocks, a 32-bit PM timer, the SCI and a FACS; the
@@ -495,63 +477,32 @@ fn multiboot_kernel_in_low_memory_boots_as_under_qemu() {
 #[test]
 fn acpi_pm_timer_ticks_and_s5_powers_off() {
     let o = guest("acpi-pm", &[]);
-    assert!(
-        o.stdout.contains(
+    assert_prints(
+        &o,
+        &[
             "acpi-pm: pm1a_evt=0x600 pm1a_cnt=0x604 pm_tmr=0x608 tmr_len=4 ext=1 sci=9 \
-             hw_reduced=0"
-        ),
-        "{}\n{}",
-        o.stdout,
-        o.stderr
+             hw_reduced=0",
+            "facs_sig=ok",
+            "sci_en=1 timer reads=1000 backwards=0",
+            "acpi-pm: ok",
+        ],
     );
-    assert!(o.stdout.contains("facs_sig=ok"), "{}", o.stdout);
-    assert!(
-        o.stdout.contains("sci_en=1 timer reads=1000 backwards=0"),
-        "{}",
-        o.stdout
-    );
-    assert!(o.stdout.contains("acpi-pm: ok"), "{}", o.stdout);
     assert_eq!(o.status, Some(1), "{}", o.stderr);
     assert!(o.counter("acpi_pm.timer_reads") > 1000);
 
     let o = guest("acpi-pm", &["--cmdline", "sleep=s5 reads=10"]);
-    assert!(
-        o.stdout.contains("writing SLP_TYP=0|SLP_EN to 0x604 (S5)"),
-        "{}",
-        o.stdout
-    );
+    assert_prints(&o, &["writing SLP_TYP=0|SLP_EN to 0x604 (S5)"]);
     assert!(!o.stdout.contains("still running"), "{}", o.stdout);
     assert_eq!(o.status, Some(0), "{}", o.stderr);
     let stats = o.stats.as_ref().expect("stats JSON");
     assert_eq!(stats["stop"]["reason"], "guest powered off");
 
     let o = guest("acpi-pm", &["--cmdline", "sleep=1 reads=10"]);
-    assert!(
-        o.stdout.contains("still running after SLP_TYP=1"),
-        "{}",
-        o.stdout
-    );
+    assert_prints(&o, &["still running after SLP_TYP=1"]);
     assert_eq!(o.counter("acpi_pm.sleep_refused"), 1);
     assert_eq!(o.status, Some(1), "{}", o.stderr);
 
     // QEMU q35 (ICH9 PM at 0x600, a 24-bit timer) agrees with the probe and powers off on S5.
-    let elf = guest_file("acpi-pm");
-    if let Some(q) = qemu(Q35_QBOOT, &elf, "reads=100") {
-        assert!(
-            q.stdout.contains("backwards=0"),
-            "QEMU: {}\n{}",
-            q.stdout,
-            q.stderr
-        );
-        assert!(
-            q.stdout.contains("acpi-pm: ok"),
-            "QEMU: {}\n{}",
-            q.stdout,
-            q.stderr
-        );
-        let q = qemu(Q35_QBOOT, &elf, "sleep=s5 reads=10").unwrap();
-        assert!(q.stdout.contains("(S5)"), "QEMU: {}", q.stdout);
-        assert_eq!(q.status, Some(0), "QEMU: {}\n{}", q.stdout, q.stderr);
-    }
-    let _ = std::fs::remove_file(elf);
+    qemu_agrees("acpi-pm", Q35_QBOOT, "reads=100", "backwards=0", 1);
+    qemu_agrees("acpi-pm", Q35_QBOOT, "sleep=s5 reads=10", "(S5)", 0);
 }
