@@ -3,7 +3,9 @@
  * event and control blocks, PM timer, SCI and FACS; checks SCI_EN (ACPI
  * mode); reads the PM timer `reads` times back to back (it must never go
  * backwards) and across `ms` TSC-milliseconds (3.579545 MHz is 3579.545
- * ticks per ms; the check accepts 2500-5000). Then, with `sleep=s5`, writes
+ * ticks per ms; the check accepts 2500-5000; `check_rate=0` reports without
+ * checking, for VMMs where the TSC frequency is only the guest's own PIT
+ * estimate, which a loaded host skews). Then, with `sleep=s5`, writes
  * the DSDT's \_S5_ SLP_TYP with SLP_EN to PM1a_CNT: the machine must power
  * off. With `sleep=N` it writes SLP_TYP=N|SLP_EN, a sleep state the platform
  * may refuse, and reports that it is still running.
@@ -98,7 +100,8 @@ int main(void)
 		u64 tsc_us = (t1 - t0) * 1000 / khz;
 		u64 per_ms_milli = ticks * 1000000 / (tsc_us ? tsc_us : 1);
 		fmt_milli(rate, per_ms_milli);
-		if (per_ms_milli < 2500000 || per_ms_milli > 5000000)
+		if (param_u64("check_rate", 1) &&
+		    (per_ms_milli < 2500000 || per_ms_milli > 5000000))
 			failed = 1;
 	}
 	if (backwards)
