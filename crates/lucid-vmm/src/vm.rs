@@ -160,6 +160,7 @@ impl Vm {
             Arc::new(Mutex::new(I8042::new(lifecycle.clone()))),
         )?;
         add(ports::RTC, 2, "cmos", Arc::new(Mutex::new(Cmos::new())))?;
+        crate::acpi_pm::add_acpi_pm(&vm, pio, &lifecycle, &stats)?;
         add(
             ports::POST,
             1,
@@ -226,7 +227,6 @@ impl Vm {
             let last_bus = ((layout::PCI_ECAM_SIZE >> 20) - 1).min(255) as u8;
             acpi.pci_ecam = Some((layout::PCI_ECAM_START, 0, last_bus));
         }
-        let rsdp = lucid_boot::write_acpi_tables(ram.memory(), &acpi)?;
         let setup = lucid_boot::load_image(
             ram.memory(),
             &image,
@@ -235,7 +235,7 @@ impl Vm {
                 initrd: config.initrd.as_deref(),
                 cmdline: &cmdline,
                 mem_size,
-                acpi_rsdp: Some(rsdp),
+                acpi: Some(&acpi),
             },
         )?;
 
