@@ -40,6 +40,7 @@ guests!(
     "virtio-blk",
     "virtio-net",
     "virtio-evil",
+    "cpl0-insns",
 );
 
 /// The guest `lucid run` boots when none is named.

@@ -281,6 +281,18 @@ impl Vcpu {
             .set_vcpu_events(&ev)
             .map_err(|e| HvError::Ioctl("KVM_SET_VCPU_EVENTS", e))
     }
+    /// The CPUID entries KVM holds for this vCPU (what guest code that KVM emulates reads).
+    pub fn get_cpuid(&self) -> Result<CpuId, HvError> {
+        self.fd
+            .get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+            .map_err(|e| HvError::Ioctl("KVM_GET_CPUID2", e))
+    }
+    /// The extended control registers (XCR0).
+    pub fn get_xcrs(&self) -> Result<kvm_bindings::kvm_xcrs, HvError> {
+        self.fd
+            .get_xcrs()
+            .map_err(|e| HvError::Ioctl("KVM_GET_XCRS", e))
+    }
     /// Guest-virtual to guest-physical, through the vCPU's current page tables.
     pub fn translate(&self, gva: u64) -> Result<Option<u64>, HvError> {
         let t = self

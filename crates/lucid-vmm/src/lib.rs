@@ -2,7 +2,7 @@
 //! loop, and reports what happened in a [`RunReport`].
 
 mod config;
-mod emulate;
+pub mod emulate;
 pub mod hooks;
 mod report;
 mod vcpu;
