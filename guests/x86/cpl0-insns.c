@@ -257,10 +257,9 @@ static void run_shift(void)
 		for (int k = 0; k < NCOUNTS; k++)
 			for (size_t j = 0; j < ARRAY_SIZE(shift_inputs); j++, n++) {
 				int w = shift_fns[i].width;
-				u64 mask = w == 64 ? ~0UL : (1UL << w) - 1;
 				printf("shift op=%s form=%s width=%d d=%#lx s=%#lx count=%lu cpl0=%#lx/%#lx cpl3=%#lx/%#lx\n",
-				       shift_fns[i].op, shift_fns[i].form, w, shift_inputs[j][0] & mask,
-				       shift_inputs[j][1] & mask,
+				       shift_fns[i].op, shift_fns[i].form, w, shift_inputs[j][0],
+				       shift_inputs[j][1],
 				       shift_fns[i].form[0] == 'i' ? 5 : shift_count(w, k),
 				       shift_out[n][0], shift_out[n][1], cpl3[n][0], cpl3[n][1]);
 			}

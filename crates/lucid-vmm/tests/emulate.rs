@@ -54,3 +54,62 @@ fn flush_tlb_drops_a_stale_translation() {
     assert!(out.contains("stale: seen value=0xbbbb"), "{out}");
     assert_eq!(report.stop, StopReason::DebugExit(0));
 }
+
+/// The completer decides "does the guest have this feature" by KVM's CPUID for the vCPU
+/// (`KVM_GET_CPUID2`), because that is what guest kernel code reads: here CPUID at CPL0 is
+/// answered by KVM's emulator, while CPL3 code reads the host's leaves.
+#[test]
+fn the_cpuid_the_completer_reads_is_what_cpl0_code_sees() {
+    let serial = serial_path("cpuid");
+    let mut c = VmConfig::new(KernelSource::Builtin {
+        name: "cpl0-insns".into(),
+        bytes: lucid_guests::get("cpl0-insns").expect("built-in guest"),
+    });
+    c.cmdline = "run=cpuid,stale timeout_ms=20000".into();
+    c.serial = SerialOutput::File(serial.clone());
+    let mut vm = Vm::build(c).unwrap();
+    vm.start().unwrap();
+    let out = wait_for(&serial, "stale: waiting", Duration::from_secs(30));
+    let h = vm.vcpus()[0].clone();
+    let leaves = [(1, 0), (7, 0), (0xd, 1), (0x8000_0008, 0)];
+    let kvm: Vec<[u32; 4]> = h
+        .call(move |ctx| {
+            let entries = ctx.vcpu.get_cpuid().unwrap();
+            let cpu = KvmCpu::new(&ctx.vcpu, None, entries.as_slice());
+            leaves.map(|(l, i)| cpu.cpuid(l, i).unwrap()).to_vec()
+        })
+        .unwrap();
+    h.call(|ctx| KvmCpu::new(&ctx.vcpu, None, &[]).flush_tlb())
+        .unwrap()
+        .unwrap();
+    vm.wait();
+    let _ = std::fs::remove_file(&serial);
+    let mut compared = 0;
+    for line in out.lines().filter(|l| l.starts_with("cpuid ")) {
+        let field = |k: &str| {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(&format!("{k}=")[..]))
+                .unwrap()
+                .to_owned()
+        };
+        let leaf = u32::from_str_radix(field("leaf").trim_start_matches("0x"), 16).unwrap();
+        let index: u32 = field("sub").parse().unwrap();
+        let cpl0: Vec<u32> = field("cpl0")
+            .split(',')
+            .map(|v| u32::from_str_radix(v.trim_start_matches("0x"), 16).unwrap())
+            .collect();
+        let want = kvm[leaves.iter().position(|&l| l == (leaf, index)).unwrap()];
+        // Leaf 1: EBX[31:24] is the APIC ID and ECX[27] OSXSAVE mirrors CR4, both filled in
+        // when the guest asks.
+        let mask = |r: usize| match (leaf, r) {
+            (1, 1) => 0x00ff_ffff,
+            (1, 2) => !(1 << 27),
+            _ => u32::MAX,
+        };
+        for r in 0..4 {
+            assert_eq!(cpl0[r] & mask(r), want[r] & mask(r), "{line} reg {r}");
+        }
+        compared += 1;
+    }
+    assert_eq!(compared, 4, "{out}");
+}
