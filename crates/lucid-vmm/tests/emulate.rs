@@ -9,6 +9,20 @@ fn serial_path(name: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("lucid-emulate-{}-{name}.txt", std::process::id()))
 }
 
+/// Boots the `cpl0-insns` guest with `cmdline`, its console going to a file.
+fn start(name: &str, cmdline: &str) -> (Vm, std::path::PathBuf) {
+    let serial = serial_path(name);
+    let mut c = VmConfig::new(KernelSource::Builtin {
+        name: "cpl0-insns".into(),
+        bytes: lucid_guests::get("cpl0-insns").expect("built-in guest"),
+    });
+    c.cmdline = cmdline.into();
+    c.serial = SerialOutput::File(serial.clone());
+    let mut vm = Vm::build(c).unwrap();
+    vm.start().unwrap();
+    (vm, serial)
+}
+
 fn wait_for(path: &std::path::Path, text: &str, limit: Duration) -> String {
     let start = Instant::now();
     loop {
@@ -25,15 +39,7 @@ fn wait_for(path: &std::path::Path, text: &str, limit: Duration) -> String {
 /// the vCPU thread, makes the new page appear. A plain trip through userspace does not.
 #[test]
 fn flush_tlb_drops_a_stale_translation() {
-    let serial = serial_path("stale");
-    let mut c = VmConfig::new(KernelSource::Builtin {
-        name: "cpl0-insns".into(),
-        bytes: lucid_guests::get("cpl0-insns").expect("built-in guest"),
-    });
-    c.cmdline = "run=stale timeout_ms=20000".into();
-    c.serial = SerialOutput::File(serial.clone());
-    let mut vm = Vm::build(c).unwrap();
-    vm.start().unwrap();
+    let (vm, serial) = start("stale", "run=stale timeout_ms=20000");
     let out = wait_for(&serial, "stale: waiting", Duration::from_secs(30));
     assert!(
         out.contains("first=0xaaaa after_pte_write=0xaaaa"),
@@ -60,15 +66,7 @@ fn flush_tlb_drops_a_stale_translation() {
 /// answered by KVM's emulator, while CPL3 code reads the host's leaves.
 #[test]
 fn the_cpuid_the_completer_reads_is_what_cpl0_code_sees() {
-    let serial = serial_path("cpuid");
-    let mut c = VmConfig::new(KernelSource::Builtin {
-        name: "cpl0-insns".into(),
-        bytes: lucid_guests::get("cpl0-insns").expect("built-in guest"),
-    });
-    c.cmdline = "run=cpuid,stale timeout_ms=20000".into();
-    c.serial = SerialOutput::File(serial.clone());
-    let mut vm = Vm::build(c).unwrap();
-    vm.start().unwrap();
+    let (vm, serial) = start("cpuid", "run=cpuid,stale timeout_ms=20000");
     let out = wait_for(&serial, "stale: waiting", Duration::from_secs(30));
     let h = vm.vcpus()[0].clone();
     let leaves = [(1, 0), (7, 0), (0xd, 1), (0x8000_0008, 0)];

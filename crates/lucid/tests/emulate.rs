@@ -145,10 +145,9 @@ fn shld_shrd_at_cpl0_match_the_host() {
 }
 
 fn native_xgetbv(ecx: u32) -> u64 {
-    let (lo, hi): (u32, u32);
-    // SAFETY: xgetbv reads an extended control register; the host kernel set CR4.OSXSAVE.
-    unsafe { asm!("xgetbv", in("ecx") ecx, out("eax") lo, out("edx") hi) };
-    (hi as u64) << 32 | lo as u64
+    assert!(std::is_x86_feature_detected!("xsave"));
+    // SAFETY: the host CPU has XSAVE (checked above) and its kernel sets CR4.OSXSAVE.
+    unsafe { std::arch::x86_64::_xgetbv(ecx) }
 }
 
 /// XGETBV, CLWB, RDPRU and INVPCID at CPL0: what reaches Lucid, and what the guest sees.

@@ -4,6 +4,7 @@
 //! fails raises the CPU's fault instead, with RIP left at the instruction.
 
 use iced_x86::Instruction;
+use lucid_boot::regs::segment_from_gdt;
 use lucid_hv::kvm_bindings::kvm_segment;
 
 use super::insns::{canonical, fault, flags, Access, Ctx, Res, Stop};
@@ -37,31 +38,6 @@ impl Gate {
 
 const INTERRUPT_GATE: u8 = 0xe;
 const TRAP_GATE: u8 = 0xf;
-
-/// The segment-cache form of an 8-byte code or data descriptor.
-fn segment(selector: u16, d: u64) -> kvm_segment {
-    let g = (d >> 55) & 1;
-    let raw_limit = ((d & 0xffff) | ((d >> 32) & 0xf_0000)) as u32;
-    kvm_segment {
-        base: ((d >> 16) & 0xff_ffff) | ((d >> 56) & 0xff) << 24,
-        limit: if g != 0 {
-            raw_limit << 12 | 0xfff
-        } else {
-            raw_limit
-        },
-        selector,
-        type_: ((d >> 40) & 0xf) as u8,
-        present: ((d >> 47) & 1) as u8,
-        dpl: ((d >> 45) & 3) as u8,
-        db: ((d >> 54) & 1) as u8,
-        s: ((d >> 44) & 1) as u8,
-        l: ((d >> 53) & 1) as u8,
-        g: g as u8,
-        avl: ((d >> 52) & 1) as u8,
-        unusable: 0,
-        padding: 0,
-    }
-}
 
 /// Delivers software interrupt `vector` (from `insn`, whose next instruction is at `next`).
 pub fn deliver<S: CpuState + ?Sized>(
@@ -197,7 +173,7 @@ fn code_segment<S: CpuState + ?Sized>(g: &mut Ctx<'_, S>, selector: u16) -> Res<
         return fault(GP, error);
     }
     let d = g.read_u64(table.0.wrapping_add(at), Access::SysRead)?;
-    let seg = segment(selector, d);
+    let seg = segment_from_gdt(d, selector);
     let code = seg.s != 0 && seg.type_ & 0x8 != 0;
     if !code || seg.dpl > g.cpl() {
         return fault(GP, error);

@@ -3,8 +3,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use lucid_boot::regs::segment_from_gdt;
 use lucid_hv::kvm_bindings::{
-    kvm_cpuid_entry2, kvm_fpu, kvm_regs, kvm_segment, kvm_sregs, KVM_CPUID_FLAG_SIGNIFCANT_INDEX,
+    kvm_cpuid_entry2, kvm_fpu, kvm_regs, kvm_sregs, KVM_CPUID_FLAG_SIGNIFCANT_INDEX,
 };
 use lucid_hv::Vcpu;
 use lucid_mem::GuestMemoryMmap;
@@ -165,28 +166,9 @@ impl MockCpu {
     /// 0x08 code and 0x10 data), `ram` bytes of RAM mapped at the same guest-virtual
     /// addresses, x87/SSE enabled in XCR0, and CPUID with every feature the completer checks.
     pub fn long_mode(ram: usize) -> Self {
-        let code = kvm_segment {
-            base: 0,
-            limit: 0xffff_ffff,
-            selector: 0x08,
-            type_: 0xb,
-            present: 1,
-            dpl: 0,
-            db: 0,
-            s: 1,
-            l: 1,
-            g: 1,
-            avl: 0,
-            unusable: 0,
-            padding: 0,
-        };
-        let data = kvm_segment {
-            selector: 0x10,
-            type_: 0x3,
-            l: 0,
-            db: 1,
-            ..code
-        };
+        // flat 64-bit kernel code and data, as a boot GDT holds them
+        let code = segment_from_gdt(0x00af_9b00_0000_ffff, 0x08);
+        let data = segment_from_gdt(0x00cf_9300_0000_ffff, 0x10);
         let mut sregs = kvm_sregs {
             cs: code,
             ds: data,

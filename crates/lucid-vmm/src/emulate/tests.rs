@@ -726,11 +726,9 @@ fn sse_faults_as_the_cpu_does() {
 // ---- xgetbv, clwb, rdpru, invpcid ----
 
 fn native_xgetbv(ecx: u32) -> u64 {
-    let (lo, hi): (u32, u32);
-    // SAFETY: xgetbv reads an extended control register into edx:eax; the host kernel has set
-    // CR4.OSXSAVE (the test checks for the feature first).
-    unsafe { asm!("xgetbv", in("ecx") ecx, out("eax") lo, out("edx") hi) };
-    (hi as u64) << 32 | lo as u64
+    assert!(std::is_x86_feature_detected!("xsave"));
+    // SAFETY: the host CPU has XSAVE (checked above) and its kernel sets CR4.OSXSAVE.
+    unsafe { std::arch::x86_64::_xgetbv(ecx) }
 }
 
 #[test]
