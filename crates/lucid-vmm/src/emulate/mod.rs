@@ -283,11 +283,10 @@ pub struct Emulator {
     id: u32,
     mem: Option<GuestMemoryMmap>,
     stats: Option<Arc<StatsRegistry>>,
-    counters: HashMap<Mnemonic, Arc<Counter>>,
+    /// One entry per mnemonic completed so far (its counter when there is a registry).
+    counters: HashMap<Mnemonic, Option<Arc<Counter>>>,
     /// KVM's CPUID for this vCPU, read at the first completion.
     cpuid: Option<Vec<kvm_cpuid_entry2>>,
-    /// Mnemonics completed so far (each once), for the report.
-    pub completed: Vec<String>,
 }
 
 impl Default for Emulator {
@@ -305,7 +304,6 @@ impl Emulator {
             stats: None,
             counters: HashMap::new(),
             cpuid: None,
-            completed: Vec::new(),
         }
     }
 
@@ -319,17 +317,16 @@ impl Emulator {
         }
     }
 
+    /// Counts a completion; the first of each mnemonic on this vCPU is logged.
     fn count(&mut self, m: Mnemonic) {
-        let name = format!("{m:?}").to_lowercase();
-        if let Some(stats) = &self.stats {
-            let id = self.id;
-            self.counters
-                .entry(m)
-                .or_insert_with(|| stats.counter(format!("vcpu{id}.emulated.{name}")))
-                .inc();
-        }
-        if !self.completed.contains(&name) {
-            self.completed.push(name);
+        let (id, stats) = (self.id, &self.stats);
+        let counter = self.counters.entry(m).or_insert_with(|| {
+            log::info!("vCPU {id}: completing `{m:?}` for KVM's instruction emulator");
+            let name = format!("vcpu{id}.emulated.{}", format!("{m:?}").to_lowercase());
+            stats.as_ref().map(|s| s.counter(name))
+        });
+        if let Some(c) = counter {
+            c.inc();
         }
     }
 
