@@ -649,6 +649,8 @@ int main(void)
 	set_gate(11, catch_np, 2, 0x8e);
 	set_gate(13, catch_gp, 2, 0x8e);
 	set_gate(14, catch_pf, 2, 0x8e);
+	/* on "pvm" CPL0 code is emulated by KVM: these instructions reach the VMM */
+	printf("cpl0-insns backend=%s\n", lucid_backend_name());
 	if (wanted("cpuid"))
 		run_cpuid();
 	if (wanted("shift"))

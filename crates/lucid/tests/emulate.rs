@@ -29,6 +29,12 @@ fn run(cmdline: &str) -> Outcome {
     o
 }
 
+/// Whether guest kernel code is emulated by KVM on this host (then these instructions reach
+/// Lucid); the guest asks Lucid's backend hypercall.
+fn pvm(o: &Outcome) -> bool {
+    o.stdout.contains("cpl0-insns backend=pvm")
+}
+
 /// The `key=value` words of each output line starting with `prefix `.
 fn lines(out: &str, prefix: &str) -> Vec<HashMap<String, String>> {
     out.lines()
@@ -224,7 +230,11 @@ fn system_instructions_at_cpl0_complete_or_fault_as_the_cpu_does() {
         assert_eq!(l["got"], l["want"], "{l:?}");
     }
 
-    // All of them reached Lucid as emulation failures at CPL0.
+    // All of them reached Lucid as emulation failures at CPL0 (where KVM emulates CPL0 code;
+    // under VT-x or AMD-V they run on the CPU).
+    if !pvm(&o) {
+        return;
+    }
     let emulated = |m: &str| o.counter(&format!("vcpu0.emulated.{m}"));
     assert_eq!(emulated("xgetbv"), 4);
     assert_eq!(emulated("clwb"), 2);
@@ -285,6 +295,8 @@ fn int_n_and_int3_at_cpl0_go_through_the_idt() {
         assert_eq!(fault(&cases[c]), Some((vector, err)), "{c}");
         assert_eq!(n(c, "delivered"), 0, "{c}");
     }
-    assert_eq!(o.counter("vcpu0.emulated.int"), 7);
-    assert_eq!(o.counter("vcpu0.emulated.int3"), 1);
+    if pvm(&o) {
+        assert_eq!(o.counter("vcpu0.emulated.int"), 7);
+        assert_eq!(o.counter("vcpu0.emulated.int3"), 1);
+    }
 }
