@@ -17,7 +17,7 @@
 
 /* ---- catching faults at CPL0: the handler resumes at catch_rip ---- */
 #define NO_FAULT 0xffUL
-volatile u64 catch_rip, caught_vec = NO_FAULT, caught_err;
+volatile u64 catch_rip, caught_vec = NO_FAULT, caught_err, caught_cr2;
 extern char catch_ud[], catch_np[], catch_gp[], catch_pf[];
 asm(".text\n"
     "catch_ud: pushq $0\n pushq $6\n jmp catch_common\n"
@@ -30,6 +30,8 @@ asm(".text\n"
     "	popq caught_vec(%rip)\n"
     "	popq caught_err(%rip)\n"
     "	pushq %rax\n"
+    "	movq %cr2, %rax\n"
+    "	movq %rax, caught_cr2(%rip)\n"
     "	movq catch_rip(%rip), %rax\n"
     "	movq %rax, 8(%rsp)\n"		/* the frame's rip */
     "	movq $0, catch_rip(%rip)\n"
@@ -328,30 +330,34 @@ static void run_xgetbv(void)
 
 /* ---- clwb ---- */
 static u64 clwb_line[8] __attribute__((aligned(64))) = { 0x1122334455667788UL };
-static u64 clwb_out[2][2];
+static u64 clwb_out[3][3];
+/* the identity map covers 0-4 GiB: 4 GiB is not mapped */
+#define UNMAPPED 0x100000000UL
 
 static u64 clwb_fn(u64 unused)
 {
-	u64 addrs[2] = { (u64)clwb_line, 0x8000000000000000UL };
-	for (int i = 0; i < 2; i++) {
+	u64 addrs[3] = { (u64)clwb_line, 0x8000000000000000UL, UNMAPPED + 0x40 };
+	for (int i = 0; i < 3; i++) {
 		arm();
+		caught_cr2 = 0;
 		asm volatile(TRY("clwb (%0)") :: "r"(addrs[i]) : "r11", "memory");
 		clwb_out[i][0] = caught_vec;
 		clwb_out[i][1] = caught_err;
+		clwb_out[i][2] = caught_cr2;
 	}
 	return 0;
 }
 
 static void run_clwb(void)
 {
-	static const char *const what[] = { "line", "noncanonical" };
+	static const char *const what[] = { "line", "noncanonical", "unmapped" };
 	cpl0_call(clwb_fn, 0);
-	for (int i = 0; i < 2; i++) {
+	for (int i = 0; i < 3; i++) {
 		caught_vec = clwb_out[i][0];
 		caught_err = clwb_out[i][1];
 		printf("clwb case=%s", what[i]);
 		print_fault();
-		printf(" value=%#lx\n", clwb_line[0]);
+		printf(" cr2=%#lx value=%#lx\n", clwb_out[i][2], clwb_line[0]);
 	}
 }
 
@@ -521,6 +527,22 @@ static void run_xmm(void)
 	}
 }
 
+/* ---- xmm-wait (only when named): xmm1 zeroed at CPL3, then read until it
+ * changes; a test writes it from outside through Lucid's FPU path ---- */
+static void run_xmm_wait(void)
+{
+	u64 tsc = tsc_khz() ? tsc_khz() : 1000000;
+	u64 timeout = param_u64("timeout_ms", 10000) * tsc, t0, v = 0;
+
+	asm volatile("movq %0, %%xmm1" :: "r"(v));
+	printf("xmm: waiting\n");
+	t0 = rdtsc();
+	do {
+		asm volatile("movq %%xmm1, %0" : "=r"(v));
+	} while (!v && rdtsc() - t0 < timeout);
+	printf("xmm: %s value=%#lx\n", v ? "seen" : "timeout", v);
+}
+
 /* ---- int n / int3 through the IDT ---- */
 volatile u64 int_frame[5], int_rsp, int_flags, int_count;
 extern char int_rec[], gate_cpl0_call[];
@@ -665,6 +687,8 @@ int main(void)
 		run_invpcid();
 	if (strcmp(param_str("run", "all"), "all") && wanted("stale"))
 		run_stale();
+	if (strcmp(param_str("run", "all"), "all") && wanted("xmm-wait"))
+		run_xmm_wait();
 	if (wanted("xmm"))
 		run_xmm();
 	if (wanted("int"))

@@ -189,12 +189,16 @@ fn system_instructions_at_cpl0_complete_or_fault_as_the_cpu_does() {
     }
     assert_eq!(fault(&x["ecx2"]), Some((13, 0)));
 
-    // CLWB: completes and leaves the line's data alone; a non-canonical address is #GP(0).
+    // CLWB: completes and leaves the line's data alone; a non-canonical address is #GP(0), one
+    // that does not translate #PF.
     let clwb = lines(out, "clwb");
     if leaf7[1] & 1 << 24 != 0 {
         assert_eq!(fault(&clwb[0]), None);
         assert_eq!(num(&clwb[0]["value"]), 0x1122_3344_5566_7788);
         assert_eq!(fault(&clwb[1]), Some((13, 0)));
+        // an address with no page: #PF, a read (error code 0), CR2 the address
+        assert_eq!(fault(&clwb[2]), Some((14, 0)));
+        assert_eq!(num(&clwb[2]["cr2"]), 0x1_0000_0040);
         if std::arch::x86_64::__cpuid_count(7, 0).ebx & 1 << 24 != 0 {
             let line = [0x5au8; 64];
             // SAFETY: clwb of a live buffer: data unchanged.
@@ -237,7 +241,7 @@ fn system_instructions_at_cpl0_complete_or_fault_as_the_cpu_does() {
     }
     let emulated = |m: &str| o.counter(&format!("vcpu0.emulated.{m}"));
     assert_eq!(emulated("xgetbv"), 4);
-    assert_eq!(emulated("clwb"), 2);
+    assert_eq!(emulated("clwb"), 3);
     assert_eq!(emulated("rdpru"), 1);
     assert_eq!(emulated("invpcid"), 8);
     assert!(emulated("movq") >= 4);

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use lucid_boot::regs::segment_from_gdt;
 use lucid_hv::kvm_bindings::{
-    kvm_cpuid_entry2, kvm_fpu, kvm_regs, kvm_sregs, KVM_CPUID_FLAG_SIGNIFCANT_INDEX,
+    kvm_cpuid_entry2, kvm_fpu, kvm_regs, kvm_sregs, kvm_xsave, KVM_CPUID_FLAG_SIGNIFCANT_INDEX,
 };
 use lucid_hv::Vcpu;
 use lucid_mem::GuestMemoryMmap;
@@ -75,11 +75,16 @@ impl CpuState for KvmCpu<'_> {
     fn set_sregs(&mut self, sregs: &kvm_sregs) -> Result<(), EmulateError> {
         Ok(self.vcpu.set_sregs(sregs)?)
     }
+    // Through the XSAVE area rather than KVM_GET/SET_FPU: those read and write the legacy area
+    // whatever XSTATE_BV says, so a value written while the guest's SSE state was in its
+    // initial configuration (XSTATE_BV bit 1 clear) was dropped when KVM restored the state.
     fn fpu(&self) -> Result<kvm_fpu, EmulateError> {
-        Ok(self.vcpu.get_fpu()?)
+        Ok(fpu_from_xsave(&self.vcpu.get_xsave()?))
     }
     fn set_fpu(&mut self, fpu: &kvm_fpu) -> Result<(), EmulateError> {
-        Ok(self.vcpu.set_fpu(fpu)?)
+        let mut x = self.vcpu.get_xsave()?;
+        fpu_into_xsave(fpu, &mut x);
+        Ok(self.vcpu.set_xsave(&x)?)
     }
     fn xcr0(&self) -> Result<u64, EmulateError> {
         let x = self.vcpu.get_xcrs()?;
@@ -139,6 +144,63 @@ impl CpuState for KvmCpu<'_> {
         self.vcpu.set_sregs(&flipped)?;
         Ok(self.vcpu.set_sregs(&s)?)
     }
+}
+
+/// The legacy (FXSAVE) area of an XSAVE image as bytes.
+fn legacy(x: &kvm_xsave) -> [u8; 512] {
+    let mut b = [0u8; 512];
+    for (i, w) in x.region[..128].iter().enumerate() {
+        b[i * 4..i * 4 + 4].copy_from_slice(&w.to_le_bytes());
+    }
+    b
+}
+
+fn field<const N: usize>(b: &[u8], at: usize) -> [u8; N] {
+    b[at..at + N].try_into().unwrap_or([0; N])
+}
+
+/// x87 and SSE state from an XSAVE image (standard layout: KVM_GET_XSAVE gives the initial
+/// values for a component whose XSTATE_BV bit is clear).
+pub(super) fn fpu_from_xsave(x: &kvm_xsave) -> kvm_fpu {
+    let b = legacy(x);
+    kvm_fpu {
+        fpr: std::array::from_fn(|i| field(&b, 32 + 16 * i)),
+        fcw: u16::from_le_bytes(field(&b, 0)),
+        fsw: u16::from_le_bytes(field(&b, 2)),
+        ftwx: b[4],
+        pad1: 0,
+        last_opcode: u16::from_le_bytes(field(&b, 6)),
+        last_ip: u64::from_le_bytes(field(&b, 8)),
+        last_dp: u64::from_le_bytes(field(&b, 16)),
+        xmm: std::array::from_fn(|i| field(&b, 160 + 16 * i)),
+        mxcsr: u32::from_le_bytes(field(&b, 24)),
+        pad2: 0,
+    }
+}
+
+/// Writes `f` into the legacy area of `x` and marks the x87 and SSE components as holding
+/// values (XSTATE_BV bits 0 and 1), so that KVM loads them.
+pub(super) fn fpu_into_xsave(f: &kvm_fpu, x: &mut kvm_xsave) {
+    let mut b = legacy(x);
+    let mut put = |at: usize, v: &[u8]| b[at..at + v.len()].copy_from_slice(v);
+    put(0, &f.fcw.to_le_bytes());
+    put(2, &f.fsw.to_le_bytes());
+    put(4, &[f.ftwx]);
+    put(6, &f.last_opcode.to_le_bytes());
+    put(8, &f.last_ip.to_le_bytes());
+    put(16, &f.last_dp.to_le_bytes());
+    put(24, &f.mxcsr.to_le_bytes());
+    for (i, r) in f.fpr.iter().enumerate() {
+        put(32 + 16 * i, r);
+    }
+    for (i, r) in f.xmm.iter().enumerate() {
+        put(160 + 16 * i, r);
+    }
+    for (i, w) in x.region[..128].iter_mut().enumerate() {
+        *w = u32::from_le_bytes(field(&b, i * 4));
+    }
+    // XSTATE_BV is the first quadword of the header, at byte 512.
+    x.region[128] |= 0b11;
 }
 
 /// A vCPU in plain memory: registers, CPUID, a page map and guest RAM. It records the

@@ -1087,3 +1087,35 @@ fn sse_lanes() {
         Some((b >> 32) | (a << 96))
     );
 }
+
+#[test]
+fn fpu_state_goes_through_the_xsave_legacy_area_and_marks_it_in_use() {
+    use lucid_hv::kvm_bindings::kvm_xsave;
+    let mut x = kvm_xsave::default();
+    x.region[7] = 0xffbf; // MXCSR_MASK, which kvm_fpu does not carry
+    x.region[129] = 0x8000_0000; // an upper XSTATE_BV bit that must stay
+    let f = lucid_hv::kvm_bindings::kvm_fpu {
+        fpr: std::array::from_fn(|i| [i as u8 + 1; 16]),
+        fcw: 0x37f,
+        fsw: 0x80,
+        ftwx: 0x81,
+        last_opcode: 0x123,
+        last_ip: 0x1122_3344_5566_7788,
+        last_dp: 0x99aa_bbcc_ddee_ff00,
+        xmm: std::array::from_fn(|i| [0x40 + i as u8; 16]),
+        mxcsr: 0x1f80,
+        ..Default::default()
+    };
+    state::fpu_into_xsave(&f, &mut x);
+    assert_eq!(state::fpu_from_xsave(&x), f);
+    assert_eq!(
+        x.region[128] & 0b11,
+        0b11,
+        "x87 and SSE marked as holding values"
+    );
+    assert_eq!(x.region[129], 0x8000_0000);
+    assert_eq!(x.region[7], 0xffbf);
+    // bytes as FXSAVE lays them out: MXCSR at 24, XMM0 at 160
+    assert_eq!(x.region[6], 0x1f80);
+    assert_eq!(x.region[40], 0x4040_4040);
+}
