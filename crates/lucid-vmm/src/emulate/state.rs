@@ -39,9 +39,10 @@ pub trait CpuState {
 
 const CR4_PGE: u64 = 1 << 7;
 
-/// A KVM vCPU and the VM's RAM. Reads CPUID from KVM (`KVM_GET_CPUID2`): on a host where KVM
-/// emulates guest kernel code, that is what the guest's kernel reads (its CPUID at CPL0 is
-/// answered by KVM's emulator), not the host's leaves its user mode sees.
+/// A KVM vCPU and the VM's RAM. `cpuid` are the vCPU's entries as KVM holds them
+/// (`KVM_GET_CPUID2`): on a host where KVM emulates guest kernel code, that is what the guest's
+/// kernel reads (CPUID at CPL0 is answered by KVM's emulator), not the host's leaves that its
+/// user mode sees.
 pub struct KvmCpu<'a> {
     vcpu: &'a Vcpu,
     mem: Option<&'a GuestMemoryMmap>,
