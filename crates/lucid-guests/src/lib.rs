@@ -43,6 +43,7 @@ guests!(
     "pvh-ttext",
     "mb-lowmem",
     "acpi-pm",
+    "cpl0-insns",
 );
 
 /// Guests that boot through multiboot (32-bit ELF) rather than the PVH note.

@@ -3,7 +3,7 @@
 
 mod acpi_pm;
 mod config;
-mod emulate;
+pub mod emulate;
 pub mod hooks;
 mod report;
 mod vcpu;
