@@ -6,7 +6,9 @@
  * 22-1514), count=1000, mode=irq|poll (irq), qd=32 (tx: frames in flight;
  * rr is always one), qsize=256, event_idx=1, rxbufs=64, timeout_ms=2000,
  * mac=52:54:00:12:34:56 (used when the device offers no MAC), dst=
- * (destination MAC, default our own), dev=0.
+ * (destination MAC, default our own), dev=0, preempt_us=0 (rr: spin this
+ * long between reaping tx completions and looking for the reply, as a vCPU
+ * preempted there would: the reply then overtakes its tx completion).
  *
  * Frames: dst, src = our MAC, ethertype 0x88b5 (local experimental), then
  * u32 sequence number, u32 0x4c554349 ('LUCI'), then bytes derived from the
@@ -23,7 +25,9 @@
  *
  * Prints "virtio-net mac=... features=..." then "virtio-net op=.. size=..
  * packets=N bytes=B tsc=T pps=X kicks=K irqs=I mismatches=M" and
- * "virtio-net detail: ...". Exit 0; 1 on mismatch or timeout; 2 setup.
+ * "virtio-net detail: ..." (overtaken = replies seen before their tx
+ * completion). On a timeout it prints both rings' indices and event fields.
+ * Exit 0; 1 on mismatch or timeout; 2 setup.
  */
 #include "libcflat.h"
 #include "virtio.h"
@@ -38,6 +42,8 @@ static struct virtq *rxq, *txq;
 static u8 mac[6], dst[6];
 static u8 **rxbuf, **txbuf;
 static u64 timeout_tsc, mismatches, other, received;
+/* rr: replies seen before their request's tx completion; preempt_us as ticks */
+static u64 overtaken, preempt_tsc;
 
 static void parse_mac(const char *s, u8 *m)
 {
@@ -101,9 +107,31 @@ static int wait_any(struct virtq *a, struct virtq *b)
 		} else {
 			cpu_relax();
 		}
-		if (rdtsc() - t0 > timeout_tsc)
-			return -1;
+		if (rdtsc() - t0 > timeout_tsc)	/* late is not lost: look once more */
+			return (a && vq_has_used(a)) || (b && vq_has_used(b)) ? 0 : -1;
 	}
+}
+
+static void spin_tsc(u64 ticks)
+{
+	u64 t0 = rdtsc();
+	while (ticks && rdtsc() - t0 < ticks)
+		cpu_relax();
+}
+
+static void dump_q(const char *n, struct virtq *q)
+{
+	printf("virtio-net: %s used.idx=%u last_used=%u avail.idx=%u used_event=%u avail_event=%u "
+	       "used.flags=%u avail.flags=%u\n", n, q->used->idx, q->last_used, q->avail->idx,
+	       *(volatile u16 *)&q->avail->ring[q->size],
+	       *(volatile u16 *)((u64)q->used + 4 + 8ul * q->size), q->used->flags, q->avail->flags);
+}
+
+static void dump_queues(void)
+{
+	dump_q("rx", rxq);
+	dump_q("tx", txq);
+	printf("virtio-net: irq_count=%lu pending=%d\n", this_cpu()->irq_count, irq_pending());
 }
 
 /* reclaim transmitted buffers; returns how many */
@@ -360,6 +388,7 @@ int main(void)
 	}
 	u64 k = tsc_khz() ? tsc_khz() : 3000000;
 	timeout_tsc = param_u64("timeout_ms", 2000) * k;
+	preempt_tsc = param_u64("preempt_us", 0) * k / 1000;
 
 	if (virtio_probe(&dev, VIRTIO_DEV_NET, param_u64("dev", 0)))
 		return 2;
@@ -463,11 +492,26 @@ int main(void)
 
 		/* request-response: wait for the echo of packet `done` */
 		reap_tx();
+		if (sent == done) {
+			/* The last reply was seen before its request's tx completion (the device
+			 * completes tx first, but both can land between reap_tx and vq_pop), so
+			 * the send above was held back: send now, there is no reply to wait for. */
+			overtaken++;
+			if (inflight && wait_any(txq, NULL)) {
+				printf("virtio-net: no tx completion (timeout) packet=%lu\n", done);
+				dump_queues();
+				rc = 1;
+				break;
+			}
+			continue;
+		}
+		spin_tsc(preempt_tsc);
 		u32 len;
 		int id = vq_pop(rxq, &len);
 		if (id < 0) {
 			if (wait_any(rxq, NULL)) {
 				printf("virtio-net: no reply (timeout) packet=%lu\n", done);
+				dump_queues();
 				rc = 1;
 				break;
 			}
@@ -517,9 +561,9 @@ int main(void)
 	       tsc_khz() && t ? fmt_milli(b, rate_milli(done, t)) : "unknown",
 	       rxq->kicks + txq->kicks, irqs, mismatches);
 	printf("virtio-net detail: mode=%s event_idx=%d tx_kicks=%lu rx_kicks=%lu "
-	       "kicks_suppressed=%lu received=%lu other=%lu status=%#x\n",
+	       "kicks_suppressed=%lu received=%lu other=%lu overtaken=%lu status=%#x\n",
 	       txq->poll ? "poll" : "irq", txq->event_idx, txq->kicks, rxq->kicks,
-	       txq->kicks_suppressed + rxq->kicks_suppressed, received, other,
+	       txq->kicks_suppressed + rxq->kicks_suppressed, received, other, overtaken,
 	       virtio_status(&dev));
 	return rc || mismatches ? 1 : 0;
 }
