@@ -254,6 +254,28 @@ fn d_stat(g: &Guest, n: &str) -> u64 {
     g.stat(&format!("net0.{n}"))
 }
 
+/// For `valgrind --tool=callgrind` (docs/exit-ladder.md, defect 6): kick mode only, no spinning
+/// device thread, `LUCID_RR_SIZE` bytes (default 1500) and `LUCID_RR_STRESS` round trips
+/// (default 2000); read the inclusive count of `NetWorker::process_queue`.
+#[test]
+#[ignore]
+fn echo_request_response_for_callgrind() {
+    let env = |k: &str, d: u64| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let size = env("LUCID_RR_SIZE", 1500) as usize;
+    request_response(
+        Notify::Kicks,
+        Coalescing::default(),
+        false,
+        size,
+        env("LUCID_RR_STRESS", 2000),
+    );
+}
+
 /// Request-response with EVENT_IDX in every notification mode: the device loses no reply and no
 /// interrupt (the end-to-end version on real KVM is in crates/lucid/tests/io.rs).
 /// `LUCID_RR_STRESS` round trips per case (default 5000).
