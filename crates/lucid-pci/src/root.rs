@@ -233,7 +233,12 @@ impl PciRoot {
             };
             let base = next.next_multiple_of(size);
             if base.checked_add(size).is_none_or(|end| end > window.end) {
-                return Err(PciError::NoSpace(name.to_string(), i));
+                return Err(PciError::NoSpace {
+                    device: name.to_string(),
+                    bar: i,
+                    size,
+                    window: window.clone(),
+                });
             }
             d.config_mut().set_bar_address(i, base)?;
             *next = base + size;
@@ -258,7 +263,11 @@ impl PciRoot {
         let s = inner.slots.get_mut(&slot).expect("inserted above");
         self.remap(s);
         if let Some((i, _, _)) = bars.iter().find(|(i, _, _)| s.mapped[*i].is_none()) {
-            let e = PciError::BadBar(*i, format!("{name}: assigned BAR overlaps another range"));
+            let e = PciError::BarOverlaps {
+                device: name.to_string(),
+                bar: *i,
+                base: lock(&s.dev).config().bar_address(*i).unwrap_or(0),
+            };
             // Undo: unmap what was mapped and free the slot.
             for (j, m) in s.mapped.iter().enumerate() {
                 if let Some(base) = m {

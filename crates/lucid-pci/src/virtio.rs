@@ -28,7 +28,8 @@ use lucid_mem::{DmaPath, GuestMemoryMmap};
 use lucid_stats::{Counter, StatsRegistry};
 use lucid_virtio::features::{VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
 use lucid_virtio::{
-    device_type, ActivateContext, Coalescing, Notify, Rung, VirtioDevice, VirtioInterrupt,
+    device_type, ActivateContext, ActivateError, Coalescing, Notify, Rung, VirtioDevice,
+    VirtioInterrupt,
 };
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestAddress;
@@ -241,6 +242,61 @@ impl VirtioInterrupt for VirtioPciInterrupt {
     }
 }
 
+/// Why DRIVER_OK did not start the device. The transport then sets DEVICE_NEEDS_RESET, sends a
+/// configuration change interrupt (virtio 1.2, 2.1.2), logs the reason and counts it in
+/// `<dev>.virtio.activation_failed`; [`VirtioPciDevice::activation_error`] keeps the last one.
+#[derive(Debug, thiserror::Error)]
+pub enum ActivationError {
+    #[error("queue {queue}: {what} rejected by the queue: {source}")]
+    Queue {
+        queue: u16,
+        what: QueueField,
+        #[source]
+        source: virtio_queue::Error,
+    },
+    #[error(
+        "queue {queue}: rings outside guest memory (descriptors {desc:#x}, driver area \
+         {driver:#x}, device area {device:#x}, size {size})"
+    )]
+    RingsOutsideMemory {
+        queue: u16,
+        desc: u64,
+        driver: u64,
+        device: u64,
+        size: u16,
+    },
+    #[error("queue {queue}: cannot share its kick eventfd with the device: {source}")]
+    Kick {
+        queue: u16,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Device(#[from] ActivateError),
+}
+
+/// The queue setting a driver wrote that virtio-queue refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueueField {
+    MaxSize(u16),
+    Size(u16),
+    DescTable(u64),
+    DriverArea(u64),
+    DeviceArea(u64),
+}
+
+impl std::fmt::Display for QueueField {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            QueueField::MaxSize(v) => write!(f, "maximum size {v}"),
+            QueueField::Size(v) => write!(f, "size {v}"),
+            QueueField::DescTable(a) => write!(f, "descriptor table address {a:#x}"),
+            QueueField::DriverArea(a) => write!(f, "driver area address {a:#x}"),
+            QueueField::DeviceArea(a) => write!(f, "device area address {a:#x}"),
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 struct QueueCfg {
     max: u16,
@@ -272,10 +328,12 @@ struct Counters {
     device_cfg_accesses: Arc<Counter>,
     bad_accesses: Arc<Counter>,
     activations: Arc<Counter>,
+    activation_failed: Arc<Counter>,
     resets: Arc<Counter>,
     needs_reset: Arc<Counter>,
     features_refused: Arc<Counter>,
     ioeventfds: Arc<Counter>,
+    ioeventfd_failed: Arc<Counter>,
 }
 
 /// A virtio device on PCI.
@@ -300,7 +358,10 @@ pub struct VirtioPciDevice {
     kicks: Vec<EventFd>,
     /// Where the notify ioeventfds are registered (the virtio BAR's base).
     ioeventfds_at: Option<u64>,
+    /// Per queue: its notify ioeventfd is registered at `ioeventfds_at`.
+    ioeventfd_on: Vec<bool>,
     activated: bool,
+    activation_error: Option<ActivationError>,
     counters: Counters,
 }
 
@@ -314,17 +375,20 @@ impl VirtioPciDevice {
         let plan = plan_rung(opts.rung, env.host, opts.poll_idle_us)?;
         let maxes = device.queue_max_sizes().to_vec();
         if maxes.is_empty() || maxes.len() >= MAX_VECTORS as usize {
-            return Err(PciError::Config(format!(
-                "{name}: {} queues (1..{} supported)",
-                maxes.len(),
-                MAX_VECTORS
-            )));
+            return Err(PciError::QueueCount {
+                device: name,
+                queues: maxes.len(),
+                max: MAX_VECTORS as usize - 1,
+            });
         }
         if let Some(m) = maxes
             .iter()
             .find(|&&m| m == 0 || !m.is_power_of_two() || m > 32768)
         {
-            return Err(PciError::Config(format!("{name}: queue max size {m}")));
+            return Err(PciError::QueueMaxSize {
+                device: name,
+                size: *m,
+            });
         }
         let vectors = maxes.len() as u16 + 1;
         let dtype = device.device_type();
@@ -419,7 +483,7 @@ impl VirtioPciDevice {
             .iter()
             .map(|_| EventFd::new(EFD_NONBLOCK))
             .collect::<Result<Vec<_>, _>>()
-            .map_err(PciError::Io)?;
+            .map_err(PciError::EventFd)?;
         let s = &env.stats;
         let c = |n: &str| s.counter(format!("{name}.{n}"));
         let counters = Counters {
@@ -430,10 +494,12 @@ impl VirtioPciDevice {
             device_cfg_accesses: c("virtio.device_cfg_accesses"),
             bad_accesses: c("virtio.bad_accesses"),
             activations: c("virtio.activations"),
+            activation_failed: c("virtio.activation_failed"),
             resets: c("virtio.resets"),
             needs_reset: c("virtio.needs_reset"),
             features_refused: c("virtio.features_refused"),
             ioeventfds: c("notify.ioeventfds_registered"),
+            ioeventfd_failed: c("notify.ioeventfd_failed"),
         };
         c("rung").set(rung_code(opts.rung));
         c("pv_eoi.offered").set(plan.pv_eoi as u64);
@@ -458,7 +524,9 @@ impl VirtioPciDevice {
             queues: maxes.iter().map(|&m| QueueCfg::new(m)).collect(),
             kicks,
             ioeventfds_at: None,
+            ioeventfd_on: vec![false; maxes.len()],
             activated: false,
+            activation_error: None,
             counters,
             env,
         })
@@ -472,6 +540,10 @@ impl VirtioPciDevice {
     }
     pub fn status(&self) -> u8 {
         self.status
+    }
+    /// Why the last DRIVER_OK failed (cleared by a reset).
+    pub fn activation_error(&self) -> Option<&ActivationError> {
+        self.activation_error.as_ref()
     }
     pub fn interrupts(&self) -> &Arc<Interrupts> {
         &self.irq.interrupts
@@ -488,33 +560,48 @@ impl VirtioPciDevice {
         base + NOTIFY_OFFSET + q as u64 * NOTIFY_MULTIPLIER as u64
     }
 
+    /// Moves the notify ioeventfds to the virtio BAR at `base` (or removes them). A queue whose
+    /// registration fails keeps working through the notify exit, which this transport turns
+    /// into the same kick (the L0 path): the reason is logged and counted in
+    /// `notify.ioeventfd_failed`, and the driver sees no difference.
     fn set_ioeventfds(&mut self, base: Option<u64>) {
         if !self.plan.ioeventfd || base == self.ioeventfds_at {
             return;
         }
         if let Some(old) = self.ioeventfds_at.take() {
             for (q, k) in self.kicks.iter().enumerate() {
-                if self
-                    .env
-                    .vm
-                    .unregister_ioeventfd(k, IoAddr::Mmio(Self::notify_addr(old, q)))
-                    .is_ok()
-                {
-                    self.counters
+                if !std::mem::take(&mut self.ioeventfd_on[q]) {
+                    continue;
+                }
+                let addr = Self::notify_addr(old, q);
+                match self.env.vm.unregister_ioeventfd(k, IoAddr::Mmio(addr)) {
+                    Ok(()) => self
+                        .counters
                         .ioeventfds
-                        .set(self.counters.ioeventfds.get().saturating_sub(1));
+                        .set(self.counters.ioeventfds.get().saturating_sub(1)),
+                    Err(e) => log::error!(
+                        "{}: queue {q}: cannot remove the notify ioeventfd at {addr:#x}: {e}",
+                        self.name
+                    ),
                 }
             }
         }
         if let Some(new) = base {
             for (q, k) in self.kicks.iter().enumerate() {
-                if self
-                    .env
-                    .vm
-                    .register_ioeventfd(k, IoAddr::Mmio(Self::notify_addr(new, q)))
-                    .is_ok()
-                {
-                    self.counters.ioeventfds.inc();
+                let addr = Self::notify_addr(new, q);
+                match self.env.vm.register_ioeventfd(k, IoAddr::Mmio(addr)) {
+                    Ok(()) => {
+                        self.ioeventfd_on[q] = true;
+                        self.counters.ioeventfds.inc();
+                    }
+                    Err(e) => {
+                        self.counters.ioeventfd_failed.inc();
+                        log::warn!(
+                            "{}: queue {q}: no notify ioeventfd at {addr:#x} ({e}); its \
+                             notifications take the userspace exit",
+                            self.name
+                        );
+                    }
                 }
             }
             self.ioeventfds_at = Some(new);
@@ -527,6 +614,7 @@ impl VirtioPciDevice {
             self.activated = false;
         }
         self.counters.resets.inc();
+        self.activation_error = None;
         self.status = 0;
         self.device_feature_select = 0;
         self.driver_feature_select = 0;
@@ -573,8 +661,10 @@ impl VirtioPciDevice {
             if v & status::FEATURES_OK == 0 || old & status::NEEDS_RESET != 0 {
                 v &= !status::DRIVER_OK;
                 self.counters.bad_accesses.inc();
-            } else if let Err(why) = self.activate() {
-                let _ = why;
+            } else if let Err(e) = self.activate() {
+                log::error!("{}: DRIVER_OK refused, device needs reset: {e}", self.name);
+                self.counters.activation_failed.inc();
+                self.activation_error = Some(e);
                 self.counters.needs_reset.inc();
                 v |= status::NEEDS_RESET;
                 self.status = v;
@@ -586,29 +676,45 @@ impl VirtioPciDevice {
     }
 
     /// DRIVER_OK: validate the queues against guest memory and start the device.
-    fn activate(&mut self) -> Result<(), String> {
+    fn activate(&mut self) -> Result<(), ActivationError> {
         let event_idx = self.driver_features & VIRTIO_RING_F_EVENT_IDX != 0;
         let mut queues = Vec::new();
         for (i, qc) in self.queues.iter().enumerate() {
             if !qc.enabled {
                 continue;
             }
-            let mut q = Queue::new(qc.max).map_err(|e| format!("queue {i}: {e:?}"))?;
+            let queue = i as u16;
+            let refused = |what| {
+                move |source| ActivationError::Queue {
+                    queue,
+                    what,
+                    source,
+                }
+            };
+            let mut q = Queue::new(qc.max).map_err(refused(QueueField::MaxSize(qc.max)))?;
             q.try_set_size(qc.size)
-                .map_err(|e| format!("queue {i}: size {}: {e:?}", qc.size))?;
+                .map_err(refused(QueueField::Size(qc.size)))?;
             q.try_set_desc_table_address(GuestAddress(qc.desc))
-                .map_err(|e| format!("queue {i}: {e:?}"))?;
+                .map_err(refused(QueueField::DescTable(qc.desc)))?;
             q.try_set_avail_ring_address(GuestAddress(qc.driver))
-                .map_err(|e| format!("queue {i}: {e:?}"))?;
+                .map_err(refused(QueueField::DriverArea(qc.driver)))?;
             q.try_set_used_ring_address(GuestAddress(qc.device))
-                .map_err(|e| format!("queue {i}: {e:?}"))?;
+                .map_err(refused(QueueField::DeviceArea(qc.device)))?;
             q.set_event_idx(event_idx);
             q.set_ready(true);
             if !q.is_valid(&self.env.mem) {
-                return Err(format!("queue {i}: rings outside guest memory"));
+                return Err(ActivationError::RingsOutsideMemory {
+                    queue,
+                    desc: qc.desc,
+                    driver: qc.driver,
+                    device: qc.device,
+                    size: qc.size,
+                });
             }
-            let kick = self.kicks[i].try_clone().map_err(|e| e.to_string())?;
-            queues.push((i as u16, q, kick));
+            let kick = self.kicks[i]
+                .try_clone()
+                .map_err(|source| ActivationError::Kick { queue, source })?;
+            queues.push((queue, q, kick));
         }
         let ctx = ActivateContext {
             mem: self.env.mem.clone(),
@@ -621,7 +727,7 @@ impl VirtioPciDevice {
             coalescing: self.opts.coalescing,
             stats: self.env.stats.clone(),
         };
-        self.device.activate(ctx).map_err(|e| e.to_string())?;
+        self.device.activate(ctx)?;
         self.activated = true;
         self.counters.activations.inc();
         Ok(())

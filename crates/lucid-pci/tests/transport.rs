@@ -12,6 +12,7 @@ use lucid_pci::config::{BAR0, COMMAND, COMMAND_MEMORY};
 use lucid_pci::virtio::{
     common, status, MSIX_BAR, NOTIFY_MULTIPLIER, NOTIFY_OFFSET, NO_VECTOR, VIRTIO_BAR,
 };
+use lucid_pci::virtio::{ActivationError, QueueField};
 use lucid_pci::{
     attach_virtio, HostCaps, MsiPath, PciRoot, PciWindows, TransportEnv, TransportOptions,
     VirtioPciDevice,
@@ -33,6 +34,8 @@ struct Seen {
     resets: AtomicUsize,
     last: Mutex<Option<Activation>>,
     irq: Mutex<Option<Arc<dyn VirtioInterrupt>>>,
+    /// Refuse DRIVER_OK as a device missing a queue would.
+    refuse: std::sync::atomic::AtomicBool,
 }
 
 struct Dummy {
@@ -69,6 +72,12 @@ impl VirtioDevice for Dummy {
     }
     fn activate(&mut self, ctx: ActivateContext) -> Result<(), ActivateError> {
         use lucid_virtio::virtio_queue::QueueT;
+        if self.seen.refuse.load(Ordering::SeqCst) {
+            return Err(ActivateError::QueueMissing {
+                device: self.name.clone(),
+                queue: 3,
+            });
+        }
         self.seen.activations.fetch_add(1, Ordering::SeqCst);
         let qs = ctx.queues.iter().map(|(i, q, _)| (*i, q.size())).collect();
         *self.seen.last.lock().unwrap() = Some((qs, ctx.features, ctx.notify));
@@ -457,12 +466,22 @@ fn feature_negotiation_and_status_machine() {
 #[test]
 fn bad_queues_set_needs_reset() {
     let h = host();
-    let (slot, seen, _dev) = h.attach("blk0", 1, Rung::L1);
+    let (slot, seen, dev) = h.attach("blk0", 1, Rung::L1);
     let b = h.bar(slot, VIRTIO_BAR);
+    let why = || format!("{:?}", dev.lock().unwrap().activation_error());
     for size in [0u16, 3, 100, 512, 0xffff] {
         h.w(b + common::DEVICE_STATUS, 1, 0);
+        assert_eq!(why(), "None", "a reset forgets the last failure");
         let st = drive_to_ok(&h, slot, 1, size);
         assert_eq!(st & status::NEEDS_RESET, status::NEEDS_RESET, "size {size}");
+        assert!(
+            matches!(
+                dev.lock().unwrap().activation_error(),
+                Some(ActivationError::Queue { queue: 0, what: QueueField::Size(s), .. }) if *s == size
+            ),
+            "size {size}: {}",
+            why()
+        );
     }
     // Rings outside guest memory, or straddling its end, or misaligned.
     for (desc, drv, devr) in [
@@ -485,11 +504,24 @@ fn bad_queues_set_needs_reset() {
         h.w(b + common::DEVICE_STATUS, 1, 0xf);
         let st = h.r(b + common::DEVICE_STATUS, 1) as u8;
         assert_ne!(st & status::NEEDS_RESET, 0, "{desc:#x} {drv:#x} {devr:#x}");
+        // The reason names the queue and the address at fault.
+        let e = dev
+            .lock()
+            .unwrap()
+            .activation_error()
+            .map(|e| e.to_string());
+        let e = e.expect("a reason");
+        assert!(e.starts_with("queue 0: "), "{e}");
+        let at_fault = [desc, drv, devr]
+            .iter()
+            .any(|a| e.contains(&format!("{a:#x}")));
+        assert!(at_fault, "{e}");
         // Further status writes cannot get it going.
         h.w(b + common::DEVICE_STATUS, 1, (st | 4) as u64);
     }
     assert_eq!(seen.activations.load(Ordering::SeqCst), 0);
     assert_eq!(h.counter("blk0.virtio.needs_reset"), 10);
+    assert_eq!(h.counter("blk0.virtio.activation_failed"), 10);
     // Selecting a queue that does not exist: reads 0, writes ignored.
     h.w(b + common::DEVICE_STATUS, 1, 0);
     h.w(b + common::QUEUE_SELECT, 2, 7);
@@ -504,6 +536,60 @@ fn bad_queues_set_needs_reset() {
     h.w(b + common::DEVICE_STATUS, 1, 0);
     assert_eq!(drive_to_ok(&h, slot, 1, 256), 0xf);
     assert_eq!(seen.activations.load(Ordering::SeqCst), 1);
+}
+
+/// A device that refuses DRIVER_OK: its reason reaches the transport intact, the status says
+/// DEVICE_NEEDS_RESET and the driver gets a configuration change interrupt (virtio 1.2, 2.1.2).
+#[test]
+fn a_refused_activation_keeps_its_reason() {
+    let h = host();
+    let (slot, seen, dev) = h.attach("blk0", 1, Rung::L0);
+    enable_msix(&h, slot);
+    program_vector(&h, slot, 0, 0x4040, false);
+    let b = h.bar(slot, VIRTIO_BAR);
+    h.w(b + common::CONFIG_MSIX_VECTOR, 2, 0);
+    seen.refuse.store(true, Ordering::SeqCst);
+    let msi_before = h.counter("blk0.irq.msi_signal");
+    let st = drive_to_ok(&h, slot, 1, 256);
+    assert_eq!(st & status::NEEDS_RESET, status::NEEDS_RESET);
+    assert_eq!(
+        h.counter("blk0.irq.msi_signal"),
+        msi_before + 1,
+        "config interrupt"
+    );
+    assert_eq!(h.counter("blk0.virtio.activation_failed"), 1);
+    match dev.lock().unwrap().activation_error() {
+        Some(ActivationError::Device(ActivateError::QueueMissing { device, queue: 3 })) => {
+            assert_eq!(device, "blk0")
+        }
+        e => panic!("{e:?}"),
+    }
+    h.w(b + common::DEVICE_STATUS, 1, 0);
+    seen.refuse.store(false, Ordering::SeqCst);
+    assert_eq!(drive_to_ok(&h, slot, 1, 256), 0xf);
+    assert!(dev.lock().unwrap().activation_error().is_none());
+}
+
+/// A notify address whose ioeventfd KVM refuses (here: taken by another eventfd) falls back to
+/// the notify exit, which kicks the same queue; the reason is counted and logged.
+#[test]
+fn a_refused_ioeventfd_falls_back_to_the_notify_exit() {
+    use vmm_sys_util::eventfd::EventFd;
+    let h = host();
+    // The first device's virtio BAR (the largest) goes at the window's start.
+    let squatter = EventFd::new(0).unwrap();
+    let queue0 = MMIO_WINDOW.start + NOTIFY_OFFSET;
+    h.vm.register_ioeventfd(&squatter, lucid_hv::IoAddr::Mmio(queue0))
+        .unwrap();
+    let (slot, _, dev) = h.attach("net0", 2, Rung::L1);
+    let b = h.bar(slot, VIRTIO_BAR);
+    assert_eq!(b + NOTIFY_OFFSET, queue0);
+    assert_eq!(h.counter("net0.notify.ioeventfd_failed"), 1);
+    assert_eq!(h.counter("net0.notify.ioeventfds_registered"), 1);
+    // The notify write reaches the transport (the exit path) and kicks queue 0.
+    assert!(h.w(queue0, 2, 0));
+    assert_eq!(h.counter("net0.notify.exit"), 1);
+    assert_eq!(dev.lock().unwrap().kick(0).unwrap().read().unwrap(), 1);
 }
 
 fn enable_msix(h: &Host, slot: u8) -> u32 {

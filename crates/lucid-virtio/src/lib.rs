@@ -130,12 +130,21 @@ pub struct ActivateContext {
     pub stats: Arc<StatsRegistry>,
 }
 
+/// Why a device refused DRIVER_OK.
 #[derive(Debug, thiserror::Error)]
 pub enum ActivateError {
-    #[error("{0}")]
-    BadConfig(String),
-    #[error("cannot start back-end thread: {0}")]
-    Thread(std::io::Error),
+    #[error("{device}: activated twice without a reset")]
+    AlreadyActive { device: String },
+    #[error("{device}: the driver enabled no queue {queue}, which the device needs")]
+    QueueMissing { device: String, queue: u16 },
+    #[error("{device}: queue {queue} is not ready or its rings are outside guest memory")]
+    QueueInvalid { device: String, queue: u16 },
+    #[error("{device}: cannot start the back-end thread: {source}")]
+    Thread {
+        device: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// A virtio device, transport-independent.

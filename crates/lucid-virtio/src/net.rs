@@ -31,7 +31,7 @@ use lucid_stats::{Counter, StatsRegistry};
 
 use crate::blk::read_config_bytes;
 use crate::worker::{
-    gather, scatter, split_off, Backend, Desc, Io, Pop, Region, Served, WorkerSlot,
+    gather, scatter, split_off, Backend, DataError, Desc, Io, Pop, Region, Served, WorkerSlot,
 };
 use crate::{device_type, features, ActivateContext, ActivateError, VirtioDevice};
 
@@ -287,6 +287,29 @@ struct Chain {
     body: Vec<Region>,
 }
 
+/// Why a chain was completed without moving its frame. A guest can cause these at will, so they
+/// are counted (`errors`, `tx_dropped`, `rx_dropped_too_big`) and logged at debug level.
+#[derive(Debug, thiserror::Error)]
+enum ChainError {
+    #[error("tx chain with a device-writable descriptor")]
+    WritableTx,
+    #[error("tx chain of {len} bytes, shorter than the {NET_HDR_LEN}-byte header")]
+    ShortTx { len: u64 },
+    #[error("tx frame of {len} bytes, more than {MAX_FRAME}")]
+    LongTx { len: u64 },
+    #[error("rx chain with a device-readable descriptor")]
+    ReadOnlyRx,
+    #[error("rx chain of {room} bytes for a {len}-byte frame and its header")]
+    SmallRx { room: u64, len: usize },
+    #[error(transparent)]
+    Data(#[from] DataError),
+}
+
+fn chain_error(io: &Io, e: ChainError) {
+    io.c.errors.inc();
+    log::debug!("{}: {e}", io.name());
+}
+
 /// What became of one frame offered to the rx queue.
 enum Delivery {
     Delivered,
@@ -345,7 +368,7 @@ impl Backend for NetWorker {
 impl NetWorker {
     fn transmit(&mut self, io: &Io, descs: &[Desc]) -> Served {
         if descs.iter().any(|d| d.is_write_only()) {
-            return self.tx_drop(io);
+            return self.tx_drop(io, ChainError::WritableTx);
         }
         let ch = &mut self.chain;
         ch.regions.clear();
@@ -353,11 +376,11 @@ impl NetWorker {
             .extend(descs.iter().map(|d| (d.addr().0, u64::from(d.len()))));
         let total: u64 = ch.regions.iter().map(|r| r.1).sum();
         if !split_off(&ch.regions, NET_HDR_LEN as u64, &mut ch.body) {
-            return self.tx_drop(io);
+            return self.tx_drop(io, ChainError::ShortTx { len: total });
         }
         let len = (total - NET_HDR_LEN as u64) as usize;
         if len > MAX_FRAME {
-            return self.tx_drop(io);
+            return self.tx_drop(io, ChainError::LongTx { len: len as u64 });
         }
         // The echo gathers straight into the buffer that waits for rx; the others into `frame`.
         let mut echoed = match self.kind {
@@ -372,9 +395,9 @@ impl NetWorker {
             Some(v) => &mut v[..],
             None => &mut self.frame[..len],
         };
-        if gather(io, &self.chain.body, buf).is_err() {
+        if let Err(e) = gather(io, &self.chain.body, buf) {
             self.spare.extend(echoed);
-            return self.tx_drop(io);
+            return self.tx_drop(io, e.into());
         }
         io.c.bytes_read.add(len as u64);
         self.c.tx_packets.inc();
@@ -392,9 +415,10 @@ impl NetWorker {
             }
             Kind::Tap(t) => {
                 // A tap write does not block (the frame enters the host stack or is dropped).
-                if (&**t).write(&self.frame[..len]).is_err() {
+                if let Err(e) = (&**t).write(&self.frame[..len]) {
                     self.c.tx_dropped.inc();
                     io.c.errors.inc();
+                    log::debug!("{}: tap write of {len} bytes: {e}", io.name());
                 }
             }
         }
@@ -402,8 +426,8 @@ impl NetWorker {
     }
 
     /// A tx chain that cannot be sent: completed with length 0, counted.
-    fn tx_drop(&self, io: &Io) -> Served {
-        io.c.errors.inc();
+    fn tx_drop(&self, io: &Io, why: ChainError) -> Served {
+        chain_error(io, why);
         self.c.tx_dropped.inc();
         Served::Used(0)
     }
@@ -452,8 +476,9 @@ impl NetWorker {
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                    Err(_) => {
+                    Err(e) => {
                         io.c.errors.inc();
+                        log::warn!("{}: tap read: {e}", io.name());
                         break;
                     }
                 },
@@ -482,7 +507,7 @@ impl Chain {
             }
             // A read-only descriptor in an rx chain: give it back unused; the frame waits for
             // the next buffer.
-            io.c.errors.inc();
+            chain_error(io, ChainError::ReadOnlyRx);
             io.complete(rx, head, 0);
         };
         self.regions.clear();
@@ -492,14 +517,17 @@ impl Chain {
         if room < (NET_HDR_LEN + frame.len()) as u64 {
             io.unpop(rx);
             c.rx_dropped_too_big.inc();
-            io.c.errors.inc();
+            let len = frame.len();
+            chain_error(io, ChainError::SmallRx { room, len });
             return Delivery::Dropped;
         }
         let mut hdr = [0u8; NET_HDR_LEN];
         hdr[10..12].copy_from_slice(&1u16.to_le_bytes()); // num_buffers
         split_off(&self.regions, NET_HDR_LEN as u64, &mut self.body);
-        if scatter(io, &self.regions, &hdr).is_err() || scatter(io, &self.body, frame).is_err() {
-            io.c.errors.inc();
+        let written =
+            scatter(io, &self.regions, &hdr).and_then(|()| scatter(io, &self.body, frame));
+        if let Err(e) = written {
+            chain_error(io, e.into());
             io.complete(rx, head, 0);
             return Delivery::Dropped;
         }
