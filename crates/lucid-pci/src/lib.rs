@@ -7,17 +7,16 @@
 //! for each device builds a [`VirtioPciDevice`] and attaches it with [`PciRoot::add_device`].
 
 pub mod config;
+pub mod ladder;
 pub mod msix;
 pub mod root;
 pub mod virtio;
 
 pub use config::{Bar, BarKind, ConfigSpace, PciIds};
+pub use ladder::{HostCaps, Rung, RungPlan};
 pub use msix::{Interrupts, MsiPath, MsixTable};
 pub use root::{PciAddress, PciDevice, PciRoot, PciWindows};
-pub use virtio::{
-    plan_rung, HostCaps, RungPlan, TransportEnv, TransportOptions, VirtioPciDevice,
-    VirtioPciInterrupt,
-};
+pub use virtio::{TransportEnv, TransportOptions, VirtioPciDevice, VirtioPciInterrupt};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PciError {
@@ -62,8 +61,8 @@ pub enum PciError {
     QueueMaxSize { device: String, size: u16 },
     #[error("irqfd interrupts need a GSI router")]
     NoGsiRouter,
-    #[error("rung: {0}")]
-    Rung(String),
+    #[error(transparent)]
+    Rung(#[from] ladder::RungRefused),
 }
 
 /// What is wrong with a BAR declaration or placement.

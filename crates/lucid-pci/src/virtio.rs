@@ -7,7 +7,7 @@
 //! and notifications (0x3000, queue `q` at `q * 4`). Vector 0..queues-1 are free for the
 //! driver to use; the device has `queues + 1` vectors.
 //!
-//! Rungs (see [`plan_rung`]):
+//! Rungs (decided by [`crate::ladder::plan`]):
 //! - L0: kicks are MMIO exits to userspace, which this transport turns into writes to the
 //!   queue's kick eventfd; interrupts go out with `KVM_SIGNAL_MSI`.
 //! - L1: an ioeventfd on each queue's notify address (the kick never leaves the kernel);
@@ -28,8 +28,7 @@ use lucid_mem::{DmaPath, GuestMemoryMmap};
 use lucid_stats::{Counter, StatsRegistry};
 use lucid_virtio::features::{VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
 use lucid_virtio::{
-    device_type, ActivateContext, ActivateError, Coalescing, Notify, Rung, VirtioDevice,
-    VirtioInterrupt,
+    device_type, ActivateContext, ActivateError, Coalescing, VirtioDevice, VirtioInterrupt,
 };
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestAddress;
@@ -38,7 +37,8 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::config::{
     touches, Bar, BarKind, ConfigSpace, PciIds, CAP_ID_VENDOR, COMMAND, COMMAND_INTX_DISABLE,
 };
-use crate::msix::{self, Interrupts, MsiPath};
+use crate::ladder::{self, HostCaps, Rung, RungPlan};
+use crate::msix::{self, Interrupts};
 use crate::root::PciDevice;
 use crate::PciError;
 
@@ -101,80 +101,6 @@ pub mod common {
     pub const QUEUE_DESC_HI: u64 = 0x24;
     pub const QUEUE_DRIVER_HI: u64 = 0x2c;
     pub const QUEUE_DEVICE_HI: u64 = 0x34;
-}
-
-/// What the host offers that some rungs need.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct HostCaps {
-    /// Guests read the CPUID the VMM sets (PV EOI reaches them).
-    pub cpuid_intercepted: bool,
-    /// APICv / AVIC.
-    pub posted_interrupts: bool,
-}
-
-/// What a rung means for the transport and the device.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RungPlan {
-    pub rung: Rung,
-    /// Kicks by ioeventfd (else by userspace MMIO exit).
-    pub ioeventfd: bool,
-    pub msi: MsiPath,
-    pub notify: Notify,
-    /// The VM must offer PV EOI in CPUID.
-    pub pv_eoi: bool,
-    /// ... and the guest will see it.
-    pub pv_eoi_effective: bool,
-}
-
-/// Decides what `rung` does on a host with `caps`. L3 without posted interrupts is refused.
-pub fn plan_rung(rung: Rung, caps: HostCaps, poll_idle_us: u32) -> Result<RungPlan, PciError> {
-    let l1 = RungPlan {
-        rung,
-        ioeventfd: true,
-        msi: MsiPath::Irqfd,
-        notify: Notify::Kicks,
-        pv_eoi: false,
-        pv_eoi_effective: false,
-    };
-    Ok(match rung {
-        Rung::L0 => RungPlan {
-            ioeventfd: false,
-            msi: MsiPath::SignalMsi,
-            ..l1
-        },
-        Rung::L1 => l1,
-        Rung::L2 => RungPlan {
-            pv_eoi: true,
-            pv_eoi_effective: caps.cpuid_intercepted,
-            ..l1
-        },
-        Rung::L3 if caps.posted_interrupts => l1,
-        Rung::L3 => {
-            return Err(PciError::Rung(
-                "L3 needs posted interrupts (APICv or AVIC), which this host's KVM does not \
-                 offer; use L1/L2 (irqfd) or L4 (polling)"
-                    .into(),
-            ))
-        }
-        Rung::L4 { .. } => RungPlan {
-            notify: Notify::Poll {
-                idle_sleep_us: poll_idle_us,
-            },
-            ..l1
-        },
-    })
-}
-
-/// The rung as a number for the counters: 0-4, 5 for L4 with guest polling.
-pub fn rung_code(r: Rung) -> u64 {
-    match r {
-        Rung::L0 => 0,
-        Rung::L1 => 1,
-        Rung::L2 => 2,
-        Rung::L3 => 3,
-        Rung::L4 { guest_polls: false } => 4,
-        Rung::L4 { guest_polls: true } => 5,
-    }
 }
 
 /// Per-device transport options.
@@ -372,7 +298,7 @@ impl VirtioPciDevice {
         opts: TransportOptions,
     ) -> Result<Self, PciError> {
         let name = device.name().to_string();
-        let plan = plan_rung(opts.rung, env.host, opts.poll_idle_us)?;
+        let plan = ladder::plan(opts.rung, env.host, opts.poll_idle_us)?;
         let maxes = device.queue_max_sizes().to_vec();
         if maxes.is_empty() || maxes.len() >= MAX_VECTORS as usize {
             return Err(PciError::QueueCount {
@@ -501,7 +427,7 @@ impl VirtioPciDevice {
             ioeventfds: c("notify.ioeventfds_registered"),
             ioeventfd_failed: c("notify.ioeventfd_failed"),
         };
-        c("rung").set(rung_code(opts.rung));
+        c("rung").set(plan.rung.code());
         c("pv_eoi.offered").set(plan.pv_eoi as u64);
         c("pv_eoi.effective").set(plan.pv_eoi_effective as u64);
         let offered = device.features() | VIRTIO_F_VERSION_1;

@@ -13,13 +13,14 @@ use lucid_pci::virtio::{
     common, status, MSIX_BAR, NOTIFY_MULTIPLIER, NOTIFY_OFFSET, NO_VECTOR, VIRTIO_BAR,
 };
 use lucid_pci::virtio::{ActivationError, QueueField};
+use lucid_pci::Rung;
 use lucid_pci::{
     attach_virtio, HostCaps, MsiPath, PciRoot, PciWindows, TransportEnv, TransportOptions,
     VirtioPciDevice,
 };
 use lucid_stats::StatsRegistry;
 use lucid_virtio::features::{VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
-use lucid_virtio::{ActivateContext, ActivateError, Notify, Rung, VirtioDevice, VirtioInterrupt};
+use lucid_virtio::{ActivateContext, ActivateError, Notify, VirtioDevice, VirtioInterrupt};
 
 const MMIO_WINDOW: std::ops::Range<u64> = 0xc000_0000..0xd000_0000;
 const ECAM: u64 = 0xe000_0000;
@@ -699,10 +700,10 @@ fn l0_notify_exit_kicks_the_queue() {
 
 #[test]
 fn rungs_plan_as_documented() {
-    use lucid_pci::plan_rung;
+    use lucid_pci::ladder::plan;
     let none = HostCaps::default();
-    assert!(plan_rung(Rung::L3, none, 0).is_err());
-    let l3 = plan_rung(
+    assert!(plan(Rung::L3, none, 0).is_err());
+    let l3 = plan(
         Rung::L3,
         HostCaps {
             posted_interrupts: true,
@@ -712,9 +713,9 @@ fn rungs_plan_as_documented() {
     )
     .unwrap();
     assert!(l3.ioeventfd && l3.msi == MsiPath::Irqfd);
-    let l2 = plan_rung(Rung::L2, none, 0).unwrap();
+    let l2 = plan(Rung::L2, none, 0).unwrap();
     assert!(l2.pv_eoi && !l2.pv_eoi_effective);
-    let l2 = plan_rung(
+    let l2 = plan(
         Rung::L2,
         HostCaps {
             cpuid_intercepted: true,
@@ -724,10 +725,10 @@ fn rungs_plan_as_documented() {
     )
     .unwrap();
     assert!(l2.pv_eoi_effective);
-    let l4 = plan_rung(Rung::L4 { guest_polls: true }, none, 5).unwrap();
+    let l4 = plan(Rung::L4 { guest_polls: true }, none, 5).unwrap();
     assert_eq!(l4.notify, Notify::Poll { idle_sleep_us: 5 });
     assert!(l4.ioeventfd);
-    let l0 = plan_rung(Rung::L0, none, 0).unwrap();
+    let l0 = plan(Rung::L0, none, 0).unwrap();
     assert!(!l0.ioeventfd && l0.msi == MsiPath::SignalMsi);
     // The transport refuses L3 here with the same error.
     let h = host();
