@@ -32,13 +32,16 @@ pub enum PciError {
     MsixLayout { vectors: u16, table: u32, pba: u32 },
     #[error("PCI bus 0 has no free slot")]
     BusFull,
-    #[error("{device}: no room for BAR {bar} ({size:#x} bytes) in the PCI window {window:#x?}")]
+    #[error("{device}: no room for BAR {bar} ({size:#x} bytes) in the PCI window {window:#x?}: {source}")]
     NoSpace {
         device: String,
         bar: usize,
         size: u64,
         window: std::ops::Range<u64>,
+        #[source]
+        source: vm_allocator::Error,
     },
+
     #[error("{device}: BAR {bar} at {base:#x} overlaps another range on its bus")]
     BarOverlaps {
         device: String,

@@ -593,6 +593,63 @@ fn a_refused_ioeventfd_falls_back_to_the_notify_exit() {
     assert_eq!(dev.lock().unwrap().kick(0).unwrap().read().unwrap(), 1);
 }
 
+/// BAR space comes from vm-allocator: a device whose BAR cannot be mapped (a platform device
+/// squats there) gets an error naming the address, and its space goes back to the window for
+/// the next device; a window too small says how much was asked.
+#[test]
+fn bar_space_is_returned_when_an_attach_fails() {
+    struct Squatter;
+    impl lucid_devices::BusDevice for Squatter {
+        fn read(&mut self, _: u64, _: &mut [u8]) {}
+        fn write(&mut self, _: u64, _: &[u8]) {}
+    }
+    let h = host();
+    let start = MMIO_WINDOW.start;
+    h.mmio
+        .insert(start, 0x4000, "squatter", Arc::new(Mutex::new(Squatter)))
+        .unwrap();
+    let (d, _) = dummy("blk0", 1);
+    let e = attach_virtio(&h.root, d, h.env.clone(), opts(Rung::L1)).err();
+    assert!(
+        matches!(
+            e,
+            Some(lucid_pci::PciError::BarOverlaps { bar: VIRTIO_BAR, base, .. }) if base == start
+        ),
+        "{e:?}"
+    );
+    assert!(h.mmio.remove(start));
+    let (slot, _, _) = h.attach("blk1", 1, Rung::L1);
+    assert_eq!(
+        h.bar(slot, VIRTIO_BAR),
+        start,
+        "the failed attach's space was returned"
+    );
+
+    // A window with room for one device's BARs, not two.
+    let stats = StatsRegistry::new();
+    let small = PciRoot::new(
+        Arc::new(Bus::new()),
+        Arc::new(Bus::new()),
+        PciWindows {
+            mmio: start..start + 0x8000,
+            io: 0xc000..0x1_0000,
+            ecam: (ECAM, 0x1000_0000),
+        },
+        &stats,
+    );
+    let (d, _) = dummy("blk2", 1);
+    attach_virtio(&small, d, h.env.clone(), opts(Rung::L0)).unwrap();
+    let (d, _) = dummy("blk3", 1);
+    match attach_virtio(&small, d, h.env.clone(), opts(Rung::L0)).err() {
+        Some(lucid_pci::PciError::NoSpace {
+            device, bar, size, ..
+        }) => {
+            assert_eq!((device.as_str(), bar, size), ("blk3", VIRTIO_BAR, 0x4000))
+        }
+        e => panic!("{e:?}"),
+    }
+}
+
 fn enable_msix(h: &Host, slot: u8) -> u32 {
     // The MSI-X capability is the last in the chain.
     let mut p = h.cf8(slot, 0x34) & 0xff;
