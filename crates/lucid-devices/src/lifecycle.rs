@@ -18,6 +18,8 @@ pub enum StopReason {
     Signal(i32),
     /// The VMM could not go on.
     Error(String),
+    /// The VMM dropped the VM while it ran.
+    Dropped,
 }
 
 impl StopReason {
@@ -26,7 +28,7 @@ impl StopReason {
         match self {
             StopReason::DebugExit(v) => ((v << 1) | 1) as i32 & 0xff,
             StopReason::Reset | StopReason::Shutdown => 0,
-            StopReason::Error(_) => 1,
+            StopReason::Error(_) | StopReason::Dropped => 1,
             StopReason::TripleFault { .. } => 2,
             StopReason::Signal(s) => 128 + s,
         }

@@ -14,7 +14,7 @@ pub use kvm_bindings;
 pub use kvm_ioctls::Kvm;
 pub use kvm_stats::KvmStats;
 pub use vcpu::{Exit, ImmediateExit, InternalError, Vcpu, EXIT_REASONS};
-pub use vm::{IoAddr, Vm};
+pub use vm::{GuestMemoryMmap, IoAddr, Vm};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HvError {
@@ -24,6 +24,8 @@ pub enum HvError {
     Open(#[from] probe::KvmOpenError),
     #[error("KVM lacks a capability Lucid needs: {0}")]
     MissingCap(&'static str),
+    #[error("guest memory region at {0:#x} has no host mapping")]
+    BadMemory(u64),
 }
 
 /// Opens `/dev/kvm` (with the probe's one-line errors) and checks the capabilities every Lucid

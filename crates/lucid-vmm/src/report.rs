@@ -66,6 +66,7 @@ impl RunReport {
             }
             StopReason::Signal(s) => format!("stopped by signal {s}"),
             StopReason::Error(e) => format!("error: {e}"),
+            StopReason::Dropped => "the VMM dropped the VM while it ran".into(),
         }
     }
 

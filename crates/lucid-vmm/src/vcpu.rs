@@ -44,8 +44,12 @@ pub struct VcpuHandle {
     alive: AtomicBool,
     immediate_exit: ImmediateExit,
     thread: Mutex<Option<libc::pthread_t>>,
-    /// Signalled whenever the vCPU finishes a request, so waiters need no polling.
-    done: Condvar,
+    /// Signalled (under the `requests` lock) when a request is queued or the vCPU is kicked, so
+    /// that a paused vCPU waiting for its next request wakes at once.
+    wake: Condvar,
+    /// Waits of a paused vCPU that ended by timeout rather than by a wake-up (a lost wake-up
+    /// shows here).
+    wait_timeouts: Arc<Counter>,
 }
 
 impl VcpuHandle {
@@ -67,6 +71,9 @@ impl VcpuHandle {
             // exits; the signal's handler does nothing, it only interrupts KVM_RUN.
             unsafe { libc::pthread_kill(t, vmm_sys_util::signal::SIGRTMIN()) };
         }
+        // A paused vCPU waits on `wake`, not in KVM_RUN: the signal does not reach it.
+        let _q = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        self.wake.notify_all();
     }
 
     fn push(&self, r: Request) -> Result<(), VcpuError> {
@@ -81,8 +88,9 @@ impl VcpuHandle {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .push_back(r);
+            self.pending.store(true, Ordering::SeqCst);
         }
-        self.pending.store(true, Ordering::SeqCst);
+        // Kicks the vCPU out of the guest, or wakes it if it waits paused.
         self.kick();
         Ok(())
     }
@@ -202,7 +210,8 @@ impl VcpuCtx {
             alive: AtomicBool::new(true),
             immediate_exit: vcpu.immediate_exit(),
             thread: Mutex::new(None),
-            done: Condvar::new(),
+            wake: Condvar::new(),
+            wait_timeouts: stats.counter(format!("vcpu{id}.paused_wait_timeouts")),
         });
         let ctx = VcpuCtx {
             vcpu,
@@ -249,21 +258,28 @@ impl VcpuCtx {
                 }
                 Some(Request::Resume) => self.paused = false,
                 Some(Request::Call(f)) => f(self),
-                None if self.paused && !self.lifecycle.is_stopping() => {
-                    // Wait for the next request without spinning.
-                    let q = self
-                        .handle
-                        .requests
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner());
-                    let _ = self
-                        .handle
-                        .done
-                        .wait_timeout(q, std::time::Duration::from_millis(50));
-                }
+                None if self.paused && !self.lifecycle.is_stopping() => self.wait_for_request(),
                 None => return,
             }
-            self.handle.done.notify_all();
+        }
+    }
+
+    /// Paused with nothing queued: sleeps until a request is queued or the VM stops (both
+    /// notify `wake` under the queue's lock, and the queue is checked under that lock, so no
+    /// wake-up is lost). The timeout is only a safety net; each one is counted.
+    fn wait_for_request(&self) {
+        const SAFETY_NET: std::time::Duration = std::time::Duration::from_secs(1);
+        let h = &self.handle;
+        let q = h.requests.lock().unwrap_or_else(|e| e.into_inner());
+        if !q.is_empty() || self.lifecycle.is_stopping() {
+            return;
+        }
+        let (_q, timeout) = h
+            .wake
+            .wait_timeout(q, SAFETY_NET)
+            .unwrap_or_else(|e| e.into_inner());
+        if timeout.timed_out() {
+            h.wait_timeouts.inc();
         }
     }
 
@@ -359,7 +375,6 @@ impl Drop for VcpuCtx {
             .unwrap_or_else(|e| e.into_inner())
             .clear();
         drop(thread);
-        self.handle.done.notify_all();
     }
 }
 

@@ -103,11 +103,7 @@ impl Vm {
         let vm = lucid_hv::Vm::new(kvm.clone())?;
         let mem_size = config.mem_mib << 20;
         let ram = GuestRam::new(&layout::ram_regions(mem_size), config.backing.clone())?;
-        for (slot, r) in ram.regions().iter().enumerate() {
-            // SAFETY: the region's mapping is owned by `ram`, which this Vm keeps until after
-            // the vCPU threads are joined.
-            unsafe { vm.set_memory_slot(slot as u32, r.gpa, r.size, r.host_addr, false)? };
-        }
+        vm.map_memory(ram.memory())?;
         let dma = DmaPath::new(ram.memory().clone(), &stats);
 
         // Interrupt controllers and timers, in the kernel.
@@ -369,6 +365,21 @@ impl Vm {
     /// Asks the VM to stop, as SIGTERM would.
     pub fn stop(&self, reason: StopReason) {
         self.lifecycle.stop(reason)
+    }
+}
+
+impl Drop for Vm {
+    /// A VM dropped while it runs stops: its vCPU threads are joined, then the PCI bus goes,
+    /// and with the last hold on each transport (the exit hooks, a field of this struct) its
+    /// device is reset and its back-end thread joined.
+    fn drop(&mut self) {
+        if !self.threads.is_empty() {
+            self.lifecycle.stop(StopReason::Dropped);
+            for t in self.threads.drain(..) {
+                let _ = t.join();
+            }
+        }
+        self.pci = None;
     }
 }
 

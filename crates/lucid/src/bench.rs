@@ -94,11 +94,7 @@ fn floor_run(kernel: &Path, count: u64) -> Result<f64, String> {
     let mem_size = 256u64 << 20;
     let ram = lucid_mem::GuestRam::new(&layout::ram_regions(mem_size), Default::default())
         .map_err(|x| e(&x))?;
-    for (slot, r) in ram.regions().iter().enumerate() {
-        // SAFETY: `ram` outlives the VM in this function.
-        unsafe { vm.set_memory_slot(slot as u32, r.gpa, r.size, r.host_addr, false) }
-            .map_err(|x| e(&x))?;
-    }
+    vm.map_memory(ram.memory()).map_err(|x| e(&x))?;
     vm.create_irqchip_and_pit().map_err(|x| e(&x))?;
     let rsdp =
         lucid_boot::write_acpi_tables(ram.memory(), &AcpiConfig::new(1)).map_err(|x| e(&x))?;
