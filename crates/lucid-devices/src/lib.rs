@@ -3,6 +3,7 @@
 
 mod bus;
 mod cmos;
+mod console;
 mod debug_exit;
 mod i8042;
 mod lifecycle;
@@ -10,10 +11,11 @@ mod serial;
 
 pub use bus::{Bus, BusDevice, BusError};
 pub use cmos::Cmos;
+pub use console::{ConsoleOut, FLUSH_PATIENCE};
 pub use debug_exit::DebugExit;
 pub use i8042::I8042;
 pub use lifecycle::{Lifecycle, StopReason};
-pub use serial::{IrqTrigger, Serial, SerialOutput};
+pub use serial::{IrqTrigger, Serial, SerialOutput, CONSOLE_BUFFER, SOCKET_BACKLOG};
 
 /// A port that ignores writes and reads as zero (port 0x80 and the like), counting accesses so
 /// that probe guests can check exits per operation.

@@ -112,6 +112,20 @@ impl RunReport {
                 irqs as f64 / r
             );
         }
+        let dropped = self.counters.get("serial.tx_dropped").copied().unwrap_or(0);
+        let unwritten = self
+            .counters
+            .get("serial.tx_unwritten")
+            .copied()
+            .unwrap_or(0);
+        if dropped + unwritten > 0 {
+            let _ = writeln!(
+                s,
+                "lucid: serial console: {dropped} bytes of guest output dropped and {unwritten} \
+                 left unwritten: the console's reader did not keep up (serial.tx_dropped, \
+                 serial.tx_unwritten)"
+            );
+        }
         if let Some(k) = self.counters.get("kvm.vcpu0.exits") {
             let _ = writeln!(
                 s,

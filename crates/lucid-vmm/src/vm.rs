@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use lucid_boot::layout::{self, ports};
 use lucid_boot::{AcpiConfig, BootParams, KernelImage, KernelKind};
-use lucid_devices::{Cmos, DebugExit, Lifecycle, NopPort, Serial, StopReason, I8042};
+use lucid_devices::{Cmos, ConsoleOut, DebugExit, Lifecycle, NopPort, Serial, StopReason, I8042};
 use lucid_hv::kvm_bindings::{kvm_regs, KVM_MAX_CPUID_ENTRIES};
 use lucid_hv::probe::{detect_backend, Backend};
 use lucid_hv::IoAddr;
@@ -75,6 +75,8 @@ pub struct Vm {
     _eventfds: Vec<EventFd>,
     warnings: Vec<String>,
     pci: Option<PciBus>,
+    /// The serial console's output, flushed before the run is reported.
+    console: Arc<ConsoleOut>,
 }
 
 /// The VM's PCI bus and its virtio devices.
@@ -123,6 +125,7 @@ impl Vm {
         )
         .map_err(|e| VmmError::Device(format!("serial console {:?}: {e}", config.serial)))?;
         eventfds.push(serial_irq);
+        let console = serial.output().clone();
         let serial = Arc::new(Mutex::new(serial));
         let stdin = config.serial_stdin && config.serial == lucid_devices::SerialOutput::Stdio;
         Serial::start_input(&serial, listener, stdin);
@@ -284,6 +287,7 @@ impl Vm {
             _eventfds: eventfds,
             warnings,
             pci,
+            console,
         })
     }
 
@@ -312,6 +316,11 @@ impl Vm {
             let _ = t.join();
         }
         let wall = self.started.map(|s| s.elapsed()).unwrap_or_default();
+        // What a stalled reader left in the buffer counts as dropped once the VM is gone.
+        let unwritten = self.console.flush(lucid_devices::FLUSH_PATIENCE);
+        self.stats
+            .counter("serial.tx_unwritten")
+            .set(unwritten as u64);
         RunReport {
             stop,
             wall,
