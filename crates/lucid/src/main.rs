@@ -129,7 +129,19 @@ fn run(args: RunArgs) -> Result<ExitCode, String> {
         config.pci.push(lucid_vmm::parse_net(n, i)?);
     }
 
-    let mut vm = Vm::build(config).map_err(|e| e.to_string())?;
+    // Checked before the run, not after it: a typo in the path should not cost a whole run.
+    let stats_file = match &args.stats_json {
+        Some(path) => Some(
+            std::fs::File::create(path)
+                .map_err(|e| format!("cannot write --stats-json {}: {e}", path.display()))?,
+        ),
+        None => None,
+    };
+    let built = Vm::build(config);
+    if let (Err(_), Some(path)) = (&built, &args.stats_json) {
+        let _ = std::fs::remove_file(path);
+    }
+    let mut vm = built.map_err(|e| e.to_string())?;
     if builtin_default {
         eprintln!(
             "lucid: no --kernel given: running the built-in probe guest `hostinfo` on this host (KVM backend: {})",
@@ -144,9 +156,9 @@ fn run(args: RunArgs) -> Result<ExitCode, String> {
     if !args.quiet {
         eprint!("{}", report.summary());
     }
-    if let Some(path) = args.stats_json {
+    if let (Some(mut file), Some(path)) = (stats_file, &args.stats_json) {
         let text = serde_json::to_string_pretty(&report.to_json()).expect("JSON of plain values");
-        std::fs::write(&path, text + "\n")
+        std::io::Write::write_all(&mut file, (text + "\n").as_bytes())
             .map_err(|e| format!("cannot write --stats-json {}: {e}", path.display()))?;
     }
     if let StopReason::Error(e) = &report.stop {
