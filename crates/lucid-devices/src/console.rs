@@ -72,6 +72,8 @@ struct Shared {
     capacity: usize,
     dropped: Arc<Counter>,
     written: Arc<Counter>,
+    /// The first drop is logged; the rest are only counted.
+    warned: std::sync::atomic::AtomicBool,
 }
 
 /// The writer side the UART owns: never blocks.
@@ -87,6 +89,13 @@ impl Write for ConsoleWriter {
         drop(st);
         if take < buf.len() {
             s.dropped.add((buf.len() - take) as u64);
+            if !s.warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                log::warn!(
+                    "serial console: its reader is not keeping up and {} bytes are waiting: \
+                     dropping further output (counted in serial.tx_dropped)",
+                    s.capacity
+                );
+            }
         }
         if take > 0 {
             s.cv.notify_all();
@@ -126,6 +135,7 @@ impl ConsoleOut {
             capacity,
             dropped: stats.counter("serial.tx_dropped"),
             written: stats.counter("serial.tx_written"),
+            warned: std::sync::atomic::AtomicBool::new(false),
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()

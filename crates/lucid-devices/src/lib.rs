@@ -15,7 +15,9 @@ pub use console::{ConsoleOut, FLUSH_PATIENCE};
 pub use debug_exit::DebugExit;
 pub use i8042::I8042;
 pub use lifecycle::{Lifecycle, StopReason};
-pub use serial::{IrqTrigger, Serial, SerialOutput, CONSOLE_BUFFER, SOCKET_BACKLOG};
+pub use serial::{
+    BadSerialOption, IrqTrigger, Serial, SerialOutput, CONSOLE_BUFFER, SOCKET_BACKLOG,
+};
 
 /// A port that ignores writes and reads as zero (port 0x80 and the like), counting accesses so
 /// that probe guests can check exits per operation.

@@ -54,16 +54,30 @@ pub enum SerialOutput {
     Unix(PathBuf),
 }
 
+/// The form `--serial` takes.
+impl std::fmt::Display for SerialOutput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SerialOutput::Stdio => f.write_str("stdio"),
+            SerialOutput::File(p) => write!(f, "file:{}", p.display()),
+            SerialOutput::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+/// A `--serial` value that is none of the forms.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("bad --serial {0:?}: expected stdio, file:PATH or unix:PATH")]
+pub struct BadSerialOption(pub String);
+
 impl std::str::FromStr for SerialOutput {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = BadSerialOption;
+    fn from_str(s: &str) -> Result<Self, BadSerialOption> {
         match s.split_once(':') {
             _ if s == "stdio" => Ok(SerialOutput::Stdio),
             Some(("file", p)) if !p.is_empty() => Ok(SerialOutput::File(p.into())),
             Some(("unix", p)) if !p.is_empty() => Ok(SerialOutput::Unix(p.into())),
-            _ => Err(format!(
-                "bad --serial {s:?}: expected stdio, file:PATH or unix:PATH"
-            )),
+            _ => Err(BadSerialOption(s.to_string())),
         }
     }
 }

@@ -74,7 +74,7 @@ impl GsiRouter {
             gsi += 1;
         }
         if gsi >= t.max_gsi {
-            return Err(HvError::MissingCap("a free GSI (routing table full)"));
+            return Err(HvError::GsiExhausted { max: t.max_gsi });
         }
         t.msi.insert(gsi, None);
         Ok(gsi)
@@ -83,10 +83,7 @@ impl GsiRouter {
     /// Routes `gsi` to `msg`; commits the table only when the route changed.
     pub fn set_msi(&self, gsi: u32, msg: MsiMessage) -> Result<(), HvError> {
         let mut t = self.table.lock().unwrap_or_else(|e| e.into_inner());
-        let slot = t
-            .msi
-            .get_mut(&gsi)
-            .ok_or(HvError::MissingCap("GSI not allocated by this router"))?;
+        let slot = t.msi.get_mut(&gsi).ok_or(HvError::GsiNotAllocated(gsi))?;
         if *slot == Some(msg) {
             return Ok(());
         }
@@ -183,7 +180,7 @@ impl Vm {
     /// [`GsiRouter`] rather than calling this directly, so that routes are not lost.
     pub fn set_gsi_routing(&self, entries: &[kvm_irq_routing_entry]) -> Result<(), HvError> {
         let mut routing = KvmIrqRouting::new(entries.len())
-            .map_err(|_| HvError::MissingCap("a GSI routing table that large"))?;
+            .map_err(|_| HvError::RoutingTableTooLarge(entries.len()))?;
         routing.as_mut_slice().copy_from_slice(entries);
         self.fd()
             .set_gsi_routing(&routing)

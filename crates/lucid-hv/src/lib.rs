@@ -16,16 +16,26 @@ pub use kvm_stats::KvmStats;
 pub use vcpu::{Exit, ImmediateExit, InternalError, Vcpu, EXIT_REASONS};
 pub use vm::{GuestMemoryMmap, IoAddr, Vm};
 
+/// What failed at the seam to KVM, and with what.
 #[derive(Debug, thiserror::Error)]
 pub enum HvError {
-    #[error("{0} failed: {1}")]
-    Ioctl(&'static str, kvm_ioctls::Error),
+    /// A KVM ioctl (named) failed.
+    #[error("{0} failed")]
+    Ioctl(&'static str, #[source] kvm_ioctls::Error),
     #[error(transparent)]
     Open(#[from] probe::KvmOpenError),
     #[error("KVM lacks a capability Lucid needs: {0}")]
     MissingCap(&'static str),
     #[error("guest memory region at {0:#x} has no host mapping")]
     BadMemory(u64),
+    #[error("cannot trap {count} MSRs: KVM's MSR filter takes at most {max}")]
+    TooManyMsrs { count: usize, max: usize },
+    #[error("no free GSI: the routing table has {max} entries, all in use")]
+    GsiExhausted { max: u32 },
+    #[error("GSI {0} was not allocated by this router")]
+    GsiNotAllocated(u32),
+    #[error("a GSI routing table of {0} entries cannot be built")]
+    RoutingTableTooLarge(usize),
 }
 
 /// Opens `/dev/kvm` (with the probe's one-line errors) and checks the capabilities every Lucid

@@ -191,7 +191,10 @@ impl Vm {
         };
         use kvm_ioctls::{MsrFilterDefaultAction, MsrFilterRange, MsrFilterRangeFlags};
         if indices.len() > kvm_bindings::KVM_MSR_FILTER_MAX_RANGES as usize {
-            return Err(HvError::MissingCap("more than 16 trapped MSRs"));
+            return Err(HvError::TooManyMsrs {
+                count: indices.len(),
+                max: kvm_bindings::KVM_MSR_FILTER_MAX_RANGES as usize,
+            });
         }
         let cap = kvm_enable_cap {
             cap: KVM_CAP_X86_USER_SPACE_MSR,

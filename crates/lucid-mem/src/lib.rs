@@ -4,7 +4,7 @@
 mod dma;
 mod ram;
 
-pub use dma::{Access, DeviceId, DmaError, DmaObserver, DmaPath, DmaTranslator};
+pub use dma::{Access, DeviceId, DmaError, DmaObserver, DmaPath, DmaTranslator, FaultReason};
 pub use ram::{Backing, GuestRam, MemError, RamRegion};
 pub use vm_memory;
 

@@ -9,14 +9,16 @@ mod vcpu;
 mod vm;
 
 pub use config::{
-    parse_blk, parse_net, KernelSource, PciDeviceConfig, PciDeviceKind, VmConfig, MAX_MEM_MIB,
-    MAX_VCPUS,
+    parse_blk, parse_net, DeviceOptionError, KernelSource, PciDeviceConfig, PciDeviceKind,
+    VmConfig, MAX_MEM_MIB, MAX_VCPUS,
 };
 pub use emulate::Emulator;
 pub use hooks::{ExitHooks, HypercallHook, MsrHook};
-pub use report::RunReport;
-pub use vcpu::{LoopEnd, VcpuCtx, VcpuError, VcpuHandle};
-pub use vm::{hypercall, PciBus, Vm, VmmError, DEFAULT_LINUX_CMDLINE, PVM_LINUX_CMDLINE};
+pub use report::{error_chain, RunReport};
+pub use vcpu::{LoopEnd, VcpuCtx, VcpuError, VcpuFault, VcpuHandle};
+pub use vm::{
+    hypercall, ConfigError, PciBus, Vm, VmmError, DEFAULT_LINUX_CMDLINE, PVM_LINUX_CMDLINE,
+};
 
-pub use lucid_devices::{SerialOutput, StopReason};
+pub use lucid_devices::{BadSerialOption, SerialOutput, StopReason};
 pub use lucid_mem::Backing;

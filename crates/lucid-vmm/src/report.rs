@@ -8,6 +8,22 @@ use std::time::Duration;
 use lucid_devices::StopReason;
 use serde_json::json;
 
+/// An error and its sources on one line: `what failed: why: deeper why`. A source whose text
+/// its parent already shows (errors that print their source themselves) is not repeated.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(src) = next {
+        let s = src.to_string();
+        if !text.contains(&s) {
+            text.push_str(": ");
+            text.push_str(&s);
+        }
+        next = src.source();
+    }
+    text
+}
+
 pub struct RunReport {
     pub stop: StopReason,
     pub wall: Duration,
@@ -41,6 +57,20 @@ impl RunReport {
             .sum()
     }
 
+    /// Instructions Lucid completed for KVM's emulator (`vcpuN.emulated.<mnemonic>`), summed
+    /// over vCPUs.
+    pub fn emulated_by_mnemonic(&self) -> BTreeMap<String, u64> {
+        let mut out = BTreeMap::new();
+        for (k, v) in &self.counters {
+            if let Some((_, m)) = k.split_once(".emulated.") {
+                if k.starts_with("vcpu") && *v > 0 {
+                    *out.entry(m.to_string()).or_insert(0) += v;
+                }
+            }
+        }
+        out
+    }
+
     pub fn total_exits(&self) -> u64 {
         self.sum_suffix(".exits")
     }
@@ -65,22 +95,22 @@ impl RunReport {
                 format!("guest triple-faulted on vCPU {vcpu} (rip {rip:#x})")
             }
             StopReason::Signal(s) => format!("stopped by signal {s}"),
-            StopReason::Error(e) => format!("error: {e}"),
+            StopReason::Error(e) => format!("error: {}", error_chain(e.as_ref())),
             StopReason::Dropped => "the VMM dropped the VM while it ran".into(),
         }
     }
 
-    /// The human summary printed at VM exit.
+    /// The human summary printed at VM exit, one fact per line (the CLI logs each at info).
     pub fn summary(&self) -> String {
         let secs = self.wall.as_secs_f64().max(1e-9);
         let exits = self.total_exits();
         let in_run = self.sum_suffix(".time.in_kvm_run_ns") as f64 / 1e9;
         let in_vmm = self.sum_suffix(".time.in_vmm_ns") as f64 / 1e9;
         let mut s = String::new();
-        let _ = writeln!(s, "lucid: VM stopped: {}", self.stop_text());
+        let _ = writeln!(s, "VM stopped: {}", self.stop_text());
         let _ = writeln!(
             s,
-            "lucid: {:.3} s wall, {} vCPU(s), {} exits to userspace ({:.0}/s)",
+            "{:.3} s wall, {} vCPU(s), {} exits to userspace ({:.0}/s)",
             secs,
             self.vcpus,
             exits,
@@ -92,11 +122,11 @@ impl RunReport {
             .map(|(r, n)| format!("{r} {n}"))
             .collect();
         if !by_reason.is_empty() {
-            let _ = writeln!(s, "lucid: exits by reason: {}", by_reason.join(", "));
+            let _ = writeln!(s, "exits by reason: {}", by_reason.join(", "));
         }
         let _ = writeln!(
             s,
-            "lucid: vCPU time in KVM_RUN (guest and in-kernel exits) {in_run:.3} s, in the VMM {in_vmm:.3} s"
+            "vCPU time in KVM_RUN (guest and in-kernel exits) {in_run:.3} s, in the VMM {in_vmm:.3} s"
         );
         for (dev, requests) in self.devices() {
             let irqs: u64 = ["irq.msi_signal", "irq.irqfd", "irq.intx"]
@@ -106,10 +136,19 @@ impl RunReport {
             let r = requests.max(1) as f64;
             let _ = writeln!(
                 s,
-                "lucid: {dev}: {requests} requests, {:.3} exits and {:.3} interrupts per request \
+                "{dev}: {requests} requests, {:.3} exits and {:.3} interrupts per request \
                  (whole run, boot included)",
                 exits as f64 / r,
                 irqs as f64 / r
+            );
+        }
+        let emulated = self.emulated_by_mnemonic();
+        if !emulated.is_empty() {
+            let list: Vec<String> = emulated.iter().map(|(m, n)| format!("{m} {n}")).collect();
+            let _ = writeln!(
+                s,
+                "instructions KVM's emulator could not run, completed by Lucid: {}",
+                list.join(", ")
             );
         }
         let dropped = self.counters.get("serial.tx_dropped").copied().unwrap_or(0);
@@ -121,7 +160,7 @@ impl RunReport {
         if dropped + unwritten > 0 {
             let _ = writeln!(
                 s,
-                "lucid: serial console: {dropped} bytes of guest output dropped and {unwritten} \
+                "serial console: {dropped} bytes of guest output dropped and {unwritten} \
                  left unwritten: the console's reader did not keep up (serial.tx_dropped, \
                  serial.tx_unwritten)"
             );
@@ -129,7 +168,7 @@ impl RunReport {
         if let Some(k) = self.counters.get("kvm.vcpu0.exits") {
             let _ = writeln!(
                 s,
-                "lucid: KVM's own count on vCPU 0: {k} exits, {} I/O exits, {} MMIO exits",
+                "KVM's own count on vCPU 0: {k} exits, {} I/O exits, {} MMIO exits",
                 self.counters.get("kvm.vcpu0.io_exits").unwrap_or(&0),
                 self.counters.get("kvm.vcpu0.mmio_exits").unwrap_or(&0)
             );
@@ -166,5 +205,50 @@ impl RunReport {
             }).collect::<serde_json::Map<String, serde_json::Value>>(),
             "counters": lucid_stats::nest(&self.counters),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("outer")]
+    struct Outer(#[source] Middle);
+
+    /// Prints its source itself, as some errors do.
+    #[derive(Debug, thiserror::Error)]
+    #[error("middle: {0}")]
+    struct Middle(#[source] std::io::Error);
+
+    #[test]
+    fn error_chain_joins_sources_once() {
+        let e = Outer(Middle(std::io::Error::other("disk on fire")));
+        assert_eq!(error_chain(&e), "outer: middle: disk on fire");
+    }
+
+    #[test]
+    fn summary_names_emulated_instructions_and_dropped_console_bytes() {
+        let counters: BTreeMap<String, u64> = [
+            ("vcpu0.emulated.int3", 2),
+            ("vcpu1.emulated.int3", 1),
+            ("vcpu1.emulated.xgetbv", 1),
+            ("serial.tx_dropped", 10),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let r = RunReport {
+            stop: StopReason::Shutdown,
+            wall: Duration::from_secs(1),
+            vcpus: 2,
+            counters,
+        };
+        let s = r.summary();
+        assert!(s.contains("completed by Lucid: int3 3, xgetbv 1"), "{s}");
+        assert!(
+            s.contains("serial console: 10 bytes of guest output dropped"),
+            "{s}"
+        );
     }
 }

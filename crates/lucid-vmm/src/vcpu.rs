@@ -28,6 +28,37 @@ enum Request {
     Call(Call),
 }
 
+/// Why a vCPU stopped the VM.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuFault {
+    #[error("vCPU {vcpu}: KVM_RUN failed")]
+    Run {
+        vcpu: u32,
+        #[source]
+        source: HvError,
+    },
+    #[error("vCPU {vcpu}: the guest raised system event {event} (crash)")]
+    GuestCrash { vcpu: u32, event: u32 },
+    #[error("vCPU {vcpu}: KVM could not enter the guest (hardware reason {reason:#x})")]
+    FailEntry { vcpu: u32, reason: u64 },
+    #[error("vCPU {vcpu}: unexpected exit to userspace: {exit}")]
+    UnexpectedExit { vcpu: u32, exit: &'static str },
+    #[error("vCPU {vcpu}: KVM could not complete an instruction and neither could Lucid")]
+    Emulation {
+        vcpu: u32,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error("vCPU {vcpu}: cannot {what} the registers of hypercall {nr}")]
+    Hypercall {
+        vcpu: u32,
+        nr: u64,
+        what: &'static str,
+        #[source]
+        source: HvError,
+    },
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum VcpuError {
     #[error("vCPU {0} has stopped")]
@@ -307,9 +338,9 @@ impl VcpuCtx {
                     let f = handle_exit(exit, &self.hooks, &self.lifecycle, &self.counters, id);
                     (reason, f)
                 }
-                Err(e) => {
+                Err(source) => {
                     self.lifecycle
-                        .stop(StopReason::Error(format!("vCPU {id}: {e}")));
+                        .stop(StopReason::error(VcpuFault::Run { vcpu: id, source }));
                     ("error", Followup::None)
                 }
             };
@@ -324,7 +355,10 @@ impl VcpuCtx {
                 }
                 Followup::Emulate(err) => match self.emulator.complete(&mut self.vcpu, &err) {
                     Ok(()) => self.counters.emulated.inc(),
-                    Err(report) => self.lifecycle.stop(StopReason::Error(report)),
+                    Err(report) => self.lifecycle.stop(StopReason::error(VcpuFault::Emulation {
+                        vcpu: id,
+                        source: report.into(),
+                    })),
                 },
             }
             self.counters
@@ -339,16 +373,26 @@ impl VcpuCtx {
     /// Lucid hypercall: rax = number, rdi/rsi/r8 = arguments, result in rax.
     fn hypercall(&mut self) {
         self.counters.hypercalls.inc();
-        let Ok(mut regs) = self.vcpu.get_regs() else {
-            return;
+        let vcpu = self.vcpu.id();
+        let fault = |nr, what, source| {
+            StopReason::error(VcpuFault::Hypercall {
+                vcpu,
+                nr,
+                what,
+                source,
+            })
         };
+        let mut regs = match self.vcpu.get_regs() {
+            Ok(r) => r,
+            Err(e) => return self.lifecycle.stop(fault(u64::MAX, "read", e)),
+        };
+        let nr = regs.rax;
         regs.rax = self
             .hooks
-            .hypercall(self.vcpu.id(), &regs)
+            .hypercall(vcpu, &regs)
             .unwrap_or(HYPERCALL_UNKNOWN);
         if let Err(e) = self.vcpu.set_regs(&regs) {
-            self.lifecycle
-                .stop(StopReason::Error(format!("hypercall: {e}")));
+            self.lifecycle.stop(fault(nr, "write", e));
         }
     }
 }
@@ -428,14 +472,14 @@ fn handle_exit(
         Exit::SystemEvent(kind) => lifecycle.stop(match kind {
             lucid_hv::kvm_bindings::KVM_SYSTEM_EVENT_RESET => StopReason::Reset,
             lucid_hv::kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => StopReason::Shutdown,
-            other => StopReason::Error(format!("vCPU {vcpu}: guest system event {other} (crash)")),
+            event => StopReason::error(VcpuFault::GuestCrash { vcpu, event }),
         }),
-        Exit::FailEntry(code) => lifecycle.stop(StopReason::Error(format!(
-            "vCPU {vcpu}: KVM could not enter the guest (hardware reason {code:#x})"
-        ))),
-        Exit::Other(what) => lifecycle.stop(StopReason::Error(format!(
-            "vCPU {vcpu}: unexpected exit to userspace: {what}"
-        ))),
+        Exit::FailEntry(reason) => {
+            lifecycle.stop(StopReason::error(VcpuFault::FailEntry { vcpu, reason }))
+        }
+        Exit::Other(exit) => {
+            lifecycle.stop(StopReason::error(VcpuFault::UnexpectedExit { vcpu, exit }))
+        }
     }
     Followup::None
 }

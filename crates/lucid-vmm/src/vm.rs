@@ -40,6 +40,7 @@ pub const PVM_LINUX_CMDLINE: &str = "noxsave clearcpuid=137,141,154,156";
 /// The console line Linux gets when the user gives none.
 pub const DEFAULT_LINUX_CMDLINE: &str = "console=ttyS0 earlyprintk=serial reboot=k panic=-1";
 
+/// What failed while building or starting a VM, and with what.
 #[derive(Debug, thiserror::Error)]
 pub enum VmmError {
     #[error(transparent)]
@@ -48,12 +49,60 @@ pub enum VmmError {
     Mem(#[from] lucid_mem::MemError),
     #[error(transparent)]
     Boot(#[from] lucid_boot::BootError),
-    #[error("device setup: {0}")]
-    Device(String),
-    #[error("invalid configuration: {0}")]
-    Config(String),
-    #[error("cannot start vCPU thread: {0}")]
-    Thread(std::io::Error),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("cannot open the serial console --serial {output}")]
+    Serial {
+        output: lucid_devices::SerialOutput,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot create the eventfd of {what}")]
+    EventFd {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A platform device's range clashes with another.
+    #[error("cannot place a platform device")]
+    Bus(#[from] lucid_devices::BusError),
+    #[error("cannot set up the PCI root complex")]
+    PciRoot(#[source] lucid_pci::PciError),
+    #[error("{device}: cannot open its back-end")]
+    Block {
+        device: String,
+        #[source]
+        source: lucid_virtio::blk::BlockError,
+    },
+    #[error("{device}: cannot open its back-end")]
+    Net {
+        device: String,
+        #[source]
+        source: lucid_virtio::net::NetError,
+    },
+    #[error("{device}: cannot attach it to PCI")]
+    PciAttach {
+        device: String,
+        #[source]
+        source: lucid_pci::PciError,
+    },
+    #[error("cannot start the thread of vCPU {vcpu}")]
+    Thread {
+        vcpu: u32,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A VM configuration this version cannot build.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("--vcpus {0} is out of range 1..={MAX_VCPUS}")]
+    Vcpus(u8),
+    #[error("--memory {0} MiB is out of range {MIN_MEM_MIB}..={MAX_MEM_MIB}")]
+    Memory(u64),
+    #[error("the kernel command line contains a NUL byte at offset {0}")]
+    CmdlineNul(usize),
 }
 
 /// A built VM.
@@ -73,7 +122,6 @@ pub struct Vm {
     backend: Backend,
     /// Kept open: the irqfd and ioeventfd registrations refer to them.
     _eventfds: Vec<EventFd>,
-    warnings: Vec<String>,
     pci: Option<PciBus>,
     /// The serial console's output, flushed before the run is reported.
     console: Arc<ConsoleOut>,
@@ -98,8 +146,11 @@ impl Vm {
         let backend = detect_backend();
         let stats = StatsRegistry::new();
         let lifecycle = Arc::new(Lifecycle::new());
+        if config.handle_signals {
+            // Before any thread starts, so that every thread inherits the blocked mask.
+            watch_stop_signals(lifecycle.clone());
+        }
         let hooks = ExitHooks::new();
-        let mut warnings = Vec::new();
 
         // Memory.
         let vm = lucid_hv::Vm::new(kvm.clone())?;
@@ -116,14 +167,17 @@ impl Vm {
 
         // Platform devices.
         let mut eventfds = Vec::new();
-        let serial_irq = EventFd::new(EFD_NONBLOCK).map_err(dev_err("serial irq eventfd"))?;
+        let serial_irq = eventfd("the serial interrupt")?;
         vm.register_irqfd(&serial_irq, 4)?;
         let (serial, listener) = Serial::new(
             &config.serial,
-            serial_irq.try_clone().map_err(dev_err("eventfd"))?,
+            clone_eventfd(&serial_irq, "the serial interrupt")?,
             &stats,
         )
-        .map_err(|e| VmmError::Device(format!("serial console {:?}: {e}", config.serial)))?;
+        .map_err(|source| VmmError::Serial {
+            output: config.serial.clone(),
+            source,
+        })?;
         eventfds.push(serial_irq);
         let console = serial.output().clone();
         let serial = Arc::new(Mutex::new(serial));
@@ -133,7 +187,6 @@ impl Vm {
         let add =
             |base: u16, len: u64, name: &str, dev: Arc<Mutex<dyn lucid_devices::BusDevice>>| {
                 pio.insert(base as u64, len, name, dev)
-                    .map_err(|e| VmmError::Device(e.to_string()))
             };
         add(ports::SERIAL_COM1, 8, "serial", serial)?;
         add(
@@ -157,30 +210,18 @@ impl Vm {
         )?;
         eventfds.push(ioeventfd_probe(&vm, &stats)?);
         // The page probe guests store to when they measure MMIO exits.
-        hooks
-            .mmio
-            .insert(
-                layout::PROBE_MMIO,
-                0x1000,
-                "mmio-probe",
-                Arc::new(Mutex::new(NopPort::new(&stats, "mmio_probe"))),
-            )
-            .map_err(|e| VmmError::Device(e.to_string()))?;
+        hooks.mmio.insert(
+            layout::PROBE_MMIO,
+            0x1000,
+            "mmio-probe",
+            Arc::new(Mutex::new(NopPort::new(&stats, "mmio_probe"))),
+        )?;
 
         // virtio devices on PCI (only when there are any).
         let pci = if config.pci.is_empty() {
             None
         } else {
-            Some(attach_pci(
-                &config,
-                &kvm,
-                &vm,
-                &ram,
-                &dma,
-                &hooks,
-                &stats,
-                &mut warnings,
-            )?)
+            Some(attach_pci(&config, &kvm, &vm, &ram, &dma, &hooks, &stats)?)
         };
 
         // Lucid's own hypercalls.
@@ -209,7 +250,9 @@ impl Vm {
             }
         };
         let kind = image.kind();
-        let cmdline = kernel_cmdline(&config.cmdline, image.is_linux(), backend, &mut warnings);
+        log::debug!("kernel {}: {kind:?}", kernel_path.display());
+        let cmdline = kernel_cmdline(&config.cmdline, image.is_linux(), backend);
+        log::debug!("kernel command line: {cmdline:?}");
         let mut acpi = AcpiConfig::new(config.vcpus);
         if pci.is_some() {
             let last_bus = ((layout::PCI_ECAM_SIZE >> 20) - 1).min(255) as u8;
@@ -285,7 +328,6 @@ impl Vm {
             started: None,
             backend,
             _eventfds: eventfds,
-            warnings,
             pci,
             console,
         })
@@ -294,16 +336,13 @@ impl Vm {
     /// Starts one named thread per vCPU.
     pub fn start(&mut self) -> Result<(), VmmError> {
         install_kick_handler();
-        if self.config.handle_signals {
-            watch_stop_signals(self.lifecycle.clone());
-        }
         self.started = Some(Instant::now());
         for ctx in self.ctxs.drain(..) {
-            let name = format!("lucid-vcpu{}", ctx.id());
+            let vcpu = ctx.id();
             let t = std::thread::Builder::new()
-                .name(name)
+                .name(format!("lucid-vcpu{vcpu}"))
                 .spawn(move || ctx.run())
-                .map_err(VmmError::Thread)?;
+                .map_err(|source| VmmError::Thread { vcpu, source })?;
             self.threads.push(t);
         }
         Ok(())
@@ -367,10 +406,6 @@ impl Vm {
     pub fn pci(&self) -> Option<&PciBus> {
         self.pci.as_ref()
     }
-    /// Things the user should know before the guest runs (e.g. emulated guest kernel code).
-    pub fn warnings(&self) -> &[String] {
-        &self.warnings
-    }
     /// Asks the VM to stop, as SIGTERM would.
     pub fn stop(&self, reason: StopReason) {
         self.lifecycle.stop(reason)
@@ -407,12 +442,10 @@ fn attach_pci(
     dma: &Arc<DmaPath>,
     hooks: &Arc<ExitHooks>,
     stats: &Arc<StatsRegistry>,
-    warnings: &mut Vec<String>,
 ) -> Result<PciBus, VmmError> {
     use lucid_pci::{HostCaps, PciWindows, TransportEnv, TransportOptions};
     use lucid_virtio::Rung;
 
-    let pci_err = |e: lucid_pci::PciError| VmmError::Device(format!("PCI: {e}"));
     let wants_l2 = config.pci.iter().any(|d| d.rung == Rung::L2);
     let host = HostCaps {
         posted_interrupts: lucid_hv::probe::posted_interrupts_available(),
@@ -430,7 +463,7 @@ fn attach_pci(
         },
         stats,
     );
-    root.register().map_err(pci_err)?;
+    root.register().map_err(VmmError::PciRoot)?;
     let env = TransportEnv {
         vm: vm.clone(),
         router: router.clone(),
@@ -447,16 +480,24 @@ fn attach_pci(
                 let name = format!("blk{nblk}");
                 nblk += 1;
                 Box::new(
-                    lucid_virtio::blk::Block::new(name.clone(), b.clone())
-                        .map_err(|e| VmmError::Device(format!("{name}: {e}")))?,
+                    lucid_virtio::blk::Block::new(name.clone(), b.clone()).map_err(|source| {
+                        VmmError::Block {
+                            device: name,
+                            source,
+                        }
+                    })?,
                 )
             }
             crate::config::PciDeviceKind::Net(n) => {
                 let name = format!("net{nnet}");
                 nnet += 1;
                 Box::new(
-                    lucid_virtio::net::Net::new(name.clone(), n.clone())
-                        .map_err(|e| VmmError::Device(format!("{name}: {e}")))?,
+                    lucid_virtio::net::Net::new(name.clone(), n.clone()).map_err(|source| {
+                        VmmError::Net {
+                            device: name,
+                            source,
+                        }
+                    })?,
                 )
             }
         };
@@ -467,16 +508,33 @@ fn attach_pci(
             poll_idle_us: d.poll_idle_us,
             intx_gsi: Some(PCI_INTX_FIRST_GSI + i as u32 % PCI_INTX_PINS),
         };
-        let (addr, dev) = lucid_pci::attach_virtio(&root, device, env.clone(), opts)
-            .map_err(|e| VmmError::Device(format!("{name}: {e}")))?;
+        let (addr, dev) =
+            lucid_pci::attach_virtio(&root, device, env.clone(), opts).map_err(|source| {
+                VmmError::PciAttach {
+                    device: name.clone(),
+                    source,
+                }
+            })?;
         let plan = lock_transport(&dev).plan();
         if plan.pv_eoi && !plan.pv_eoi_effective {
-            warnings.push(format!(
+            log::warn!(
                 "{name}: rung L2 offers PV EOI in CPUID, but guests on this host read the host's CPUID \
                  (not intercepted), so PV EOI is not in effect: L2 runs as L1 \
                  ({name}.pv_eoi.effective = 0)"
-            ));
+            );
         }
+        log::info!(
+            "{name}: PCI 00:{:02x}.0 on rung {:?}: kicks by {}, interrupts by {:?}, back-end {:?}",
+            addr.slot,
+            plan.rung,
+            if plan.ioeventfd {
+                "ioeventfd"
+            } else {
+                "userspace exit"
+            },
+            plan.msi,
+            plan.notify,
+        );
         devices.push((name, addr, dev));
     }
     Ok(PciBus {
@@ -492,34 +550,31 @@ fn lock_transport(
     d.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn dev_err(what: &'static str) -> impl Fn(std::io::Error) -> VmmError {
-    move |e| VmmError::Device(format!("{what}: {e}"))
+fn eventfd(what: &'static str) -> Result<EventFd, VmmError> {
+    EventFd::new(EFD_NONBLOCK).map_err(|source| VmmError::EventFd { what, source })
 }
 
-fn check_config(c: &VmConfig) -> Result<(), VmmError> {
+fn clone_eventfd(evt: &EventFd, what: &'static str) -> Result<EventFd, VmmError> {
+    evt.try_clone()
+        .map_err(|source| VmmError::EventFd { what, source })
+}
+
+fn check_config(c: &VmConfig) -> Result<(), ConfigError> {
     if c.vcpus == 0 || c.vcpus > MAX_VCPUS {
-        return Err(VmmError::Config(format!(
-            "--vcpus {} is out of range 1..={MAX_VCPUS}",
-            c.vcpus
-        )));
+        return Err(ConfigError::Vcpus(c.vcpus));
     }
     if c.mem_mib < MIN_MEM_MIB || c.mem_mib > MAX_MEM_MIB {
-        return Err(VmmError::Config(format!(
-            "--memory {} MiB is out of range {MIN_MEM_MIB}..={MAX_MEM_MIB}",
-            c.mem_mib
-        )));
+        return Err(ConfigError::Memory(c.mem_mib));
     }
-    if c.cmdline.contains('\0') {
-        return Err(VmmError::Config(
-            "the command line contains a NUL byte".into(),
-        ));
+    if let Some(offset) = c.cmdline.find('\0') {
+        return Err(ConfigError::CmdlineNul(offset));
     }
     Ok(())
 }
 
 /// The command line the kernel gets: Linux gets a console by default, and on a host that emulates
 /// guest kernel code the switches that avoid instructions KVM cannot emulate.
-fn kernel_cmdline(user: &str, linux: bool, backend: Backend, warnings: &mut Vec<String>) -> String {
+fn kernel_cmdline(user: &str, linux: bool, backend: Backend) -> String {
     let mut cmdline = if linux && user.trim().is_empty() {
         DEFAULT_LINUX_CMDLINE.to_string()
     } else {
@@ -543,10 +598,10 @@ fn kernel_cmdline(user: &str, linux: bool, backend: Backend, warnings: &mut Vec<
                 .join(" ");
         }
         cmdline = format!("{cmdline} {extra}").trim().to_string();
-        warnings.push(format!(
+        log::warn!(
             "this host's KVM is PVM: guest kernel code is emulated (thousands of times slower than \
              native), so Linux boots slowly; added `{PVM_LINUX_CMDLINE}` to the command line"
-        ));
+        );
     }
     cmdline
 }
@@ -554,9 +609,9 @@ fn kernel_cmdline(user: &str, linux: bool, backend: Backend, warnings: &mut Vec<
 /// The ioeventfd behind `ports::IOEVENTFD_PROBE`: writes there never leave the kernel. A stats
 /// probe drains the eventfd, so the count of absorbed writes is still reported.
 fn ioeventfd_probe(vm: &lucid_hv::Vm, stats: &Arc<StatsRegistry>) -> Result<EventFd, VmmError> {
-    let evt = EventFd::new(EFD_NONBLOCK).map_err(dev_err("ioeventfd"))?;
+    let evt = eventfd("the ioeventfd probe")?;
     vm.register_ioeventfd(&evt, IoAddr::Pio(ports::IOEVENTFD_PROBE))?;
-    let reader = evt.try_clone().map_err(dev_err("ioeventfd"))?;
+    let reader = clone_eventfd(&evt, "the ioeventfd probe")?;
     let count = stats.counter("ioeventfd_probe.signals");
     stats.probe(
         "ioeventfd_probe",
@@ -607,14 +662,18 @@ extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc
 
 /// The vCPU kick signal only needs to interrupt KVM_RUN; its handler does nothing.
 fn install_kick_handler() {
-    let _ = vmm_sys_util::signal::register_signal_handler(
+    if let Err(e) = vmm_sys_util::signal::register_signal_handler(
         vmm_sys_util::signal::SIGRTMIN(),
         kick_handler,
-    );
+    ) {
+        log::warn!("cannot install the vCPU kick signal handler ({e}): pausing a vCPU may hang");
+    }
 }
 
 /// SIGINT and SIGTERM stop the VM cleanly: they are blocked in every thread and taken by one
-/// thread with sigwait. Called before the vCPU threads start, so they inherit the mask.
+/// thread with sigwait. Called before any of the VM's threads start (console writer, input,
+/// vCPUs, device back-ends), so they all inherit the mask: a thread that did not would take
+/// the signal's default action and kill the process.
 fn watch_stop_signals(lifecycle: Arc<Lifecycle>) {
     // SAFETY: sigset manipulation on a local set, and pthread_sigmask on the calling thread.
     let set = unsafe {
@@ -625,13 +684,17 @@ fn watch_stop_signals(lifecycle: Arc<Lifecycle>) {
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         set
     };
-    let _ = std::thread::Builder::new()
+    let spawned = std::thread::Builder::new()
         .name("lucid-signals".into())
         .spawn(move || {
             let mut sig: libc::c_int = 0;
             // SAFETY: sigwait on a valid set with a valid out pointer.
             if unsafe { libc::sigwait(&set, &mut sig) } == 0 {
+                log::info!("signal {sig}: stopping the VM");
                 lifecycle.stop(StopReason::Signal(sig));
             }
         });
+    if let Err(e) = spawned {
+        log::warn!("cannot start the signal thread ({e}): SIGINT/SIGTERM will not stop the VM");
+    }
 }

@@ -156,7 +156,8 @@ fn l3_is_refused_without_posted_interrupts() {
     let img = disk("l3", 1 << 20);
     c.pci.push(blk(img.clone(), Rung::L3));
     let e = Vm::build(c).err().expect("refused");
-    assert!(e.to_string().contains("posted interrupts"), "{e}");
+    let text = lucid_vmm::error_chain(&e);
+    assert!(text.contains("posted interrupts"), "{text}");
     let _ = std::fs::remove_file(img);
 }
 

@@ -120,9 +120,10 @@ fn lucid_run(
     c.cmdline = format!("{} mode={mode} count={count}", w.args);
     c.serial = SerialOutput::File(serial.clone());
     let dev_cfg = if w.net {
-        lucid_vmm::parse_net(&format!("backend=echo,{dev}"), 0)?
+        lucid_vmm::parse_net(&format!("backend=echo,{dev}"), 0).map_err(|e| e.to_string())?
     } else {
-        lucid_vmm::parse_blk(&format!("path={},{dev}", disk.display()))?
+        lucid_vmm::parse_blk(&format!("path={},{dev}", disk.display()))
+            .map_err(|e| e.to_string())?
     };
     c.pci.push(dev_cfg);
     let report = Vm::run(c).map_err(|e| e.to_string())?;
