@@ -11,8 +11,8 @@ use lucid_boot::layout::{self, ports};
 use lucid_boot::{AcpiConfig, BootParams, KernelImage, KernelKind};
 use lucid_devices::{Cmos, ConsoleOut, DebugExit, Lifecycle, NopPort, Serial, StopReason, I8042};
 use lucid_hv::kvm_bindings::{kvm_regs, KVM_MAX_CPUID_ENTRIES};
-use lucid_hv::probe::{detect_backend, Backend};
 use lucid_hv::IoAddr;
+use lucid_hv::{detect_backend, Backend};
 use lucid_mem::{DmaPath, GuestRam};
 use lucid_stats::StatsRegistry;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -436,7 +436,7 @@ const PCI_INTX_PINS: u32 = 8;
 #[allow(clippy::too_many_arguments)]
 fn attach_pci(
     config: &VmConfig,
-    kvm: &lucid_hv::Kvm,
+    kvm: &Arc<lucid_hv::Kvm>,
     vm: &lucid_hv::Vm,
     ram: &GuestRam,
     dma: &Arc<DmaPath>,
@@ -448,9 +448,9 @@ fn attach_pci(
 
     let wants_l2 = config.pci.iter().any(|d| d.rung == Rung::L2);
     let host = HostCaps {
-        posted_interrupts: lucid_hv::probe::posted_interrupts_available(),
+        posted_interrupts: lucid_hv::posted_interrupts_available(),
         // Only measured when a device asks for L2 (it runs a tiny VM).
-        cpuid_intercepted: wants_l2 && lucid_hv::probe::cpuid_intercepted(kvm).unwrap_or(false),
+        cpuid_intercepted: wants_l2 && lucid_probe::cpuid_intercepted(kvm).unwrap_or(false),
     };
     let router = lucid_hv::GsiRouter::new(vm.clone());
     let root = lucid_pci::PciRoot::new(

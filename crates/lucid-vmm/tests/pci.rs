@@ -149,7 +149,7 @@ fn virtio_blk_guest_on_l4_polls() {
 
 #[test]
 fn l3_is_refused_without_posted_interrupts() {
-    if lucid_hv::probe::posted_interrupts_available() {
+    if lucid_hv::posted_interrupts_available() {
         return;
     }
     let (mut c, _) = config("hello", "", "l3");

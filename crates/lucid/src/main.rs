@@ -110,7 +110,7 @@ enum CliError {
     #[error(transparent)]
     Vmm(#[from] lucid_vmm::VmmError),
     #[error(transparent)]
-    Probe(#[from] lucid_hv::probe::ProbeError),
+    Probe(#[from] lucid_probe::ProbeError),
     #[error("{0}")]
     Bench(String),
 }
@@ -206,18 +206,16 @@ fn main() -> ExitCode {
     logger::install(logger::level(cli.log_level, cli.quiet, cli.verbose));
     let result = match cli.cmd {
         Cmd::Run(args) => run(*args),
-        Cmd::Probe { json, quick } => {
-            lucid_hv::probe::run_probe(&lucid_hv::probe::ProbeOptions { quick })
-                .map(|r| {
-                    if json {
-                        println!("{}", r.to_json());
-                    } else {
-                        print!("{r}");
-                    }
-                    ExitCode::SUCCESS
-                })
-                .map_err(CliError::from)
-        }
+        Cmd::Probe { json, quick } => lucid_probe::run_probe(&lucid_probe::ProbeOptions { quick })
+            .map(|r| {
+                if json {
+                    println!("{}", r.to_json());
+                } else {
+                    print!("{r}");
+                }
+                ExitCode::SUCCESS
+            })
+            .map_err(CliError::from),
         Cmd::Bench { what } => bench::run(what).map_err(CliError::Bench),
         Cmd::Guests => {
             for n in lucid_guests::NAMES {
