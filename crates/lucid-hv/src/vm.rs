@@ -46,10 +46,16 @@ pub(crate) struct VmInner {
 }
 
 impl Vm {
+    /// A new VM, with the TSS and identity-map pages (which VT-x needs for real mode) placed in a
+    /// hole below 4 GiB that is not RAM.
     pub fn new(kvm: Arc<Kvm>) -> Result<Self, HvError> {
         let fd = kvm
             .create_vm()
             .map_err(|e| HvError::Ioctl("KVM_CREATE_VM", e))?;
+        fd.set_identity_map_address(0xfeffc000)
+            .map_err(|e| HvError::Ioctl("KVM_SET_IDENTITY_MAP_ADDR", e))?;
+        fd.set_tss_address(0xfeffd000)
+            .map_err(|e| HvError::Ioctl("KVM_SET_TSS_ADDR", e))?;
         Ok(Vm {
             inner: Arc::new(VmInner {
                 fd,
@@ -93,15 +99,6 @@ impl Vm {
     /// The in-kernel PIC, IOAPIC, LAPICs and PIT: the timer devices Linux needs, with no exits
     /// for their common paths.
     pub fn create_irqchip_and_pit(&self) -> Result<(), HvError> {
-        // The TSS and identity-map pages must sit in a hole below 4 GiB that is not RAM.
-        self.inner
-            .fd
-            .set_identity_map_address(0xfeffc000)
-            .map_err(|e| HvError::Ioctl("KVM_SET_IDENTITY_MAP_ADDR", e))?;
-        self.inner
-            .fd
-            .set_tss_address(0xfeffd000)
-            .map_err(|e| HvError::Ioctl("KVM_SET_TSS_ADDR", e))?;
         self.inner
             .fd
             .create_irq_chip()
