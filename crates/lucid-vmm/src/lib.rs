@@ -1,6 +1,7 @@
 //! Assembles a Lucid VM from a [`VmConfig`]: memory, devices, boot, vCPU threads and the exit
 //! loop, and reports what happened in a [`RunReport`].
 
+pub mod builder;
 mod config;
 mod emulate;
 pub mod hooks;
@@ -8,6 +9,7 @@ mod report;
 mod vcpu;
 mod vm;
 
+pub use builder::{KernelLoad, VmBuilder};
 pub use config::{
     parse_blk, parse_net, DeviceOptionError, KernelSource, PciDeviceConfig, PciDeviceKind,
     VmConfig, MAX_MEM_MIB, MAX_VCPUS,
@@ -19,6 +21,8 @@ pub use vcpu::{LoopEnd, VcpuCtx, VcpuError, VcpuFault, VcpuHandle};
 pub use vm::{
     hypercall, ConfigError, PciBus, Vm, VmmError, DEFAULT_LINUX_CMDLINE, PVM_LINUX_CMDLINE,
 };
+
+pub use {lucid_boot, lucid_hv};
 
 pub use lucid_devices::{BadSerialOption, SerialOutput, StopReason};
 pub use lucid_mem::Backing;

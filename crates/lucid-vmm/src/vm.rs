@@ -1,22 +1,26 @@
-//! Builds and runs one VM. [`Vm::build`] reads top to bottom as the VM comes together: KVM and
-//! memory, the interrupt controllers, the devices and their exit hooks, the kernel and its boot
-//! tables, then the vCPUs; [`Vm::start`] starts the vCPU threads and [`Vm::wait`] reports.
+//! Builds and runs one VM. [`Vm::build`] reads top to bottom as the VM comes together, through
+//! the stages of [`VmBuilder`]: KVM and memory, the interrupt controllers, the devices and their
+//! exit hooks, the kernel and its boot tables, then the vCPUs; [`Vm::start`] starts the vCPU
+//! threads and [`Vm::wait`] reports.
 
-use std::path::PathBuf;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use lucid_boot::layout::{self, ports};
-use lucid_boot::{AcpiConfig, BootParams, KernelImage, KernelKind};
-use lucid_devices::{Cmos, ConsoleOut, DebugExit, Lifecycle, NopPort, Serial, StopReason, I8042};
-use lucid_hv::kvm_bindings::{kvm_regs, KVM_MAX_CPUID_ENTRIES};
-use lucid_hv::IoAddr;
-use lucid_hv::{detect_backend, Backend};
+use lucid_boot::{AcpiConfig, KernelImage, KernelKind};
+use lucid_devices::{
+    BusDevice, Cmos, ConsoleOut, DebugExit, Lifecycle, NopPort, Serial, StopReason, I8042,
+};
+use lucid_hv::kvm_bindings::kvm_regs;
+use lucid_hv::{Backend, IoAddr};
 use lucid_mem::{DmaPath, GuestRam};
 use lucid_stats::StatsRegistry;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+use crate::builder::{KernelLoad, VmBuilder};
 use crate::config::{KernelSource, VmConfig, MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB};
 use crate::emulate::Emulator;
 use crate::hooks::ExitHooks;
@@ -140,10 +144,9 @@ pub struct PciBus {
 }
 
 impl Vm {
+    /// Builds the VM `config` describes, stage by stage ([`VmBuilder`]), ready to [`Vm::start`].
     pub fn build(config: VmConfig) -> Result<Self, VmmError> {
         check_config(&config)?;
-        let kvm = lucid_hv::open_kvm()?;
-        let backend = detect_backend();
         let stats = StatsRegistry::new();
         let lifecycle = Arc::new(Lifecycle::new());
         if config.handle_signals {
@@ -152,170 +155,78 @@ impl Vm {
         }
         let hooks = ExitHooks::new();
 
-        // Memory.
-        let vm = lucid_hv::Vm::new(kvm.clone())?;
-        let mem_size = config.mem_mib << 20;
-        let ram = GuestRam::new(&layout::ram_regions(mem_size), config.backing.clone())?;
-        vm.map_memory(ram.memory())?;
-        let dma = DmaPath::new(ram.memory().clone(), &stats);
+        // KVM and guest memory.
+        let mut b = VmBuilder::new(config.mem_mib << 20, config.backing.clone())?;
+        let dma = DmaPath::new(b.memory().clone(), &stats);
 
         // Interrupt controllers and timers, in the kernel.
-        vm.create_irqchip_and_pit()?;
-        if let Some(s) = vm.stats() {
+        b.irqchip()?;
+        if let Some(s) = b.vm().stats() {
             stats.probe("kvm.vm", Box::new(move || s.read()));
         }
 
-        // Platform devices.
-        let mut eventfds = Vec::new();
-        let serial_irq = eventfd("the serial interrupt")?;
-        vm.register_irqfd(&serial_irq, 4)?;
-        let (serial, listener) = Serial::new(
-            &config.serial,
-            clone_eventfd(&serial_irq, "the serial interrupt")?,
-            &stats,
-        )
-        .map_err(|source| VmmError::Serial {
-            output: config.serial.clone(),
-            source,
-        })?;
-        eventfds.push(serial_irq);
-        let console = serial.output().clone();
-        let serial = Arc::new(Mutex::new(serial));
-        let stdin = config.serial_stdin && config.serial == lucid_devices::SerialOutput::Stdio;
-        Serial::start_input(&serial, listener, stdin);
-        let pio = &hooks.pio;
-        let add =
-            |base: u16, len: u64, name: &str, dev: Arc<Mutex<dyn lucid_devices::BusDevice>>| {
-                pio.insert(base as u64, len, name, dev)
-            };
-        add(ports::SERIAL_COM1, 8, "serial", serial)?;
-        add(
-            ports::DEBUG_EXIT,
-            4,
-            "debug-exit",
-            Arc::new(Mutex::new(DebugExit::new(lifecycle.clone()))),
-        )?;
-        add(
-            ports::I8042,
-            5,
-            "i8042",
-            Arc::new(Mutex::new(I8042::new(lifecycle.clone()))),
-        )?;
-        add(ports::RTC, 2, "cmos", Arc::new(Mutex::new(Cmos::new())))?;
-        add(
-            ports::POST,
-            1,
-            "post",
-            Arc::new(Mutex::new(NopPort::new(&stats, "post"))),
-        )?;
-        eventfds.push(ioeventfd_probe(&vm, &stats)?);
-        // The page probe guests store to when they measure MMIO exits.
-        hooks.mmio.insert(
-            layout::PROBE_MMIO,
-            0x1000,
-            "mmio-probe",
-            Arc::new(Mutex::new(NopPort::new(&stats, "mmio_probe"))),
-        )?;
-
-        // virtio devices on PCI (only when there are any).
-        let pci = if config.pci.is_empty() {
-            None
-        } else {
-            Some(attach_pci(&config, &kvm, &vm, &ram, &dma, &hooks, &stats)?)
+        // Devices: the platform's, then virtio devices on PCI (only when there are any).
+        let platform = platform_devices(&config, b.vm(), &hooks, &lifecycle, &stats)?;
+        let pci = match config.pci.is_empty() {
+            true => None,
+            false => Some(attach_pci(&config, &b, &dma, &hooks, &stats)?),
         };
-
-        // Lucid's own hypercalls.
-        let tsc_khz = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        hooks.add_hypercall(
-            hypercall::DISCOVER,
-            Arc::new(|_: u32, _: &kvm_regs| hypercall::MAGIC),
-        );
-        let t = tsc_khz.clone();
-        hooks.add_hypercall(
-            hypercall::TSC_KHZ,
-            Arc::new(move |_: u32, _: &kvm_regs| t.load(std::sync::atomic::Ordering::Relaxed)),
-        );
-        let code = backend.code() as u64;
-        hooks.add_hypercall(
-            hypercall::BACKEND,
-            Arc::new(move |_: u32, _: &kvm_regs| code),
-        );
+        let tsc_khz = add_hypercalls(&hooks, b.backend());
 
         // The kernel, its command line and the boot tables.
-        let (kernel_path, image) = match &config.kernel {
-            KernelSource::File(p) => (p.clone(), KernelImage::open(p)?),
+        let image = match &config.kernel {
+            KernelSource::File(p) => KernelImage::open(p)?,
             KernelSource::Builtin { name, bytes } => {
-                let p = PathBuf::from(format!("<built-in {name}>"));
-                (p.clone(), KernelImage::from_bytes(&p, bytes.to_vec())?)
+                KernelImage::from_bytes(Path::new(&format!("<built-in {name}>")), bytes.to_vec())?
             }
         };
-        let kind = image.kind();
-        log::debug!("kernel {}: {kind:?}", kernel_path.display());
-        let cmdline = kernel_cmdline(&config.cmdline, image.is_linux(), backend);
+        let cmdline = kernel_cmdline(&config.cmdline, image.is_linux(), b.backend());
         log::debug!("kernel command line: {cmdline:?}");
         let mut acpi = AcpiConfig::new(config.vcpus);
         if pci.is_some() {
             let last_bus = ((layout::PCI_ECAM_SIZE >> 20) - 1).min(255) as u8;
             acpi.pci_ecam = Some((layout::PCI_ECAM_START, 0, last_bus));
         }
-        let rsdp = lucid_boot::write_acpi_tables(ram.memory(), &acpi)?;
-        let setup = lucid_boot::load_image(
-            ram.memory(),
-            &image,
-            &BootParams {
-                kernel: &kernel_path,
-                initrd: config.initrd.as_deref(),
-                cmdline: &cmdline,
-                mem_size,
-                acpi_rsdp: Some(rsdp),
-            },
-        )?;
+        let setup = b.load_kernel(&KernelLoad {
+            image: &image,
+            initrd: config.initrd.as_deref(),
+            cmdline: &cmdline,
+            acpi: Some(&acpi),
+        })?;
 
-        // vCPUs: CPUID each, boot registers on vCPU 0; the others wait for INIT/SIPI.
+        // vCPUs: boot registers on vCPU 0; the others wait for INIT/SIPI.
+        // PV EOI is the ladder's L2: offered only when a device runs on L2, so that L1 and L2
+        // differ where the guest reads Lucid's CPUID.
+        let offer_pv_eoi = config.pci.iter().any(|d| d.rung == lucid_virtio::Rung::L2);
         let mut ctxs = Vec::new();
         let mut handles = Vec::new();
         for id in 0..config.vcpus {
-            let vcpu = vm.create_vcpu(id as u32)?;
-            let mut cpuid = kvm
-                .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-                .map_err(|e| lucid_hv::HvError::Ioctl("KVM_GET_SUPPORTED_CPUID", e))?;
-            lucid_boot::filter_cpuid(&mut cpuid, id, config.vcpus);
-            // PV EOI is the ladder's L2: offered only when a device runs on L2, so that L1 and
-            // L2 differ where the guest reads Lucid's CPUID.
-            if !config.pci.iter().any(|d| d.rung == lucid_virtio::Rung::L2) {
-                hide_pv_eoi(&mut cpuid);
-            }
-            vcpu.set_cpuid(&cpuid)?;
-            set_lint_virtual_wire(&vcpu)?;
+            let boot = (id == 0).then_some(&setup);
+            let vcpu = b.vcpu(id, config.vcpus, boot, |cpuid| {
+                if !offer_pv_eoi {
+                    hide_pv_eoi(cpuid)
+                }
+            })?;
             if id == 0 {
-                let (mut regs, mut sregs) = (vcpu.get_regs()?, vcpu.get_sregs()?);
-                lucid_boot::setup_boot_regs(&setup.entry, &mut regs, &mut sregs, ram.memory())?;
-                vcpu.set_sregs(&sregs)?;
-                vcpu.set_regs(&regs)?;
-                tsc_khz.store(
-                    vcpu.tsc_khz().unwrap_or(0) as u64,
-                    std::sync::atomic::Ordering::Relaxed,
-                );
+                tsc_khz.store(vcpu.tsc_khz().unwrap_or(0).into(), Ordering::Relaxed);
             }
             if let Some(s) = vcpu.stats() {
                 stats.probe(format!("kvm.vcpu{id}"), Box::new(move || s.read()));
             }
-            let (ctx, handle) = VcpuCtx::new(
-                vcpu,
-                hooks.clone(),
-                lifecycle.clone(),
-                &stats,
-                Emulator::with_memory(id as u32, ram.memory().clone(), stats.clone()),
-            );
+            let emulator = Emulator::with_memory(id.into(), b.memory().clone(), stats.clone());
+            let (ctx, handle) =
+                VcpuCtx::new(vcpu, hooks.clone(), lifecycle.clone(), &stats, emulator);
             let h = handle.clone();
             lifecycle.add_kicker(Box::new(move || h.kick()));
             ctxs.push(ctx);
             handles.push(handle);
         }
 
+        let backend = b.backend();
+        let (vm, ram) = b.finish();
         Ok(Vm {
             config,
-            kind,
+            kind: image.kind(),
             vm,
             ram,
             dma,
@@ -327,9 +238,9 @@ impl Vm {
             threads: Vec::new(),
             started: None,
             backend,
-            _eventfds: eventfds,
+            _eventfds: platform.eventfds,
             pci,
-            console,
+            console: platform.console,
         })
     }
 
@@ -427,18 +338,99 @@ impl Drop for Vm {
     }
 }
 
+/// What the platform devices leave the VM to keep.
+struct Platform {
+    /// The serial console's output, flushed at VM exit.
+    console: Arc<ConsoleOut>,
+    /// Kept open: the irqfd and ioeventfd registrations refer to them.
+    eventfds: Vec<EventFd>,
+}
+
+/// The devices every VM has, on the exit hooks: COM1 (its interrupt by irqfd on GSI 4), the
+/// debug-exit port, the i8042 reset line, the CMOS RTC, the POST port, the ioeventfd probe port
+/// and the MMIO probe page.
+fn platform_devices(
+    config: &VmConfig,
+    vm: &lucid_hv::Vm,
+    hooks: &ExitHooks,
+    lifecycle: &Arc<Lifecycle>,
+    stats: &Arc<StatsRegistry>,
+) -> Result<Platform, VmmError> {
+    let serial_irq = eventfd("the serial interrupt")?;
+    vm.register_irqfd(&serial_irq, 4)?;
+    let (serial, listener) = Serial::new(
+        &config.serial,
+        clone_eventfd(&serial_irq, "the serial interrupt")?,
+        stats,
+    )
+    .map_err(|source| VmmError::Serial {
+        output: config.serial.clone(),
+        source,
+    })?;
+    let console = serial.output().clone();
+    let serial = Arc::new(Mutex::new(serial));
+    let stdin = config.serial_stdin && config.serial == lucid_devices::SerialOutput::Stdio;
+    Serial::start_input(&serial, listener, stdin);
+    let pio = |base: u16, len: u64, name: &str, dev: Arc<Mutex<dyn BusDevice>>| {
+        hooks.pio.insert(base.into(), len, name, dev)
+    };
+    pio(ports::SERIAL_COM1, 8, "serial", serial)?;
+    let debug_exit = DebugExit::new(lifecycle.clone());
+    pio(
+        ports::DEBUG_EXIT,
+        4,
+        "debug-exit",
+        Arc::new(Mutex::new(debug_exit)),
+    )?;
+    let i8042 = I8042::new(lifecycle.clone());
+    pio(ports::I8042, 5, "i8042", Arc::new(Mutex::new(i8042)))?;
+    pio(ports::RTC, 2, "cmos", Arc::new(Mutex::new(Cmos::new())))?;
+    let post = NopPort::new(stats, "post");
+    pio(ports::POST, 1, "post", Arc::new(Mutex::new(post)))?;
+    // The page probe guests store to when they measure MMIO exits.
+    let mmio_probe = NopPort::new(stats, "mmio_probe");
+    hooks.mmio.insert(
+        layout::PROBE_MMIO,
+        0x1000,
+        "mmio-probe",
+        Arc::new(Mutex::new(mmio_probe)),
+    )?;
+    Ok(Platform {
+        console,
+        eventfds: vec![serial_irq, ioeventfd_probe(vm, stats)?],
+    })
+}
+
+/// Lucid's own hypercalls: discovery, the TSC frequency (stored once the boot vCPU exists) and
+/// the KVM backend.
+fn add_hypercalls(hooks: &ExitHooks, backend: Backend) -> Arc<AtomicU64> {
+    let tsc_khz = Arc::new(AtomicU64::new(0));
+    hooks.add_hypercall(
+        hypercall::DISCOVER,
+        Arc::new(|_: u32, _: &kvm_regs| hypercall::MAGIC),
+    );
+    let t = tsc_khz.clone();
+    hooks.add_hypercall(
+        hypercall::TSC_KHZ,
+        Arc::new(move |_: u32, _: &kvm_regs| t.load(Ordering::Relaxed)),
+    );
+    let code = backend.code() as u64;
+    hooks.add_hypercall(
+        hypercall::BACKEND,
+        Arc::new(move |_: u32, _: &kvm_regs| code),
+    );
+    tsc_khz
+}
+
 /// IOAPIC pins 16-23 carry PCI INTx (the ISA IRQs keep 0-15); devices share them round-robin.
 const PCI_INTX_FIRST_GSI: u32 = 16;
 const PCI_INTX_PINS: u32 = 8;
 
 /// Builds the PCI root complex (0xCF8 ports and ECAM), then each configured virtio device on its
 /// rung, attached in order from slot 1.
-#[allow(clippy::too_many_arguments)]
 fn attach_pci(
     config: &VmConfig,
-    kvm: &Arc<lucid_hv::Kvm>,
-    vm: &lucid_hv::Vm,
-    ram: &GuestRam,
+    b: &VmBuilder,
     dma: &Arc<DmaPath>,
     hooks: &Arc<ExitHooks>,
     stats: &Arc<StatsRegistry>,
@@ -450,9 +442,9 @@ fn attach_pci(
     let host = HostCaps {
         posted_interrupts: lucid_hv::posted_interrupts_available(),
         // Only measured when a device asks for L2 (it runs a tiny VM).
-        cpuid_intercepted: wants_l2 && lucid_probe::cpuid_intercepted(kvm).unwrap_or(false),
+        cpuid_intercepted: wants_l2 && lucid_probe::cpuid_intercepted(b.kvm()).unwrap_or(false),
     };
-    let router = lucid_hv::GsiRouter::new(vm.clone());
+    let router = lucid_hv::GsiRouter::new(b.vm().clone());
     let root = lucid_pci::PciRoot::new(
         hooks.mmio.clone(),
         hooks.pio.clone(),
@@ -465,9 +457,9 @@ fn attach_pci(
     );
     root.register().map_err(VmmError::PciRoot)?;
     let env = TransportEnv {
-        vm: vm.clone(),
+        vm: b.vm().clone(),
         router: router.clone(),
-        mem: ram.memory().clone(),
+        mem: b.memory().clone(),
         dma: dma.clone(),
         stats: stats.clone(),
         host,
@@ -635,27 +627,6 @@ fn hide_pv_eoi(cpuid: &mut lucid_hv::kvm_bindings::CpuId) {
             e.eax &= !KVM_FEATURE_PV_EOI;
         }
     }
-}
-
-/// LINT0 as ExtINT and LINT1 as NMI, the virtual-wire setup firmware leaves for an OS.
-fn set_lint_virtual_wire(vcpu: &lucid_hv::Vcpu) -> Result<(), VmmError> {
-    const LVT_LINT0: usize = 0x350;
-    const LVT_LINT1: usize = 0x360;
-    const DM_EXTINT: u32 = 0x7 << 8;
-    const DM_NMI: u32 = 0x4 << 8;
-    let mut lapic = vcpu.get_lapic()?;
-    let mut set = |off: usize, mode: u32| {
-        let b = &mut lapic.regs[off..off + 4];
-        let v = u32::from_le_bytes([b[0] as u8, b[1] as u8, b[2] as u8, b[3] as u8]);
-        let v = (v & !0x700) | mode;
-        for (i, byte) in v.to_le_bytes().iter().enumerate() {
-            b[i] = *byte as _;
-        }
-    };
-    set(LVT_LINT0, DM_EXTINT);
-    set(LVT_LINT1, DM_NMI);
-    vcpu.set_lapic(&lapic)?;
-    Ok(())
 }
 
 extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
