@@ -16,7 +16,7 @@ pub use config::{
 };
 pub use emulate::Emulator;
 pub use hooks::{ExitHooks, HypercallHook, MsrHook};
-pub use report::{error_chain, RunReport};
+pub use report::{error_chain, DeviceCounts, RunReport};
 pub use vcpu::{LoopEnd, VcpuCtx, VcpuError, VcpuFault, VcpuHandle};
 pub use vm::{
     hypercall, ConfigError, PciBus, Vm, VmmError, DEFAULT_LINUX_CMDLINE, PVM_LINUX_CMDLINE,

@@ -24,6 +24,14 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
+/// One virtio device's work in a run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceCounts {
+    pub name: String,
+    pub requests: u64,
+    pub irqs: u64,
+}
+
 pub struct RunReport {
     pub stop: StopReason,
     pub wall: Duration,
@@ -75,13 +83,30 @@ impl RunReport {
         self.sum_suffix(".exits")
     }
 
-    /// Virtio devices and their completed requests (`<dev>.requests`).
-    fn devices(&self) -> Vec<(String, u64)> {
+    /// Exits KVM itself counted on every vCPU (its binary statistics), userspace or not.
+    pub fn kvm_exits(&self) -> u64 {
+        self.counters
+            .iter()
+            .filter(|(k, _)| k.starts_with("kvm.vcpu") && k.ends_with(".exits"))
+            .map(|(_, v)| v)
+            .sum()
+    }
+
+    /// Each virtio device's completed requests (`<dev>.requests`) and the interrupts it sent
+    /// by any path (`<dev>.irq.msi_signal`, `.irqfd`, `.intx`).
+    pub fn devices(&self) -> Vec<DeviceCounts> {
         self.counters
             .iter()
             .filter_map(|(k, v)| {
                 let dev = k.strip_suffix(".requests")?;
-                (!dev.contains('.')).then(|| (dev.to_string(), *v))
+                (!dev.contains('.')).then(|| DeviceCounts {
+                    name: dev.to_string(),
+                    requests: *v,
+                    irqs: ["irq.msi_signal", "irq.irqfd", "irq.intx"]
+                        .iter()
+                        .filter_map(|i| self.counters.get(&format!("{dev}.{i}")))
+                        .sum(),
+                })
             })
             .collect()
     }
@@ -128,18 +153,16 @@ impl RunReport {
             s,
             "vCPU time in KVM_RUN (guest and in-kernel exits) {in_run:.3} s, in the VMM {in_vmm:.3} s"
         );
-        for (dev, requests) in self.devices() {
-            let irqs: u64 = ["irq.msi_signal", "irq.irqfd", "irq.intx"]
-                .iter()
-                .filter_map(|k| self.counters.get(&format!("{dev}.{k}")))
-                .sum();
-            let r = requests.max(1) as f64;
+        for d in self.devices() {
+            let r = d.requests.max(1) as f64;
             let _ = writeln!(
                 s,
-                "{dev}: {requests} requests, {:.3} exits and {:.3} interrupts per request \
+                "{}: {} requests, {:.3} exits and {:.3} interrupts per request \
                  (whole run, boot included)",
+                d.name,
+                d.requests,
                 exits as f64 / r,
-                irqs as f64 / r
+                d.irqs as f64 / r
             );
         }
         let emulated = self.emulated_by_mnemonic();
@@ -191,16 +214,12 @@ impl RunReport {
             "exits_by_reason": self.exits_by_reason(),
             "time_in_kvm_run_s": self.sum_suffix(".time.in_kvm_run_ns") as f64 / 1e9,
             "time_in_vmm_s": self.sum_suffix(".time.in_vmm_ns") as f64 / 1e9,
-            "devices": self.devices().iter().map(|(dev, requests)| {
-                let irqs: u64 = ["irq.msi_signal", "irq.irqfd", "irq.intx"]
-                    .iter()
-                    .filter_map(|k| self.counters.get(&format!("{dev}.{k}")))
-                    .sum();
-                let r = (*requests).max(1) as f64;
-                (dev.clone(), json!({
-                    "requests": requests,
+            "devices": self.devices().into_iter().map(|d| {
+                let r = d.requests.max(1) as f64;
+                (d.name, json!({
+                    "requests": d.requests,
                     "exits_per_request": exits as f64 / r,
-                    "irqs_per_request": irqs as f64 / r,
+                    "irqs_per_request": d.irqs as f64 / r,
                 }))
             }).collect::<serde_json::Map<String, serde_json::Value>>(),
             "counters": lucid_stats::nest(&self.counters),
