@@ -1,6 +1,8 @@
 //! Lucid's device model: buses of address ranges that the exit loop dispatches to, the VM
 //! lifecycle that devices can end, and the platform devices every VM has.
 
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
 mod bus;
 mod cmos;
 mod console;

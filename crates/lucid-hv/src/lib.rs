@@ -1,6 +1,8 @@
 //! Lucid's narrow seam to KVM: opening the device, which backend it is, VMs, vCPUs,
 //! capabilities and KVM's binary statistics. Nothing above this crate calls a KVM ioctl directly.
 
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
 pub mod host;
 pub mod irq;
 mod kvm_stats;

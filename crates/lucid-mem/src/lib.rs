@@ -1,6 +1,8 @@
 //! Guest memory for Lucid VMs: RAM regions with pluggable backing, pages that can be remapped
 //! while the VM runs, and the single DMA path through which every device touches guest memory.
 
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
 mod dma;
 mod ram;
 

@@ -5,6 +5,8 @@
 //! Opening the device and naming the backend are facts of the KVM seam
 //! (`lucid_hv::host`); this crate runs guests to measure the rest.
 
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
 pub mod codebuf;
 pub mod measure;
 pub mod minivm;

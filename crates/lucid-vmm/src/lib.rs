@@ -1,6 +1,8 @@
 //! Assembles a Lucid VM from a [`VmConfig`]: memory, devices, boot, vCPU threads and the exit
 //! loop, and reports what happened in a [`RunReport`].
 
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
 pub mod builder;
 mod config;
 mod emulate;
