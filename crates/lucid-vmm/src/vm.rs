@@ -669,3 +669,77 @@ fn watch_stop_signals(lifecycle: Arc<Lifecycle>) {
         log::warn!("cannot start the signal thread ({e}): SIGINT/SIGTERM will not stop the VM");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn non_linux_kernels_get_the_command_line_as_given() {
+        for backend in [Backend::Pvm, Backend::Vmx] {
+            assert_eq!(kernel_cmdline("count=5", false, backend), "count=5");
+            assert_eq!(kernel_cmdline("", false, backend), "");
+        }
+    }
+
+    #[test]
+    fn linux_gets_a_console_by_default() {
+        assert_eq!(
+            kernel_cmdline("", true, Backend::Vmx),
+            DEFAULT_LINUX_CMDLINE
+        );
+        assert_eq!(
+            kernel_cmdline("  ", true, Backend::Svm),
+            DEFAULT_LINUX_CMDLINE
+        );
+        assert_eq!(
+            kernel_cmdline("console=hvc0", true, Backend::Vmx),
+            "console=hvc0"
+        );
+    }
+
+    #[test]
+    fn linux_on_pvm_gets_the_emulation_switches() {
+        assert_eq!(
+            kernel_cmdline("", true, Backend::Pvm),
+            format!("{DEFAULT_LINUX_CMDLINE} {PVM_LINUX_CMDLINE}")
+        );
+        assert_eq!(
+            kernel_cmdline("root=/dev/vda", true, Backend::Pvm),
+            format!("root=/dev/vda {PVM_LINUX_CMDLINE}")
+        );
+    }
+
+    /// Linux honours only the last `clearcpuid=`: the user's bits join Lucid's in one.
+    #[test]
+    fn the_users_clearcpuid_is_folded_into_lucids() {
+        assert_eq!(
+            kernel_cmdline(
+                "clearcpuid=1 console=ttyS0 clearcpuid=5,6",
+                true,
+                Backend::Pvm
+            ),
+            "console=ttyS0 noxsave clearcpuid=5,6,137,141,154,156"
+        );
+        // Elsewhere the user's line is left alone.
+        assert_eq!(
+            kernel_cmdline("clearcpuid=5", true, Backend::Vmx),
+            "clearcpuid=5"
+        );
+    }
+
+    #[test]
+    fn bad_configurations_are_typed_errors() {
+        let mut c = VmConfig::new(KernelSource::File("/k".into()));
+        c.vcpus = 0;
+        assert_eq!(check_config(&c), Err(ConfigError::Vcpus(0)));
+        c.vcpus = 1;
+        c.mem_mib = 1;
+        assert_eq!(check_config(&c), Err(ConfigError::Memory(1)));
+        c.mem_mib = 64;
+        c.cmdline = "a\0b".into();
+        assert_eq!(check_config(&c), Err(ConfigError::CmdlineNul(1)));
+        c.cmdline = "ok".into();
+        assert_eq!(check_config(&c), Ok(()));
+    }
+}
