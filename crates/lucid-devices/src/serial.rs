@@ -252,48 +252,6 @@ mod tests {
             .expect("the UART blocked on a stalled reader")
     }
 
-    const PRINTED: u64 = 300_000;
-
-    /// A FIFO whose reader never reads (shrunk to one page): the UART takes every byte at once,
-    /// and what neither the FIFO nor the console buffer holds is counted as dropped.
-    #[test]
-    fn a_fifo_nobody_reads_does_not_block_the_uart() {
-        let path = std::env::temp_dir().join(format!("lucid-serial-fifo-{}", std::process::id()));
-        let _ = std::fs::remove_file(&path);
-        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: mkfifo and open on a valid C string; fcntl on the fd just opened.
-        let reader = unsafe {
-            assert_eq!(libc::mkfifo(c.as_ptr(), 0o600), 0);
-            let fd = libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_NONBLOCK);
-            assert!(fd >= 0);
-            assert!(libc::fcntl(fd, libc::F_SETPIPE_SZ, 4096) >= 4096);
-            fd
-        };
-        let stats = StatsRegistry::new();
-        let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-        let (mut s, _) = Serial::new(&SerialOutput::File(path.clone()), evt, &stats).unwrap();
-        s = within_a_minute(move || {
-            for i in 0..PRINTED {
-                s.write(0, &[b'a' + (i % 26) as u8]);
-            }
-            s
-        });
-        let c = stats.snapshot();
-        assert_eq!(c["serial.tx_bytes"], PRINTED);
-        assert!(
-            c["serial.tx_dropped"] >= PRINTED - 4096 - 2 * CONSOLE_BUFFER as u64,
-            "{c:?}"
-        );
-        // Dropping the console gives up on the stalled reader and counts what it held.
-        drop(s);
-        let c = stats.snapshot();
-        assert!(c["serial.tx_written"] <= 4096, "{c:?}");
-        assert_eq!(c["serial.tx_written"] + c["serial.tx_dropped"], PRINTED);
-        // SAFETY: closing the fd opened above.
-        unsafe { libc::close(reader) };
-        std::fs::remove_file(path).unwrap();
-    }
-
     /// A socket client that connects and never reads: the UART goes on, and once the backlog
     /// and the socket are full, bytes are dropped and counted.
     #[test]

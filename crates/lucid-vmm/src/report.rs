@@ -46,11 +46,17 @@ impl RunReport {
 
     /// Exits by reason summed over vCPUs.
     pub fn exits_by_reason(&self) -> BTreeMap<String, u64> {
+        self.per_vcpu_by_name("exit")
+    }
+
+    /// The non-zero counters `vcpuN.<group>.<name>`, summed over vCPUs, by name.
+    fn per_vcpu_by_name(&self, group: &str) -> BTreeMap<String, u64> {
+        let infix = format!(".{group}.");
         let mut out = BTreeMap::new();
         for (k, v) in &self.counters {
-            if let Some((_, reason)) = k.split_once(".exit.") {
+            if let Some((_, name)) = k.split_once(&infix) {
                 if k.starts_with("vcpu") && *v > 0 {
-                    *out.entry(reason.to_string()).or_insert(0) += v;
+                    *out.entry(name.to_string()).or_insert(0) += v;
                 }
             }
         }
@@ -68,15 +74,7 @@ impl RunReport {
     /// Instructions Lucid completed for KVM's emulator (`vcpuN.emulated.<mnemonic>`), summed
     /// over vCPUs.
     pub fn emulated_by_mnemonic(&self) -> BTreeMap<String, u64> {
-        let mut out = BTreeMap::new();
-        for (k, v) in &self.counters {
-            if let Some((_, m)) = k.split_once(".emulated.") {
-                if k.starts_with("vcpu") && *v > 0 {
-                    *out.entry(m.to_string()).or_insert(0) += v;
-                }
-            }
-        }
-        out
+        self.per_vcpu_by_name("emulated")
     }
 
     pub fn total_exits(&self) -> u64 {
