@@ -40,6 +40,7 @@ guests!(
     "virtio-blk",
     "virtio-net",
     "virtio-evil",
+    "kvm-hypercall",
 );
 
 /// The guest `lucid run` boots when none is named.
