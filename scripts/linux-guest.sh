@@ -247,7 +247,7 @@ build_small_kernel() {
     # And every option it turns off must be off.
     local kept
     kept="$(sed -n 's/^# \(CONFIG_[A-Z0-9_]*\) is not set$/\1/p' "$fragment" | while read -r opt; do
-        grep -q "^$opt=[ym]" "$build/.config" && echo "$opt"
+        if grep -q "^$opt=[ym]" "$build/.config"; then echo "$opt"; fi
     done)"
     if [ -n "$kept" ]; then
         log "options $fragment turns off are still on (selected by another option?):"

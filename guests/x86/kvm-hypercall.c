@@ -14,11 +14,12 @@
 /* The two call sites, so their bytes can be read back; and a #UD handler that notes the
  * fault and resumes after the 3-byte instruction. */
 extern u8 hc_vmcall[], hc_vmmcall[], ud_handler[];
-static volatile u64 ud_seen;
+static volatile u64 ud_seen, ud_cs;
 asm(".pushsection .text\n"
     "hc_vmcall: vmcall\n ret\n"
     "hc_vmmcall: vmmcall\n ret\n"
-    "ud_handler: movq $1, ud_seen(%rip)\n addq $3, (%rsp)\n iretq\n"
+    "ud_handler: movq $1, ud_seen(%rip)\n pushq %rax\n movq 16(%rsp), %rax\n"
+    " movq %rax, ud_cs(%rip)\n popq %rax\n addq $3, (%rsp)\n iretq\n"
     ".popsection\n");
 
 extern struct idt_gate {
@@ -97,5 +98,7 @@ int main(void)
 	returned = 1;
 	show("after", site);
 	printf("kvm-hypercall: ud=%lu rax=%ld\n", ud_seen, (long)rax);
+	if (ud_seen)
+		printf("kvm-hypercall: #UD frame cs=%#lx (rpl %lu)\n", ud_cs, ud_cs & 3);
 	return 0;
 }
