@@ -1,5 +1,7 @@
-//! Booting a real Linux kernel (Debian's cloud kernel, ELF `vmlinux` through PVH) with a busybox
-//! initramfs, as built by `scripts/linux-guest.sh` into `work-linux/`.
+//! Booting real Linux kernels built or fetched by `scripts/linux-guest.sh` into `work-linux/`:
+//! Debian's cloud kernel (ELF `vmlinux` through PVH) with a busybox initramfs, and the small
+//! kernel (`work-linux/small/vmlinux`) whose own drivers drive Lucid's devices, checked through
+//! `lucid-linux-client` (crates/lucid/src/bin/linux_client.rs).
 //!
 //! On a host whose KVM emulates guest kernel code (PVM, see shared/PLATFORM.md) Linux runs about
 //! a thousand times slower than native: these tests look for boot milestones on the serial
@@ -376,6 +378,10 @@ fn small_linux_on(rung: &str) {
     }
     println!("  counters: {}", report["counters"]);
     println!("  icmp: {}", report["icmp"]);
+    println!(
+        "  netconsole lines: {}",
+        report["netconsole_lines"].as_array().map_or(0, Vec::len)
+    );
     let why = format!("report: {report:#}\nstderr: {stderr}");
     assert!(
         line.starts_with("linux-client: init=yes rootfs=ok "),

@@ -64,12 +64,12 @@ const MILESTONES: &[Milestone] = &[
     ),
     m("virtio_blk vda", "virtio_blk virtio0: [vda]", When::Always),
     m("GPT of vdb read", " vdb: vdb1 vdb2 vdb3", When::Always),
-    m("virtio_net eth0 up", "IP-Config: Complete", When::Net),
     m(
         "netconsole",
         "netconsole: network logging started",
         When::Net,
     ),
+    m("virtio_net eth0 up", "IP-Config: Complete", When::Net),
     m("ext2 root mounted", "VFS: Mounted root (ext2", When::Always),
     m(
         "Run /sbin/init",
