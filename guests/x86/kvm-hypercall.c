@@ -22,19 +22,9 @@ asm(".pushsection .text\n"
     " movq %rax, ud_cs(%rip)\n popq %rax\n addq $3, (%rsp)\n iretq\n"
     ".popsection\n");
 
-extern struct idt_gate {
-	u16 off0, sel;
-	u8 ist, type;
-	u16 off1;
-	u32 off2, reserved;
-} idt_table[256];
-
 static void catch_ud(void)
 {
-	u64 a = (u64)ud_handler;
-	idt_table[6].off0 = a & 0xffff;
-	idt_table[6].off1 = (a >> 16) & 0xffff;
-	idt_table[6].off2 = a >> 32;
+	idt_set_gate(6, ud_handler, 2, 0);
 }
 
 static u64 nr_arg;

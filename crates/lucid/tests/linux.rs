@@ -11,10 +11,8 @@
 //! which makes a missing artifact a failure (CI sets it after running the script).
 //! `LUCID_LINUX_DIR` overrides the artifact directory.
 
-use std::io::{BufRead, BufReader, Read};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Milestones in boot order: (name, text that first shows it on the console).
@@ -81,129 +79,29 @@ fn artifacts() -> Option<(PathBuf, PathBuf)> {
     None
 }
 
-/// A console line with the time it arrived, in seconds since Lucid was started.
-struct Line {
-    t: f64,
-    text: String,
-}
+#[allow(dead_code)]
+#[path = "../src/bin/linux_client/timed_boot.rs"]
+mod timed_boot;
+use timed_boot::{first, Boot, Line};
 
-struct Boot {
-    child: Child,
-    start: Instant,
-    lines: Vec<Line>,
-    rx: mpsc::Receiver<Line>,
-    stderr: std::thread::JoinHandle<String>,
-    stats: PathBuf,
-}
-
-impl Boot {
-    fn start(kernel: &PathBuf, initrd: &PathBuf, name: &str) -> Boot {
-        let stats = std::env::temp_dir().join(format!(
-            "lucid-linux-{}-{name}.stats.json",
-            std::process::id()
-        ));
-        let start = Instant::now();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_lucid"))
-            .arg("run")
-            .arg("--kernel")
-            .arg(kernel)
-            .arg("--initrd")
-            .arg(initrd)
-            .args(["--memory", "256", "--serial", "stdio", "--stats-json"])
-            .arg(&stats)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn lucid");
-        let (tx, rx) = mpsc::channel();
-        let stdout = child.stdout.take().unwrap();
-        std::thread::spawn(move || {
-            let mut r = BufReader::new(stdout);
-            let mut buf = Vec::new();
-            while let Ok(n) = r.read_until(b'\n', &mut buf) {
-                if n == 0 {
-                    break;
-                }
-                let text = String::from_utf8_lossy(&buf).trim_end().to_string();
-                let t = start.elapsed().as_secs_f64();
-                if tx.send(Line { t, text }).is_err() {
-                    break;
-                }
-                buf.clear();
-            }
-        });
-        let mut stderr = child.stderr.take().unwrap();
-        let stderr = std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = stderr.read_to_string(&mut s);
-            s
-        });
-        Boot {
-            child,
-            start,
-            lines: Vec::new(),
-            rx,
-            stderr,
-            stats,
-        }
-    }
-
-    /// Collects console lines until `done` holds for the lines so far, Lucid exits, or `limit`
-    /// passes. Returns whether `done` held.
-    fn wait_for(&mut self, limit: Duration, done: impl Fn(&[Line]) -> bool) -> bool {
-        let deadline = self.start + limit;
-        loop {
-            if done(&self.lines) {
-                return true;
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return false;
-            }
-            match self
-                .rx
-                .recv_timeout((deadline - now).min(Duration::from_secs(1)))
-            {
-                Ok(l) => self.lines.push(l),
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => return done(&self.lines),
-            }
-        }
-    }
-
-    /// Sends SIGTERM and waits (bounded) for Lucid to exit; returns its exit code and stderr.
-    fn terminate(mut self) -> (Option<i32>, String, Vec<Line>, Option<serde_json::Value>) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            // SAFETY: kill(2) on our own child's pid, which has not been reaped yet.
-            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        }
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let status = loop {
-            if let Some(s) = self.child.try_wait().expect("wait lucid") {
-                break Some(s);
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                break None;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        while let Ok(l) = self.rx.recv_timeout(Duration::from_millis(200)) {
-            self.lines.push(l);
-        }
-        let stderr = self.stderr.join().unwrap_or_default();
-        let stats = std::fs::read_to_string(&self.stats)
-            .ok()
-            .and_then(|s| serde_json::from_str(&s).ok());
-        let _ = std::fs::remove_file(&self.stats);
-        (status.and_then(|s| s.code()), stderr, self.lines, stats)
-    }
-}
-
-fn first(lines: &[Line], needle: &str) -> Option<f64> {
-    lines.iter().find(|l| l.text.contains(needle)).map(|l| l.t)
+/// Boots Debian's kernel with its initramfs (256 MiB, the console on stdout).
+fn boot_debian(kernel: &Path, initrd: &Path, name: &str) -> Boot {
+    let stats = std::env::temp_dir().join(format!(
+        "lucid-linux-{}-{name}.stats.json",
+        std::process::id()
+    ));
+    let args: Vec<String> = vec![
+        "--kernel".into(),
+        kernel.display().to_string(),
+        "--initrd".into(),
+        initrd.display().to_string(),
+        "--memory".into(),
+        "256".into(),
+        "--serial".into(),
+        "stdio".into(),
+    ];
+    let lucid = Path::new(env!("CARGO_BIN_EXE_lucid"));
+    Boot::start(lucid, &args, None, stats, None).expect("spawn lucid")
 }
 
 fn milestone_table(lines: &[Line]) -> String {
@@ -225,15 +123,16 @@ fn linux_boots_to_lucid_acpi_tables() {
     let Some((kernel, initrd)) = artifacts() else {
         return;
     };
-    let mut boot = Boot::start(&kernel, &initrd, "acpi");
-    let reached = boot.wait_for(Duration::from_secs(300), |lines| {
+    let started = Instant::now();
+    let mut boot = boot_debian(&kernel, &initrd, "acpi");
+    let reached = boot.wait_for(started + Duration::from_secs(300), |lines| {
         first(lines, "Linux version").is_some()
             && lines
                 .iter()
                 .any(|l| l.text.contains("ACPI:") && l.text.contains("LUCID"))
     });
-    let t = boot.start.elapsed().as_secs_f64();
-    let (code, stderr, lines, _) = boot.terminate();
+    let t = started.elapsed().as_secs_f64();
+    let (code, stderr, lines, _) = boot.finish();
     let tail: Vec<_> = lines.iter().rev().take(20).rev().map(|l| &l.text).collect();
     assert!(
         reached,
@@ -265,10 +164,11 @@ fn linux_boot_milestones() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(900);
-    let mut boot = Boot::start(&kernel, &initrd, "milestones");
-    let ended = boot.wait_for(Duration::from_secs(secs), |_| false);
-    let t = boot.start.elapsed().as_secs_f64();
-    let (code, stderr, lines, stats) = boot.terminate();
+    let started = Instant::now();
+    let mut boot = boot_debian(&kernel, &initrd, "milestones");
+    let ended = boot.wait_for(started + Duration::from_secs(secs), |_| false);
+    let t = started.elapsed().as_secs_f64();
+    let (code, stderr, lines, stats) = boot.finish();
     let log = artifacts_dir().join("linux_boot_milestones.log");
     let text: String = lines
         .iter()

@@ -18,16 +18,17 @@
 //! it, it is skipped with the reason.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+
+mod timed_boot;
+use timed_boot::{first, Boot, Line};
 
 const GUEST_IP: &str = "10.0.2.15";
 const HOST_IP: &str = "10.0.2.2";
@@ -81,9 +82,6 @@ const MILESTONES: &[Milestone] = &[
 const fn m(name: &'static str, needle: &'static str, when: When) -> Milestone {
     Milestone { name, needle, when }
 }
-
-/// Console lines that end a boot early.
-const FATAL: &[&str] = &["Kernel panic", "not syncing"];
 
 struct Args {
     kernel: PathBuf,
@@ -754,166 +752,6 @@ fn ping_here(count: u16) -> Result<Vec<f64>, String> {
     Ok(rtts)
 }
 
-// ---------------------------------------------------------------------------------------------
-// Running Lucid and reading the console
-// ---------------------------------------------------------------------------------------------
-
-struct Line {
-    t: f64,
-    text: String,
-}
-
-struct Boot {
-    child: Child,
-    lines: Vec<Line>,
-    rx: mpsc::Receiver<Line>,
-    stderr: std::thread::JoinHandle<String>,
-    stats: PathBuf,
-    log: Option<File>,
-}
-
-impl Boot {
-    fn start(
-        lucid: &Path,
-        args: &[String],
-        ns: Option<&NetNs>,
-        stats: PathBuf,
-        log: Option<&Path>,
-    ) -> Result<Boot, String> {
-        let mut cmd = Command::new(lucid);
-        cmd.arg("run")
-            .args(args)
-            .arg("--stats-json")
-            .arg(&stats)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        if let Some(ns) = ns {
-            let fd = ns.fd.as_raw_fd();
-            // SAFETY: the closure runs in the child between fork and exec and makes only the
-            // async-signal-safe setns system call on a descriptor the child inherited.
-            unsafe {
-                cmd.pre_exec(move || {
-                    if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
-        }
-        let start = Instant::now();
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| format!("spawn {}: {e}", lucid.display()))?;
-        let (tx, rx) = mpsc::channel();
-        let stdout = child.stdout.take().expect("piped");
-        std::thread::spawn(move || {
-            let mut r = BufReader::new(stdout);
-            let mut buf = Vec::new();
-            while let Ok(n) = r.read_until(b'\n', &mut buf) {
-                if n == 0 {
-                    break;
-                }
-                let text = String::from_utf8_lossy(&buf).trim_end().to_string();
-                let t = start.elapsed().as_secs_f64();
-                if tx.send(Line { t, text }).is_err() {
-                    break;
-                }
-                buf.clear();
-            }
-        });
-        let mut err = child.stderr.take().expect("piped");
-        let stderr = std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = err.read_to_string(&mut s);
-            s
-        });
-        let log = match log {
-            Some(p) => {
-                let mut f = File::create(p).map_err(|e| format!("{}: {e}", p.display()))?;
-                let _ = writeln!(f, "# lucid run {}", args.join(" "));
-                Some(f)
-            }
-            None => None,
-        };
-        Ok(Boot {
-            child,
-            lines: Vec::new(),
-            rx,
-            stderr,
-            stats,
-            log,
-        })
-    }
-
-    fn push(&mut self, l: Line) {
-        if let Some(f) = &mut self.log {
-            let _ = writeln!(f, "{:8.3} {}", l.t, l.text);
-        }
-        self.lines.push(l);
-    }
-
-    /// Reads console lines until `done` holds, Lucid exits, a fatal line appears or `deadline`.
-    fn wait_for(&mut self, deadline: Instant, done: impl Fn(&[Line]) -> bool) -> bool {
-        loop {
-            if done(&self.lines) {
-                return true;
-            }
-            if self
-                .lines
-                .iter()
-                .any(|l| FATAL.iter().any(|f| l.text.contains(f)))
-            {
-                return false;
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return false;
-            }
-            match self
-                .rx
-                .recv_timeout((deadline - now).min(Duration::from_millis(500)))
-            {
-                Ok(l) => self.push(l),
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => return done(&self.lines),
-            }
-        }
-    }
-
-    /// Stops Lucid with SIGTERM (if it still runs) and collects what is left.
-    fn finish(mut self) -> (Option<i32>, String, Vec<Line>, Option<Value>) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            // SAFETY: kill(2) on our own child, which has not been reaped.
-            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        }
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let status = loop {
-            if let Ok(Some(s)) = self.child.try_wait() {
-                break Some(s);
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                break self.child.wait().ok();
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        while let Ok(l) = self.rx.recv_timeout(Duration::from_millis(200)) {
-            self.push(l);
-        }
-        let stderr = self.stderr.join().unwrap_or_default();
-        let stats = std::fs::read_to_string(&self.stats)
-            .ok()
-            .and_then(|s| serde_json::from_str(&s).ok());
-        let _ = std::fs::remove_file(&self.stats);
-        (status.and_then(|s| s.code()), stderr, self.lines, stats)
-    }
-}
-
-fn first(lines: &[Line], needle: &str) -> Option<f64> {
-    lines.iter().find(|l| l.text.contains(needle)).map(|l| l.t)
-}
-
 /// A counter from Lucid's stats JSON by dotted path (`blk0.requests`), 0 when absent.
 fn counter(stats: &Option<Value>, path: &str) -> u64 {
     let Some(s) = stats else { return 0 };
@@ -932,6 +770,36 @@ fn tail(lines: &[Line], n: usize) -> Vec<String> {
         .collect()
 }
 
+/// `lucid run` arguments: the kernel, 128 MiB, `disks` (path, read-only) in order as vda, vdb,
+/// .., a NIC on the tap when `net`, every device on the rung asked for, then the user's extras.
+fn run_args(
+    args: &Args,
+    initrd: Option<&Path>,
+    disks: &[(&Path, bool)],
+    net: bool,
+    cmdline: String,
+) -> Vec<String> {
+    let rung = &args.rung;
+    let mut run: Vec<String> = vec!["--kernel".into(), args.kernel.display().to_string()];
+    if let Some(i) = initrd {
+        run.extend(["--initrd".into(), i.display().to_string()]);
+    }
+    run.extend(["--memory".into(), "128".into()]);
+    for (path, ro) in disks {
+        let ro = if *ro { ",ro=on" } else { "" };
+        run.extend([
+            "--blk".into(),
+            format!("path={}{ro},rung={rung}", path.display()),
+        ]);
+    }
+    if net {
+        run.extend(["--net".into(), format!("backend=tap:{TAP},rung={rung}")]);
+    }
+    run.extend(["--cmdline".into(), cmdline]);
+    run.extend(args.extra.iter().cloned());
+    run
+}
+
 /// Boot 1: ext2 root on vda, GPT disk on vdb, NIC on the tap; no system call anywhere.
 fn first_boot(
     args: &Args,
@@ -941,32 +809,23 @@ fn first_boot(
 ) -> Result<(), String> {
     let root = ext2_root(work)?;
     let gpt = gpt_disk(work)?;
-    let rung = &args.rung;
     let mut cmdline = String::from(
         "console=ttyS0 earlyprintk=serial reboot=k panic=-1 root=/dev/vda ro rootfstype=ext2 \
          init=/sbin/init",
     );
-    let mut run: Vec<String> = vec![
-        "--kernel".into(),
-        args.kernel.display().to_string(),
-        "--memory".into(),
-        "128".into(),
-        "--blk".into(),
-        format!("path={},ro=on,rung={rung}", root.display()),
-        "--blk".into(),
-        format!("path={},ro=on,rung={rung}", gpt.display()),
-    ];
     if ns.is_some() {
-        run.push("--net".into());
-        run.push(format!("backend=tap:{TAP},rung={rung}"));
         cmdline += &format!(
             " ip={GUEST_IP}::{HOST_IP}:255.255.255.0::eth0:off \
              netconsole=@{GUEST_IP}/eth0,{NETCONSOLE_PORT}@{HOST_IP}/"
         );
     }
-    run.push("--cmdline".into());
-    run.push(cmdline);
-    run.extend(args.extra.iter().cloned());
+    let run = run_args(
+        args,
+        None,
+        &[(&root, true), (&gpt, true)],
+        ns.is_some(),
+        cmdline,
+    );
 
     let stop = Arc::new(AtomicBool::new(false));
     let netcon = Arc::new(Mutex::new(Vec::new()));
@@ -978,7 +837,7 @@ fn first_boot(
     let mut boot = Boot::start(
         &args.lucid,
         &run,
-        ns,
+        ns.map(|n| &n.fd),
         work.path("stats1.json"),
         args.log.as_deref(),
     )?;
@@ -1201,31 +1060,14 @@ fn userspace_boot(
     std::fs::write(&vda, &data).map_err(|e| format!("data disk: {e}"))?;
     std::fs::write(&vdb, vec![0u8; data.len()]).map_err(|e| format!("scratch disk: {e}"))?;
     let want = sha256_of(&vda)?;
-    let rung = &args.rung;
-    let mut run: Vec<String> = vec![
-        "--kernel".into(),
-        args.kernel.display().to_string(),
-        "--initrd".into(),
-        initrd.display().to_string(),
-        "--memory".into(),
-        "128".into(),
-        "--blk".into(),
-        format!("path={},ro=on,rung={rung}", vda.display()),
-        "--blk".into(),
-        format!("path={},rung={rung}", vdb.display()),
-    ];
-    if ns.is_some() {
-        run.push("--net".into());
-        run.push(format!("backend=tap:{TAP},rung={rung}"));
-    }
-    run.push("--cmdline".into());
-    run.push("console=ttyS0 earlyprintk=serial reboot=k panic=-1 rdinit=/init".into());
-    run.extend(args.extra.iter().cloned());
+    let cmdline = "console=ttyS0 earlyprintk=serial reboot=k panic=-1 rdinit=/init".to_string();
+    let disks = [(vda.as_path(), true), (vdb.as_path(), false)];
+    let run = run_args(args, Some(&initrd), &disks, ns.is_some(), cmdline);
     let log = args.log.as_ref().map(|p| p.with_extension("userspace.log"));
     let mut boot = Boot::start(
         &args.lucid,
         &run,
-        ns,
+        ns.map(|n| &n.fd),
         work.path("stats2.json"),
         log.as_deref(),
     )?;
