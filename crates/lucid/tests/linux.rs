@@ -312,7 +312,11 @@ fn small_linux_on(rung: &str) {
 
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
-    if root {
+    let net_skipped = report["net_skipped_because"].as_str().unwrap_or_default();
+    if root && net_skipped.starts_with("cannot make a tap") {
+        // A host without tap support: only the network part is skipped.
+        println!("  network checks skipped: {net_skipped}");
+    } else if root {
         assert_eq!(report["net"], "ok", "{why}");
         assert_eq!(report["icmp"]["replies"], 5, "{why}");
         assert!(
