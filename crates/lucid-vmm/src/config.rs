@@ -238,7 +238,8 @@ fn parse_mac(v: &str) -> Result<[u8; 6], String> {
     }
     let mut mac = [0u8; 6];
     for (m, p) in mac.iter_mut().zip(parts) {
-        if p.len() != 2 {
+        // from_str_radix alone would take a sign: "+2" is not a hex byte.
+        if p.len() != 2 || !p.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(bad());
         }
         *m = u8::from_str_radix(p, 16).map_err(|_| bad())?;
@@ -312,6 +313,8 @@ mod tests {
             "backend=sink,mac=zz:00:00:00:00:00",
             "backend=sink,mac=1:2:3",
             "backend=sink,rung=L5",
+            // Found by fuzzing (cli_devices): a sign is not a hex digit.
+            "mac=+2:00:00:00:00:01,backend=tap:0",
         ] {
             assert!(parse_net(bad, 0).is_err(), "{bad}");
         }
