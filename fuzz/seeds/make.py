@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Writes the seeds of the register-level fuzz targets (pci_config, virtio_pci, virtqueue) in the
+16-byte access encoding of fuzz/src/lib.rs. Run from fuzz/: python3 seeds/make.py"""
+import os
+import struct
+
+
+def acc(kind, size=4, write=False, sel=0, addr=0, val=0):
+    flags = {1: 0, 2: 1, 4: 2, 8: 3}[size] | (4 if write else 0)
+    return struct.pack("<BBHIQ", kind, flags, sel, addr & 0xffffffff, val & (2**64 - 1))
+
+
+def save(target, name, records):
+    os.makedirs(f"seeds/{target}", exist_ok=True)
+    with open(f"seeds/{target}/{name}", "wb") as f:
+        f.write(b"".join(records))
+
+
+# pci_config: kind 0 = CF8 write, 1 = port 0xCF8 + sel, 2 = ECAM at addr, 3 = BAR sel of dev sel>>8.
+def cf8(slot, reg):
+    return acc(0, write=True, val=0x8000_0000 | slot << 11 | reg)
+
+
+def cfc_read(size=4, byte=0):
+    return acc(1, size=size, sel=4 + byte)
+
+
+def cfc_write(val, size=4, byte=0):
+    return acc(1, size=size, write=True, sel=4 + byte, val=val)
+
+
+def ecam(slot, reg, size=4, write=False, val=0):
+    return acc(2, size=size, write=write, addr=slot << 15 | reg, val=val)
+
+
+# A firmware's enumeration through 0xCF8/0xCFC: IDs, then each BAR sized and programmed.
+enum = []
+for slot in range(4):
+    enum += [cf8(slot, 0), cfc_read()]
+for slot in (1, 2):
+    for bar in range(6):
+        enum += [cf8(slot, 0x10 + 4 * bar), cfc_write(0xffffffff), cfc_read(),
+                 cfc_write(0xc0800000 + 0x100000 * bar + 0x200000 * slot)]
+    enum += [cf8(slot, 0x04), cfc_write(0x0007, size=2)]
+save("pci_config", "enumerate-cf8", enum)
+
+# The same through ECAM, with the capability list walked and MSI-X enabled, then an MSI-X entry
+# written through BAR 1 and unmasked, the PBA read, and a BAR moved.
+msix = [ecam(1, 0x34, size=1), ecam(1, 0x40, size=2), ecam(1, 0x50, size=4)]
+msix += [ecam(1, 0x52, size=2, write=True, val=0xc000), ecam(1, 0x52, size=2, write=True, val=0x8000)]
+msix += [acc(3, sel=1, addr=0, write=True, val=0xfee00000), acc(3, sel=1, addr=4, write=True, val=0),
+         acc(3, sel=1, addr=8, write=True, val=0x4041), acc(3, sel=1, addr=12, write=True, val=0),
+         acc(3, size=8, sel=1, addr=16, write=True, val=0xfee01000),
+         acc(3, sel=1, addr=0x800, size=8), acc(3, sel=1, addr=12)]
+msix += [ecam(1, 0x14, write=True, val=0xc0f00000), ecam(1, 0x14), acc(3, sel=1, addr=12)]
+msix += [ecam(2, 0x20, write=True, val=0xffffffff), ecam(2, 0x24, write=True, val=0xffffffff),
+         ecam(2, 0x20), ecam(2, 0x24), ecam(2, 0x20, write=True, val=0xc0e00000),
+         ecam(2, 0x24, write=True, val=0), acc(3, sel=0x104, addr=0x10, size=8, write=True, val=7)]
+save("pci_config", "msix-ecam", msix)
+
+
+# virtio_pci: kind 0 = CF8 write, 1 = port,
+# 2 = ECAM (bus 0), 3 = BAR sel at addr, 4 = the device raises queue sel's interrupt.
+def common(off, val=None, size=4):
+    return acc(3, size=size, write=val is not None, sel=4, addr=off, val=val or 0)
+
+
+def driver_init(queues=((0, 256, 0x10000), (1, 64, 0x20000)), features_hi=1, msix=True):
+    r = [ecam(1, 0x34, size=1), ecam(1, 0x40), ecam(1, 0x9a, size=2)]
+    if msix:
+        r += [ecam(1, 0x9a, size=2, write=True, val=0x8000)]
+        for v in range(3):
+            r += [acc(3, sel=1, addr=16 * v, write=True, val=0xfee00000),
+                  acc(3, sel=1, addr=16 * v + 8, write=True, val=0x40 + v),
+                  acc(3, sel=1, addr=16 * v + 12, write=True, val=0)]
+    r += [common(0x14, 0, size=1), common(0x14, 1, size=1), common(0x14, 3, size=1)]
+    r += [common(0x00, 0), common(0x04), common(0x00, 1), common(0x04)]
+    r += [common(0x08, 0), common(0x0c, 0x20000020), common(0x08, 1), common(0x0c, features_hi)]
+    r += [common(0x14, 0xb, size=1), common(0x14, size=1), common(0x10, 2, size=2)]
+    for q, size, base in queues:
+        r += [common(0x16, q, size=2), common(0x18, size=2), common(0x18, size, size=2),
+              common(0x1a, q, size=2), common(0x20, base, size=8), common(0x28, base + 0x1000),
+              common(0x2c, 0), common(0x30, base + 0x2000, size=8), common(0x1c, 1, size=2)]
+    r += [common(0x14, 0xf, size=1), common(0x14, size=1)]
+    return r
+
+
+run = driver_init() + [acc(3, sel=4, addr=0x3000, write=True, val=0), acc(4, sel=0),
+                       acc(4, sel=1), acc(4, sel=0xffff), acc(3, size=1, sel=4, addr=0x1000),
+                       acc(3, sel=4, addr=0x2000, size=8), acc(3, sel=4, addr=0x2000, write=True, val=2),
+                       common(0x14, size=1), common(0x14, 0, size=1)]
+save("virtio_pci", "driver-init-msix", run)
+save("virtio_pci", "driver-init-intx", driver_init(msix=False) + [acc(4, sel=0),
+                                                                        acc(3, size=1, sel=4, addr=0x1000)])
+# Refused: features without VERSION_1, rings outside RAM; then a BAR move and the PCI_CFG window.
+bad = driver_init(queues=((0, 256, 0x7ff000),), features_hi=0) + driver_init(queues=((1, 64, 0x1ff000),))
+bad += [ecam(1, 0x20, write=True, val=0xc0c00000), ecam(1, 0x24, write=True, val=0),
+        ecam(1, 0x88, size=1, write=True, val=4), ecam(1, 0x8c, write=True, val=0x14),
+        ecam(1, 0x90, write=True, val=1), ecam(1, 0x94), ecam(1, 0x94, write=True, val=0)]
+save("virtio_pci", "refused-and-moved", bad)
