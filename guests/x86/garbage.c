@@ -8,6 +8,8 @@
  *   0x64       i8042: 0xfe pulses the reset line
  *   0x92       port A: bit 0 is a fast reset
  *   0xcf9      reset control register (PIIX/ICH)
+ *   the FADT's PM1a control block (0x604-0x605 under Lucid and q35):
+ *              SLP_TYP|SLP_EN powers the machine off
  *   0x510-0x51b QEMU fw_cfg (its DMA register writes guest memory), only
  *              when not running under Lucid
  * The UART is reset afterwards (garbage may set DLAB or loopback) and the
@@ -31,6 +33,9 @@ static const struct { u32 first, last; int qemu_only; } skip[] = {
 	{ 0x510, 0x51b, 1 },
 };
 
+/* the FADT's PM1a control block, [pm1a_cnt, pm1a_cnt + len) */
+static u32 pm1a_cnt, pm1a_cnt_len;
+
 /* does an access of size bytes at port p touch a skipped port? */
 static int skip_port(u32 p, u32 size, int lucid)
 {
@@ -38,7 +43,7 @@ static int skip_port(u32 p, u32 size, int lucid)
 		if (p <= skip[i].last && p + size - 1 >= skip[i].first &&
 		    !(lucid && skip[i].qemu_only))
 			return 1;
-	return 0;
+	return pm1a_cnt_len && p < pm1a_cnt + pm1a_cnt_len && p + size > pm1a_cnt;
 }
 
 int main(void)
@@ -49,6 +54,11 @@ int main(void)
 	u32 sink = 0;
 
 	rng ^= param_u64("seed", 1);
+	const u8 *fadt = acpi_find_table("FACP");
+	if (fadt) {
+		pm1a_cnt = *(const u32 *)(fadt + 64);
+		pm1a_cnt_len = fadt[89];
+	}
 	printf("garbage: writing to every I/O port and across the MMIO hole\n");
 	if (param_u64("ports", 1)) {
 		u32 first = param_u64("port_first", 0), last = param_u64("port_last", 0xffff);

@@ -6,7 +6,9 @@
  * 22-1514), count=1000, mode=irq|poll (irq), qd=32 (tx: frames in flight;
  * rr is always one), qsize=256, event_idx=1, rxbufs=64, timeout_ms=2000,
  * mac=52:54:00:12:34:56 (used when the device offers no MAC), dst=
- * (destination MAC, default our own), dev=0.
+ * (destination MAC, default our own), dev=0, preempt_us=0 (rr: spin this
+ * long between reaping tx completions and looking for the reply, as a vCPU
+ * preempted there would: the reply then overtakes its tx completion).
  *
  * Frames: dst, src = our MAC, ethertype 0x88b5 (local experimental), then
  * u32 sequence number, u32 0x4c554349 ('LUCI'), then bytes derived from the
@@ -23,7 +25,9 @@
  *
  * Prints "virtio-net mac=... features=..." then "virtio-net op=.. size=..
  * packets=N bytes=B tsc=T pps=X kicks=K irqs=I mismatches=M" and
- * "virtio-net detail: ...". Exit 0; 1 on mismatch or timeout; 2 setup.
+ * "virtio-net detail: ..." (overtaken = replies seen before their tx
+ * completion; work_tsc = TSC ticks spent building and checking frames). On a timeout it prints both rings' indices and event fields.
+ * Exit 0; 1 on mismatch or timeout; 2 setup.
  */
 #include "libcflat.h"
 #include "virtio.h"
@@ -38,6 +42,10 @@ static struct virtq *rxq, *txq;
 static u8 mac[6], dst[6];
 static u8 **rxbuf, **txbuf;
 static u64 timeout_tsc, mismatches, other, received;
+/* rr: replies seen before their request's tx completion; preempt_us as ticks */
+static u64 overtaken, preempt_tsc;
+/* rr and tx: TSC ticks spent building and checking frames (the guest's own CPL3 work) */
+static u64 work_tsc;
 
 static void parse_mac(const char *s, u8 *m)
 {
@@ -67,22 +75,63 @@ static void post_rx_buf(u16 b)
 	vq_push(rxq, head);
 }
 
+/* the frame's first 22 bytes: addresses, ethertype, sequence number, magic */
+static void frame_head(u8 *h, u64 seq)
+{
+	memcpy(h, dst, 6);
+	memcpy(h + 6, mac, 6);
+	h[12] = ETHERTYPE >> 8;
+	h[13] = ETHERTYPE & 0xff;
+	u32 s32 = seq, m = MAGIC;
+	memcpy(h + 14, &s32, 4);
+	memcpy(h + 18, &m, 4);
+}
+
+/* the payload: xorshift64 of the sequence number, 8 bytes per step (a step per byte cost
+ * ~6 us per 1500-byte round trip at CPL3, most of an L4p round trip) */
+static u64 payload_word(u64 *x)
+{
+	*x ^= *x << 13;
+	*x ^= *x >> 7;
+	*x ^= *x << 17;
+	return *x;
+}
+
+#define PAYLOAD 22
+
 static void build(u8 *f, u64 seq, u64 size)
 {
-	memcpy(f, dst, 6);
-	memcpy(f + 6, mac, 6);
-	f[12] = ETHERTYPE >> 8;
-	f[13] = ETHERTYPE & 0xff;
-	u32 s32 = seq, m = MAGIC;
-	memcpy(f + 14, &s32, 4);
-	memcpy(f + 18, &m, 4);
-	u64 x = seq * 0x9e3779b97f4a7c15ull + 1;
-	for (u64 i = 22; i < size; i++) {
-		x ^= x << 13;
-		x ^= x >> 7;
-		x ^= x << 17;
-		f[i] = x;
+	frame_head(f, seq);
+	u64 x = seq * 0x9e3779b97f4a7c15ull + 1, i = PAYLOAD;
+	for (; i + 8 <= size; i += 8) {
+		u64 v = payload_word(&x);
+		__builtin_memcpy(f + i, &v, 8);
 	}
+	u64 v = payload_word(&x);
+	for (; i < size; i++, v >>= 8)
+		f[i] = v;
+}
+
+/* offset of the first byte of f[0..size) that differs from build(seq, size), or size */
+static u64 check(const u8 *f, u64 seq, u64 size)
+{
+	u8 h[PAYLOAD];
+	frame_head(h, seq);
+	for (u64 i = 0; i < PAYLOAD; i++)
+		if (f[i] != h[i])
+			return i;
+	u64 x = seq * 0x9e3779b97f4a7c15ull + 1, i = PAYLOAD;
+	for (; i + 8 <= size; i += 8) {
+		u64 v = payload_word(&x), got;
+		__builtin_memcpy(&got, f + i, 8);
+		if (got != v)
+			return i + __builtin_ctzll(got ^ v) / 8;
+	}
+	u64 v = payload_word(&x);
+	for (; i < size; i++, v >>= 8)
+		if (f[i] != (u8)v)
+			return i;
+	return size;
 }
 
 /* wait until one of the queues has used entries; -1 on timeout */
@@ -101,9 +150,31 @@ static int wait_any(struct virtq *a, struct virtq *b)
 		} else {
 			cpu_relax();
 		}
-		if (rdtsc() - t0 > timeout_tsc)
-			return -1;
+		if (rdtsc() - t0 > timeout_tsc)	/* late is not lost: look once more */
+			return (a && vq_has_used(a)) || (b && vq_has_used(b)) ? 0 : -1;
 	}
+}
+
+static void spin_tsc(u64 ticks)
+{
+	u64 t0 = rdtsc();
+	while (ticks && rdtsc() - t0 < ticks)
+		cpu_relax();
+}
+
+static void dump_q(const char *n, struct virtq *q)
+{
+	printf("virtio-net: %s used.idx=%u last_used=%u avail.idx=%u used_event=%u avail_event=%u "
+	       "used.flags=%u avail.flags=%u\n", n, q->used->idx, q->last_used, q->avail->idx,
+	       *(volatile u16 *)&q->avail->ring[q->size],
+	       *(volatile u16 *)((u64)q->used + 4 + 8ul * q->size), q->used->flags, q->avail->flags);
+}
+
+static void dump_queues(void)
+{
+	dump_q("rx", rxq);
+	dump_q("tx", txq);
+	printf("virtio-net: irq_count=%lu pending=%d\n", this_cpu()->irq_count, irq_pending());
 }
 
 /* reclaim transmitted buffers; returns how many */
@@ -360,6 +431,7 @@ int main(void)
 	}
 	u64 k = tsc_khz() ? tsc_khz() : 3000000;
 	timeout_tsc = param_u64("timeout_ms", 2000) * k;
+	preempt_tsc = param_u64("preempt_us", 0) * k / 1000;
 
 	if (virtio_probe(&dev, VIRTIO_DEV_NET, param_u64("dev", 0)))
 		return 2;
@@ -426,8 +498,10 @@ int main(void)
 			int head = vq_alloc_chain(txq, 1);
 			if (head < 0)
 				break;
+			u64 w0 = rdtsc();
 			memset(txbuf[head], 0, NET_HDR);
 			build(txbuf[head] + NET_HDR, sent, size);
+			work_tsc += rdtsc() - w0;
 			txq->desc[head].addr = (u64)txbuf[head];
 			txq->desc[head].len = NET_HDR + size;
 			txq->desc[head].flags = 0;
@@ -463,11 +537,26 @@ int main(void)
 
 		/* request-response: wait for the echo of packet `done` */
 		reap_tx();
+		if (sent == done) {
+			/* The last reply was seen before its request's tx completion (the device
+			 * completes tx first, but both can land between reap_tx and vq_pop), so
+			 * the send above was held back: send now, there is no reply to wait for. */
+			overtaken++;
+			if (inflight && wait_any(txq, NULL)) {
+				printf("virtio-net: no tx completion (timeout) packet=%lu\n", done);
+				dump_queues();
+				rc = 1;
+				break;
+			}
+			continue;
+		}
+		spin_tsc(preempt_tsc);
 		u32 len;
 		int id = vq_pop(rxq, &len);
 		if (id < 0) {
 			if (wait_any(rxq, NULL)) {
 				printf("virtio-net: no reply (timeout) packet=%lu\n", done);
+				dump_queues();
 				rc = 1;
 				break;
 			}
@@ -488,17 +577,12 @@ int main(void)
 			vq_kick(rxq);
 			continue;
 		}
-		u8 expect[1514];
-		build(expect, done, size);
-		int bad = flen < size;
-		u64 off = 0;
-		for (; !bad && off < size; off++)
-			if (f[off] != expect[off])
-				bad = 1;
-		if (bad) {
+		u64 w0 = rdtsc();
+		u64 off = check(f, done, flen < size ? flen : size);
+		work_tsc += rdtsc() - w0;
+		if (flen < size || off < size) {
 			if (mismatches < 10)
-				printf("MISMATCH packet=%lu len=%lu offset=%lu\n", done, flen,
-				       off ? off - 1 : 0);
+				printf("MISMATCH packet=%lu len=%lu offset=%lu\n", done, flen, off);
 			mismatches++;
 		}
 		post_rx_buf(bi);
@@ -517,9 +601,9 @@ int main(void)
 	       tsc_khz() && t ? fmt_milli(b, rate_milli(done, t)) : "unknown",
 	       rxq->kicks + txq->kicks, irqs, mismatches);
 	printf("virtio-net detail: mode=%s event_idx=%d tx_kicks=%lu rx_kicks=%lu "
-	       "kicks_suppressed=%lu received=%lu other=%lu status=%#x\n",
+	       "kicks_suppressed=%lu received=%lu other=%lu overtaken=%lu work_tsc=%lu status=%#x\n",
 	       txq->poll ? "poll" : "irq", txq->event_idx, txq->kicks, rxq->kicks,
-	       txq->kicks_suppressed + rxq->kicks_suppressed, received, other,
-	       virtio_status(&dev));
+	       txq->kicks_suppressed + rxq->kicks_suppressed, received, other, overtaken,
+	       work_tsc, virtio_status(&dev));
 	return rc || mismatches ? 1 : 0;
 }

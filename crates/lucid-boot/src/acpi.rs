@@ -1,45 +1,60 @@
-//! ACPI tables: RSDP (v2) -> XSDT -> FADT (-> DSDT), MADT, and MCFG when PCIe ECAM is configured.
+//! ACPI tables: RSDP (v2) -> XSDT -> FADT (-> FACS, DSDT), MADT, and MCFG when PCIe ECAM is
+//! configured.
 //!
 //! Written into the BIOS area at [`ACPI_START`] with the RSDP first (16-byte aligned), so that a
-//! legacy scan of 0xe0000..0x100000 finds it as well as the address passed in the boot info.
+//! legacy scan of 0xe0000..0x100000 finds it as well as the address passed in the boot info. A
+//! kernel that loads into the BIOS area pushes the RSDP to the next free 16 bytes there, and the
+//! tables, if they no longer fit, into free low RAM (reserved in the memory map).
 //!
-//! # FADT choice: hardware-reduced ACPI
+//! # FADT: full ACPI with PM1a blocks and a PM timer (default), or hardware-reduced
 //!
-//! The FADT (revision 6.5) sets `HW_REDUCED_ACPI`, like Firecracker, Cloud Hypervisor and QEMU's
-//! microvm. Lucid has no PM1/PM-timer/GPE blocks and no SMI command port; a full (non-reduced)
-//! FADT without them makes ACPICA report missing required registers and makes Linux install an
-//! SCI handler on registers at address 0. With hardware-reduced ACPI Linux skips all of that, and
-//! on x86 it also uses the null legacy PIC and does not set up the PIT as a clock event; it runs
-//! on the local APIC timer (calibrated against the TSC / kvm-clock), and takes ISA interrupts
-//! through the I/O APIC with the GSIs from the DSDT `_CRS` resources. The legacy devices are
-//! still found:
+//! With [`AcpiConfig::pm`] (the default) the FADT describes ACPI fixed hardware as QEMU's q35
+//! does, at the ICH9 PM base 0x600 ([`ports::ACPI_PM_BASE`]; the VMM registers the device,
+//! `lucid_devices::AcpiPm`): PM1a event block 0x600 (4 bytes), PM1a control 0x604 (2), PM timer
+//! 0x608 (4, 32-bit: `TMR_VAL_EXT`), no GPE block, no SMI command port (always in ACPI mode:
+//! `SCI_EN` reads 1), SCI on IRQ 9 (level, active high, the MADT override) routed through the
+//! IOAPIC, a FACS (global lock, waking vector), and `\_S5_` in the DSDT ([`SLP_TYP_S5`]).
+//! Sleep states S1-S4 are not offered (no `_S3_`/`_S4_`): the device refuses them with a logged
+//! warning. Flags: WBINVD, PROC_C1, power and sleep buttons as control methods (no fixed-feature
+//! buttons), FIX_RTC (no RTC wake status), TMR_VAL_EXT; C2/C3 latencies say "not supported".
+//! A guest then takes the PC path: Linux uses the 8259 PIC and the PIT early (KVM's in-kernel
+//! ones), installs its SCI handler on IRQ 9 and registers the `acpi_pm` clocksource.
+//!
+//! Without it the FADT is hardware-reduced (`HW_REDUCED_ACPI`, like Firecracker, Cloud
+//! Hypervisor and QEMU's microvm): no fixed hardware at all, Linux uses the null legacy PIC and
+//! the local APIC timer. Either way:
 //!
 //! - `IAPC_BOOT_ARCH` has the 8042 bit (and the DSDT has a `PNP0303` device), so `i8042` probes
 //!   ports 0x60/0x64 (`reboot=k` works through it); VGA-not-present and PCIe-ASPM-controls are set.
 //! - COM1 is a `PNP0501` device with I/O 0x3f8-0x3ff and IRQ 4, which `8250_pnp` binds.
-//! - The PIT (ports 0x40-0x43) is not described and Linux does not register it as a clock event
-//!   device on a hardware-reduced platform; the guest still may program it directly.
 //!
-//! If a guest ever needs the PIT/8259 path, switch to a full FADT: that needs PM1a event/control
-//! and PM timer blocks emulated by the VMM (QEMU's q35 style), not just a flag flip.
-//!
-//! The MADT still has the `PCAT_COMPAT` flag and the interrupt source overrides IRQ0 -> GSI2 and
-//! IRQ9 level/active-high that KVM's in-kernel irqchip routing (and a non-reduced guest) expects.
+//! The MADT has the `PCAT_COMPAT` flag and the interrupt source overrides IRQ0 -> GSI2 and
+//! IRQ9 level/active-high that KVM's in-kernel irqchip routing (and the SCI) expect.
 
 use acpi_tables::aml::{
-    AddressSpace, AddressSpaceCacheable, Device, EISAName, Interrupt, Name, Path, ResourceTemplate,
-    Scope, IO,
+    AddressSpace, AddressSpaceCacheable, Device, EISAName, Interrupt, Name, Package, Path,
+    ResourceTemplate, Scope, IO,
 };
+use acpi_tables::facs::FACS;
 use acpi_tables::fadt::{FADTBuilder, Flags};
+use acpi_tables::gas::{AccessSize, AddressSpace as GasSpace, GAS};
+use acpi_tables::madt::{
+    EnabledStatus, IoApic, LocalInterruptController, ProcessorLocalApic, MADT,
+};
 use acpi_tables::mcfg::MCFG;
 use acpi_tables::rsdp::Rsdp;
 use acpi_tables::sdt::Sdt;
 use acpi_tables::xsdt::XSDT;
-use acpi_tables::Aml;
+use acpi_tables::{Aml, AmlSink};
 use vm_memory::GuestMemoryMmap;
+use zerocopy::{Immutable, IntoBytes};
 
+use std::ops::Range;
+
+use crate::area::BootArea;
 use crate::layout::{
-    ports, ACPI_END, ACPI_START, IOAPIC_START, LAPIC_START, PCI_MMIO_END, PCI_MMIO_START,
+    ports, ACPI_END, ACPI_SCI_IRQ, ACPI_START, EBDA_START, IOAPIC_START, LAPIC_START, PCI_MMIO_END,
+    PCI_MMIO_START,
 };
 use crate::loader::write_bytes;
 use crate::BootError;
@@ -60,7 +75,15 @@ pub struct AcpiConfig {
     pub com1: bool,
     /// Describe the i8042 (0x60/0x64, IRQ 1) in the DSDT and set the 8042 boot flag.
     pub i8042: bool,
+    /// A full FADT with PM1a event/control blocks, the PM timer, the SCI, a FACS and `\_S5_`
+    /// (the VMM must register `lucid_devices::AcpiPm` at [`ports::ACPI_PM_BASE`]); `false` gives
+    /// a hardware-reduced FADT.
+    pub pm: bool,
 }
+
+/// The SLP_TYP value of S5 (soft off) in `\_S5_`, as QEMU's PIIX4 and ICH9 PM use it, so that
+/// a guest written for q35 (`outw(0x604, 0x2000)`) powers off Lucid too.
+pub const SLP_TYP_S5: u8 = 0;
 
 impl AcpiConfig {
     /// `vcpus` vCPUs with COM1 and the i8042, no PCI.
@@ -70,6 +93,7 @@ impl AcpiConfig {
             pci_ecam: None,
             com1: true,
             i8042: true,
+            pm: true,
         }
     }
 }
@@ -78,6 +102,8 @@ impl AcpiConfig {
 const IAPC_8042: u16 = 1 << 1;
 const IAPC_VGA_NOT_PRESENT: u16 = 1 << 2;
 const IAPC_PCIE_ASPM_CONTROLS: u16 = 1 << 4;
+/// CMOS register with the century (BCD), which the RTC (`lucid_devices::Cmos`) keeps.
+const CMOS_CENTURY: u8 = 0x32;
 /// MADT flag: the system also has dual 8259s.
 const MADT_PCAT_COMPAT: u32 = 1;
 
@@ -157,35 +183,99 @@ fn dsdt_aml(cfg: &AcpiConfig) -> Vec<u8> {
     to_bytes(&Scope::new(Path::new("\\_SB_"), children))
 }
 
-fn madt(cfg: &AcpiConfig) -> Vec<u8> {
-    let mut t = Sdt::new(*b"APIC", 44, 5, OEM_ID, table_id(b"APIC"), OEM_REVISION);
-    t.write_u32(36, LAPIC_START as u32);
-    t.write_u32(40, MADT_PCAT_COMPAT);
-    for i in 0..cfg.vcpus {
-        // Processor Local APIC: type 0, len 8, UID, APIC ID, flags (enabled).
-        t.append_slice(&[0, 8, i, i, 1, 0, 0, 0]);
+/// The DSDT's sleep-state objects at root scope: `\_S5_` = {SLP_TYPa, SLP_TYPb, 0, 0} when the
+/// PM1 blocks exist. S1-S4 are not offered: Lucid cannot suspend (`lucid_devices::AcpiPm`).
+fn sleep_states_aml(cfg: &AcpiConfig) -> Vec<u8> {
+    if !cfg.pm {
+        return Vec::new();
     }
-    // I/O APIC: type 1, len 12, ID, reserved, address, GSI base.
-    let mut ioapic = vec![1, 12, cfg.vcpus, 0];
-    ioapic.extend_from_slice(&(IOAPIC_START as u32).to_le_bytes());
-    ioapic.extend_from_slice(&0u32.to_le_bytes());
-    t.append_slice(&ioapic);
-    // Interrupt Source Overrides: type 2, len 10, bus 0 (ISA), source IRQ, GSI, MPS flags.
-    for (irq, gsi, flags) in [(0u8, 2u32, 0u16), (9, 9, 0x000d)] {
-        let mut iso = vec![2, 10, 0, irq];
-        iso.extend_from_slice(&gsi.to_le_bytes());
-        iso.extend_from_slice(&flags.to_le_bytes());
-        t.append_slice(&iso);
-    }
-    // Local APIC NMI: type 4, len 6, all processors (0xff), flags, LINT1.
-    t.append_slice(&[4, 6, 0xff, 0, 0, 1]);
-    t.as_slice().to_vec()
+    let zero = 0u8;
+    let s5 = Package::new(vec![&SLP_TYP_S5, &SLP_TYP_S5, &zero, &zero]);
+    to_bytes(&Name::new(Path::new("_S5_"), &s5))
 }
 
-fn fadt(cfg: &AcpiConfig, dsdt: u64) -> Vec<u8> {
+/// MADT Interrupt Source Override (type 2), which acpi_tables 0.2 does not have.
+#[repr(C, packed)]
+#[derive(Clone, Copy, IntoBytes, Immutable)]
+struct InterruptSourceOverride {
+    r#type: u8,
+    length: u8,
+    bus: u8,
+    source: u8,
+    gsi: u32,
+    flags: u16,
+}
+
+/// MADT Local APIC NMI (type 4), which acpi_tables 0.2 does not have.
+#[repr(C, packed)]
+#[derive(Clone, Copy, IntoBytes, Immutable)]
+struct LocalApicNmi {
+    r#type: u8,
+    length: u8,
+    processor_uid: u8,
+    flags: u16,
+    lint: u8,
+}
+
+acpi_tables::aml_as_bytes!(InterruptSourceOverride);
+acpi_tables::aml_as_bytes!(LocalApicNmi);
+
+/// MPS INTI flags of the IRQ 9 override: active high (01), level-triggered (11).
+const INTI_LEVEL_HIGH: u16 = 0x000d;
+/// Offsets in the MADT header: checksum, flags.
+const SDT_CHECKSUM: usize = 9;
+const MADT_FLAGS: usize = 40;
+
+fn madt(cfg: &AcpiConfig) -> Vec<u8> {
+    let lapic = LocalInterruptController::Address(LAPIC_START as u32);
+    let mut t = MADT::new(OEM_ID, table_id(b"APIC"), OEM_REVISION, lapic);
+    for i in 0..cfg.vcpus {
+        t.add_structure(ProcessorLocalApic::new(i, i, EnabledStatus::Enabled));
+    }
+    t.add_structure(IoApic::new(cfg.vcpus, IOAPIC_START as u32, 0));
+    // ISA IRQ 0 -> GSI 2 (the PIT on the IOAPIC), IRQ 9 (the SCI) level, active high.
+    for (source, gsi, flags) in [(0u8, 2u32, 0u16), (ACPI_SCI_IRQ, 9, INTI_LEVEL_HIGH)] {
+        t.add_structure(InterruptSourceOverride {
+            r#type: 2,
+            length: 10,
+            bus: 0,
+            source,
+            gsi,
+            flags,
+        });
+    }
+    // NMI on LINT1 of every processor (UID 0xff).
+    t.add_structure(LocalApicNmi {
+        r#type: 4,
+        length: 6,
+        processor_uid: 0xff,
+        flags: 0,
+        lint: 1,
+    });
+    let mut bytes = to_bytes(&t);
+    // acpi_tables 0.2 has no setter for the MADT flags: set PCAT_COMPAT (dual 8259s present)
+    // and fix the checksum by the bytes added.
+    bytes[MADT_FLAGS..MADT_FLAGS + 4].copy_from_slice(&MADT_PCAT_COMPAT.to_le_bytes());
+    let sum = bytes.iter().fold(0u8, |a, b| a.wrapping_add(*b));
+    bytes[SDT_CHECKSUM] = bytes[SDT_CHECKSUM].wrapping_sub(sum);
+    bytes
+}
+
+/// The FACS (version 2): no hardware signature, waking vector 0 (Lucid does not resume).
+fn facs() -> Vec<u8> {
+    let mut f = FACS::new();
+    f.version = 2;
+    to_bytes(&f)
+}
+
+/// An I/O-port register block for the FADT's extended (GAS) fields.
+fn io_gas(port: u16, len: u8, access: AccessSize) -> GAS {
+    GAS::new(GasSpace::SystemIo, len * 8, 0, access, u64::from(port))
+}
+
+fn fadt(cfg: &AcpiConfig, dsdt: u64, facs: Option<u64>) -> Vec<u8> {
     let mut f = FADTBuilder::new(OEM_ID, table_id(b"FACP"), OEM_REVISION)
         .dsdt_64(dsdt)
-        .flag(Flags::HwReducedAcpi)
         .flag(Flags::PwrButton)
         .flag(Flags::SlpButton);
     let mut iapc = IAPC_VGA_NOT_PRESENT | IAPC_PCIE_ASPM_CONTROLS;
@@ -193,19 +283,62 @@ fn fadt(cfg: &AcpiConfig, dsdt: u64) -> Vec<u8> {
         iapc |= IAPC_8042;
     }
     f.iapc_boot_arch = iapc.into();
-    f.sci_int = 9u16.into();
+    f.sci_int = u16::from(ACPI_SCI_IRQ).into();
     f.hypervisor_vendor_identity = u64::from_le_bytes(*b"LUCIDVMM").into();
+    match facs {
+        Some(facs) => {
+            // Below 4 GiB always: the 32-bit field, which every OS reads.
+            f = f
+                .firmware_ctrl_32(facs as u32)
+                .flag(Flags::Wbinvd)
+                .flag(Flags::ProcC1)
+                .flag(Flags::FixRtc)
+                .flag(Flags::TmrValExt);
+            const PM1_EVT_LEN: u8 = 4;
+            const PM1_CNT_LEN: u8 = 2;
+            const PM_TMR_LEN: u8 = 4;
+            f.pm1a_evt_blk = u32::from(ports::ACPI_PM1A_EVT).into();
+            f.pm1a_cnt_blk = u32::from(ports::ACPI_PM1A_CNT).into();
+            f.pm_tmr_blk = u32::from(ports::ACPI_PM_TMR).into();
+            f.pm1_evt_len = PM1_EVT_LEN;
+            f.pm1_cnt_len = PM1_CNT_LEN;
+            f.pm_tmr_len = PM_TMR_LEN;
+            f.x_pm1a_evt_blk = io_gas(ports::ACPI_PM1A_EVT, PM1_EVT_LEN, AccessSize::WordAccess);
+            f.x_pm1a_cnt_blk = io_gas(ports::ACPI_PM1A_CNT, PM1_CNT_LEN, AccessSize::WordAccess);
+            f.x_pm_tmr_blk = io_gas(ports::ACPI_PM_TMR, PM_TMR_LEN, AccessSize::DwordAccess);
+            // Latencies above 100 / 1000 us: C2 and C3 are not supported.
+            f.p_lvl2_lat = 0x0fffu16.into();
+            f.p_lvl3_lat = 0xffffu16.into();
+            f.century = CMOS_CENTURY;
+        }
+        None => f = f.flag(Flags::HwReducedAcpi),
+    }
     to_bytes(&f.finalize())
 }
 
-/// Writes the ACPI tables for `cfg` at [`ACPI_START`] and returns the RSDP's guest-physical
-/// address (for `hvm_start_info.rsdp_paddr` / `boot_params.acpi_rsdp_addr`).
-pub fn write_acpi_tables(mem: &GuestMemoryMmap, cfg: &AcpiConfig) -> Result<u64, BootError> {
-    if cfg.vcpus == 0 || cfg.vcpus == u8::MAX {
-        return Err(BootError::BadVcpuCount(cfg.vcpus));
+/// Length of the ACPI 2.0 RSDP.
+const RSDP_LEN: u64 = 36;
+
+/// Where [`write_acpi`] put the tables.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct AcpiPlacement {
+    pub rsdp: u64,
+    pub tables: Range<u64>,
+}
+
+impl AcpiPlacement {
+    /// The tables' range when it lies outside the BIOS area (which the memory map always
+    /// reserves): the memory map must reserve it too.
+    pub fn outside_bios_area(&self) -> Option<Range<u64>> {
+        (self.tables.end <= EBDA_START || self.tables.start >= ACPI_END)
+            .then(|| self.tables.clone())
     }
-    let rsdp_addr = ACPI_START;
-    let mut cursor = ACPI_START + 0x40;
+}
+
+/// Lays the tables out from `base` (FACS first, 64-byte aligned; the rest 16-byte aligned).
+/// Returns each table's address and bytes, the XSDT's address, and the end of the last table.
+fn build_tables(cfg: &AcpiConfig, base: u64) -> (Vec<(u64, Vec<u8>)>, u64, u64) {
+    let mut cursor = base;
     let mut tables: Vec<(u64, Vec<u8>)> = Vec::new();
     let mut place = |bytes: Vec<u8>, tables: &mut Vec<(u64, Vec<u8>)>| {
         let addr = cursor;
@@ -213,11 +346,13 @@ pub fn write_acpi_tables(mem: &GuestMemoryMmap, cfg: &AcpiConfig) -> Result<u64,
         tables.push((addr, bytes));
         addr
     };
-
+    // The FACS first: `base` is 64-byte aligned, as the FACS must be.
+    let facs_addr = cfg.pm.then(|| place(facs(), &mut tables));
     let mut dsdt = Sdt::new(*b"DSDT", 36, 2, OEM_ID, table_id(b"DSDT"), OEM_REVISION);
     dsdt.append_slice(&dsdt_aml(cfg));
+    dsdt.append_slice(&sleep_states_aml(cfg));
     let dsdt_addr = place(dsdt.as_slice().to_vec(), &mut tables);
-    let fadt_addr = place(fadt(cfg, dsdt_addr), &mut tables);
+    let fadt_addr = place(fadt(cfg, dsdt_addr, facs_addr), &mut tables);
     let madt_addr = place(madt(cfg), &mut tables);
     let mut xsdt = XSDT::new(OEM_ID, table_id(b"XSDT"), OEM_REVISION);
     xsdt.add_entry(fadt_addr);
@@ -230,17 +365,48 @@ pub fn write_acpi_tables(mem: &GuestMemoryMmap, cfg: &AcpiConfig) -> Result<u64,
         xsdt.add_entry(a);
     }
     let xsdt_addr = place(to_bytes(&xsdt), &mut tables);
-    if cursor > ACPI_END {
-        return Err(BootError::AcpiTooBig {
-            need: cursor - ACPI_START,
-            start: ACPI_START,
-            end: ACPI_END,
-        });
+    (tables, xsdt_addr, cursor)
+}
+
+/// Places and writes the ACPI tables for `cfg`: the RSDP in the BIOS area (where a legacy scan
+/// finds it), the tables after it if they fit there, else in free low RAM.
+pub(crate) fn write_acpi(
+    mem: &GuestMemoryMmap,
+    area: &mut BootArea,
+    cfg: &AcpiConfig,
+) -> Result<AcpiPlacement, BootError> {
+    if cfg.vcpus == 0 || cfg.vcpus == u8::MAX {
+        return Err(BootError::BadVcpuCount(cfg.vcpus));
     }
+    let bios_area = ACPI_START..ACPI_END;
+    let rsdp = area.place_in("ACPI RSDP", ACPI_START, RSDP_LEN, 16, bios_area.clone())?;
+    let size = build_tables(cfg, 0).2;
+    let what = "ACPI tables";
+    let pref = ACPI_START + 0x40;
+    let base = match area.place_in(what, pref, size, 64, bios_area) {
+        Ok(base) => base,
+        Err(_) => area.place(what, pref, size, 64)?,
+    };
+    let (tables, xsdt_addr, end) = build_tables(cfg, base);
     for (addr, bytes) in &tables {
         write_bytes(mem, *addr, bytes, "ACPI table")?;
     }
-    let rsdp = to_bytes(&Rsdp::new(OEM_ID, xsdt_addr));
-    write_bytes(mem, rsdp_addr, &rsdp, "ACPI RSDP")?;
-    Ok(rsdp_addr)
+    write_bytes(
+        mem,
+        rsdp,
+        &to_bytes(&Rsdp::new(OEM_ID, xsdt_addr)),
+        "ACPI RSDP",
+    )?;
+    Ok(AcpiPlacement {
+        rsdp,
+        tables: base..end,
+    })
+}
+
+/// Writes the ACPI tables for `cfg` at their usual place ([`ACPI_START`]), with no kernel to
+/// avoid, and returns the RSDP's address. [`crate::load`] writes them itself when
+/// [`crate::BootParams::acpi`] is set, around the kernel.
+pub fn write_acpi_tables(mem: &GuestMemoryMmap, cfg: &AcpiConfig) -> Result<u64, BootError> {
+    let mut area = BootArea::new(crate::layout::MMIO_HOLE_START);
+    Ok(write_acpi(mem, &mut area, cfg)?.rsdp)
 }

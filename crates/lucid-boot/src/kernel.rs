@@ -4,6 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::error::{ImageDefect, NotAKernel};
+use crate::file::{read_regular, MAX_KERNEL_FILE};
 use crate::BootError;
 
 /// The boot protocol a kernel image is started with.
@@ -92,23 +94,20 @@ fn rd_u64(b: &[u8], off: u64) -> Option<u64> {
 }
 
 impl KernelImage {
-    /// Reads `path` and detects its format.
+    /// Reads `path` (a regular file of at most [`MAX_KERNEL_FILE`] bytes) and detects its format.
     pub fn open(path: &Path) -> Result<KernelImage, BootError> {
-        let bytes = std::fs::read(path).map_err(|source| BootError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let bytes = read_regular(path, "kernel", MAX_KERNEL_FILE)?;
         Self::from_bytes(path, bytes)
     }
 
     /// Detects the format of `bytes`; `path` is only used in messages.
     pub fn from_bytes(path: &Path, bytes: Vec<u8>) -> Result<KernelImage, BootError> {
-        let not_kernel = |why: &str| BootError::NotAKernel {
+        let not_kernel = |why| BootError::NotAKernel {
             path: path.to_path_buf(),
-            why: why.to_string(),
+            why,
         };
         if bytes.is_empty() {
-            return Err(not_kernel("the file is empty"));
+            return Err(not_kernel(NotAKernel::Empty));
         }
         let multiboot = find_multiboot(&bytes);
         let mut image = KernelImage {
@@ -130,24 +129,18 @@ impl KernelImage {
             } else if elf.is_64 {
                 KernelKind::LinuxElf
             } else {
-                return Err(not_kernel(
-                    "32-bit ELF with neither a PVH note (Xen, type 18) nor a multiboot header",
-                ));
+                return Err(not_kernel(NotAKernel::Elf32WithoutProtocol));
             };
             image.elf = Some(elf);
         } else if let Some(mb) = multiboot {
             if mb.aout.is_none() {
-                return Err(not_kernel(
-                    "multiboot header without the address fields (flag bit 16) in a non-ELF file",
-                ));
+                return Err(not_kernel(NotAKernel::MultibootWithoutAddresses));
             }
             image.kind = KernelKind::Multiboot;
         } else if bytes.get(0x202..0x206) == Some(b"HdrS") {
             image.kind = KernelKind::BzImage;
         } else {
-            return Err(not_kernel(
-                "no ELF magic, multiboot header or bzImage \"HdrS\" signature at 0x202",
-            ));
+            return Err(not_kernel(NotAKernel::UnknownFormat));
         }
         image.bytes = bytes;
         Ok(image)
@@ -194,7 +187,7 @@ impl KernelImage {
         }
         Err(BootError::BadImage {
             path: self.path.clone(),
-            why: format!("ELF entry point {e:#x} is outside every PT_LOAD segment"),
+            why: ImageDefect::EntryOutsideSegments(e),
         })
     }
 }
@@ -228,32 +221,27 @@ fn find_multiboot(b: &[u8]) -> Option<MultibootHeader> {
     })
 }
 
-fn parse_elf(b: &[u8]) -> Result<ElfInfo, String> {
-    let class = b.get(4).copied().ok_or("ELF header truncated")?;
-    let is_64 = match class {
-        1 => false,
-        2 => true,
-        c => {
-            return Err(format!(
-                "ELF class {c} is neither 32-bit (1) nor 64-bit (2)"
-            ))
-        }
+fn parse_elf(b: &[u8]) -> Result<ElfInfo, ImageDefect> {
+    let len = b.len() as u64;
+    let is_64 = match b.get(4).copied() {
+        None => return Err(ImageDefect::ElfHeaderTruncated { len, need: 52 }),
+        Some(1) => false,
+        Some(2) => true,
+        Some(c) => return Err(ImageDefect::ElfClass(c)),
     };
     if b.get(5) != Some(&1) {
-        return Err("ELF is not little-endian".into());
+        return Err(ImageDefect::ElfBigEndian);
     }
     let ehdr_size = if is_64 { 64 } else { 52 };
-    if b.len() < ehdr_size {
-        return Err(format!(
-            "ELF header truncated: file is {} bytes, the header needs {ehdr_size}",
-            b.len()
-        ));
+    if len < ehdr_size {
+        return Err(ImageDefect::ElfHeaderTruncated {
+            len,
+            need: ehdr_size,
+        });
     }
     let machine = rd_u16(b, 18).unwrap_or(0);
     if machine != EM_X86_64 && machine != EM_386 {
-        return Err(format!(
-            "ELF machine {machine} is not x86 (3) or x86-64 (62)"
-        ));
+        return Err(ImageDefect::ElfMachine(machine));
     }
     let (entry, phoff, phentsize, phnum) = if is_64 {
         (
@@ -272,22 +260,24 @@ fn parse_elf(b: &[u8]) -> Result<ElfInfo, String> {
     };
     let min_phent = if is_64 { 56 } else { 32 };
     if phnum == 0 {
-        return Err("ELF has no program headers".into());
+        return Err(ImageDefect::NoProgramHeaders);
     }
     if phentsize < min_phent {
-        return Err(format!(
-            "ELF program header size {phentsize} is smaller than {min_phent}"
-        ));
+        return Err(ImageDefect::ProgramHeaderSize {
+            size: phentsize,
+            min: min_phent,
+        });
     }
     let ph_end = phoff
         .checked_add(u64::from(phentsize) * u64::from(phnum))
-        .ok_or("ELF program header offset overflows")?;
-    if ph_end > b.len() as u64 {
-        return Err(format!(
-            "ELF program headers ({phnum} at offset {phoff:#x}) end at {ph_end:#x}, past the end of \
-             the file ({:#x} bytes): truncated?",
-            b.len()
-        ));
+        .ok_or(ImageDefect::ProgramHeaderOverflow)?;
+    if ph_end > len {
+        return Err(ImageDefect::ProgramHeadersPastEnd {
+            count: phnum,
+            offset: phoff,
+            end: ph_end,
+            len,
+        });
     }
     let mut segments = Vec::new();
     let mut pvh_entry = None;
@@ -315,13 +305,14 @@ fn parse_elf(b: &[u8]) -> Result<ElfInfo, String> {
         if p_type != PT_LOAD && p_type != PT_NOTE {
             continue;
         }
-        let file_end = offset.checked_add(filesz).filter(|&e| e <= b.len() as u64);
+        let file_end = offset.checked_add(filesz).filter(|&e| e <= len);
         let Some(file_end) = file_end else {
-            return Err(format!(
-                "ELF segment {i} (file offset {offset:#x}, {filesz:#x} bytes) runs past the end of \
-                 the file ({:#x} bytes): truncated?",
-                b.len()
-            ));
+            return Err(ImageDefect::SegmentPastEnd {
+                index: i,
+                offset,
+                size: filesz,
+                len,
+            });
         };
         if p_type == PT_NOTE {
             if pvh_entry.is_none() {
@@ -330,17 +321,21 @@ fn parse_elf(b: &[u8]) -> Result<ElfInfo, String> {
             continue;
         }
         if memsz < filesz {
-            return Err(format!(
-                "ELF segment {i} has p_memsz {memsz:#x} smaller than p_filesz {filesz:#x}"
-            ));
+            return Err(ImageDefect::MemszBelowFilesz {
+                index: i,
+                memsz,
+                filesz,
+            });
         }
         if memsz == 0 {
             continue;
         }
         if paddr.checked_add(memsz).is_none() {
-            return Err(format!(
-                "ELF segment {i} at {paddr:#x} with {memsz:#x} bytes wraps around"
-            ));
+            return Err(ImageDefect::SegmentWraps {
+                index: i,
+                paddr,
+                memsz,
+            });
         }
         segments.push(Segment {
             offset,
@@ -351,7 +346,7 @@ fn parse_elf(b: &[u8]) -> Result<ElfInfo, String> {
         });
     }
     if segments.is_empty() {
-        return Err("ELF has no PT_LOAD segment".into());
+        return Err(ImageDefect::NoLoadSegment);
     }
     Ok(ElfInfo {
         is_64,

@@ -1,15 +1,20 @@
 //! The guest-physical address map Lucid gives every x86-64 VM. One place, so that boot code, ACPI
 //! tables, devices and the probe-guest kit agree.
 
-/// Low boot structures (below 1 MiB).
+/// Usual addresses of Lucid's boot structures (below 1 MiB). A structure moves to free memory
+/// when the kernel or initrd asks for its usual place (`area.rs`); the boot information tells the
+/// guest where each one is.
 pub const BOOT_GDT: u64 = 0x500;
-pub const BOOT_IDT: u64 = 0x520;
+/// The GDT (4 entries) followed by an empty IDT (8 bytes).
+pub const BOOT_GDT_SIZE: u64 = 0x28;
+/// Offset of the empty boot IDT from the GDT.
+pub const BOOT_IDT_OFFSET: u64 = 0x20;
 /// PVH `hvm_start_info`, multiboot info or Linux `boot_params` (the zero page).
 pub const BOOT_INFO: u64 = 0x7000;
-/// Identity page tables for 64-bit entry: PML4, PDPT, then 4 page directories (4 GiB of 2 MiB pages).
+/// Identity page tables for 64-bit entry: PML4, PDPT, then 4 page directories (4 GiB of 2 MiB
+/// pages), one page each and in this order.
 pub const PML4: u64 = 0x9000;
-pub const PDPT: u64 = 0xa000;
-pub const PD: u64 = 0xb000;
+pub const PAGE_TABLES_SIZE: u64 = 0x6000;
 /// e820 / memory map entries written next to the boot info when a protocol wants them apart.
 pub const MEMMAP: u64 = 0x10000;
 pub const CMDLINE: u64 = 0x20000;
@@ -18,14 +23,16 @@ pub const CMDLINE_MAX: usize = 0x10000;
 pub const MODLIST: u64 = 0x6000;
 /// Strings referenced from the module list (module command lines, boot loader name).
 pub const MODLIST_STRINGS: u64 = 0x6800;
-/// Stack for 32-bit entries that do not bring their own.
-pub const BOOT_STACK: u64 = 0x8ff0;
+/// Stack for entries that do not bring their own: 4 KiB, RSP 16 bytes below its top (0x8ff0).
+pub const BOOT_STACK_BASE: u64 = 0x8000;
+pub const BOOT_STACK_SIZE: u64 = 0x1000;
 /// Start of the EBDA; RAM below 640 KiB ends here.
 pub const EBDA_START: u64 = 0x9fc00;
-/// ACPI tables live in the BIOS area so that a legacy RSDP scan finds them too.
+/// ACPI tables live in the BIOS area so that a legacy RSDP scan finds them too (the tables move
+/// out, reserved in the memory map, if the kernel leaves too little room there; the RSDP never).
 pub const ACPI_START: u64 = 0xe0000;
 pub const ACPI_END: u64 = 0x100000;
-/// Kernels load at 1 MiB unless their headers say otherwise.
+/// Kernels load at 1 MiB unless their headers say otherwise; RAM above it is "upper memory".
 pub const HIGH_MEMORY: u64 = 0x10_0000;
 
 /// The MMIO hole below 4 GiB: PCI BARs, ECAM, IOAPIC, LAPIC.
@@ -59,7 +66,17 @@ pub mod ports {
     pub const HYPERCALL: u16 = 0x599;
     /// A port the probe kit writes to measure an exit that an ioeventfd absorbs in the kernel.
     pub const IOEVENTFD_PROBE: u16 = 0x598;
+    /// ACPI fixed hardware, at QEMU q35's (ICH9) PM base: PM1a event block (status, enable)
+    /// 0x600-0x603, PM1a control 0x604-0x605, PM timer 0x608-0x60b.
+    pub const ACPI_PM_BASE: u16 = 0x600;
+    pub const ACPI_PM1A_EVT: u16 = ACPI_PM_BASE;
+    pub const ACPI_PM1A_CNT: u16 = ACPI_PM_BASE + 4;
+    pub const ACPI_PM_TMR: u16 = ACPI_PM_BASE + 8;
 }
+
+/// The ACPI SCI: ISA IRQ 9, level-triggered, active high (the MADT overrides IRQ 9 so), through
+/// the IOAPIC pin of the same number.
+pub const ACPI_SCI_IRQ: u8 = 9;
 
 /// The RAM ranges (guest-physical start, length) for `mem_size` bytes of guest memory: low RAM up to
 /// the MMIO hole, the rest from 4 GiB.

@@ -1,6 +1,7 @@
 //! The guest's physical memory map as every boot protocol reports it (e820 for Linux, the PVH
 //! memmap table, the multiboot mmap), and checks that a range is usable RAM.
 
+use std::ops::Range;
 use std::path::Path;
 
 use crate::layout::{
@@ -23,7 +24,8 @@ pub struct MemEntry {
     pub kind: u32,
 }
 
-/// The memory map for `mem_size` bytes of guest RAM laid out by [`ram_regions`]:
+/// The memory map for `mem_size` bytes of guest RAM laid out by [`ram_regions`] (see
+/// [`memory_map_with`]):
 ///
 /// - RAM `0..EBDA_START` (640 KiB minus the EBDA),
 /// - reserved `EBDA_START..1 MiB` (EBDA, VGA hole, BIOS area and the ACPI tables at 0xe0000),
@@ -31,6 +33,12 @@ pub struct MemEntry {
 /// - reserved: the PCIe ECAM window, so that Linux accepts an MCFG table pointing there,
 /// - RAM from 4 GiB for what did not fit below the hole.
 pub fn memory_map(mem_size: u64) -> Vec<MemEntry> {
+    memory_map_with(mem_size, None)
+}
+
+/// [`memory_map`] with a `reserved` range (ACPI tables that had to leave the BIOS area) cut out
+/// of the RAM entries and listed as reserved.
+pub fn memory_map_with(mem_size: u64, reserved: Option<Range<u64>>) -> Vec<MemEntry> {
     let mut map = vec![
         MemEntry {
             addr: 0,
@@ -65,7 +73,39 @@ pub fn memory_map(mem_size: u64) -> Vec<MemEntry> {
             });
         }
     }
+    if let Some(r) = reserved {
+        map = map.into_iter().flat_map(|e| cut(e, &r)).collect();
+        map.push(MemEntry {
+            addr: r.start,
+            size: r.end - r.start,
+            kind: E820_RESERVED,
+        });
+    }
+    map.sort_by_key(|e| e.addr);
     map
+}
+
+/// What is left of RAM entry `e` outside `r` (reserved entries are kept whole).
+fn cut(e: MemEntry, r: &Range<u64>) -> Vec<MemEntry> {
+    let end = e.addr + e.size;
+    if e.kind != E820_RAM || r.end <= e.addr || r.start >= end {
+        return vec![e];
+    }
+    let mut v = Vec::new();
+    if r.start > e.addr {
+        v.push(MemEntry {
+            size: r.start - e.addr,
+            ..e
+        });
+    }
+    if r.end < end {
+        v.push(MemEntry {
+            addr: r.end,
+            size: end - r.end,
+            ..e
+        });
+    }
+    v
 }
 
 /// End (exclusive) of the RAM region that starts at 0.
@@ -77,9 +117,9 @@ pub(crate) fn mib_up(bytes: u64) -> u64 {
     bytes.div_ceil(1 << 20)
 }
 
-/// Checks that `start..end` can hold kernel or initrd bytes: at or above 1 MiB (below is the boot
-/// area with the zero page, page tables and ACPI) and inside one RAM region. If the range is
-/// below the MMIO hole but past the end of RAM, more memory would help: `MemoryTooSmall`.
+/// Checks that `start..end` can hold kernel or initrd bytes: inside one RAM region (below 1 MiB
+/// too: Lucid's boot structures move out of the way, `area.rs`). If the range is below the MMIO
+/// hole but past the end of RAM, more memory would help: `MemoryTooSmall`.
 pub(crate) fn check_load_range(
     mem_size: u64,
     path: &Path,
@@ -96,9 +136,6 @@ pub(crate) fn check_load_range(
     };
     if end < start {
         return Err(outside("the range wraps around"));
-    }
-    if start < HIGH_MEMORY {
-        return Err(outside("below 1 MiB is the boot area"));
     }
     if ram_regions(mem_size)
         .iter()
@@ -167,7 +204,32 @@ mod tests {
             e.to_string(),
             "memory too small: kernel needs 100 MiB, guest has 64 MiB"
         );
-        assert!(check_load_range(64 << 20, p, "kernel", 0x7000, 0x8000).is_err());
+        assert!(check_load_range(64 << 20, p, "kernel", 0x7000, 0x8000).is_ok());
         assert!(check_load_range(8 << 30, p, "kernel", 0xbfff_0000, 0xc000_1000).is_err());
+    }
+
+    #[test]
+    fn reserved_ranges_are_cut_out_of_ram() {
+        let m = memory_map_with(64 << 20, Some(0x3f0_0000..0x3f0_2000));
+        assert_eq!(
+            m[2..5],
+            [
+                MemEntry {
+                    addr: 0x10_0000,
+                    size: 0x3f0_0000 - 0x10_0000,
+                    kind: E820_RAM
+                },
+                MemEntry {
+                    addr: 0x3f0_0000,
+                    size: 0x2000,
+                    kind: E820_RESERVED
+                },
+                MemEntry {
+                    addr: 0x3f0_2000,
+                    size: (64 << 20) - 0x3f0_2000,
+                    kind: E820_RAM
+                },
+            ]
+        );
     }
 }

@@ -4,9 +4,9 @@
 use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs};
 use vm_memory::GuestMemoryMmap;
 
-use crate::layout::{BOOT_GDT, BOOT_IDT, BOOT_STACK, PD, PDPT, PML4};
+use crate::layout::BOOT_IDT_OFFSET;
 use crate::loader::write_bytes;
-use crate::{BootError, EntryState};
+use crate::{BootError, EntryMode, EntryState};
 
 /// GDT selectors written by [`crate::setup_boot_regs`].
 pub mod selectors {
@@ -86,20 +86,22 @@ fn write_u64s(
     write_bytes(mem, addr, &bytes, what)
 }
 
-/// Identity map of the first 4 GiB with 2 MiB pages: PML4 -> one PDPT -> 4 page directories.
-fn write_page_tables(mem: &GuestMemoryMmap) -> Result<(), BootError> {
+/// Identity map of the first 4 GiB with 2 MiB pages at `pml4`: PML4 -> one PDPT (the next page)
+/// -> 4 page directories (the four pages after it).
+fn write_page_tables(mem: &GuestMemoryMmap, pml4: u64) -> Result<(), BootError> {
     const P_RW: u64 = 0x3;
     const PS: u64 = 0x80;
-    let mut pml4 = vec![0u64; 512];
-    pml4[0] = PDPT | P_RW;
-    write_u64s(mem, PML4, &pml4, "PML4")?;
-    let mut pdpt = vec![0u64; 512];
-    for (i, e) in pdpt.iter_mut().take(4).enumerate() {
-        *e = (PD + 0x1000 * i as u64) | P_RW;
+    let (pdpt, pd) = (pml4 + 0x1000, pml4 + 0x2000);
+    let mut table = vec![0u64; 512];
+    table[0] = pdpt | P_RW;
+    write_u64s(mem, pml4, &table, "PML4")?;
+    let mut table = vec![0u64; 512];
+    for (i, e) in table.iter_mut().take(4).enumerate() {
+        *e = (pd + 0x1000 * i as u64) | P_RW;
     }
-    write_u64s(mem, PDPT, &pdpt, "PDPT")?;
+    write_u64s(mem, pdpt, &table, "PDPT")?;
     let pds: Vec<u64> = (0..2048u64).map(|i| (i << 21) | P_RW | PS).collect();
-    write_u64s(mem, PD, &pds, "page directories")
+    write_u64s(mem, pd, &pds, "page directories")
 }
 
 /// Sets the boot vCPU's registers for `entry`. `sregs` should hold the vCPU's current special
@@ -113,17 +115,17 @@ pub fn setup_boot_regs(
     mem: &GuestMemoryMmap,
 ) -> Result<(), BootError> {
     let gdt = boot_gdt();
-    write_u64s(mem, BOOT_GDT, &gdt, "boot GDT")?;
-    write_u64s(mem, BOOT_IDT, &[0], "boot IDT")?;
-    sregs.gdt.base = BOOT_GDT;
+    write_u64s(mem, entry.gdt, &gdt, "boot GDT")?;
+    write_u64s(mem, entry.gdt + BOOT_IDT_OFFSET, &[0], "boot IDT")?;
+    sregs.gdt.base = entry.gdt;
     sregs.gdt.limit = (std::mem::size_of_val(&gdt) - 1) as u16;
-    sregs.idt.base = BOOT_IDT;
+    sregs.idt.base = entry.gdt + BOOT_IDT_OFFSET;
     sregs.idt.limit = 7;
 
     let data = segment_from_gdt(gdt[(selectors::DATA >> 3) as usize], selectors::DATA);
-    let code_sel = match entry {
-        EntryState::Protected32 { .. } => selectors::CODE32,
-        EntryState::Long64 { .. } => selectors::CODE64,
+    let code_sel = match entry.mode {
+        EntryMode::Protected32 { .. } => selectors::CODE32,
+        EntryMode::Long64 { .. } => selectors::CODE64,
     };
     sregs.cs = segment_from_gdt(gdt[(code_sel >> 3) as usize], code_sel);
     sregs.ds = data;
@@ -134,12 +136,12 @@ pub fn setup_boot_regs(
 
     *regs = kvm_regs {
         rflags: 0x2,
-        rsp: BOOT_STACK,
-        rbp: BOOT_STACK,
+        rsp: entry.stack_top,
+        rbp: entry.stack_top,
         ..Default::default()
     };
-    match *entry {
-        EntryState::Protected32 { eip, eax, ebx } => {
+    match entry.mode {
+        EntryMode::Protected32 { eip, eax, ebx } => {
             sregs.cr0 = X86_CR0_PE | X86_CR0_ET;
             sregs.cr3 = 0;
             sregs.cr4 = 0;
@@ -148,9 +150,9 @@ pub fn setup_boot_regs(
             regs.rax = eax;
             regs.rbx = ebx;
         }
-        EntryState::Long64 { rip, rsi } => {
-            write_page_tables(mem)?;
-            sregs.cr3 = PML4;
+        EntryMode::Long64 { rip, rsi } => {
+            write_page_tables(mem, entry.page_tables)?;
+            sregs.cr3 = entry.page_tables;
             sregs.cr4 = X86_CR4_PAE;
             sregs.cr0 = X86_CR0_PE | X86_CR0_ET | X86_CR0_NE | X86_CR0_PG;
             sregs.efer = EFER_LME | EFER_LMA;

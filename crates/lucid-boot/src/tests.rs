@@ -200,8 +200,13 @@ fn params<'a>(
         initrd,
         cmdline,
         mem_size: MEM,
-        acpi_rsdp: Some(ACPI_START),
+        acpi: Some(acpi_cfg()),
     }
+}
+
+fn acpi_cfg() -> &'static AcpiConfig {
+    static CFG: std::sync::OnceLock<AcpiConfig> = std::sync::OnceLock::new();
+    CFG.get_or_init(|| AcpiConfig::new(1))
 }
 
 fn initrd_bytes(n: usize) -> Vec<u8> {
@@ -226,8 +231,8 @@ fn pvh_elf64_start_info() {
     let s = load(&mem, params(&k, Some(&i), "console=ttyS0 quiet")).unwrap();
     assert_eq!(s.kind, KernelKind::PvhElf);
     assert_eq!(
-        s.entry,
-        EntryState::Protected32 {
+        s.entry.mode,
+        EntryMode::Protected32 {
             eip: 0x10_0004,
             eax: 0,
             ebx: BOOT_INFO
@@ -284,30 +289,43 @@ fn pvh_elf32_and_pvh_wins_over_multiboot() {
     let mem = guest(MEM);
     let s = load_image(&mem, &img, &params(&k, None, "")).unwrap();
     assert!(matches!(
-        s.entry,
-        EntryState::Protected32 { eip: 0x10_0010, .. }
+        s.entry.mode,
+        EntryMode::Protected32 { eip: 0x10_0010, .. }
     ));
     let info: hvm_start_info = mem.read_obj(GuestAddress(BOOT_INFO)).unwrap();
     assert_eq!((info.nr_modules, info.modlist_paddr), (0, 0));
 }
 
+/// A multiboot ELF32 (flags: page-align modules, memory info) of `nops` NOPs after the header,
+/// one segment at `addr` of `memsz` bytes, entered right after the header.
+fn multiboot_elf(
+    d: &TempDir,
+    name: &str,
+    addr: u64,
+    nops: usize,
+    memsz: u64,
+) -> (PathBuf, Vec<u8>) {
+    let mut code = multiboot_header(0x3, None);
+    code.extend(std::iter::repeat_n(0x90, nops));
+    let k = d.file(
+        name,
+        &elf(false, addr + 12, &[load_seg(addr, &code, memsz)]),
+    );
+    (k, code)
+}
+
 #[test]
 fn multiboot_elf32_info() {
     let d = TempDir::new();
-    let mut code = multiboot_header(0x3, None); // page-align modules, memory info
-    code.extend_from_slice(&[0x90; 32]);
-    let k = d.file(
-        "mb",
-        &elf(false, 0x10_000c, &[load_seg(0x10_0000, &code, 0x5000)]),
-    );
+    let (k, _) = multiboot_elf(&d, "mb", 0x10_0000, 32, 0x5000);
     let rd = initrd_bytes(10000);
     let i = d.file("initrd.img", &rd);
     let mem = guest(MEM);
     let s = load(&mem, params(&k, Some(&i), "mb cmdline")).unwrap();
     assert_eq!(s.kind, KernelKind::Multiboot);
     assert_eq!(
-        s.entry,
-        EntryState::Protected32 {
+        s.entry.mode,
+        EntryMode::Protected32 {
             eip: 0x10_000c,
             eax: u64::from(MULTIBOOT_BOOTLOADER_MAGIC),
             ebx: BOOT_INFO
@@ -372,8 +390,8 @@ fn multiboot_aout_kludge_flat_binary() {
     let s = load(&mem, params(&k, None, "")).unwrap();
     assert_eq!(s.kind, KernelKind::Multiboot);
     assert!(matches!(
-        s.entry,
-        EntryState::Protected32 { eip: 0x20_0100, .. }
+        s.entry.mode,
+        EntryMode::Protected32 { eip: 0x20_0100, .. }
     ));
     assert_eq!(s.kernel_end, 0x20_4000);
     assert_eq!(read::<8>(&mem, 0x1f_fff8), [0xf4; 8]);
@@ -427,8 +445,8 @@ fn linux_elf_zero_page() {
     let s = load(&mem, params(&k, Some(&i), "console=ttyS0")).unwrap();
     assert_eq!(s.kind, KernelKind::LinuxElf);
     assert_eq!(
-        s.entry,
-        EntryState::Long64 {
+        s.entry.mode,
+        EntryMode::Long64 {
             rip: 0x100_0000,
             rsi: BOOT_INFO
         }
@@ -459,8 +477,8 @@ fn linux_elf_zero_page() {
     let k = d.file("vmlinux-virt", &elf(true, 0xffff_ffff_8100_0040, &[seg]));
     let s = load(&guest(MEM), params(&k, None, "")).unwrap();
     assert!(matches!(
-        s.entry,
-        EntryState::Long64 {
+        s.entry.mode,
+        EntryMode::Long64 {
             rip: 0x100_0040,
             ..
         }
@@ -501,8 +519,8 @@ fn bzimage_zero_page() {
     let s = load(&mem, params(&k, Some(&i), "root=/dev/vda")).unwrap();
     assert_eq!(s.kind, KernelKind::BzImage);
     assert_eq!(
-        s.entry,
-        EntryState::Long64 {
+        s.entry.mode,
+        EntryMode::Long64 {
             rip: 0x10_0200,
             rsi: BOOT_INFO
         }
@@ -584,7 +602,10 @@ fn bad_images_give_clear_errors() {
     let k = d.file("empty", &[]);
     assert!(matches!(
         load(&mem, params(&k, None, "")),
-        Err(BootError::NotAKernel { .. })
+        Err(BootError::NotAKernel {
+            why: NotAKernel::Empty,
+            ..
+        })
     ));
     // Missing file.
     let missing = d.0.join("nope");
@@ -597,7 +618,21 @@ fn bad_images_give_clear_errors() {
     // Program headers past EOF.
     let k = d.file("trunc-ph", &good[..100]);
     let e = load(&mem, params(&k, None, "")).unwrap_err();
-    assert!(matches!(e, BootError::BadImage { .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            BootError::BadImage {
+                why: ImageDefect::ProgramHeadersPastEnd {
+                    count: 1,
+                    offset: 64,
+                    end: 120,
+                    len: 100
+                },
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert!(e.to_string().contains("program headers"), "{e}");
     // Segment past EOF.
     let k = d.file("trunc-seg", &good[..0x1010]);
@@ -629,9 +664,14 @@ fn bad_images_give_clear_errors() {
         e.to_string(),
         "memory too small: kernel needs 101 MiB, guest has 64 MiB"
     );
-    // Kernel in the boot area.
-    let k = d.file("low", &elf(true, 0x7000, &[load_seg(0x7000, &[1; 16], 16)]));
-    let e = load(&mem, params(&k, None, "")).unwrap_err();
+    // A kernel in the MMIO hole.
+    let k = d.file(
+        "hole",
+        &elf(true, 0xd000_0000, &[load_seg(0xd000_0000, &[1; 16], 16)]),
+    );
+    let mut big = params(&k, None, "");
+    big.mem_size = 4 << 30;
+    let e = load(&guest(4 << 30), big).unwrap_err();
     assert!(matches!(e, BootError::OutsideRam { .. }), "{e}");
     // Initrd too big.
     let k = d.file("ok", &good);
@@ -656,6 +696,276 @@ fn bad_images_give_clear_errors() {
     ));
 }
 
+/// Everything Lucid wrote for `s`: (what, start, end) of the boot information it points at.
+fn lucid_structures(mem: &GuestMemoryMmap, s: &BootSetup) -> Vec<(&'static str, u64, u64)> {
+    let mut v = vec![
+        ("gdt", s.entry.gdt, s.entry.gdt + BOOT_GDT_SIZE),
+        (
+            "stack",
+            s.entry.stack_top + 16 - BOOT_STACK_SIZE,
+            s.entry.stack_top + 16,
+        ),
+    ];
+    if s.entry.page_tables != 0 {
+        v.push((
+            "page tables",
+            s.entry.page_tables,
+            s.entry.page_tables + PAGE_TABLES_SIZE,
+        ));
+    }
+    if let Some(rsdp) = s.acpi_rsdp {
+        v.push(("rsdp", rsdp, rsdp + 36));
+    }
+    match s.kind {
+        KernelKind::Multiboot => {
+            let b = s.boot_info;
+            v.push(("mbi", b, b + 88));
+            let cmd = u64::from(r32(mem, b + 16));
+            v.push(("cmdline", cmd, cmd + cstr(mem, cmd).len() as u64 + 1));
+            let mmap = u64::from(r32(mem, b + 48));
+            v.push(("mmap", mmap, mmap + u64::from(r32(mem, b + 44))));
+            let name = u64::from(r32(mem, b + 64));
+            v.push(("loader name", name, name + 6));
+        }
+        KernelKind::PvhElf => {
+            let info: hvm_start_info = mem.read_obj(GuestAddress(s.boot_info)).unwrap();
+            v.push(("start_info", s.boot_info, s.boot_info + 56));
+            let cmd = info.cmdline_paddr;
+            v.push(("cmdline", cmd, cmd + cstr(mem, cmd).len() as u64 + 1));
+            let mm = info.memmap_paddr;
+            v.push(("memmap", mm, mm + 24 * u64::from(info.memmap_entries)));
+        }
+        _ => {
+            let bp = read_zero_page(mem);
+            v.push(("zero page", s.boot_info, s.boot_info + 4096));
+            let cmd = u64::from(bp.hdr.cmd_line_ptr);
+            v.push(("cmdline", cmd, cmd + cstr(mem, cmd).len() as u64 + 1));
+        }
+    }
+    v
+}
+
+fn assert_clear_of(structs: &[(&str, u64, u64)], start: u64, end: u64) {
+    for &(what, s, e) in structs {
+        assert!(
+            e <= start || s >= end,
+            "{what} {s:#x}..{e:#x} overlaps the kernel {start:#x}..{end:#x}"
+        );
+    }
+    for (i, a) in structs.iter().enumerate() {
+        for b in &structs[i + 1..] {
+            assert!(a.2 <= b.1 || b.2 <= a.1, "{a:x?} overlaps {b:x?}");
+        }
+    }
+}
+
+/// A PVH ELF linked with `ld -Ttext=0x100000`: ld puts the ELF headers (and here the note) in a
+/// PT_LOAD at 0xff000, below 1 MiB. It loads as under QEMU; the ACPI tables at 0xe0000 stay.
+#[test]
+fn pvh_headers_at_0xff000_load() {
+    let d = TempDir::new();
+    let mut hdr_seg = load_seg(0xf_f000, b"\x7fELF headers", 0x1a4);
+    hdr_seg.vaddr = 0xf_f000;
+    let k = d.file(
+        "ttext",
+        &elf(
+            true,
+            0x10_0000,
+            &[
+                pvh_note(0x10_0000),
+                hdr_seg,
+                load_seg(0x10_0000, b"text", 0x8000),
+            ],
+        ),
+    );
+    let mem = guest(MEM);
+    let s = load(&mem, params(&k, None, "x")).unwrap();
+    assert_eq!(read::<4>(&mem, 0xf_f000), *b"\x7fELF");
+    assert_eq!(s.acpi_rsdp, Some(ACPI_START));
+    assert_eq!(s.boot_info, BOOT_INFO, "nothing had to move");
+    assert_clear_of(&lucid_structures(&mem, &s), 0xf_f000, 0x10_8000);
+}
+
+/// A multiboot kernel linked at 4 KiB with bss up to 0x7b90 (a real-mode style test kernel)
+/// covers the usual places of the module list (0x6000) and the multiboot info (0x7000): they
+/// move, the kernel's bytes stay as loaded and its bss zero.
+#[test]
+fn multiboot_in_low_memory_gets_its_structures_elsewhere() {
+    let d = TempDir::new();
+    let (k, code) = multiboot_elf(&d, "low", 0x1000, 0x700, 0x6b90);
+    let rd = initrd_bytes(3000);
+    let i = d.file("initrd", &rd);
+    let mem = guest(MEM);
+    mem.write_slice(&[0xcc; 0x1_0000], GuestAddress(0)).unwrap();
+    let s = load(&mem, params(&k, Some(&i), "low=1")).unwrap();
+    assert_eq!(s.kind, KernelKind::Multiboot);
+    let structs = lucid_structures(&mem, &s);
+    assert_clear_of(&structs, 0x1000, 0x7b90);
+    assert_ne!(s.boot_info, BOOT_INFO);
+    // Module 0 right after the kernel, clear of the rest.
+    let (start, size) = s.initrd.unwrap();
+    assert_eq!(start, 0x8000);
+    assert_clear_of(&structs, start, start + size);
+    // The kernel as the file has it, bss zeroed: nothing of Lucid's in between.
+    let mut back = vec![0u8; 0x6b90];
+    mem.read_slice(&mut back, GuestAddress(0x1000)).unwrap();
+    assert_eq!(back[..code.len()], code[..]);
+    assert!(back[code.len()..].iter().all(|&b| b == 0));
+    assert_eq!(cstr(&mem, u64::from(r32(&mem, s.boot_info + 16))), "low=1");
+    assert_eq!(
+        s.entry.mode,
+        EntryMode::Protected32 {
+            eip: 0x100c,
+            eax: u64::from(MULTIBOOT_BOOTLOADER_MAGIC),
+            ebx: s.boot_info
+        }
+    );
+}
+
+/// A vmlinux linked into low memory: the zero page, command line, GDT, stack and page tables all
+/// move out of its way.
+#[test]
+fn linux_elf_in_low_memory_moves_the_zero_page_and_page_tables() {
+    let d = TempDir::new();
+    let k = d.file(
+        "low",
+        &elf(true, 0x5000, &[load_seg(0x500, &[1; 16], 0xf000)]),
+    );
+    let mem = guest(MEM);
+    let s = load(&mem, params(&k, None, "console=ttyS0")).unwrap();
+    assert_clear_of(&lucid_structures(&mem, &s), 0x500, 0xf500);
+    assert_eq!(s.entry.page_tables % 0x1000, 0);
+    assert_eq!(s.boot_info % 0x1000, 0);
+}
+
+/// The one structure with a fixed home: an image that fills the BIOS area leaves the RSDP no
+/// room, and the error says what is there.
+#[test]
+fn image_over_the_whole_bios_area_is_a_real_overlap() {
+    let d = TempDir::new();
+    // a.out kludge: load at 0xe0000, bss to 1 MiB.
+    let mut img = multiboot_header(1 << 16, Some([0xe_0000, 0xe_0000, 0, 0x10_0000, 0xe_0020]));
+    img.extend_from_slice(&[0x90; 64]);
+    let k = d.file("bios", &img);
+    let e = load(&guest(MEM), params(&k, None, "")).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            BootError::NoRoom {
+                what: "ACPI RSDP",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(
+        e.to_string(),
+        "no room for ACPI RSDP (36 bytes) in 0xe0000..0x100000: kernel 0xe0000..0x100000"
+    );
+    // Without ACPI the same image loads.
+    let s = load(
+        &guest(MEM),
+        BootParams {
+            acpi: None,
+            ..params(&k, None, "")
+        },
+    )
+    .unwrap();
+    assert_eq!(s.acpi_rsdp, None);
+}
+
+/// An image that leaves the RSDP its 16 bytes at 0xe0000 but not the tables after it: the
+/// tables go to free low RAM, reserved in the memory map, and the RSDP points at them.
+#[test]
+fn acpi_tables_move_out_of_a_crowded_bios_area() {
+    let d = TempDir::new();
+    let mut img = multiboot_header(1 << 16, Some([0xe_0100, 0xe_0100, 0, 0x10_0000, 0xe_0120]));
+    img.extend_from_slice(&[0x90; 64]);
+    let k = d.file("bios", &img);
+    let mem = guest(MEM);
+    let s = load(&mem, params(&k, None, "")).unwrap();
+    assert_eq!(s.acpi_rsdp, Some(ACPI_START));
+    let xsdt = r64(&mem, ACPI_START + 24);
+    assert!(xsdt < EBDA_START, "tables moved to low RAM: {xsdt:#x}");
+    assert_eq!(&read::<4>(&mem, xsdt), b"XSDT");
+    // The memory map given to the guest reserves them.
+    let b = s.boot_info;
+    let (len, addr) = (u64::from(r32(&mem, b + 44)), u64::from(r32(&mem, b + 48)));
+    let reserved = (0..len / 24).any(|n| {
+        let a = addr + 24 * n;
+        let (base, size, kind) = (r64(&mem, a + 4), r64(&mem, a + 12), r32(&mem, a + 20));
+        kind == E820_RESERVED && base <= xsdt && xsdt < base + size
+    });
+    assert!(reserved, "ACPI tables not reserved in the memory map");
+    assert_clear_of(&lucid_structures(&mem, &s), 0xe_0100, 0x10_0000);
+}
+
+/// Kernels and initrds that are not regular files, or are too big, are refused before a byte is
+/// read: reading /dev/zero or a FIFO without a writer never ends.
+#[test]
+fn non_regular_and_oversized_files_are_refused() {
+    use crate::file::{FileKind, MAX_KERNEL_FILE};
+    let d = TempDir::new();
+    let mem = guest(MEM);
+    let fifo = d.0.join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo with a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let zero = std::path::Path::new("/dev/zero");
+    for (path, kind) in [
+        (zero, FileKind::CharDevice),
+        (fifo.as_path(), FileKind::Fifo),
+        (d.0.as_path(), FileKind::Directory),
+    ] {
+        let e = load(&mem, params(path, None, "")).unwrap_err();
+        assert!(
+            matches!(e, BootError::NotARegularFile { what: "kernel", kind: k, .. } if k == kind),
+            "{e}"
+        );
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+    }
+    let good = d.file(
+        "ok",
+        &elf(true, 0x10_0000, &[load_seg(0x10_0000, &[1; 64], 64)]),
+    );
+    for (path, kind) in [
+        (zero, FileKind::CharDevice),
+        (fifo.as_path(), FileKind::Fifo),
+    ] {
+        let e = load(&mem, params(&good, Some(path), "")).unwrap_err();
+        assert!(
+            matches!(e, BootError::NotARegularFile { what: "initrd", kind: k, .. } if k == kind),
+            "{e}"
+        );
+    }
+    // Sparse files: sizes from metadata, nothing read.
+    let sparse = |name: &str, len: u64| {
+        let p = d.0.join(name);
+        std::fs::File::create(&p).unwrap().set_len(len).unwrap();
+        p
+    };
+    let huge = sparse("huge", MAX_KERNEL_FILE + 1);
+    let e = load(&mem, params(&huge, None, "")).unwrap_err();
+    assert!(
+        matches!(e, BootError::FileTooLarge { what: "kernel", size, max, .. }
+            if size == MAX_KERNEL_FILE + 1 && max == MAX_KERNEL_FILE),
+        "{e}"
+    );
+    let big_initrd = sparse("big-initrd", MEM + 1);
+    let e = load(&mem, params(&good, Some(&big_initrd), "")).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            BootError::FileTooLarge {
+                what: "initrd",
+                max: MEM,
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
 #[test]
 fn long64_regs_and_page_tables() {
     let mem = guest(MEM);
@@ -665,16 +975,21 @@ fn long64_regs_and_page_tables() {
         ..Default::default()
     };
     sregs.tr.type_ = 11;
-    let entry = EntryState::Long64 {
-        rip: 0x100_0000,
-        rsi: BOOT_INFO,
+    let entry = EntryState {
+        mode: EntryMode::Long64 {
+            rip: 0x100_0000,
+            rsi: BOOT_INFO,
+        },
+        gdt: BOOT_GDT,
+        stack_top: 0x8ff0,
+        page_tables: PML4,
     };
     setup_boot_regs(&entry, &mut regs, &mut sregs, &mem).unwrap();
     assert_eq!(
         (regs.rip, regs.rsi, regs.rflags),
         (0x100_0000, BOOT_INFO, 2)
     );
-    assert_eq!(regs.rsp, BOOT_STACK);
+    assert_eq!(regs.rsp, 0x8ff0);
     assert_eq!(sregs.cr3, PML4);
     assert_eq!(sregs.cr0, 0x8000_0031);
     assert_eq!(sregs.cr4, 0x20);
@@ -700,15 +1015,16 @@ fn long64_regs_and_page_tables() {
     assert_eq!(r64(&mem, BOOT_GDT + 0x10), 0x00af_9b00_0000_ffff);
     assert_eq!(r64(&mem, BOOT_GDT + 0x18), 0x00cf_9300_0000_ffff);
     // Identity map of 4 GiB.
-    assert_eq!(r64(&mem, PML4), PDPT | 3);
+    let (pdpt, pd) = (PML4 + 0x1000, PML4 + 0x2000);
+    assert_eq!(r64(&mem, PML4), pdpt | 3);
     assert_eq!(r64(&mem, PML4 + 8), 0);
     for i in 0..4 {
-        assert_eq!(r64(&mem, PDPT + 8 * i), (PD + 0x1000 * i) | 3);
+        assert_eq!(r64(&mem, pdpt + 8 * i), (pd + 0x1000 * i) | 3);
     }
-    assert_eq!(r64(&mem, PDPT + 32), 0);
-    assert_eq!(r64(&mem, PD), 0x83);
-    assert_eq!(r64(&mem, PD + 8), 0x20_0083);
-    assert_eq!(r64(&mem, PD + 8 * 2047), 0xffe0_0083);
+    assert_eq!(r64(&mem, pdpt + 32), 0);
+    assert_eq!(r64(&mem, pd), 0x83);
+    assert_eq!(r64(&mem, pd + 8), 0x20_0083);
+    assert_eq!(r64(&mem, pd + 8 * 2047), 0xffe0_0083);
 }
 
 #[test]
@@ -723,10 +1039,15 @@ fn protected32_regs() {
         efer: 0x500,
         ..Default::default()
     };
-    let entry = EntryState::Protected32 {
-        eip: 0x10_000c,
-        eax: 0x2BAD_B002,
-        ebx: BOOT_INFO,
+    let entry = EntryState {
+        mode: EntryMode::Protected32 {
+            eip: 0x10_000c,
+            eax: 0x2BAD_B002,
+            ebx: BOOT_INFO,
+        },
+        gdt: BOOT_GDT,
+        stack_top: 0x8ff0,
+        page_tables: 0,
     };
     setup_boot_regs(&entry, &mut regs, &mut sregs, &mem).unwrap();
     assert_eq!(
@@ -791,8 +1112,28 @@ fn acpi_tables_walk() {
         sigs.push(String::from_utf8(t[..4].to_vec()).unwrap());
         match &t[..4] {
             b"FACP" => {
-                let flags = u32::from_le_bytes(t[112..116].try_into().unwrap());
-                assert_ne!(flags & (1 << 20), 0, "HW_REDUCED_ACPI");
+                let u16_at = |o: usize| u16::from_le_bytes(t[o..o + 2].try_into().unwrap());
+                let u32_at = |o: usize| u32::from_le_bytes(t[o..o + 4].try_into().unwrap());
+                let flags = u32_at(112);
+                assert_eq!(flags & (1 << 20), 0, "not HW_REDUCED_ACPI");
+                assert_ne!(flags & (1 << 8), 0, "TMR_VAL_EXT: 32-bit PM timer");
+                assert_eq!(u16_at(46), 9, "SCI_INT");
+                assert_eq!(u32_at(48), 0, "no SMI_CMD: always in ACPI mode");
+                assert_eq!(
+                    (u32_at(56), u32_at(64), u32_at(76)),
+                    (0x600, 0x604, 0x608),
+                    "PM1a_EVT, PM1a_CNT, PM_TMR"
+                );
+                assert_eq!((t[88], t[89], t[91], t[92]), (4, 2, 4, 0), "block lengths");
+                // X_PM_TMR_BLK: GAS, system I/O, 32 bits, dword access, 0x608.
+                assert_eq!(t[208..212], [1, 32, 0, 3]);
+                assert_eq!(u64::from_le_bytes(t[212..220].try_into().unwrap()), 0x608);
+                let facs = u64::from(u32_at(36));
+                assert_eq!(facs % 64, 0, "FACS 64-byte aligned");
+                let f: [u8; 64] = read(&mem, facs);
+                assert_eq!(&f[..4], b"FACS");
+                assert_eq!(u32::from_le_bytes(f[4..8].try_into().unwrap()), 64);
+                assert_eq!(f[32], 2, "FACS version");
                 let iapc = u16::from_le_bytes(t[109..111].try_into().unwrap());
                 assert_ne!(iapc & 2, 0, "8042 present");
                 let x_dsdt = u64::from_le_bytes(t[140..148].try_into().unwrap());
@@ -801,6 +1142,11 @@ fn acpi_tables_walk() {
                 let aml = &dsdt[36..];
                 let has = |s: &[u8]| aml.windows(s.len()).any(|w| w == s);
                 assert!(has(b"_SB_") && has(b"COM1") && has(b"PS2K") && has(b"PCI0"));
+                // Name(_S5_, Package(4) {0, 0, 0, 0}): NameOp, name, PackageOp, len, 4 elements.
+                assert!(has(&[
+                    0x08, b'_', b'S', b'5', b'_', 0x12, 0x06, 0x04, 0, 0, 0, 0
+                ]));
+                assert!(!has(b"_S3_"), "no suspend offered");
                 // EISAID("PNP0501") = 0x0105d041 little-endian.
                 assert!(has(&0x0105_d041u32.to_le_bytes()));
             }
@@ -859,6 +1205,20 @@ fn acpi_tables_walk() {
     let xsdt = table(&mem, r64(&mem, rsdp + 24));
     assert_eq!(xsdt.len(), 36 + 16);
 
+    // Without PM: a hardware-reduced FADT, no FACS, no _S5_.
+    let mem = guest(MEM);
+    let cfg = AcpiConfig {
+        pm: false,
+        ..AcpiConfig::new(1)
+    };
+    let rsdp = write_acpi_tables(&mem, &cfg).unwrap();
+    let fadt = table(&mem, r64(&mem, r64(&mem, rsdp + 24) + 36));
+    assert_eq!(&fadt[..4], b"FACP");
+    let flags = u32::from_le_bytes(fadt[112..116].try_into().unwrap());
+    assert_ne!(flags & (1 << 20), 0, "HW_REDUCED_ACPI");
+    assert_eq!(fadt[36..40], [0; 4], "no FACS");
+    assert_eq!(fadt[76..80], [0; 4], "no PM timer");
+
     assert!(matches!(
         write_acpi_tables(&mem, &AcpiConfig::new(0)),
         Err(BootError::BadVcpuCount(0))
@@ -886,7 +1246,10 @@ fn real_kernels() {
         )
         .unwrap();
         assert_eq!(s.kind, KernelKind::BzImage);
-        assert!(matches!(s.entry, EntryState::Long64 { rip: 0x10_0200, .. }));
+        assert!(matches!(
+            s.entry.mode,
+            EntryMode::Long64 { rip: 0x10_0200, .. }
+        ));
         let bp = read_zero_page(&mem);
         assert_eq!({ bp.hdr.header }, 0x5372_6448);
         eprintln!("bzImage: {s:?}");
@@ -1057,7 +1420,6 @@ mod kvm {
             let Ok(kvm) = Kvm::new() else { return };
             let mem_size = 256 << 20;
             let mem = guest(mem_size);
-            let rsdp = write_acpi_tables(&mem, &AcpiConfig::new(1)).unwrap();
             let k = PathBuf::from(p);
             let s = load(
                 &mem,
@@ -1067,7 +1429,7 @@ mod kvm {
                     cmdline: "console=ttyS0 earlyprintk=serial,ttyS0,115200 noxsave \
                               clearcpuid=141,154,156",
                     mem_size,
-                    acpi_rsdp: Some(rsdp),
+                    acpi: Some(acpi_cfg()),
                 },
             )
             .unwrap();

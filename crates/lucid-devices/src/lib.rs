@@ -1,6 +1,7 @@
 //! Lucid's device model: buses of address ranges that the exit loop dispatches to, the VM
 //! lifecycle that devices can end, and the platform devices every VM has.
 
+mod acpi_pm;
 mod bus;
 mod cmos;
 mod debug_exit;
@@ -8,6 +9,7 @@ mod i8042;
 mod lifecycle;
 mod serial;
 
+pub use acpi_pm::{AcpiPm, SciLine, ACPI_PM_LEN, PM_TIMER_HZ};
 pub use bus::{Bus, BusDevice, BusError};
 pub use cmos::Cmos;
 pub use debug_exit::DebugExit;

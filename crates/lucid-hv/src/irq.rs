@@ -30,7 +30,8 @@ pub struct MsiMessage {
 struct Table {
     /// GSI -> its MSI route; a GSI handed out but without a route is present with `None`.
     msi: BTreeMap<u32, Option<MsiMessage>>,
-    max_gsi: u32,
+    /// Which GSIs from [`FIRST_MSI_GSI`] up are handed out (lowest free first).
+    ids: vm_allocator::IdAllocator,
 }
 
 /// The VM's GSI routing table. Shared (`Arc`) by every device that routes MSIs.
@@ -56,7 +57,8 @@ impl GsiRouter {
             vm,
             table: Mutex::new(Table {
                 msi: BTreeMap::new(),
-                max_gsi,
+                ids: vm_allocator::IdAllocator::new(FIRST_MSI_GSI, max_gsi - 1)
+                    .expect("FIRST_MSI_GSI < max_gsi"),
             }),
         })
     }
@@ -66,16 +68,10 @@ impl GsiRouter {
     /// [`set_msi`]: GsiRouter::set_msi
     pub fn allocate(&self) -> Result<u32, HvError> {
         let mut t = self.table.lock().unwrap_or_else(|e| e.into_inner());
-        let mut gsi = FIRST_MSI_GSI;
-        for (&g, _) in t.msi.iter() {
-            if g != gsi {
-                break;
-            }
-            gsi += 1;
-        }
-        if gsi >= t.max_gsi {
-            return Err(HvError::MissingCap("a free GSI (routing table full)"));
-        }
+        let gsi = t
+            .ids
+            .allocate_id()
+            .map_err(|_| HvError::MissingCap("a free GSI (routing table full)"))?;
         t.msi.insert(gsi, None);
         Ok(gsi)
     }
@@ -113,7 +109,11 @@ impl GsiRouter {
     /// Drops `gsi`'s route and returns it to the pool.
     pub fn release(&self, gsi: u32) -> Result<(), HvError> {
         let mut t = self.table.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(Some(_)) = t.msi.remove(&gsi) {
+        let Some(route) = t.msi.remove(&gsi) else {
+            return Ok(());
+        };
+        let _ = t.ids.free_id(gsi);
+        if route.is_some() {
             return self.commit(&t);
         }
         Ok(())

@@ -281,6 +281,30 @@ impl Vcpu {
             .set_vcpu_events(&ev)
             .map_err(|e| HvError::Ioctl("KVM_SET_VCPU_EVENTS", e))
     }
+    /// The CPUID entries KVM holds for this vCPU (what guest code that KVM emulates reads).
+    pub fn get_cpuid(&self) -> Result<CpuId, HvError> {
+        self.fd
+            .get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+            .map_err(|e| HvError::Ioctl("KVM_GET_CPUID2", e))
+    }
+    /// The extended control registers (XCR0).
+    pub fn get_xcrs(&self) -> Result<kvm_bindings::kvm_xcrs, HvError> {
+        self.fd
+            .get_xcrs()
+            .map_err(|e| HvError::Ioctl("KVM_GET_XCRS", e))
+    }
+    /// The x87/SSE/AVX state in the standard XSAVE layout (legacy area, then the header with
+    /// XSTATE_BV, the components whose values count).
+    pub fn get_xsave(&self) -> Result<kvm_bindings::kvm_xsave, HvError> {
+        self.fd
+            .get_xsave()
+            .map_err(|e| HvError::Ioctl("KVM_GET_XSAVE", e))
+    }
+    pub fn set_xsave(&self, x: &kvm_bindings::kvm_xsave) -> Result<(), HvError> {
+        // SAFETY: KVM reads at most the 4096 bytes of `kvm_xsave`: the guest's state fits in them
+        // because Lucid never enables dynamic XSTATE components (AMX) for its guests.
+        unsafe { self.fd.set_xsave(x) }.map_err(|e| HvError::Ioctl("KVM_SET_XSAVE", e))
+    }
     /// Guest-virtual to guest-physical, through the vCPU's current page tables.
     pub fn translate(&self, gva: u64) -> Result<Option<u64>, HvError> {
         let t = self

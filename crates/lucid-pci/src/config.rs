@@ -2,7 +2,7 @@
 //! PCIe extended space, with per-bit write masks (read-only, read-write, write-1-to-clear) and
 //! BARs whose size a guest probes by writing all ones.
 
-use crate::PciError;
+use crate::{BarProblem, CapProblem, PciError};
 
 pub const CONFIG_SIZE: usize = 4096;
 /// The legacy (0xCF8) part of the space; capabilities live here.
@@ -138,15 +138,21 @@ impl ConfigSpace {
     pub fn add_bar(&mut self, index: usize, bar: Bar) -> Result<(), PciError> {
         let is64 = matches!(bar.kind, BarKind::Mmio64 { .. });
         let min = if bar.kind.is_io() { 4 } else { 16 };
-        let bad = |why: &str| PciError::BadBar(index, why.to_string());
+        let bad = |problem| PciError::Bar {
+            bar: index,
+            problem,
+        };
         if index >= NUM_BARS || (is64 && index + 1 >= NUM_BARS) {
-            return Err(bad("index out of range"));
+            return Err(bad(BarProblem::IndexOutOfRange));
         }
         if !bar.size.is_power_of_two() || bar.size < min {
-            return Err(bad("size must be a power of two, at least 16 (4 for I/O)"));
+            return Err(bad(BarProblem::BadSize {
+                size: bar.size,
+                min,
+            }));
         }
         if (!is64 && bar.size > 1 << 31) || (bar.kind.is_io() && bar.size > 256) {
-            return Err(bad("too large for its kind"));
+            return Err(bad(BarProblem::TooLarge { size: bar.size }));
         }
         if self.bars[index].is_some()
             || (is64 && self.bars[index + 1].is_some())
@@ -159,7 +165,7 @@ impl ConfigSpace {
                     })
                 ))
         {
-            return Err(bad("already in use"));
+            return Err(bad(BarProblem::InUse));
         }
         self.bars[index] = Some(bar);
         let off = BAR0 + 4 * index;
@@ -190,14 +196,19 @@ impl ConfigSpace {
 
     /// Programs BAR `index` as firmware would. `addr` must be aligned to the BAR's size.
     pub fn set_bar_address(&mut self, index: usize, addr: u64) -> Result<(), PciError> {
-        let bar = self
-            .bar(index)
-            .ok_or_else(|| PciError::BadBar(index, "not implemented".into()))?;
+        let bad = |problem| PciError::Bar {
+            bar: index,
+            problem,
+        };
+        let bar = self.bar(index).ok_or(bad(BarProblem::NotImplemented))?;
         if addr & (bar.size - 1) != 0 {
-            return Err(PciError::BadBar(index, format!("{addr:#x} is not aligned")));
+            return Err(bad(BarProblem::Misaligned {
+                addr,
+                size: bar.size,
+            }));
         }
         if !matches!(bar.kind, BarKind::Mmio64 { .. }) && addr > u32::MAX as u64 {
-            return Err(PciError::BadBar(index, format!("{addr:#x} above 4 GiB")));
+            return Err(bad(BarProblem::Above4G { addr }));
         }
         let off = BAR0 + 4 * index;
         self.set_u32(off, addr as u32 | bar.kind.flags());
@@ -212,16 +223,16 @@ impl ConfigSpace {
     /// Returns the capability's offset.
     pub fn add_capability(&mut self, id: u8, body: &[u8], wmask: &[u8]) -> Result<usize, PciError> {
         let len = 2 + body.len();
+        let bad = |problem| PciError::Capability { id, len, problem };
         if !wmask.is_empty() && wmask.len() != body.len() {
-            return Err(PciError::Capability(
-                "write mask length differs from body".into(),
-            ));
+            return Err(bad(CapProblem::MaskLength {
+                mask: wmask.len(),
+                body: body.len(),
+            }));
         }
         let off = self.next_cap;
         if off + len > LEGACY_CONFIG_SIZE {
-            return Err(PciError::Capability(
-                "no room left in configuration space".into(),
-            ));
+            return Err(bad(CapProblem::NoRoom { offset: off }));
         }
         self.bytes[off] = id;
         self.bytes[off + 1] = 0;

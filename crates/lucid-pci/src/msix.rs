@@ -193,7 +193,11 @@ pub fn add_capability(
     pba_offset: u32,
 ) -> Result<usize, PciError> {
     if vectors == 0 || vectors > 2048 || table_offset & 7 != 0 || pba_offset & 7 != 0 {
-        return Err(PciError::Capability("bad MSI-X layout".into()));
+        return Err(PciError::MsixLayout {
+            vectors,
+            table: table_offset,
+            pba: pba_offset,
+        });
     }
     let mut body = Vec::with_capacity(10);
     body.extend_from_slice(&(vectors - 1).to_le_bytes());
@@ -250,19 +254,17 @@ impl Interrupts {
     ) -> Result<Arc<Self>, PciError> {
         let mut irqfds = Vec::new();
         if path == MsiPath::Irqfd {
-            let router = router.as_ref().ok_or(PciError::Config(
-                "irqfd interrupts need a GSI router".into(),
-            ))?;
+            let router = router.as_ref().ok_or(PciError::NoGsiRouter)?;
             for _ in 0..vectors {
                 let gsi = router.allocate()?;
-                let efd = EventFd::new(EFD_NONBLOCK).map_err(PciError::Io)?;
+                let efd = EventFd::new(EFD_NONBLOCK).map_err(PciError::EventFd)?;
                 vm.register_irqfd(&efd, gsi)?;
                 irqfds.push((gsi, efd));
             }
         }
         let intx = match intx_gsi {
             Some(gsi) => {
-                let efd = EventFd::new(EFD_NONBLOCK).map_err(PciError::Io)?;
+                let efd = EventFd::new(EFD_NONBLOCK).map_err(PciError::EventFd)?;
                 vm.register_irqfd(&efd, gsi)?;
                 Some((gsi, efd))
             }

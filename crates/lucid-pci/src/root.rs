@@ -19,6 +19,7 @@ use crate::config::{
     touches, BarKind, ConfigSpace, PciIds, BAR0, COMMAND, COMMAND_IO, COMMAND_MEMORY, NUM_BARS,
 };
 use crate::PciError;
+use vm_allocator::{AddressAllocator, AllocPolicy, RangeInclusive};
 
 /// A PCI function on Lucid's bus. The root does the generic config-space work; the device sees
 /// BAR accesses and hears about config writes and BAR (un)mappings.
@@ -87,9 +88,28 @@ struct Inner {
     slots: BTreeMap<u8, Slot>,
     /// The 0xCF8 address register.
     cf8: u32,
-    /// Next free address for build-time MMIO / I/O assignment.
-    next_mmio: u64,
-    next_io: u64,
+    /// Build-time BAR assignment in the MMIO and I/O windows, or why a window cannot hold
+    /// any (empty). Where a guest moves a BAR later is checked against the bus, which knows
+    /// every range, not against these.
+    mmio_space: Result<AddressAllocator, vm_allocator::Error>,
+    io_space: Result<AddressAllocator, vm_allocator::Error>,
+}
+
+impl Inner {
+    /// Returns build-time BAR ranges (`true`: I/O space) to their windows.
+    fn free(&mut self, taken: &[(bool, RangeInclusive)]) {
+        for (io, r) in taken {
+            let space = if *io {
+                &mut self.io_space
+            } else {
+                &mut self.mmio_space
+            };
+            if let Ok(space) = space {
+                // Each was allocated just before from this space.
+                let _ = space.free(r);
+            }
+        }
+    }
 }
 
 /// The root complex. Create with [`PciRoot::new`], attach devices with [`PciRoot::add_device`],
@@ -146,12 +166,13 @@ impl PciRoot {
         stats: &StatsRegistry,
     ) -> Arc<Self> {
         let c = |n: &str| stats.counter(format!("pci.{n}"));
+        let space = |w: &Range<u64>| AddressAllocator::new(w.start, w.end.saturating_sub(w.start));
         let root = PciRoot {
             inner: Mutex::new(Inner {
                 slots: BTreeMap::new(),
                 cf8: 0,
-                next_mmio: windows.mmio.start,
-                next_io: windows.io.start,
+                mmio_space: space(&windows.mmio),
+                io_space: space(&windows.io),
             }),
             mmio,
             pio,
@@ -223,30 +244,38 @@ impl PciRoot {
             .filter_map(|i| d.config().bar(i).map(|b| (i, b.kind, b.size)))
             .collect();
         bars.sort_by_key(|&(_, _, size)| std::cmp::Reverse(size));
-        let (mut next_mmio, mut next_io) = (inner.next_mmio, inner.next_io);
         let mut cmd = d.config().command();
-        for &(i, kind, size) in &bars {
-            let (next, window) = if kind.is_io() {
-                (&mut next_io, &self.windows.io)
+        let mut taken: Vec<(bool, RangeInclusive)> = Vec::new();
+        let assigned = bars.iter().try_for_each(|&(i, kind, size)| {
+            let io = kind.is_io();
+            let (space, window) = if io {
+                (&mut inner.io_space, &self.windows.io)
             } else {
-                (&mut next_mmio, &self.windows.mmio)
+                (&mut inner.mmio_space, &self.windows.mmio)
             };
-            let base = next.next_multiple_of(size);
-            if base.checked_add(size).is_none_or(|end| end > window.end) {
-                return Err(PciError::NoSpace(name.to_string(), i));
-            }
-            d.config_mut().set_bar_address(i, base)?;
-            *next = base + size;
-            cmd |= if kind.is_io() {
-                COMMAND_IO
-            } else {
-                COMMAND_MEMORY
-            };
+            // Naturally aligned, as a BAR must be.
+            let range = space
+                .as_mut()
+                .map_err(|e| *e)
+                .and_then(|s| s.allocate(size, size, AllocPolicy::FirstMatch))
+                .map_err(|source| PciError::NoSpace {
+                    device: name.to_string(),
+                    bar: i,
+                    size,
+                    window: window.clone(),
+                    source,
+                })?;
+            taken.push((io, range));
+            d.config_mut().set_bar_address(i, range.start())?;
+            cmd |= if io { COMMAND_IO } else { COMMAND_MEMORY };
+            Ok(())
+        });
+        if let Err(e) = assigned {
+            inner.free(&taken);
+            return Err(e);
         }
         d.config_mut().set_command(cmd);
         drop(d);
-        inner.next_mmio = next_mmio;
-        inner.next_io = next_io;
         inner.slots.insert(
             slot,
             Slot {
@@ -258,7 +287,11 @@ impl PciRoot {
         let s = inner.slots.get_mut(&slot).expect("inserted above");
         self.remap(s);
         if let Some((i, _, _)) = bars.iter().find(|(i, _, _)| s.mapped[*i].is_none()) {
-            let e = PciError::BadBar(*i, format!("{name}: assigned BAR overlaps another range"));
+            let e = PciError::BarOverlaps {
+                device: name.to_string(),
+                bar: *i,
+                base: lock(&s.dev).config().bar_address(*i).unwrap_or(0),
+            };
             // Undo: unmap what was mapped and free the slot.
             for (j, m) in s.mapped.iter().enumerate() {
                 if let Some(base) = m {
@@ -266,6 +299,7 @@ impl PciRoot {
                 }
             }
             inner.slots.remove(&slot);
+            inner.free(&taken);
             return Err(e);
         }
         Ok(addr)

@@ -7,7 +7,7 @@
 //! and notifications (0x3000, queue `q` at `q * 4`). Vector 0..queues-1 are free for the
 //! driver to use; the device has `queues + 1` vectors.
 //!
-//! Rungs (see [`plan_rung`]):
+//! Rungs (decided by [`crate::ladder::plan`]):
 //! - L0: kicks are MMIO exits to userspace, which this transport turns into writes to the
 //!   queue's kick eventfd; interrupts go out with `KVM_SIGNAL_MSI`.
 //! - L1: an ioeventfd on each queue's notify address (the kick never leaves the kernel);
@@ -28,7 +28,7 @@ use lucid_mem::{DmaPath, GuestMemoryMmap};
 use lucid_stats::{Counter, StatsRegistry};
 use lucid_virtio::features::{VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
 use lucid_virtio::{
-    device_type, ActivateContext, Coalescing, Notify, Rung, VirtioDevice, VirtioInterrupt,
+    device_type, ActivateContext, ActivateError, Coalescing, VirtioDevice, VirtioInterrupt,
 };
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestAddress;
@@ -37,7 +37,8 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::config::{
     touches, Bar, BarKind, ConfigSpace, PciIds, CAP_ID_VENDOR, COMMAND, COMMAND_INTX_DISABLE,
 };
-use crate::msix::{self, Interrupts, MsiPath};
+use crate::ladder::{self, HostCaps, Rung, RungPlan};
+use crate::msix::{self, Interrupts};
 use crate::root::PciDevice;
 use crate::PciError;
 
@@ -100,80 +101,6 @@ pub mod common {
     pub const QUEUE_DESC_HI: u64 = 0x24;
     pub const QUEUE_DRIVER_HI: u64 = 0x2c;
     pub const QUEUE_DEVICE_HI: u64 = 0x34;
-}
-
-/// What the host offers that some rungs need.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct HostCaps {
-    /// Guests read the CPUID the VMM sets (PV EOI reaches them).
-    pub cpuid_intercepted: bool,
-    /// APICv / AVIC.
-    pub posted_interrupts: bool,
-}
-
-/// What a rung means for the transport and the device.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RungPlan {
-    pub rung: Rung,
-    /// Kicks by ioeventfd (else by userspace MMIO exit).
-    pub ioeventfd: bool,
-    pub msi: MsiPath,
-    pub notify: Notify,
-    /// The VM must offer PV EOI in CPUID.
-    pub pv_eoi: bool,
-    /// ... and the guest will see it.
-    pub pv_eoi_effective: bool,
-}
-
-/// Decides what `rung` does on a host with `caps`. L3 without posted interrupts is refused.
-pub fn plan_rung(rung: Rung, caps: HostCaps, poll_idle_us: u32) -> Result<RungPlan, PciError> {
-    let l1 = RungPlan {
-        rung,
-        ioeventfd: true,
-        msi: MsiPath::Irqfd,
-        notify: Notify::Kicks,
-        pv_eoi: false,
-        pv_eoi_effective: false,
-    };
-    Ok(match rung {
-        Rung::L0 => RungPlan {
-            ioeventfd: false,
-            msi: MsiPath::SignalMsi,
-            ..l1
-        },
-        Rung::L1 => l1,
-        Rung::L2 => RungPlan {
-            pv_eoi: true,
-            pv_eoi_effective: caps.cpuid_intercepted,
-            ..l1
-        },
-        Rung::L3 if caps.posted_interrupts => l1,
-        Rung::L3 => {
-            return Err(PciError::Rung(
-                "L3 needs posted interrupts (APICv or AVIC), which this host's KVM does not \
-                 offer; use L1/L2 (irqfd) or L4 (polling)"
-                    .into(),
-            ))
-        }
-        Rung::L4 { .. } => RungPlan {
-            notify: Notify::Poll {
-                idle_sleep_us: poll_idle_us,
-            },
-            ..l1
-        },
-    })
-}
-
-/// The rung as a number for the counters: 0-4, 5 for L4 with guest polling.
-pub fn rung_code(r: Rung) -> u64 {
-    match r {
-        Rung::L0 => 0,
-        Rung::L1 => 1,
-        Rung::L2 => 2,
-        Rung::L3 => 3,
-        Rung::L4 { guest_polls: false } => 4,
-        Rung::L4 { guest_polls: true } => 5,
-    }
 }
 
 /// Per-device transport options.
@@ -241,6 +168,61 @@ impl VirtioInterrupt for VirtioPciInterrupt {
     }
 }
 
+/// Why DRIVER_OK did not start the device. The transport then sets DEVICE_NEEDS_RESET, sends a
+/// configuration change interrupt (virtio 1.2, 2.1.2), logs the reason and counts it in
+/// `<dev>.virtio.activation_failed`; [`VirtioPciDevice::activation_error`] keeps the last one.
+#[derive(Debug, thiserror::Error)]
+pub enum ActivationError {
+    #[error("queue {queue}: {what} rejected by the queue: {source}")]
+    Queue {
+        queue: u16,
+        what: QueueField,
+        #[source]
+        source: virtio_queue::Error,
+    },
+    #[error(
+        "queue {queue}: rings outside guest memory (descriptors {desc:#x}, driver area \
+         {driver:#x}, device area {device:#x}, size {size})"
+    )]
+    RingsOutsideMemory {
+        queue: u16,
+        desc: u64,
+        driver: u64,
+        device: u64,
+        size: u16,
+    },
+    #[error("queue {queue}: cannot share its kick eventfd with the device: {source}")]
+    Kick {
+        queue: u16,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Device(#[from] ActivateError),
+}
+
+/// The queue setting a driver wrote that virtio-queue refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueueField {
+    MaxSize(u16),
+    Size(u16),
+    DescTable(u64),
+    DriverArea(u64),
+    DeviceArea(u64),
+}
+
+impl std::fmt::Display for QueueField {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            QueueField::MaxSize(v) => write!(f, "maximum size {v}"),
+            QueueField::Size(v) => write!(f, "size {v}"),
+            QueueField::DescTable(a) => write!(f, "descriptor table address {a:#x}"),
+            QueueField::DriverArea(a) => write!(f, "driver area address {a:#x}"),
+            QueueField::DeviceArea(a) => write!(f, "device area address {a:#x}"),
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 struct QueueCfg {
     max: u16,
@@ -272,10 +254,12 @@ struct Counters {
     device_cfg_accesses: Arc<Counter>,
     bad_accesses: Arc<Counter>,
     activations: Arc<Counter>,
+    activation_failed: Arc<Counter>,
     resets: Arc<Counter>,
     needs_reset: Arc<Counter>,
     features_refused: Arc<Counter>,
     ioeventfds: Arc<Counter>,
+    ioeventfd_failed: Arc<Counter>,
 }
 
 /// A virtio device on PCI.
@@ -300,7 +284,10 @@ pub struct VirtioPciDevice {
     kicks: Vec<EventFd>,
     /// Where the notify ioeventfds are registered (the virtio BAR's base).
     ioeventfds_at: Option<u64>,
+    /// Per queue: its notify ioeventfd is registered at `ioeventfds_at`.
+    ioeventfd_on: Vec<bool>,
     activated: bool,
+    activation_error: Option<ActivationError>,
     counters: Counters,
 }
 
@@ -311,20 +298,23 @@ impl VirtioPciDevice {
         opts: TransportOptions,
     ) -> Result<Self, PciError> {
         let name = device.name().to_string();
-        let plan = plan_rung(opts.rung, env.host, opts.poll_idle_us)?;
+        let plan = ladder::plan(opts.rung, env.host, opts.poll_idle_us)?;
         let maxes = device.queue_max_sizes().to_vec();
         if maxes.is_empty() || maxes.len() >= MAX_VECTORS as usize {
-            return Err(PciError::Config(format!(
-                "{name}: {} queues (1..{} supported)",
-                maxes.len(),
-                MAX_VECTORS
-            )));
+            return Err(PciError::QueueCount {
+                device: name,
+                queues: maxes.len(),
+                max: MAX_VECTORS as usize - 1,
+            });
         }
         if let Some(m) = maxes
             .iter()
             .find(|&&m| m == 0 || !m.is_power_of_two() || m > 32768)
         {
-            return Err(PciError::Config(format!("{name}: queue max size {m}")));
+            return Err(PciError::QueueMaxSize {
+                device: name,
+                size: *m,
+            });
         }
         let vectors = maxes.len() as u16 + 1;
         let dtype = device.device_type();
@@ -419,7 +409,7 @@ impl VirtioPciDevice {
             .iter()
             .map(|_| EventFd::new(EFD_NONBLOCK))
             .collect::<Result<Vec<_>, _>>()
-            .map_err(PciError::Io)?;
+            .map_err(PciError::EventFd)?;
         let s = &env.stats;
         let c = |n: &str| s.counter(format!("{name}.{n}"));
         let counters = Counters {
@@ -430,12 +420,14 @@ impl VirtioPciDevice {
             device_cfg_accesses: c("virtio.device_cfg_accesses"),
             bad_accesses: c("virtio.bad_accesses"),
             activations: c("virtio.activations"),
+            activation_failed: c("virtio.activation_failed"),
             resets: c("virtio.resets"),
             needs_reset: c("virtio.needs_reset"),
             features_refused: c("virtio.features_refused"),
             ioeventfds: c("notify.ioeventfds_registered"),
+            ioeventfd_failed: c("notify.ioeventfd_failed"),
         };
-        c("rung").set(rung_code(opts.rung));
+        c("rung").set(plan.rung.code());
         c("pv_eoi.offered").set(plan.pv_eoi as u64);
         c("pv_eoi.effective").set(plan.pv_eoi_effective as u64);
         let offered = device.features() | VIRTIO_F_VERSION_1;
@@ -458,7 +450,9 @@ impl VirtioPciDevice {
             queues: maxes.iter().map(|&m| QueueCfg::new(m)).collect(),
             kicks,
             ioeventfds_at: None,
+            ioeventfd_on: vec![false; maxes.len()],
             activated: false,
+            activation_error: None,
             counters,
             env,
         })
@@ -472,6 +466,10 @@ impl VirtioPciDevice {
     }
     pub fn status(&self) -> u8 {
         self.status
+    }
+    /// Why the last DRIVER_OK failed (cleared by a reset).
+    pub fn activation_error(&self) -> Option<&ActivationError> {
+        self.activation_error.as_ref()
     }
     pub fn interrupts(&self) -> &Arc<Interrupts> {
         &self.irq.interrupts
@@ -488,33 +486,48 @@ impl VirtioPciDevice {
         base + NOTIFY_OFFSET + q as u64 * NOTIFY_MULTIPLIER as u64
     }
 
+    /// Moves the notify ioeventfds to the virtio BAR at `base` (or removes them). A queue whose
+    /// registration fails keeps working through the notify exit, which this transport turns
+    /// into the same kick (the L0 path): the reason is logged and counted in
+    /// `notify.ioeventfd_failed`, and the driver sees no difference.
     fn set_ioeventfds(&mut self, base: Option<u64>) {
         if !self.plan.ioeventfd || base == self.ioeventfds_at {
             return;
         }
         if let Some(old) = self.ioeventfds_at.take() {
             for (q, k) in self.kicks.iter().enumerate() {
-                if self
-                    .env
-                    .vm
-                    .unregister_ioeventfd(k, IoAddr::Mmio(Self::notify_addr(old, q)))
-                    .is_ok()
-                {
-                    self.counters
+                if !std::mem::take(&mut self.ioeventfd_on[q]) {
+                    continue;
+                }
+                let addr = Self::notify_addr(old, q);
+                match self.env.vm.unregister_ioeventfd(k, IoAddr::Mmio(addr)) {
+                    Ok(()) => self
+                        .counters
                         .ioeventfds
-                        .set(self.counters.ioeventfds.get().saturating_sub(1));
+                        .set(self.counters.ioeventfds.get().saturating_sub(1)),
+                    Err(e) => log::error!(
+                        "{}: queue {q}: cannot remove the notify ioeventfd at {addr:#x}: {e}",
+                        self.name
+                    ),
                 }
             }
         }
         if let Some(new) = base {
             for (q, k) in self.kicks.iter().enumerate() {
-                if self
-                    .env
-                    .vm
-                    .register_ioeventfd(k, IoAddr::Mmio(Self::notify_addr(new, q)))
-                    .is_ok()
-                {
-                    self.counters.ioeventfds.inc();
+                let addr = Self::notify_addr(new, q);
+                match self.env.vm.register_ioeventfd(k, IoAddr::Mmio(addr)) {
+                    Ok(()) => {
+                        self.ioeventfd_on[q] = true;
+                        self.counters.ioeventfds.inc();
+                    }
+                    Err(e) => {
+                        self.counters.ioeventfd_failed.inc();
+                        log::warn!(
+                            "{}: queue {q}: no notify ioeventfd at {addr:#x} ({e}); its \
+                             notifications take the userspace exit",
+                            self.name
+                        );
+                    }
                 }
             }
             self.ioeventfds_at = Some(new);
@@ -527,6 +540,7 @@ impl VirtioPciDevice {
             self.activated = false;
         }
         self.counters.resets.inc();
+        self.activation_error = None;
         self.status = 0;
         self.device_feature_select = 0;
         self.driver_feature_select = 0;
@@ -573,8 +587,10 @@ impl VirtioPciDevice {
             if v & status::FEATURES_OK == 0 || old & status::NEEDS_RESET != 0 {
                 v &= !status::DRIVER_OK;
                 self.counters.bad_accesses.inc();
-            } else if let Err(why) = self.activate() {
-                let _ = why;
+            } else if let Err(e) = self.activate() {
+                log::error!("{}: DRIVER_OK refused, device needs reset: {e}", self.name);
+                self.counters.activation_failed.inc();
+                self.activation_error = Some(e);
                 self.counters.needs_reset.inc();
                 v |= status::NEEDS_RESET;
                 self.status = v;
@@ -586,29 +602,45 @@ impl VirtioPciDevice {
     }
 
     /// DRIVER_OK: validate the queues against guest memory and start the device.
-    fn activate(&mut self) -> Result<(), String> {
+    fn activate(&mut self) -> Result<(), ActivationError> {
         let event_idx = self.driver_features & VIRTIO_RING_F_EVENT_IDX != 0;
         let mut queues = Vec::new();
         for (i, qc) in self.queues.iter().enumerate() {
             if !qc.enabled {
                 continue;
             }
-            let mut q = Queue::new(qc.max).map_err(|e| format!("queue {i}: {e:?}"))?;
+            let queue = i as u16;
+            let refused = |what| {
+                move |source| ActivationError::Queue {
+                    queue,
+                    what,
+                    source,
+                }
+            };
+            let mut q = Queue::new(qc.max).map_err(refused(QueueField::MaxSize(qc.max)))?;
             q.try_set_size(qc.size)
-                .map_err(|e| format!("queue {i}: size {}: {e:?}", qc.size))?;
+                .map_err(refused(QueueField::Size(qc.size)))?;
             q.try_set_desc_table_address(GuestAddress(qc.desc))
-                .map_err(|e| format!("queue {i}: {e:?}"))?;
+                .map_err(refused(QueueField::DescTable(qc.desc)))?;
             q.try_set_avail_ring_address(GuestAddress(qc.driver))
-                .map_err(|e| format!("queue {i}: {e:?}"))?;
+                .map_err(refused(QueueField::DriverArea(qc.driver)))?;
             q.try_set_used_ring_address(GuestAddress(qc.device))
-                .map_err(|e| format!("queue {i}: {e:?}"))?;
+                .map_err(refused(QueueField::DeviceArea(qc.device)))?;
             q.set_event_idx(event_idx);
             q.set_ready(true);
             if !q.is_valid(&self.env.mem) {
-                return Err(format!("queue {i}: rings outside guest memory"));
+                return Err(ActivationError::RingsOutsideMemory {
+                    queue,
+                    desc: qc.desc,
+                    driver: qc.driver,
+                    device: qc.device,
+                    size: qc.size,
+                });
             }
-            let kick = self.kicks[i].try_clone().map_err(|e| e.to_string())?;
-            queues.push((i as u16, q, kick));
+            let kick = self.kicks[i]
+                .try_clone()
+                .map_err(|source| ActivationError::Kick { queue, source })?;
+            queues.push((queue, q, kick));
         }
         let ctx = ActivateContext {
             mem: self.env.mem.clone(),
@@ -621,7 +653,7 @@ impl VirtioPciDevice {
             coalescing: self.opts.coalescing,
             stats: self.env.stats.clone(),
         };
-        self.device.activate(ctx).map_err(|e| e.to_string())?;
+        self.device.activate(ctx)?;
         self.activated = true;
         self.counters.activations.inc();
         Ok(())

@@ -12,13 +12,15 @@ use lucid_pci::config::{BAR0, COMMAND, COMMAND_MEMORY};
 use lucid_pci::virtio::{
     common, status, MSIX_BAR, NOTIFY_MULTIPLIER, NOTIFY_OFFSET, NO_VECTOR, VIRTIO_BAR,
 };
+use lucid_pci::virtio::{ActivationError, QueueField};
+use lucid_pci::Rung;
 use lucid_pci::{
     attach_virtio, HostCaps, MsiPath, PciRoot, PciWindows, TransportEnv, TransportOptions,
     VirtioPciDevice,
 };
 use lucid_stats::StatsRegistry;
 use lucid_virtio::features::{VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
-use lucid_virtio::{ActivateContext, ActivateError, Notify, Rung, VirtioDevice, VirtioInterrupt};
+use lucid_virtio::{ActivateContext, ActivateError, Notify, VirtioDevice, VirtioInterrupt};
 
 const MMIO_WINDOW: std::ops::Range<u64> = 0xc000_0000..0xd000_0000;
 const ECAM: u64 = 0xe000_0000;
@@ -33,6 +35,8 @@ struct Seen {
     resets: AtomicUsize,
     last: Mutex<Option<Activation>>,
     irq: Mutex<Option<Arc<dyn VirtioInterrupt>>>,
+    /// Refuse DRIVER_OK as a device missing a queue would.
+    refuse: std::sync::atomic::AtomicBool,
 }
 
 struct Dummy {
@@ -69,6 +73,12 @@ impl VirtioDevice for Dummy {
     }
     fn activate(&mut self, ctx: ActivateContext) -> Result<(), ActivateError> {
         use lucid_virtio::virtio_queue::QueueT;
+        if self.seen.refuse.load(Ordering::SeqCst) {
+            return Err(ActivateError::QueueMissing {
+                device: self.name.clone(),
+                queue: 3,
+            });
+        }
         self.seen.activations.fetch_add(1, Ordering::SeqCst);
         let qs = ctx.queues.iter().map(|(i, q, _)| (*i, q.size())).collect();
         *self.seen.last.lock().unwrap() = Some((qs, ctx.features, ctx.notify));
@@ -457,12 +467,22 @@ fn feature_negotiation_and_status_machine() {
 #[test]
 fn bad_queues_set_needs_reset() {
     let h = host();
-    let (slot, seen, _dev) = h.attach("blk0", 1, Rung::L1);
+    let (slot, seen, dev) = h.attach("blk0", 1, Rung::L1);
     let b = h.bar(slot, VIRTIO_BAR);
+    let why = || format!("{:?}", dev.lock().unwrap().activation_error());
     for size in [0u16, 3, 100, 512, 0xffff] {
         h.w(b + common::DEVICE_STATUS, 1, 0);
+        assert_eq!(why(), "None", "a reset forgets the last failure");
         let st = drive_to_ok(&h, slot, 1, size);
         assert_eq!(st & status::NEEDS_RESET, status::NEEDS_RESET, "size {size}");
+        assert!(
+            matches!(
+                dev.lock().unwrap().activation_error(),
+                Some(ActivationError::Queue { queue: 0, what: QueueField::Size(s), .. }) if *s == size
+            ),
+            "size {size}: {}",
+            why()
+        );
     }
     // Rings outside guest memory, or straddling its end, or misaligned.
     for (desc, drv, devr) in [
@@ -485,11 +505,24 @@ fn bad_queues_set_needs_reset() {
         h.w(b + common::DEVICE_STATUS, 1, 0xf);
         let st = h.r(b + common::DEVICE_STATUS, 1) as u8;
         assert_ne!(st & status::NEEDS_RESET, 0, "{desc:#x} {drv:#x} {devr:#x}");
+        // The reason names the queue and the address at fault.
+        let e = dev
+            .lock()
+            .unwrap()
+            .activation_error()
+            .map(|e| e.to_string());
+        let e = e.expect("a reason");
+        assert!(e.starts_with("queue 0: "), "{e}");
+        let at_fault = [desc, drv, devr]
+            .iter()
+            .any(|a| e.contains(&format!("{a:#x}")));
+        assert!(at_fault, "{e}");
         // Further status writes cannot get it going.
         h.w(b + common::DEVICE_STATUS, 1, (st | 4) as u64);
     }
     assert_eq!(seen.activations.load(Ordering::SeqCst), 0);
     assert_eq!(h.counter("blk0.virtio.needs_reset"), 10);
+    assert_eq!(h.counter("blk0.virtio.activation_failed"), 10);
     // Selecting a queue that does not exist: reads 0, writes ignored.
     h.w(b + common::DEVICE_STATUS, 1, 0);
     h.w(b + common::QUEUE_SELECT, 2, 7);
@@ -504,6 +537,117 @@ fn bad_queues_set_needs_reset() {
     h.w(b + common::DEVICE_STATUS, 1, 0);
     assert_eq!(drive_to_ok(&h, slot, 1, 256), 0xf);
     assert_eq!(seen.activations.load(Ordering::SeqCst), 1);
+}
+
+/// A device that refuses DRIVER_OK: its reason reaches the transport intact, the status says
+/// DEVICE_NEEDS_RESET and the driver gets a configuration change interrupt (virtio 1.2, 2.1.2).
+#[test]
+fn a_refused_activation_keeps_its_reason() {
+    let h = host();
+    let (slot, seen, dev) = h.attach("blk0", 1, Rung::L0);
+    enable_msix(&h, slot);
+    program_vector(&h, slot, 0, 0x4040, false);
+    let b = h.bar(slot, VIRTIO_BAR);
+    h.w(b + common::CONFIG_MSIX_VECTOR, 2, 0);
+    seen.refuse.store(true, Ordering::SeqCst);
+    let msi_before = h.counter("blk0.irq.msi_signal");
+    let st = drive_to_ok(&h, slot, 1, 256);
+    assert_eq!(st & status::NEEDS_RESET, status::NEEDS_RESET);
+    assert_eq!(
+        h.counter("blk0.irq.msi_signal"),
+        msi_before + 1,
+        "config interrupt"
+    );
+    assert_eq!(h.counter("blk0.virtio.activation_failed"), 1);
+    match dev.lock().unwrap().activation_error() {
+        Some(ActivationError::Device(ActivateError::QueueMissing { device, queue: 3 })) => {
+            assert_eq!(device, "blk0")
+        }
+        e => panic!("{e:?}"),
+    }
+    h.w(b + common::DEVICE_STATUS, 1, 0);
+    seen.refuse.store(false, Ordering::SeqCst);
+    assert_eq!(drive_to_ok(&h, slot, 1, 256), 0xf);
+    assert!(dev.lock().unwrap().activation_error().is_none());
+}
+
+/// A notify address whose ioeventfd KVM refuses (here: taken by another eventfd) falls back to
+/// the notify exit, which kicks the same queue; the reason is counted and logged.
+#[test]
+fn a_refused_ioeventfd_falls_back_to_the_notify_exit() {
+    use vmm_sys_util::eventfd::EventFd;
+    let h = host();
+    // The first device's virtio BAR (the largest) goes at the window's start.
+    let squatter = EventFd::new(0).unwrap();
+    let queue0 = MMIO_WINDOW.start + NOTIFY_OFFSET;
+    h.vm.register_ioeventfd(&squatter, lucid_hv::IoAddr::Mmio(queue0))
+        .unwrap();
+    let (slot, _, dev) = h.attach("net0", 2, Rung::L1);
+    let b = h.bar(slot, VIRTIO_BAR);
+    assert_eq!(b + NOTIFY_OFFSET, queue0);
+    assert_eq!(h.counter("net0.notify.ioeventfd_failed"), 1);
+    assert_eq!(h.counter("net0.notify.ioeventfds_registered"), 1);
+    // The notify write reaches the transport (the exit path) and kicks queue 0.
+    assert!(h.w(queue0, 2, 0));
+    assert_eq!(h.counter("net0.notify.exit"), 1);
+    assert_eq!(dev.lock().unwrap().kick(0).unwrap().read().unwrap(), 1);
+}
+
+/// BAR space comes from vm-allocator: a device whose BAR cannot be mapped (a platform device
+/// squats there) gets an error naming the address, and its space goes back to the window for
+/// the next device; a window too small says how much was asked.
+#[test]
+fn bar_space_is_returned_when_an_attach_fails() {
+    struct Squatter;
+    impl lucid_devices::BusDevice for Squatter {
+        fn read(&mut self, _: u64, _: &mut [u8]) {}
+        fn write(&mut self, _: u64, _: &[u8]) {}
+    }
+    let h = host();
+    let start = MMIO_WINDOW.start;
+    h.mmio
+        .insert(start, 0x4000, "squatter", Arc::new(Mutex::new(Squatter)))
+        .unwrap();
+    let (d, _) = dummy("blk0", 1);
+    let e = attach_virtio(&h.root, d, h.env.clone(), opts(Rung::L1)).err();
+    assert!(
+        matches!(
+            e,
+            Some(lucid_pci::PciError::BarOverlaps { bar: VIRTIO_BAR, base, .. }) if base == start
+        ),
+        "{e:?}"
+    );
+    assert!(h.mmio.remove(start));
+    let (slot, _, _) = h.attach("blk1", 1, Rung::L1);
+    assert_eq!(
+        h.bar(slot, VIRTIO_BAR),
+        start,
+        "the failed attach's space was returned"
+    );
+
+    // A window with room for one device's BARs, not two.
+    let stats = StatsRegistry::new();
+    let small = PciRoot::new(
+        Arc::new(Bus::new()),
+        Arc::new(Bus::new()),
+        PciWindows {
+            mmio: start..start + 0x8000,
+            io: 0xc000..0x1_0000,
+            ecam: (ECAM, 0x1000_0000),
+        },
+        &stats,
+    );
+    let (d, _) = dummy("blk2", 1);
+    attach_virtio(&small, d, h.env.clone(), opts(Rung::L0)).unwrap();
+    let (d, _) = dummy("blk3", 1);
+    match attach_virtio(&small, d, h.env.clone(), opts(Rung::L0)).err() {
+        Some(lucid_pci::PciError::NoSpace {
+            device, bar, size, ..
+        }) => {
+            assert_eq!((device.as_str(), bar, size), ("blk3", VIRTIO_BAR, 0x4000))
+        }
+        e => panic!("{e:?}"),
+    }
 }
 
 fn enable_msix(h: &Host, slot: u8) -> u32 {
@@ -613,10 +757,10 @@ fn l0_notify_exit_kicks_the_queue() {
 
 #[test]
 fn rungs_plan_as_documented() {
-    use lucid_pci::plan_rung;
+    use lucid_pci::ladder::plan;
     let none = HostCaps::default();
-    assert!(plan_rung(Rung::L3, none, 0).is_err());
-    let l3 = plan_rung(
+    assert!(plan(Rung::L3, none, 0).is_err());
+    let l3 = plan(
         Rung::L3,
         HostCaps {
             posted_interrupts: true,
@@ -626,9 +770,9 @@ fn rungs_plan_as_documented() {
     )
     .unwrap();
     assert!(l3.ioeventfd && l3.msi == MsiPath::Irqfd);
-    let l2 = plan_rung(Rung::L2, none, 0).unwrap();
+    let l2 = plan(Rung::L2, none, 0).unwrap();
     assert!(l2.pv_eoi && !l2.pv_eoi_effective);
-    let l2 = plan_rung(
+    let l2 = plan(
         Rung::L2,
         HostCaps {
             cpuid_intercepted: true,
@@ -638,10 +782,10 @@ fn rungs_plan_as_documented() {
     )
     .unwrap();
     assert!(l2.pv_eoi_effective);
-    let l4 = plan_rung(Rung::L4 { guest_polls: true }, none, 5).unwrap();
+    let l4 = plan(Rung::L4 { guest_polls: true }, none, 5).unwrap();
     assert_eq!(l4.notify, Notify::Poll { idle_sleep_us: 5 });
     assert!(l4.ioeventfd);
-    let l0 = plan_rung(Rung::L0, none, 0).unwrap();
+    let l0 = plan(Rung::L0, none, 0).unwrap();
     assert!(!l0.ioeventfd && l0.msi == MsiPath::SignalMsi);
     // The transport refuses L3 here with the same error.
     let h = host();

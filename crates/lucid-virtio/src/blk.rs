@@ -26,7 +26,9 @@ use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::worker::{gather, scatter, split_off, Backend, Desc, Io, Region, Served, WorkerSlot};
+use crate::worker::{
+    gather, scatter, split_off, Backend, DataError, Desc, Fault, Io, Region, Served, WorkerSlot,
+};
 use crate::{device_type, features, ActivateContext, ActivateError, VirtioDevice};
 
 /// Feature bits (virtio spec 5.2.3).
@@ -249,10 +251,10 @@ impl VirtioDevice for Block {
     fn activate(&mut self, mut ctx: ActivateContext) -> Result<(), ActivateError> {
         ctx.queues.retain(|(i, _, _)| *i == 0);
         if ctx.queues.is_empty() {
-            return Err(ActivateError::BadConfig(format!(
-                "{}: the driver enabled no request queue (queue 0)",
-                self.name
-            )));
+            return Err(ActivateError::QueueMissing {
+                device: self.name.clone(),
+                queue: 0,
+            });
         }
         let backend = BlkBackend {
             file: self.file.clone(),
@@ -300,11 +302,59 @@ struct BlkBackend {
     data_in: Vec<Region>,
 }
 
-/// Why a request failed, with the status it gets.
-struct Fail(u8);
+/// Why a request failed. The driver sees only the status ([`ReqError::status`]); a guest can
+/// cause these at will, so they are counted in `errors` and logged at debug level.
+#[derive(Debug, thiserror::Error)]
+enum ReqError {
+    #[error("a device-readable descriptor follows a device-writable one")]
+    Layout,
+    #[error("the device-readable buffers hold {have} bytes, less than the 16-byte header")]
+    ShortHeader { have: u64 },
+    #[error(
+        "request type {rtype} with {in_len} bytes for the device and {out_len} for the driver"
+    )]
+    Direction {
+        rtype: u32,
+        in_len: u64,
+        out_len: u64,
+    },
+    #[error("request type {rtype} on a read-only disk")]
+    ReadOnly { rtype: u32 },
+    #[error(
+        "{len} bytes at sector {sector}: empty, outside the disk or not in whole {lbs}-byte blocks"
+    )]
+    Range { sector: u64, len: u64, lbs: u64 },
+    #[error("request data: {0}")]
+    Data(#[from] DataError),
+    #[error("image {op} at byte {off:#x}: {source}")]
+    File {
+        op: &'static str,
+        off: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{len} bytes of segments: a multiple of 16, at most {max} segments")]
+    Segments { len: u64, max: u32 },
+    #[error("a segment of {num} sectors: 1 to {max} allowed")]
+    SegmentSize { num: u32, max: u32 },
+    #[error("segment flags {0:#x} not supported")]
+    Flags(u32),
+    #[error("request type {0} not supported")]
+    Unsupported(u32),
+}
 
-const IOERR: Fail = Fail(VIRTIO_BLK_S_IOERR);
-const UNSUPP: Fail = Fail(VIRTIO_BLK_S_UNSUPP);
+impl ReqError {
+    fn status(&self) -> u8 {
+        match self {
+            ReqError::Flags(_) | ReqError::Unsupported(_) => VIRTIO_BLK_S_UNSUPP,
+            _ => VIRTIO_BLK_S_IOERR,
+        }
+    }
+}
+
+fn file_err(op: &'static str, off: u64) -> impl FnOnce(std::io::Error) -> ReqError {
+    move |source| ReqError::File { op, off, source }
+}
 
 impl Backend for BlkBackend {
     fn process_queue(&mut self, io: &mut Io, qi: usize) -> bool {
@@ -317,29 +367,28 @@ impl BlkBackend {
         // The status byte: the last byte of the last descriptor, which must be device-writable.
         let last = descs[descs.len() - 1];
         if !last.is_write_only() || last.len() == 0 {
-            return Served::Fatal(format!(
-                "request at descriptor {:#x} has no device-writable status byte",
-                last.addr().0
-            ));
+            return Served::Fatal(Fault::NoStatusByte {
+                addr: last.addr().0,
+                len: last.len(),
+            });
         }
         let status_addr = last.addr().0.wrapping_add(u64::from(last.len()) - 1);
         let (status, written) = match self.request(io, descs) {
             Ok(written) => (VIRTIO_BLK_S_OK, written),
-            Err(Fail(s)) => (s, 0),
+            Err(e) => {
+                io.c.errors.inc();
+                log::debug!("{}: request failed: {e}", io.name());
+                (e.status(), 0)
+            }
         };
-        if status != VIRTIO_BLK_S_OK {
-            io.c.errors.inc();
-        }
-        if io.dma.write(io.dev_id, status_addr, &[status]).is_err() {
-            return Served::Fatal(format!(
-                "status byte at {status_addr:#x} is outside guest memory"
-            ));
+        if let Err(e) = io.dma.write(io.dev_id, status_addr, &[status]) {
+            return Served::Fatal(Fault::StatusByte(e));
         }
         Served::Used(written.saturating_add(1))
     }
 
     /// Serves one request; returns the data bytes written into guest buffers.
-    fn request(&mut self, io: &Io, descs: &[Desc]) -> Result<u32, Fail> {
+    fn request(&mut self, io: &Io, descs: &[Desc]) -> Result<u32, ReqError> {
         // Readable descriptors, then writable ones; a readable one after a writable one is a
         // malformed layout.
         let first_w = descs
@@ -347,7 +396,7 @@ impl BlkBackend {
             .position(|d| d.is_write_only())
             .unwrap_or(descs.len());
         if descs[first_w..].iter().any(|d| !d.is_write_only()) {
-            return Err(IOERR);
+            return Err(ReqError::Layout);
         }
         // Region lists are kept between requests (no allocation per request).
         let mut readable = std::mem::take(&mut self.readable);
@@ -373,7 +422,9 @@ impl BlkBackend {
         let r = if split_off(&readable, 16, &mut data_in) {
             self.serve_parsed(io, &readable, &data_in, &writable)
         } else {
-            Err(IOERR)
+            Err(ReqError::ShortHeader {
+                have: readable.iter().map(|r| r.1).sum(),
+            })
         };
         self.readable = readable;
         self.writable = writable;
@@ -389,19 +440,24 @@ impl BlkBackend {
         readable: &[Region],
         data_in: &[Region],
         writable: &[Region],
-    ) -> Result<u32, Fail> {
+    ) -> Result<u32, ReqError> {
         let mut hdr = [0u8; 16];
-        gather(io, readable, &mut hdr).map_err(|_| IOERR)?;
+        gather(io, readable, &mut hdr)?;
         let rtype = u32::from_le_bytes(hdr[0..4].try_into().expect("4 bytes"));
         let sector = u64::from_le_bytes(hdr[8..16].try_into().expect("8 bytes"));
         let in_len: u64 = data_in.iter().map(|r| r.1).sum();
         let out_len: u64 = writable.iter().map(|r| r.1).sum();
+        let direction = ReqError::Direction {
+            rtype,
+            in_len,
+            out_len,
+        };
 
         match rtype {
             VIRTIO_BLK_T_IN => {
                 // Data must go into device-writable buffers only.
                 if in_len != 0 {
-                    return Err(IOERR);
+                    return Err(direction);
                 }
                 let off = self.check_range(sector, out_len)?;
                 self.read_into(io, off, writable)?;
@@ -409,8 +465,11 @@ impl BlkBackend {
                 Ok(out_len as u32)
             }
             VIRTIO_BLK_T_OUT => {
-                if out_len != 0 || self.read_only {
-                    return Err(IOERR);
+                if out_len != 0 {
+                    return Err(direction);
+                }
+                if self.read_only {
+                    return Err(ReqError::ReadOnly { rtype });
                 }
                 let off = self.check_range(sector, in_len)?;
                 self.write_from(io, off, data_in)?;
@@ -421,25 +480,28 @@ impl BlkBackend {
                 if !self.read_only {
                     // SAFETY: fdatasync on a descriptor we own; no memory is involved.
                     if unsafe { libc::fdatasync(self.file.as_raw_fd()) } != 0 {
-                        return Err(IOERR);
+                        return Err(file_err("fdatasync", 0)(std::io::Error::last_os_error()));
                     }
                 }
                 Ok(0)
             }
             VIRTIO_BLK_T_GET_ID => {
                 if out_len == 0 || in_len != 0 {
-                    return Err(IOERR);
+                    return Err(direction);
                 }
                 let mut id = [0u8; VIRTIO_BLK_ID_BYTES];
                 id[..self.id.len()].copy_from_slice(&self.id);
                 let n = (out_len as usize).min(VIRTIO_BLK_ID_BYTES);
-                scatter(io, writable, &id[..n]).map_err(|_| IOERR)?;
+                scatter(io, writable, &id[..n])?;
                 io.c.bytes_written.add(n as u64);
                 Ok(n as u32)
             }
             VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES => {
-                if self.read_only || out_len != 0 {
-                    return Err(IOERR);
+                if self.read_only {
+                    return Err(ReqError::ReadOnly { rtype });
+                }
+                if out_len != 0 {
+                    return Err(direction);
                 }
                 let discard = rtype == VIRTIO_BLK_T_DISCARD;
                 let (max_seg, max_sectors) = if discard {
@@ -448,10 +510,13 @@ impl BlkBackend {
                     (MAX_WRITE_ZEROES_SEG, MAX_WRITE_ZEROES_SECTORS)
                 };
                 if in_len == 0 || !in_len.is_multiple_of(16) || in_len / 16 > u64::from(max_seg) {
-                    return Err(IOERR);
+                    return Err(ReqError::Segments {
+                        len: in_len,
+                        max: max_seg,
+                    });
                 }
                 let mut segs = vec![0u8; in_len as usize];
-                gather(io, data_in, &mut segs).map_err(|_| IOERR)?;
+                gather(io, data_in, &mut segs)?;
                 // Check every segment before changing anything.
                 let mut ranges = Vec::new();
                 for s in segs.chunks_exact(16) {
@@ -460,10 +525,13 @@ impl BlkBackend {
                     let flags = u32::from_le_bytes(s[12..16].try_into().expect("4 bytes"));
                     let unmap = flags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
                     if flags & !VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0 || (discard && unmap) {
-                        return Err(UNSUPP);
+                        return Err(ReqError::Flags(flags));
                     }
                     if num == 0 || num > max_sectors {
-                        return Err(IOERR);
+                        return Err(ReqError::SegmentSize {
+                            num,
+                            max: max_sectors,
+                        });
                     }
                     let len = u64::from(num) * SECTOR;
                     let off = self.check_range(sector, len)?;
@@ -474,23 +542,30 @@ impl BlkBackend {
                 }
                 Ok(0)
             }
-            _ => Err(UNSUPP),
+            _ => Err(ReqError::Unsupported(rtype)),
         }
     }
 
     /// Byte offset of a transfer of `len` bytes at `sector`, if inside the disk and aligned to
     /// the logical block size.
-    fn check_range(&self, sector: u64, len: u64) -> Result<u64, Fail> {
-        if len == 0 || !len.is_multiple_of(SECTOR) || !len.is_multiple_of(self.lbs) {
-            return Err(IOERR);
-        }
-        let off = sector.checked_mul(SECTOR).ok_or(IOERR)?;
-        if !off.is_multiple_of(self.lbs) {
-            return Err(IOERR);
-        }
-        match off.checked_add(len) {
-            Some(end) if end <= self.capacity_bytes => Ok(off),
-            _ => Err(IOERR),
+    fn check_range(&self, sector: u64, len: u64) -> Result<u64, ReqError> {
+        let off = sector
+            .checked_mul(SECTOR)
+            .filter(|o| o.is_multiple_of(self.lbs));
+        match off.and_then(|o| o.checked_add(len)) {
+            Some(end)
+                if len != 0
+                    && len.is_multiple_of(SECTOR)
+                    && len.is_multiple_of(self.lbs)
+                    && end <= self.capacity_bytes =>
+            {
+                Ok(end - len)
+            }
+            _ => Err(ReqError::Range {
+                sector,
+                len,
+                lbs: self.lbs,
+            }),
         }
     }
 
@@ -502,16 +577,17 @@ impl BlkBackend {
         &mut self.bounce[..n]
     }
 
-    fn read_into(&mut self, io: &Io, mut off: u64, regions: &[Region]) -> Result<(), Fail> {
+    fn read_into(&mut self, io: &Io, mut off: u64, regions: &[Region]) -> Result<(), ReqError> {
         for &(addr, len) in regions {
             let mut done = 0u64;
             while done < len {
                 let file = self.file.clone();
                 let buf = self.bounce(len - done);
-                file.read_exact_at(buf, off).map_err(|_| IOERR)?;
+                file.read_exact_at(buf, off)
+                    .map_err(file_err("read", off))?;
                 io.dma
                     .write(io.dev_id, addr.wrapping_add(done), buf)
-                    .map_err(|_| IOERR)?;
+                    .map_err(DataError::from)?;
                 done += buf.len() as u64;
                 off += buf.len() as u64;
             }
@@ -519,7 +595,7 @@ impl BlkBackend {
         Ok(())
     }
 
-    fn write_from(&mut self, io: &Io, mut off: u64, regions: &[Region]) -> Result<(), Fail> {
+    fn write_from(&mut self, io: &Io, mut off: u64, regions: &[Region]) -> Result<(), ReqError> {
         for &(addr, len) in regions {
             let mut done = 0u64;
             while done < len {
@@ -527,8 +603,9 @@ impl BlkBackend {
                 let buf = self.bounce(len - done);
                 io.dma
                     .read(io.dev_id, addr.wrapping_add(done), buf)
-                    .map_err(|_| IOERR)?;
-                file.write_all_at(buf, off).map_err(|_| IOERR)?;
+                    .map_err(DataError::from)?;
+                file.write_all_at(buf, off)
+                    .map_err(file_err("write", off))?;
                 done += buf.len() as u64;
                 off += buf.len() as u64;
             }
@@ -538,7 +615,7 @@ impl BlkBackend {
 
     /// Makes `len` bytes at `off` read as zeros; `dealloc` frees the blocks (a hole) rather
     /// than keeping them allocated.
-    fn zero(&mut self, off: u64, len: u64, dealloc: bool) -> Result<(), Fail> {
+    fn zero(&mut self, off: u64, len: u64, dealloc: bool) -> Result<(), ReqError> {
         let mode = if dealloc {
             libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
         } else {
@@ -555,7 +632,8 @@ impl BlkBackend {
         while done < len {
             let buf = self.bounce(len - done);
             buf.fill(0);
-            file.write_all_at(buf, off + done).map_err(|_| IOERR)?;
+            file.write_all_at(buf, off + done)
+                .map_err(file_err("write", off + done))?;
             done += buf.len() as u64;
         }
         Ok(())

@@ -48,42 +48,6 @@ pub mod device_type {
     pub const BLOCK: u32 = 2;
 }
 
-/// The rung of the exit ladder a device runs on (chosen per device on the command line).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Rung {
-    /// Notifications by userspace-handled exits; interrupts injected with `KVM_SIGNAL_MSI`.
-    L0,
-    /// ioeventfd notifications and irqfd interrupts: no return to userspace per I/O.
-    #[default]
-    L1,
-    /// L1 plus PV EOI offered to the guest (only effective where CPUID is intercepted).
-    L2,
-    /// Posted interrupts (APICv); only where the host has them.
-    L3,
-    /// A polling back-end thread with guest notifications suppressed; with `guest_polls`, the
-    /// guest polls the used ring too and asks for no interrupts.
-    L4 { guest_polls: bool },
-}
-
-impl std::str::FromStr for Rung {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Ok(match s.to_ascii_uppercase().as_str() {
-            "L0" => Rung::L0,
-            "L1" => Rung::L1,
-            "L2" => Rung::L2,
-            "L3" => Rung::L3,
-            "L4" => Rung::L4 { guest_polls: false },
-            "L4P" | "L4-POLL" => Rung::L4 { guest_polls: true },
-            _ => {
-                return Err(format!(
-                    "bad rung {s:?}: expected L0, L1, L2, L3, L4 or L4p"
-                ))
-            }
-        })
-    }
-}
-
 /// How a device's back-end thread learns of new requests.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Notify {
@@ -130,12 +94,21 @@ pub struct ActivateContext {
     pub stats: Arc<StatsRegistry>,
 }
 
+/// Why a device refused DRIVER_OK.
 #[derive(Debug, thiserror::Error)]
 pub enum ActivateError {
-    #[error("{0}")]
-    BadConfig(String),
-    #[error("cannot start back-end thread: {0}")]
-    Thread(std::io::Error),
+    #[error("{device}: activated twice without a reset")]
+    AlreadyActive { device: String },
+    #[error("{device}: the driver enabled no queue {queue}, which the device needs")]
+    QueueMissing { device: String, queue: u16 },
+    #[error("{device}: queue {queue} is not ready or its rings are outside guest memory")]
+    QueueInvalid { device: String, queue: u16 },
+    #[error("{device}: cannot start the back-end thread: {source}")]
+    Thread {
+        device: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// A virtio device, transport-independent.

@@ -31,7 +31,7 @@ use lucid_stats::{Counter, StatsRegistry};
 
 use crate::blk::read_config_bytes;
 use crate::worker::{
-    gather, scatter, split_off, Backend, Desc, Io, Pop, Region, Served, WorkerSlot,
+    gather, scatter, split_off, Backend, DataError, Desc, Io, Pop, Region, Served, WorkerSlot,
 };
 use crate::{device_type, features, ActivateContext, ActivateError, VirtioDevice};
 
@@ -213,11 +213,10 @@ impl VirtioDevice for Net {
             rx: pos(RX_QUEUE),
             tx: pos(TX_QUEUE),
             echo: VecDeque::new(),
+            spare: Vec::new(),
             rx_waiting: false,
             frame: vec![0; MAX_FRAME],
-            descs: Vec::new(),
-            regions: Vec::new(),
-            body: Vec::new(),
+            chain: Chain::default(),
             c: NetCounters::new(&ctx.stats, &self.name),
         };
         self.worker.start(&self.name, ctx, backend)
@@ -268,15 +267,47 @@ struct NetWorker {
     /// Positions of rx0 and tx0 in the worker's queue list, if the driver enabled them.
     rx: Option<usize>,
     tx: Option<usize>,
+    /// Echo: frames waiting for rx buffers, in order, and emptied buffers to reuse (no
+    /// allocation per frame once the backlog has been as deep as it gets).
     echo: VecDeque<Vec<u8>>,
+    spare: Vec<Vec<u8>>,
     /// Tap: the rx queue ran out of buffers; the tap is not watched until the driver adds some.
     rx_waiting: bool,
+    /// Tap and sink: one frame at a time.
     frame: Vec<u8>,
+    chain: Chain,
+    c: NetCounters,
+}
+
+/// Descriptor and region lists kept between frames (no allocation per frame).
+#[derive(Default)]
+struct Chain {
     descs: Vec<Desc>,
-    /// Region lists kept between frames (no allocation per frame).
     regions: Vec<Region>,
     body: Vec<Region>,
-    c: NetCounters,
+}
+
+/// Why a chain was completed without moving its frame. A guest can cause these at will, so they
+/// are counted (`errors`, `tx_dropped`, `rx_dropped_too_big`) and logged at debug level.
+#[derive(Debug, thiserror::Error)]
+enum ChainError {
+    #[error("tx chain with a device-writable descriptor")]
+    WritableTx,
+    #[error("tx chain of {len} bytes, shorter than the {NET_HDR_LEN}-byte header")]
+    ShortTx { len: u64 },
+    #[error("tx frame of {len} bytes, more than {MAX_FRAME}")]
+    LongTx { len: u64 },
+    #[error("rx chain with a device-readable descriptor")]
+    ReadOnlyRx,
+    #[error("rx chain of {room} bytes for a {len}-byte frame and its header")]
+    SmallRx { room: u64, len: usize },
+    #[error(transparent)]
+    Data(#[from] DataError),
+}
+
+fn chain_error(io: &Io, e: ChainError) {
+    io.c.errors.inc();
+    log::debug!("{}: {e}", io.name());
 }
 
 /// What became of one frame offered to the rx queue.
@@ -337,38 +368,36 @@ impl Backend for NetWorker {
 impl NetWorker {
     fn transmit(&mut self, io: &Io, descs: &[Desc]) -> Served {
         if descs.iter().any(|d| d.is_write_only()) {
-            io.c.errors.inc();
-            self.c.tx_dropped.inc();
-            return Served::Used(0);
+            return self.tx_drop(io, ChainError::WritableTx);
         }
-        let mut regions = std::mem::take(&mut self.regions);
-        let mut data = std::mem::take(&mut self.body);
-        regions.clear();
-        regions.extend(descs.iter().map(|d| (d.addr().0, u64::from(d.len()))));
-        let r = self.transmit_regions(io, &regions, &mut data);
-        self.regions = regions;
-        self.body = data;
-        r
-    }
-
-    fn transmit_regions(&mut self, io: &Io, regions: &[Region], data: &mut Vec<Region>) -> Served {
-        let total: u64 = regions.iter().map(|r| r.1).sum();
-        if !split_off(regions, NET_HDR_LEN as u64, data) {
-            io.c.errors.inc();
-            self.c.tx_dropped.inc();
-            return Served::Used(0);
+        let ch = &mut self.chain;
+        ch.regions.clear();
+        ch.regions
+            .extend(descs.iter().map(|d| (d.addr().0, u64::from(d.len()))));
+        let total: u64 = ch.regions.iter().map(|r| r.1).sum();
+        if !split_off(&ch.regions, NET_HDR_LEN as u64, &mut ch.body) {
+            return self.tx_drop(io, ChainError::ShortTx { len: total });
         }
         let len = (total - NET_HDR_LEN as u64) as usize;
         if len > MAX_FRAME {
-            io.c.errors.inc();
-            self.c.tx_dropped.inc();
-            return Served::Used(0);
+            return self.tx_drop(io, ChainError::LongTx { len: len as u64 });
         }
-        let frame = &mut self.frame[..len];
-        if gather(io, data, frame).is_err() {
-            io.c.errors.inc();
-            self.c.tx_dropped.inc();
-            return Served::Used(0);
+        // The echo gathers straight into the buffer that waits for rx; the others into `frame`.
+        let mut echoed = match self.kind {
+            Kind::Echo => {
+                let mut v = self.spare.pop().unwrap_or_default();
+                v.resize(len, 0);
+                Some(v)
+            }
+            _ => None,
+        };
+        let buf = match &mut echoed {
+            Some(v) => &mut v[..],
+            None => &mut self.frame[..len],
+        };
+        if let Err(e) = gather(io, &self.chain.body, buf) {
+            self.spare.extend(echoed);
+            return self.tx_drop(io, e.into());
         }
         io.c.bytes_read.add(len as u64);
         self.c.tx_packets.inc();
@@ -376,20 +405,30 @@ impl NetWorker {
         match &self.kind {
             Kind::Sink => {}
             Kind::Echo => {
+                let v = echoed.expect("echo gathered into a buffer");
                 if self.rx.is_none() || self.echo.len() >= ECHO_BACKLOG {
                     self.c.rx_dropped_no_buffers.inc();
+                    self.spare.push(v);
                 } else {
-                    self.echo.push_back(frame.to_vec());
+                    self.echo.push_back(v);
                 }
             }
             Kind::Tap(t) => {
                 // A tap write does not block (the frame enters the host stack or is dropped).
-                if (&**t).write(frame).is_err() {
+                if let Err(e) = (&**t).write(&self.frame[..len]) {
                     self.c.tx_dropped.inc();
                     io.c.errors.inc();
+                    log::debug!("{}: tap write of {len} bytes: {e}", io.name());
                 }
             }
         }
+        Served::Used(0)
+    }
+
+    /// A tx chain that cannot be sent: completed with length 0, counted.
+    fn tx_drop(&self, io: &Io, why: ChainError) -> Served {
+        chain_error(io, why);
+        self.c.tx_dropped.inc();
         Served::Used(0)
     }
 
@@ -413,45 +452,51 @@ impl NetWorker {
                 }
                 break;
             }
-            let len = match &self.kind {
-                Kind::Echo => match self.echo.front() {
-                    Some(f) => {
-                        let n = f.len();
-                        self.frame[..n].copy_from_slice(f);
-                        n
+            let outcome = match &self.kind {
+                Kind::Echo => {
+                    let Some(f) = self.echo.pop_front() else {
+                        break;
+                    };
+                    let outcome = self.chain.deliver(io, rx, &f, &self.c);
+                    if let Delivery::NoBuffer = outcome {
+                        self.echo.push_front(f);
+                    } else {
+                        self.spare.push(f);
                     }
-                    None => break,
-                },
+                    outcome
+                }
                 Kind::Tap(t) => match (&**t).read(&mut self.frame) {
-                    Ok(n) => n,
+                    Ok(n) => {
+                        let outcome = self.chain.deliver(io, rx, &self.frame[..n], &self.c);
+                        if let Delivery::NoBuffer = outcome {
+                            // The frame was read from the tap already and has nowhere to go.
+                            self.c.rx_dropped_no_buffers.inc();
+                        }
+                        outcome
+                    }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                    Err(_) => {
+                    Err(e) => {
                         io.c.errors.inc();
+                        log::warn!("{}: tap read: {e}", io.name());
                         break;
                     }
                 },
                 Kind::Sink => break,
             };
             found = true;
-            let outcome = self.deliver(io, rx, len);
-            if matches!(self.kind, Kind::Echo) && !matches!(outcome, Delivery::NoBuffer) {
-                self.echo.pop_front();
-            }
             if let Delivery::NoBuffer = outcome {
-                if let Kind::Tap(_) = self.kind {
-                    // The frame was read from the tap already and has nowhere to go.
-                    self.c.rx_dropped_no_buffers.inc();
-                }
                 break;
             }
         }
         io.end_batch(rx);
         found
     }
+}
 
-    /// Puts `self.frame[..len]` behind a virtio header in the next rx chain.
-    fn deliver(&mut self, io: &mut Io, rx: usize, len: usize) -> Delivery {
+impl Chain {
+    /// Puts `frame` behind a virtio header in the next rx chain.
+    fn deliver(&mut self, io: &mut Io, rx: usize, frame: &[u8], c: &NetCounters) -> Delivery {
         let head = loop {
             let head = match io.pop(rx, &mut self.descs) {
                 Pop::Chain(h) => h,
@@ -462,48 +507,34 @@ impl NetWorker {
             }
             // A read-only descriptor in an rx chain: give it back unused; the frame waits for
             // the next buffer.
-            io.c.errors.inc();
+            chain_error(io, ChainError::ReadOnlyRx);
             io.complete(rx, head, 0);
         };
-        let mut regions = std::mem::take(&mut self.regions);
-        let mut body = std::mem::take(&mut self.body);
-        regions.clear();
-        regions.extend(self.descs.iter().map(|d| (d.addr().0, u64::from(d.len()))));
-        let r = self.fill(io, rx, head, len, &regions, &mut body);
-        self.regions = regions;
-        self.body = body;
-        r
-    }
-
-    /// Writes the header and `self.frame[..len]` into rx chain `head` made of `regions`.
-    fn fill(
-        &mut self,
-        io: &mut Io,
-        rx: usize,
-        head: u16,
-        len: usize,
-        regions: &[Region],
-        body: &mut Vec<Region>,
-    ) -> Delivery {
-        let room: u64 = regions.iter().map(|r| r.1).sum();
-        if room < (NET_HDR_LEN + len) as u64 {
+        self.regions.clear();
+        self.regions
+            .extend(self.descs.iter().map(|d| (d.addr().0, u64::from(d.len()))));
+        let room: u64 = self.regions.iter().map(|r| r.1).sum();
+        if room < (NET_HDR_LEN + frame.len()) as u64 {
             io.unpop(rx);
-            self.c.rx_dropped_too_big.inc();
-            io.c.errors.inc();
+            c.rx_dropped_too_big.inc();
+            let len = frame.len();
+            chain_error(io, ChainError::SmallRx { room, len });
             return Delivery::Dropped;
         }
         let mut hdr = [0u8; NET_HDR_LEN];
         hdr[10..12].copy_from_slice(&1u16.to_le_bytes()); // num_buffers
-        split_off(regions, NET_HDR_LEN as u64, body);
-        if scatter(io, regions, &hdr).is_err() || scatter(io, body, &self.frame[..len]).is_err() {
-            io.c.errors.inc();
+        split_off(&self.regions, NET_HDR_LEN as u64, &mut self.body);
+        let written =
+            scatter(io, &self.regions, &hdr).and_then(|()| scatter(io, &self.body, frame));
+        if let Err(e) = written {
+            chain_error(io, e.into());
             io.complete(rx, head, 0);
             return Delivery::Dropped;
         }
-        io.complete(rx, head, (NET_HDR_LEN + len) as u32);
-        io.c.bytes_written.add(len as u64);
-        self.c.rx_packets.inc();
-        self.c.rx_bytes.add(len as u64);
+        io.complete(rx, head, (NET_HDR_LEN + frame.len()) as u32);
+        io.c.bytes_written.add(frame.len() as u64);
+        c.rx_packets.inc();
+        c.rx_bytes.add(frame.len() as u64);
         Delivery::Delivered
     }
 }

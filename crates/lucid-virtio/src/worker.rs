@@ -15,7 +15,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lucid_mem::vm_memory::{Bytes, GuestAddress};
-use lucid_mem::{DeviceId, DmaPath, GuestMemoryMmap};
+use lucid_mem::{DeviceId, DmaError, DmaPath, GuestMemoryMmap};
 use lucid_seccomp::Role;
 use lucid_stats::{Counter, StatsRegistry};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
@@ -101,7 +101,38 @@ pub(crate) enum Served {
     /// Put the chain in the used ring with this many bytes written.
     Used(u32),
     /// The chain cannot be completed (e.g. no place for a status byte): device needs reset.
-    Fatal(String),
+    Fatal(Fault),
+}
+
+/// Why a device stopped and needs a reset (DEVICE_NEEDS_RESET).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Fault {
+    #[error("queue {queue}: bad avail ring: {source}")]
+    AvailRing {
+        queue: u16,
+        #[source]
+        source: virtio_queue::Error,
+    },
+    #[error(
+        "queue {queue}: descriptor chain at head {head} is malformed (loops, is longer than the \
+         queue, or leaves the descriptor table)"
+    )]
+    MalformedChain { queue: u16, head: u16 },
+    #[error("queue {queue}: cannot put head {head} in the used ring: {source}")]
+    UsedRing {
+        queue: u16,
+        head: u16,
+        #[source]
+        source: virtio_queue::Error,
+    },
+    #[error(
+        "request whose last descriptor ({addr:#x}, {len} bytes) has no device-writable status byte"
+    )]
+    NoStatusByte { addr: u64, len: u32 },
+    #[error("cannot write the status byte: {0}")]
+    StatusByte(#[source] DmaError),
+    #[error("back-end thread: {0}")]
+    Thread(#[source] std::io::Error),
 }
 
 /// The worker's view of the device's queues and of guest memory.
@@ -124,6 +155,11 @@ pub(crate) struct Io {
 }
 
 impl Io {
+    /// The device's name, for log lines.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// The device needs a reset or is being stopped: touch nothing more.
     pub fn halted(&self) -> bool {
         self.halted || self.stop.load(Ordering::Relaxed)
@@ -132,10 +168,10 @@ impl Io {
     /// The device cannot go on: flag DEVICE_NEEDS_RESET (the transport reads it through
     /// [`crate::VirtioDevice::needs_reset`]), tell the driver by a configuration interrupt, and
     /// stop touching the rings until reset.
-    pub fn fatal(&mut self, reason: &str) {
+    pub fn fatal(&mut self, fault: Fault) {
         self.c.errors.inc();
         if !self.halted {
-            eprintln!("lucid: {}: device needs reset: {reason}", self.name);
+            log::error!("{}: device needs reset: {fault}", self.name);
             self.halted = true;
             self.needs_reset.store(true, Ordering::SeqCst);
             self.interrupt.signal_config();
@@ -163,9 +199,9 @@ impl Io {
         let wq = &mut self.queues[qi];
         let chain = match wq.queue.iter(&self.mem) {
             Ok(mut it) => it.next(),
-            Err(e) => {
-                let msg = format!("queue {}: bad avail ring: {e}", wq.index);
-                self.fatal(&msg);
+            Err(source) => {
+                let queue = wq.index;
+                self.fatal(Fault::AvailRing { queue, source });
                 return Pop::Fatal;
             }
         };
@@ -179,12 +215,8 @@ impl Io {
             out.push(d);
         }
         if out.is_empty() || dangling {
-            let msg = format!(
-                "queue {}: descriptor chain at head {head} is malformed (loops, is longer than the \
-                 queue, or leaves the descriptor table)",
-                self.queues[qi].index
-            );
-            self.fatal(&msg);
+            let queue = self.queues[qi].index;
+            self.fatal(Fault::MalformedChain { queue, head });
             return Pop::Fatal;
         }
         Pop::Chain(head)
@@ -203,9 +235,13 @@ impl Io {
                 wq.batch += 1;
                 self.c.requests.inc();
             }
-            Err(e) => {
-                let msg = format!("queue {}: cannot add used entry: {e}", wq.index);
-                self.fatal(&msg);
+            Err(source) => {
+                let queue = wq.index;
+                self.fatal(Fault::UsedRing {
+                    queue,
+                    head,
+                    source,
+                });
             }
         }
     }
@@ -367,8 +403,8 @@ impl Io {
                         }
                         match handle(self, &descs) {
                             Served::Used(len) => self.complete(qi, head, len),
-                            Served::Fatal(reason) => {
-                                self.fatal(&reason);
+                            Served::Fatal(fault) => {
+                                self.fatal(fault);
                                 break 'outer;
                             }
                         }
@@ -433,9 +469,9 @@ impl WorkerSlot {
         backend: impl Backend,
     ) -> Result<(), ActivateError> {
         if self.is_running() {
-            return Err(ActivateError::BadConfig(format!(
-                "{name}: activated twice without a reset"
-            )));
+            return Err(ActivateError::AlreadyActive {
+                device: name.to_string(),
+            });
         }
         self.needs_reset.store(false, Ordering::SeqCst);
         self.worker = Some(Worker::spawn(name, ctx, self.needs_reset.clone(), backend)?);
@@ -468,9 +504,10 @@ impl Worker {
         for (index, mut queue, kick) in ctx.queues {
             queue.set_event_idx(event_idx);
             if !queue.is_valid(&ctx.mem) {
-                return Err(ActivateError::BadConfig(format!(
-                    "{name}: queue {index} is not ready or its rings are outside guest memory"
-                )));
+                return Err(ActivateError::QueueInvalid {
+                    device: name.to_string(),
+                    queue: index,
+                });
             }
             queues.push(WorkerQueue {
                 index,
@@ -503,9 +540,13 @@ impl Worker {
             scratch: Vec::new(),
         };
         let stop = io.stop.clone();
-        let stop_evt = EventFd::new(0).map_err(ActivateError::Thread)?;
+        let thread_err = |source| ActivateError::Thread {
+            device: name.to_string(),
+            source,
+        };
+        let stop_evt = EventFd::new(0).map_err(thread_err)?;
         let thread_stop = stop.clone();
-        let thread_evt = stop_evt.try_clone().map_err(ActivateError::Thread)?;
+        let thread_evt = stop_evt.try_clone().map_err(thread_err)?;
         // Started by a confined vCPU (the guest's activation), the thread confines itself too,
         // after every reset as at the first activation.
         let seccomp = lucid_seccomp::Seccomp::of_this_thread();
@@ -524,11 +565,11 @@ impl Worker {
                     Ok(()) => run.kick_loop(),
                 };
                 if let Err(e) = result {
-                    run.io.fatal(&format!("back-end thread: {e}"));
+                    run.io.fatal(Fault::Thread(e));
                     run.wait_stop();
                 }
             })
-            .map_err(ActivateError::Thread)?;
+            .map_err(thread_err)?;
         Ok(Worker {
             stop,
             stop_evt,
@@ -751,8 +792,13 @@ impl<B: Backend> Run<B> {
 pub(crate) type Region = (u64, u64);
 
 /// Why a chain's data could not be moved.
-#[derive(Debug)]
-pub(crate) struct Short;
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum DataError {
+    #[error(transparent)]
+    Dma(#[from] DmaError),
+    #[error("the chain's buffers hold {have} bytes, {need} needed")]
+    Short { need: usize, have: usize },
+}
 
 /// Puts in `out` the regions of `regions` after its first `skip` bytes; false if it is shorter.
 pub(crate) fn split_off(regions: &[Region], mut skip: u64, out: &mut Vec<Region>) -> bool {
@@ -769,41 +815,37 @@ pub(crate) fn split_off(regions: &[Region], mut skip: u64, out: &mut Vec<Region>
 }
 
 /// Reads `buf.len()` bytes from the start of `regions` through the DMA path.
-pub(crate) fn gather(io: &Io, regions: &[Region], buf: &mut [u8]) -> Result<(), Short> {
+pub(crate) fn gather(io: &Io, regions: &[Region], buf: &mut [u8]) -> Result<(), DataError> {
     let mut done = 0usize;
     for &(addr, len) in regions {
         if done == buf.len() {
             break;
         }
         let n = (len as usize).min(buf.len() - done);
-        io.dma
-            .read(io.dev_id, addr, &mut buf[done..done + n])
-            .map_err(|_| Short)?;
+        io.dma.read(io.dev_id, addr, &mut buf[done..done + n])?;
         done += n;
     }
-    if done == buf.len() {
+    short(done, buf.len())
+}
+
+fn short(have: usize, need: usize) -> Result<(), DataError> {
+    if have == need {
         Ok(())
     } else {
-        Err(Short)
+        Err(DataError::Short { need, have })
     }
 }
 
 /// Writes `buf` at the start of `regions` through the DMA path.
-pub(crate) fn scatter(io: &Io, regions: &[Region], buf: &[u8]) -> Result<(), Short> {
+pub(crate) fn scatter(io: &Io, regions: &[Region], buf: &[u8]) -> Result<(), DataError> {
     let mut done = 0usize;
     for &(addr, len) in regions {
         if done == buf.len() {
             break;
         }
         let n = (len as usize).min(buf.len() - done);
-        io.dma
-            .write(io.dev_id, addr, &buf[done..done + n])
-            .map_err(|_| Short)?;
+        io.dma.write(io.dev_id, addr, &buf[done..done + n])?;
         done += n;
     }
-    if done == buf.len() {
-        Ok(())
-    } else {
-        Err(Short)
-    }
+    short(done, buf.len())
 }

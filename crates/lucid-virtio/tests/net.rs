@@ -154,6 +154,150 @@ fn echo_returns_every_packet_intact() {
     }
 }
 
+/// A driver that does what the probe guest's rr loop does, with EVENT_IDX: one request in
+/// flight, kicks as `avail_event` asks, and between replies either polls the used ring (`guest
+/// polls`) or asks for the next interrupt with `used_event`, looks again, and waits for it. It
+/// tells a lost interrupt (the reply is in the used ring, no interrupt came) from a lost reply.
+fn request_response(
+    notify: Notify,
+    coalescing: Coalescing,
+    guest_polls: bool,
+    size: usize,
+    n: u64,
+) {
+    let g = Guest::new();
+    let mut dev = Net::new(
+        "net0".into(),
+        NetConfig {
+            backend: NetBackend::Echo,
+            mac: MAC,
+        },
+    )
+    .unwrap();
+    let (mut rx, (rq, rk)) = Vq::new(&g.mem, 0x10000, 256);
+    let (mut tx, (tq, tk)) = Vq::new(&g.mem, 0x14000, 256);
+    if guest_polls {
+        rx.set_avail_flags(1);
+        rx.set_used_event(0xffff);
+    }
+    let feats = dev.features();
+    dev.activate(g.ctx(vec![(0, rq, rk), (1, tq, tk)], feats, notify, coalescing))
+        .unwrap();
+    let rx_buf = |id: u32| 0x100000 + u64::from(id) * u64::from(RX_BUF);
+    for i in 0..64 {
+        rx.add(&[(rx_buf(i), RX_BUF, true)]);
+    }
+    rx.kick();
+    let (mut rx_kicked, mut tx_kicked, mut irqs_seen) = (rx.avail_idx, 0u16, 0u64);
+    let tx_buf = 0x400000;
+    g.write(tx_buf, &[0u8; NET_HDR_LEN]);
+    for i in 0..n {
+        let f = frame(i, size);
+        g.write(tx_buf + NET_HDR_LEN as u64, &f);
+        tx.add(&[(tx_buf, (NET_HDR_LEN + size) as u32, false)]);
+        if tx.would_kick(tx_kicked) {
+            tx.kick();
+        }
+        tx_kicked = tx.avail_idx;
+        let start = Instant::now();
+        let (id, len) = loop {
+            while tx.pop_used().is_some() {}
+            if let Some(u) = rx.pop_used() {
+                break u;
+            }
+            if !guest_polls {
+                rx.set_used_event(rx.used_seen);
+                if rx.used_idx() != rx.used_seen {
+                    continue;
+                }
+                while g.irq.q(0) == irqs_seen && start.elapsed() < TIMEOUT {
+                    std::hint::spin_loop();
+                }
+                irqs_seen = g.irq.q(0);
+            }
+            assert!(
+                start.elapsed() < TIMEOUT,
+                "round trip {i}: {} (tx {} rx {} interrupts {} coalesced {} suppressed {})",
+                if rx.used_idx() != rx.used_seen {
+                    "the reply came without its interrupt"
+                } else {
+                    "no reply"
+                },
+                d_stat(&g, "tx_packets"),
+                d_stat(&g, "rx_packets"),
+                d_stat(&g, "irqs"),
+                d_stat(&g, "irqs_coalesced"),
+                d_stat(&g, "irqs_suppressed"),
+            );
+        };
+        assert_eq!(len as usize, NET_HDR_LEN + size, "round trip {i}");
+        assert_eq!(
+            g.read(rx_buf(id) + NET_HDR_LEN as u64, size),
+            f,
+            "round trip {i}"
+        );
+        if guest_polls {
+            rx.set_used_event(rx.used_seen.wrapping_sub(1));
+        }
+        rx.publish(id as u16);
+        if rx.would_kick(rx_kicked) {
+            rx.kick();
+        }
+        rx_kicked = rx.avail_idx;
+    }
+    assert_eq!(d_stat(&g, "rx_packets"), n);
+    assert_eq!(d_stat(&g, "errors"), 0);
+    dev.reset();
+}
+
+fn d_stat(g: &Guest, n: &str) -> u64 {
+    g.stat(&format!("net0.{n}"))
+}
+
+/// For `valgrind --tool=callgrind` (docs/exit-ladder.md, defect 6): kick mode only, no spinning
+/// device thread, `LUCID_RR_SIZE` bytes (default 1500) and `LUCID_RR_STRESS` round trips
+/// (default 2000); read the inclusive count of `NetWorker::process_queue`.
+#[test]
+#[ignore]
+fn echo_request_response_for_callgrind() {
+    let env = |k: &str, d: u64| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let size = env("LUCID_RR_SIZE", 1500) as usize;
+    request_response(
+        Notify::Kicks,
+        Coalescing::default(),
+        false,
+        size,
+        env("LUCID_RR_STRESS", 2000),
+    );
+}
+
+/// Request-response with EVENT_IDX in every notification mode: the device loses no reply and no
+/// interrupt (the end-to-end version on real KVM is in crates/lucid/tests/io.rs).
+/// `LUCID_RR_STRESS` round trips per case (default 5000).
+#[test]
+fn echo_request_response_loses_nothing() {
+    let n = std::env::var("LUCID_RR_STRESS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5000);
+    let coalesce = Coalescing {
+        max_completions: 8,
+        max_delay_us: 50,
+    };
+    let poll = Notify::Poll { idle_sleep_us: 0 };
+    for size in [64, 1500] {
+        request_response(Notify::Kicks, Coalescing::default(), false, size, n);
+        request_response(Notify::Kicks, coalesce, false, size, n);
+        request_response(poll, Coalescing::default(), false, size, n);
+        request_response(poll, Coalescing::default(), true, size, n);
+    }
+}
+
 #[test]
 fn echo_waits_for_rx_buffers() {
     let mut d = NetDrv::new(NetBackend::Echo, Notify::Kicks);

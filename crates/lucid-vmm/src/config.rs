@@ -4,9 +4,10 @@ use std::path::PathBuf;
 
 use lucid_devices::SerialOutput;
 use lucid_mem::Backing;
+use lucid_pci::Rung;
 use lucid_virtio::blk::BlockConfig;
 use lucid_virtio::net::NetConfig;
-use lucid_virtio::{Coalescing, Rung};
+use lucid_virtio::Coalescing;
 
 /// A virtio device on the PCI bus.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -166,7 +167,7 @@ pub fn parse_net(s: &str, index: usize) -> Result<PciDeviceConfig, String> {
 
 #[derive(Default)]
 struct Common {
-    rung: Option<lucid_virtio::Rung>,
+    rung: Option<Rung>,
     coalescing: Coalescing,
     poll_idle_us: u32,
 }
@@ -253,8 +254,8 @@ fn parse_mac(v: &str) -> Result<[u8; 6], String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lucid_pci::Rung;
     use lucid_virtio::net::NetBackend;
-    use lucid_virtio::Rung;
 
     #[test]
     fn blk_options() {

@@ -1,8 +1,9 @@
 //! Assembles a Lucid VM from a [`VmConfig`]: memory, devices, boot, vCPU threads and the exit
 //! loop, and reports what happened in a [`RunReport`].
 
+mod acpi_pm;
 mod config;
-mod emulate;
+pub mod emulate;
 pub mod hooks;
 mod report;
 mod vcpu;

@@ -308,7 +308,7 @@ impl VcpuCtx {
                 }
                 Followup::Emulate(err) => match self.emulator.complete(&mut self.vcpu, &err) {
                     Ok(()) => self.counters.emulated.inc(),
-                    Err(report) => self.lifecycle.stop(StopReason::Error(report)),
+                    Err(e) => self.lifecycle.stop(StopReason::Error(e.report())),
                 },
             }
             self.counters

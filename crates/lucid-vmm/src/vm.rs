@@ -160,6 +160,7 @@ impl Vm {
             Arc::new(Mutex::new(I8042::new(lifecycle.clone()))),
         )?;
         add(ports::RTC, 2, "cmos", Arc::new(Mutex::new(Cmos::new())))?;
+        crate::acpi_pm::add_acpi_pm(&vm, pio, &lifecycle, &stats)?;
         add(
             ports::POST,
             1,
@@ -226,7 +227,6 @@ impl Vm {
             let last_bus = ((layout::PCI_ECAM_SIZE >> 20) - 1).min(255) as u8;
             acpi.pci_ecam = Some((layout::PCI_ECAM_START, 0, last_bus));
         }
-        let rsdp = lucid_boot::write_acpi_tables(ram.memory(), &acpi)?;
         let setup = lucid_boot::load_image(
             ram.memory(),
             &image,
@@ -235,7 +235,7 @@ impl Vm {
                 initrd: config.initrd.as_deref(),
                 cmdline: &cmdline,
                 mem_size,
-                acpi_rsdp: Some(rsdp),
+                acpi: Some(&acpi),
             },
         )?;
 
@@ -248,9 +248,8 @@ impl Vm {
                 .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
                 .map_err(|e| lucid_hv::HvError::Ioctl("KVM_GET_SUPPORTED_CPUID", e))?;
             lucid_boot::filter_cpuid(&mut cpuid, id, config.vcpus);
-            // PV EOI is the ladder's L2: offered only when a device runs on L2, so that L1 and
-            // L2 differ where the guest reads Lucid's CPUID.
-            if !config.pci.iter().any(|d| d.rung == lucid_virtio::Rung::L2) {
+            // PV EOI in CPUID is the ladder's call (L2 only).
+            if !lucid_pci::ladder::vm_offers_pv_eoi(config.pci.iter().map(|d| d.rung)) {
                 hide_pv_eoi(&mut cpuid);
             }
             vcpu.set_cpuid(&cpuid)?;
@@ -415,15 +414,13 @@ fn attach_pci(
     warnings: &mut Vec<String>,
 ) -> Result<PciBus, VmmError> {
     use lucid_pci::{HostCaps, PciWindows, TransportEnv, TransportOptions};
-    use lucid_virtio::Rung;
 
     let pci_err = |e: lucid_pci::PciError| VmmError::Device(format!("PCI: {e}"));
-    let wants_l2 = config.pci.iter().any(|d| d.rung == Rung::L2);
-    let host = HostCaps {
-        posted_interrupts: lucid_hv::probe::posted_interrupts_available(),
-        // Only measured when a device asks for L2 (it runs a tiny VM).
-        cpuid_intercepted: wants_l2 && lucid_hv::probe::cpuid_intercepted(kvm).unwrap_or(false),
-    };
+    let host = HostCaps::probe(
+        config.pci.iter().map(|d| d.rung),
+        lucid_hv::probe::posted_interrupts_available,
+        || lucid_hv::probe::cpuid_intercepted(kvm).unwrap_or(false),
+    );
     let router = lucid_hv::GsiRouter::new(vm.clone());
     let root = lucid_pci::PciRoot::new(
         hooks.mmio.clone(),
@@ -474,13 +471,8 @@ fn attach_pci(
         };
         let (addr, dev) = lucid_pci::attach_virtio(&root, device, env.clone(), opts)
             .map_err(|e| VmmError::Device(format!("{name}: {e}")))?;
-        let plan = lock_transport(&dev).plan();
-        if plan.pv_eoi && !plan.pv_eoi_effective {
-            warnings.push(format!(
-                "{name}: rung L2 offers PV EOI in CPUID, but guests on this host read the host's CPUID \
-                 (not intercepted), so PV EOI is not in effect: L2 runs as L1 \
-                 ({name}.pv_eoi.effective = 0)"
-            ));
+        if let Some(w) = lock_transport(&dev).plan().warning() {
+            warnings.push(format!("{name}: {w}"));
         }
         devices.push((name, addr, dev));
     }

@@ -4,9 +4,9 @@
 
 use std::path::PathBuf;
 
+use lucid_pci::Rung;
 use lucid_virtio::blk::BlockConfig;
 use lucid_virtio::net::{NetBackend, NetConfig};
-use lucid_virtio::Rung;
 use lucid_vmm::{
     KernelSource, PciDeviceConfig, PciDeviceKind, SerialOutput, StopReason, Vm, VmConfig,
 };

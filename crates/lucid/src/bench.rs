@@ -100,8 +100,6 @@ fn floor_run(kernel: &Path, count: u64) -> Result<f64, String> {
             .map_err(|x| e(&x))?;
     }
     vm.create_irqchip_and_pit().map_err(|x| e(&x))?;
-    let rsdp =
-        lucid_boot::write_acpi_tables(ram.memory(), &AcpiConfig::new(1)).map_err(|x| e(&x))?;
     let cmdline = format!("count={count}");
     let setup = lucid_boot::load(
         ram.memory(),
@@ -110,7 +108,7 @@ fn floor_run(kernel: &Path, count: u64) -> Result<f64, String> {
             initrd: None,
             cmdline: &cmdline,
             mem_size,
-            acpi_rsdp: Some(rsdp),
+            acpi: Some(&AcpiConfig::new(1)),
         },
     )
     .map_err(|x| e(&x))?;

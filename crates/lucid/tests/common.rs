@@ -33,6 +33,13 @@ pub fn tmp(name: &str) -> PathBuf {
 
 /// Runs `lucid` with `args` (plus `--stats-json`), killing it with SIGKILL after `limit`.
 pub fn lucid(args: &[&str], limit: Duration) -> Outcome {
+    lucid_pinned(args, limit, &[])
+}
+
+/// As [`lucid`], and pins each of Lucid's threads named in `pins` (e.g. `lucid-vcpu0`) to its
+/// CPU as soon as it appears (threads not seen within a second run where the scheduler puts
+/// them).
+pub fn lucid_pinned(args: &[&str], limit: Duration, pins: &[(&str, usize)]) -> Outcome {
     let stats = tmp(&format!("stats-{}.json", rand_suffix()));
     let mut child = Command::new(env!("CARGO_BIN_EXE_lucid"))
         .args(args)
@@ -43,6 +50,7 @@ pub fn lucid(args: &[&str], limit: Duration) -> Outcome {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn lucid");
+    pin_threads(child.id(), pins);
     let out = wait_with_deadline(&mut child, limit);
     let stats_json = std::fs::read_to_string(&stats)
         .ok()
@@ -51,6 +59,32 @@ pub fn lucid(args: &[&str], limit: Duration) -> Outcome {
     Outcome {
         stats: stats_json,
         ..out
+    }
+}
+
+fn pin_threads(pid: u32, pins: &[(&str, usize)]) {
+    let mut left: Vec<_> = pins.to_vec();
+    let start = Instant::now();
+    while !left.is_empty() && start.elapsed() < Duration::from_secs(1) {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            return;
+        };
+        for t in tasks.flatten() {
+            let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+            let Some(k) = left.iter().position(|(n, _)| *n == comm.trim()) else {
+                continue;
+            };
+            let tid: libc::pid_t = t.file_name().to_string_lossy().parse().unwrap_or(0);
+            // SAFETY: cpu_set_t is plain data; CPU_SET and sched_setaffinity get a valid pointer
+            // to it and its size. A thread that exited meanwhile makes the call fail, harmlessly.
+            unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(left[k].1, &mut set);
+                libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set);
+            }
+            left.swap_remove(k);
+        }
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 

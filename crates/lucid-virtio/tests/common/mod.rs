@@ -260,11 +260,21 @@ impl Vq {
 
     pub fn next_used_within(&mut self, t: Duration) -> Option<(u32, u32)> {
         let end = Instant::now() + t;
-        while self.used_idx() == self.used_seen {
+        loop {
+            if let Some(u) = self.pop_used() {
+                return Some(u);
+            }
             if Instant::now() > end {
                 return None;
             }
             std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
+    /// The next used element (id, len), if the device has put one there.
+    pub fn pop_used(&mut self) -> Option<(u32, u32)> {
+        if self.used_idx() == self.used_seen {
+            return None;
         }
         let slot = self.used + 4 + 8 * u64::from(self.used_seen % self.size);
         let id: u32 = self.mem.read_obj(GuestAddress(slot)).unwrap();
