@@ -4,8 +4,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
+use lucid_pci::Rung;
 use lucid_virtio::net::NetBackend;
-use lucid_virtio::Rung;
 use lucid_vmm::{parse_blk, parse_net, PciDeviceConfig, PciDeviceKind};
 
 fn rung(r: Rung) -> &'static str {

@@ -17,11 +17,13 @@ use lucid_devices::Bus;
 use lucid_fuzz::Access;
 use lucid_hv::{GsiRouter, Vm};
 use lucid_mem::{Backing, DmaPath, GuestRam};
-use lucid_pci::{attach_virtio, HostCaps, PciRoot, PciWindows, TransportEnv, TransportOptions};
+use lucid_pci::{
+    attach_virtio, HostCaps, PciRoot, PciWindows, Rung, TransportEnv, TransportOptions,
+};
 use lucid_stats::StatsRegistry;
 use lucid_virtio::features::{VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
 use lucid_virtio::virtio_queue::QueueT;
-use lucid_virtio::{ActivateContext, ActivateError, Rung, VirtioDevice, VirtioInterrupt};
+use lucid_virtio::{ActivateContext, ActivateError, VirtioDevice, VirtioInterrupt};
 
 const MMIO: std::ops::Range<u64> = 0xc000_0000..0xc100_0000;
 const ECAM: (u64, u64) = (0xe000_0000, 0x10_0000);
@@ -97,9 +99,11 @@ impl VirtioDevice for Stub {
             }
         }
         if self.config[0] & 1 != 0 {
-            return Err(ActivateError::BadConfig(
-                "the guest asked for a failure".into(),
-            ));
+            // The guest asked for a failure.
+            return Err(ActivateError::QueueMissing {
+                device: "stub0".into(),
+                queue: 2,
+            });
         }
         *self.irq.lock().unwrap() = Some(ctx.interrupt.clone());
         self.active = Some(ctx.interrupt);

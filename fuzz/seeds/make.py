@@ -98,3 +98,48 @@ bad += [ecam(1, 0x20, write=True, val=0xc0c00000), ecam(1, 0x24, write=True, val
         ecam(1, 0x88, size=1, write=True, val=4), ecam(1, 0x8c, write=True, val=0x14),
         ecam(1, 0x90, write=True, val=1), ecam(1, 0x94), ecam(1, 0x94, write=True, val=0)]
 save("virtio_pci", "refused-and-moved", bad)
+
+
+# virtqueue: byte 0 device (0 blk, 1 blk ro, 2 blk 4k, 3 net echo, 4 net sink), byte 1 flags
+# (1 EVENT_IDX, 2 coalescing, 4 no bus master), byte 2 log2 queue size, then guest memory from 0.
+def rings(i, size):
+    a4 = lambda x: (x + 3) // 4 * 4
+    per = a4(16 * size + 6 + 2 * size) + 6 + 8 * size
+    desc = i * ((per + 15) // 16 * 16)
+    avail = desc + 16 * size
+    return desc, avail, a4(avail + 6 + 2 * size)
+
+
+def vq(device, flags, size_log2, queues, data):
+    """queues: per queue (descriptors [(addr, len, flags, next)], avail heads); data: {addr: bytes}"""
+    size = 1 << size_log2
+    mem = bytearray(0x4000)
+    for i, (descs, heads) in enumerate(queues):
+        d, a, _ = rings(i, size)
+        for n, (addr, ln, fl, nx) in enumerate(descs):
+            mem[d + 16 * n:d + 16 * n + 16] = struct.pack("<QIHH", addr, ln, fl, nx)
+        mem[a:a + 4] = struct.pack("<HH", 0, len(heads))
+        for n, h in enumerate(heads):
+            mem[a + 4 + 2 * n:a + 6 + 2 * n] = struct.pack("<H", h)
+    for addr, b in data.items():
+        mem[addr:addr + len(b)] = b
+    return bytes([device, flags, size_log2]) + bytes(mem).rstrip(b"\0")
+
+
+NEXT, WRITE = 1, 2
+hdr = lambda t, sector: struct.pack("<IIQ", t, 0, sector)
+blk_descs = [(0x1000, 16, NEXT, 1), (0x1100, 512, NEXT, 2), (0x1400, 1, WRITE, 0),
+             (0x1010, 16, NEXT, 4), (0x1600, 512, NEXT | WRITE, 5), (0x1401, 1, WRITE, 0),
+             (0x1020, 16, NEXT, 7), (0x1800, 20, NEXT | WRITE, 8), (0x1402, 1, WRITE, 0),
+             (0x1030, 16, NEXT, 10), (0x1403, 1, WRITE, 0),
+             (0x1040, 16, NEXT, 12), (0x1050, 16, NEXT, 13), (0x1404, 1, WRITE, 0)]
+blk_data = {0x1000: hdr(1, 0) + hdr(0, 0) + hdr(8, 0) + hdr(4, 0) + hdr(11, 0)
+            + struct.pack("<QII", 1, 1, 0), 0x1100: bytes(range(256)) * 2}
+save("virtqueue", "blk-out-in-id-flush-discard", [vq(0, 0, 4, [(blk_descs, [0, 3, 6, 9, 11])], blk_data)])
+save("virtqueue", "blk-4k-event-idx", [vq(2, 1, 4, [(blk_descs, [3, 0])], blk_data)])
+save("virtqueue", "blk-ro-write-refused", [vq(1, 2, 3, [(blk_descs[:3], [0])], blk_data)])
+frame = bytes(12) + bytes.fromhex("525400123456525400123457") + b"\x08\x00" + bytes(range(46))
+rx = ([(0x3000, 1526, WRITE, 0), (0x3800, 1526, WRITE, 0)], [0, 1])
+save("virtqueue", "net-echo-tx-rx", [vq(3, 1, 4, [rx, ([(0x2000, len(frame), 0, 0)], [0])], {0x2000: frame})])
+save("virtqueue", "net-sink-split-header", [vq(4, 0, 4, [([], []), ([(0x2000, 12, NEXT, 1), (0x200c, 60, 0, 0)], [0])],
+                                                 {0x2000: frame})])
