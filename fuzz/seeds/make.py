@@ -143,3 +143,43 @@ rx = ([(0x3000, 1526, WRITE, 0), (0x3800, 1526, WRITE, 0)], [0, 1])
 save("virtqueue", "net-echo-tx-rx", [vq(3, 1, 4, [rx, ([(0x2000, len(frame), 0, 0)], [0])], {0x2000: frame})])
 save("virtqueue", "net-sink-split-header", [vq(4, 0, 4, [([], []), ([(0x2000, 12, NEXT, 1), (0x200c, 60, 0, 0)], [0])],
                                                  {0x2000: frame})])
+
+
+# completer: mode, feature to clear, 15 instruction bytes, 17 GPRs/RFLAGS, 16 XMM, RAM from 0.
+def completer(name, insn, mode=0, feature=0, regs=(), xmm=(), ram=b""):
+    r = list(regs) + [0] * (17 - len(regs))
+    x = list(xmm) + [0] * (16 - len(xmm))
+    body = bytes([mode, feature]) + bytes.fromhex(insn).ljust(15, b"\x90")
+    body += b"".join(struct.pack("<Q", v & (2**64 - 1)) for v in r)
+    body += b"".join(struct.pack("<QQ", v & (2**64 - 1), v >> 64) for v in x)
+    save("completer", name, [body + ram])
+
+
+# An IDT at 0x1000 whose gate 0x80 goes to 0x9000 (code selector 0x08, DPL 3) and gate 3 too.
+def gate(offset, dpl=3, kind=0xe):
+    return struct.pack("<HHBBHII", offset & 0xffff, 0x08, 0, 0x80 | dpl << 5 | kind,
+                       (offset >> 16) & 0xffff, offset >> 32, 0)
+
+
+idt = bytearray(0x1000)
+idt[0x80 * 16:0x81 * 16] = gate(0x9000)
+idt[3 * 16:4 * 16] = gate(0x9100, kind=0xf)
+gdt = struct.pack("<QQQQQ", 0, 0x00af9b000000ffff, 0x00cf93000000ffff, 0x00affb000000ffff, 0x00cff3000000ffff)
+ram = bytes(0x1000) + bytes(idt) + gdt.ljust(0x1000, b"\0") + struct.pack("<IQ", 0, 0xf000)
+rsp = 0xe000
+completer("xgetbv", "0f01d0", regs=[0, 0, 0])
+completer("xgetbv-ecx1", "0f01d0", regs=[0, 0, 1])
+completer("clwb", "660fae30", regs=[0x4000])
+completer("rdpru", "0f01fd", regs=[0, 0, 1])
+completer("invpcid", "660f388208", regs=[0, 0x4000], ram=bytes(0x4000) + struct.pack("<QQ", 1, 0x1000))
+completer("int80-cpl3", "cd80", mode=1 | 8, regs=[0] * 6 + [rsp], ram=ram)
+completer("int3", "cc", regs=[0] * 6 + [rsp], ram=ram)
+completer("crc32", "f2480f38f1c3", regs=[0xffffffff, 0x1122334455667788])
+completer("popcnt-lzcnt", "f3480fb8c3", regs=[0, 0xf0f0])
+completer("rdrand-no-feature", "480fc7f0", feature=5)
+completer("wrfsbase", "f3480faed0", regs=[0x7fff_0000_1000])
+completer("movdqu-store", "f30f7f00", regs=[0x5000], xmm=[0x0123456789abcdef_fedcba9876543210])
+completer("ldmxcsr", "0fae10", regs=[0, 0, 0x6000], ram=bytes(0x6000) + struct.pack("<I", 0x1f80))
+completer("stac-smap", "0f01cb", mode=4)
+completer("lock-misuse", "f00f01d0")
+completer("compat-clwb", "660fae30", mode=2, regs=[0x4000])
