@@ -183,3 +183,67 @@ completer("ldmxcsr", "0fae10", regs=[0, 0, 0x6000], ram=bytes(0x6000) + struct.p
 completer("stac-smap", "0f01cb", mode=4)
 completer("lock-misuse", "f00f01d0")
 completer("compat-clwb", "660fae30", mode=2, regs=[0x4000])
+
+
+# Kernel loaders: the image, then an options byte (1 initrd, 2 no ACPI).
+# The probe-guest ELFs come from a build (LUCID_GUESTS=<cargo out dir>/guests), stripped.
+guests = os.environ.get("LUCID_GUESTS")
+if guests:
+    import subprocess
+    for name, opts in [("hello", 0), ("pvh-ttext", 1), ("mb-lowmem", 1)]:
+        out = f"/tmp/lucid-seed-{name}.elf"
+        subprocess.run(["strip", "-o", out, f"{guests}/{name}.elf"], check=True)
+        target = "boot_multiboot" if name.startswith("mb") else "boot_elf"
+        save(target, f"{name}.elf", [open(out, "rb").read(), bytes([opts])])
+        if target == "boot_multiboot":
+            save("boot_elf", f"{name}.elf", [open(out, "rb").read(), bytes([opts])])
+
+
+def elf64(entry, segs):
+    """A minimal ELF64 executable (a vmlinux's shape): PT_LOAD segments (paddr, data, memsz)."""
+    ph_off, n = 64, len(segs)
+    data_off = ph_off + 56 * n
+    eh = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9)
+    eh += struct.pack("<HHIQQQIHHHHHH", 2, 62, 1, entry, ph_off, 0, 0, 64, 56, n, 64, 0, 0)
+    phs, body = b"", b""
+    for paddr, d, memsz in segs:
+        phs += struct.pack("<IIQQQQQQ", 1, 7, data_off + len(body), paddr | 0xffffffff80000000,
+                           paddr, len(d), memsz, 0x1000)
+        body += d
+    return eh + phs + body
+
+
+save("boot_elf", "vmlinux-shaped", [elf64(0x100000, [(0x100000, b"\xf4" * 64, 0x2000),
+                                                     (0x200000, b"Linux version 6.1" * 4, 0x1000)]),
+                                    b"\x01"])
+mb_magic = 0x1BADB002
+aout = [0x20_0000, 0x1f_fff8, 0, 0x20_4000, 0x20_0100]
+flat = bytes([0xf4] * 8) + struct.pack("<III", mb_magic, 1 << 16, (-(mb_magic + (1 << 16))) & 0xffffffff)
+flat += struct.pack("<5I", *aout) + bytes([0xaa] * 100)
+save("boot_multiboot", "aout-kludge-flat", [flat, b"\x01"])
+low = bytes([0xf4] * 8) + struct.pack("<III", mb_magic, 3 | 1 << 16, (-(mb_magic + (3 | 1 << 16))) & 0xffffffff)
+low += struct.pack("<5I", 0x8000, 0x7ff8, 0x8060, 0xa000, 0x8040) + bytes([0x90] * 64)
+save("boot_multiboot", "aout-low-memory-mem-info", [low, b"\x02"])
+
+
+def bzimage(payload, init_size, pref=0x100000):
+    b = bytearray(5 * 512)
+    b[0x1f1] = 4
+    struct.pack_into("<I", b, 0x1f4, (len(payload) + 15) // 16)
+    struct.pack_into("<H", b, 0x1fe, 0xaa55)
+    b[0x202:0x206] = b"HdrS"
+    struct.pack_into("<H", b, 0x206, 0x020f)
+    b[0x211] = 1
+    struct.pack_into("<I", b, 0x214, 0x100000)
+    struct.pack_into("<I", b, 0x22c, 0x7fffffff)
+    struct.pack_into("<I", b, 0x230, 0x200000)
+    b[0x234] = 1
+    struct.pack_into("<H", b, 0x236, 3)
+    struct.pack_into("<I", b, 0x238, 2047)
+    struct.pack_into("<Q", b, 0x258, pref)
+    struct.pack_into("<I", b, 0x260, init_size)
+    return bytes(b) + payload + bytes(-len(payload) % 16)
+
+
+save("boot_bzimage", "setup-header-2.15", [bzimage(b"\xf4" * 256, 0x10000), b"\x01"])
+save("boot_bzimage", "pref-address-high", [bzimage(b"\x90" * 64, 0x400000, pref=0x800000), b"\x00"])

@@ -41,3 +41,75 @@ impl Access {
         }
     }
 }
+
+/// The kernel loader targets (`boot_elf`, `boot_multiboot`, `boot_bzimage`): detection and
+/// loading of an image into a 16 MiB guest, no KVM.
+pub mod boot {
+    use std::fs::File;
+    use std::io::Write;
+    use std::os::fd::{AsRawFd, FromRawFd};
+    use std::path::{Path, PathBuf};
+    use std::sync::OnceLock;
+
+    use lucid_boot::layout::ram_regions;
+    use lucid_boot::{AcpiConfig, BootParams, EntryMode, KernelImage};
+    use lucid_mem::vm_memory::{GuestAddress, GuestMemoryMmap};
+
+    const MEM: u64 = 16 << 20;
+    const INITRD: usize = 8 << 10;
+
+    /// An 8 KiB initrd in a memfd, opened by path as a file would be.
+    fn initrd() -> &'static Path {
+        static INITRD_FILE: OnceLock<(File, PathBuf)> = OnceLock::new();
+        let (_, path) = INITRD_FILE.get_or_init(|| {
+            // SAFETY: memfd_create with a NUL-terminated name; the fd it returns is ours alone.
+            let fd = unsafe { libc::memfd_create(c"lucid-fuzz-initrd".as_ptr(), 0) };
+            assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+            // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+            let mut f = unsafe { File::from_raw_fd(fd) };
+            f.write_all(&[0x5a; INITRD]).expect("fill the initrd");
+            let path = format!("/proc/self/fd/{}", f.as_raw_fd()).into();
+            (f, path)
+        });
+        path
+    }
+
+    /// Detects and loads `image`; `opts` bit 0 adds the initrd, bit 1 leaves out ACPI. Checks
+    /// that what the loader reports lies in guest RAM.
+    pub fn load(image: Vec<u8>, opts: u8) {
+        static ACPI: OnceLock<AcpiConfig> = OnceLock::new();
+        let Ok(image) = KernelImage::from_bytes(Path::new("fuzz"), image) else {
+            return;
+        };
+        let ranges: Vec<_> = ram_regions(MEM)
+            .into_iter()
+            .map(|(a, s)| (GuestAddress(a), s as usize))
+            .collect();
+        let mem = GuestMemoryMmap::from_ranges(&ranges).expect("guest RAM");
+        let p = BootParams {
+            kernel: image.path(),
+            initrd: (opts & 1 != 0).then(initrd),
+            cmdline: "console=ttyS0 reboot=k",
+            mem_size: MEM,
+            acpi: (opts & 2 == 0).then(|| ACPI.get_or_init(|| AcpiConfig::new(2))),
+        };
+        let Ok(s) = lucid_boot::load_image(&mem, &image, &p) else {
+            return;
+        };
+        assert!(s.kernel_end <= MEM, "{s:?}");
+        if let Some((at, len)) = s.initrd {
+            assert!(len == INITRD as u64 && at + len <= MEM, "{s:?}");
+        }
+        assert!(s.boot_info < MEM, "{s:?}");
+        assert!(s.entry.gdt < MEM && s.entry.stack_top <= MEM, "{s:?}");
+        if let EntryMode::Long64 { rsi, .. } = s.entry.mode {
+            assert!(rsi < MEM && s.entry.page_tables < MEM, "{s:?}");
+        }
+    }
+
+    /// The options byte and the image of an input: the last byte is the options.
+    pub fn split(data: &[u8]) -> Option<(u8, Vec<u8>)> {
+        let (&opts, image) = data.split_last()?;
+        Some((opts, image.to_vec()))
+    }
+}

@@ -1493,3 +1493,34 @@ mod kvm {
         }
     }
 }
+
+/// The kernel-loader fuzz targets' seeds (`fuzz/seeds/boot_*`, image then an options byte) are
+/// the kernels they are named after and load.
+#[test]
+fn fuzz_seeds_load() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz/seeds");
+    for (seed, kind) in [
+        ("boot_elf/hello.elf", KernelKind::PvhElf),
+        ("boot_elf/pvh-ttext.elf", KernelKind::PvhElf),
+        ("boot_elf/mb-lowmem.elf", KernelKind::Multiboot),
+        ("boot_elf/vmlinux-shaped", KernelKind::LinuxElf),
+        ("boot_multiboot/aout-kludge-flat", KernelKind::Multiboot),
+        (
+            "boot_multiboot/aout-low-memory-mem-info",
+            KernelKind::Multiboot,
+        ),
+        ("boot_bzimage/setup-header-2.15", KernelKind::BzImage),
+        ("boot_bzimage/pref-address-high", KernelKind::BzImage),
+    ] {
+        let mut bytes = std::fs::read(format!("{dir}/{seed}")).unwrap();
+        bytes.pop();
+        let image = KernelImage::from_bytes(seed.as_ref(), bytes).unwrap();
+        assert_eq!(image.kind(), kind, "{seed}");
+        let mem = guest(16 << 20);
+        let p = BootParams {
+            mem_size: 16 << 20,
+            ..params(image.path(), None, "")
+        };
+        load_image(&mem, &image, &p).unwrap_or_else(|e| panic!("{seed}: {e}"));
+    }
+}
