@@ -10,11 +10,10 @@
 use std::sync::{Arc, Mutex};
 
 use libfuzzer_sys::fuzz_target;
-use lucid_devices::Bus;
-use lucid_fuzz::Access;
+use lucid_fuzz::{Access, Pci};
 use lucid_pci::config::{CAP_ID_MSIX, CAP_ID_VENDOR, NUM_BARS};
 use lucid_pci::msix::{self, MsixTable, MSIX_ENTRY_SIZE};
-use lucid_pci::{Bar, BarKind, ConfigSpace, PciDevice, PciIds, PciRoot, PciWindows};
+use lucid_pci::{Bar, BarKind, ConfigSpace, PciDevice, PciIds, PciWindows};
 use lucid_stats::StatsRegistry;
 
 const MMIO: std::ops::Range<u64> = 0xc000_0000..0xc100_0000;
@@ -174,40 +173,32 @@ impl PciDevice for Dev {
 // decodes now (from the window's start when it decodes nowhere).
 fuzz_target!(|data: &[u8]| {
     let stats = StatsRegistry::new();
-    let (mmio, pio) = (Arc::new(Bus::new()), Arc::new(Bus::new()));
-    let root = PciRoot::new(
-        mmio.clone(),
-        pio.clone(),
-        PciWindows {
-            mmio: MMIO,
-            io: IO,
-            ecam: ECAM,
-        },
-        &stats,
-    );
-    root.register().expect("register");
+    let windows = PciWindows {
+        mmio: MMIO,
+        io: IO,
+        ecam: ECAM,
+    };
+    let pci = Pci::new(windows, &stats);
     let devs = [
         Arc::new(Mutex::new(Dev::new(0x10f0))),
         Arc::new(Mutex::new(Dev::new(0x10f1))),
     ];
     for (i, d) in devs.iter().enumerate() {
-        root.add_device(&format!("dev{i}"), d.clone())
+        pci.root
+            .add_device(&format!("dev{i}"), d.clone())
             .expect("room for two functions");
     }
     for a in Access::parse(data, 128) {
         match a.kind % 4 {
-            0 => Access {
-                size: 4,
-                write: true,
-                ..a
-            }
-            .on(&pio, 0xcf8),
-            1 => a.on(&pio, 0xcf8 + (a.sel % 8) as u64),
-            2 => a.on(&mmio, ECAM.0 + a.addr as u64 % ECAM.1),
+            k @ 0..=2 => pci.config_cycle(k, &a),
             _ => {
                 let (i, bar) = ((a.sel >> 8) as usize & 1, a.sel as usize % NUM_BARS);
                 let slot = i as u8 + 1;
-                let mapped = root.devices().into_iter().find(|(p, _, _)| p.slot == slot);
+                let mapped = pci
+                    .root
+                    .devices()
+                    .into_iter()
+                    .find(|(p, _, _)| p.slot == slot);
                 let io = devs[i]
                     .lock()
                     .unwrap()
@@ -219,10 +210,8 @@ fuzz_target!(|data: &[u8]| {
                 } else {
                     MMIO.start
                 });
-                a.on(
-                    if io { &pio } else { &mmio },
-                    base + (a.addr as u64 % (2 << 20)),
-                )
+                let bus = if io { &pci.pio } else { &pci.mmio };
+                a.on(bus, base + (a.addr as u64 % (2 << 20)))
             }
         }
     }

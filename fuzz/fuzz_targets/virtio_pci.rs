@@ -13,13 +13,10 @@
 use std::sync::{Arc, Mutex, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
-use lucid_devices::Bus;
-use lucid_fuzz::Access;
+use lucid_fuzz::{Access, Pci};
 use lucid_hv::{GsiRouter, Vm};
 use lucid_mem::{Backing, DmaPath, GuestRam};
-use lucid_pci::{
-    attach_virtio, HostCaps, PciRoot, PciWindows, Rung, TransportEnv, TransportOptions,
-};
+use lucid_pci::{attach_virtio, HostCaps, PciWindows, Rung, TransportEnv, TransportOptions};
 use lucid_stats::StatsRegistry;
 use lucid_virtio::features::{VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
 use lucid_virtio::virtio_queue::QueueT;
@@ -69,16 +66,13 @@ impl VirtioDevice for Stub {
         OFFERED
     }
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = self.config.get(offset as usize + i).copied().unwrap_or(0);
-        }
+        data.fill(0);
+        let from = self.config.get(offset as usize..).unwrap_or_default();
+        data.iter_mut().zip(from).for_each(|(d, c)| *d = *c);
     }
     fn write_config(&mut self, offset: u64, data: &[u8]) {
-        for (i, b) in data.iter().enumerate() {
-            if let Some(c) = self.config.get_mut(offset as usize + i) {
-                *c = *b;
-            }
-        }
+        let to = self.config.get_mut(offset as usize..).unwrap_or_default();
+        to.iter_mut().zip(data).for_each(|(c, d)| *c = *d);
     }
     fn activate(&mut self, ctx: ActivateContext) -> Result<(), ActivateError> {
         assert!(self.active.is_none(), "activated twice without a reset");
@@ -137,18 +131,12 @@ fuzz_target!(|data: &[u8]| {
         rung: Rung::L0,
         ..Default::default()
     };
-    let (mmio, pio) = (Arc::new(Bus::new()), Arc::new(Bus::new()));
-    let root = PciRoot::new(
-        mmio.clone(),
-        pio.clone(),
-        PciWindows {
-            mmio: MMIO,
-            io: 0xc000..0x1_0000,
-            ecam: ECAM,
-        },
-        &stats,
-    );
-    root.register().expect("register");
+    let windows = PciWindows {
+        mmio: MMIO,
+        io: 0xc000..0x1_0000,
+        ecam: ECAM,
+    };
+    let pci = Pci::new(windows, &stats);
     let irq = Arc::new(Mutex::new(None));
     let stub = Stub {
         config: [0; 8],
@@ -156,26 +144,19 @@ fuzz_target!(|data: &[u8]| {
         active: None,
         irq: irq.clone(),
     };
-    let (addr, _dev) = attach_virtio(&root, Box::new(stub), env, opts).expect("attach");
+    let (addr, _dev) = attach_virtio(&pci.root, Box::new(stub), env, opts).expect("attach");
     for a in Access::parse(data, 128) {
         match a.kind % 5 {
-            0 => Access {
-                size: 4,
-                write: true,
-                ..a
-            }
-            .on(&pio, 0xcf8),
-            1 => a.on(&pio, 0xcf8 + (a.sel % 8) as u64),
-            2 => a.on(&mmio, ECAM.0 + a.addr as u64 % ECAM.1),
+            k @ 0..=2 => pci.config_cycle(k, &a),
             3 => {
-                let bars = root
-                    .devices()
-                    .into_iter()
+                let devices = pci.root.devices();
+                let bars = devices
+                    .iter()
                     .find(|(p, _, _)| *p == addr)
-                    .expect("dev")
+                    .expect("attached")
                     .2;
                 let base = bars[a.sel as usize % 6].unwrap_or(MMIO.start);
-                a.on(&mmio, base + a.addr as u64 % 0x4010)
+                a.on(&pci.mmio, base + a.addr as u64 % 0x4010)
             }
             _ => {
                 let irq = irq.lock().unwrap().clone();

@@ -5,6 +5,12 @@
 //! and a 64-bit value, little-endian. Each target says what `kind`, the selector and the address
 //! mean to it. Seeds are written in this encoding by `fuzz/seeds/make.py`.
 
+use std::sync::Arc;
+
+use lucid_devices::Bus;
+use lucid_pci::{PciRoot, PciWindows};
+use lucid_stats::StatsRegistry;
+
 /// One guest access.
 #[derive(Clone, Copy, Debug)]
 pub struct Access {
@@ -38,6 +44,47 @@ impl Access {
         } else {
             let mut d = [0u8; 8];
             bus.read(addr, &mut d[..self.size]);
+        }
+    }
+}
+
+/// A PCI root complex on fresh MMIO and PIO buses, its configuration handlers registered.
+pub struct Pci {
+    pub root: Arc<PciRoot>,
+    pub mmio: Arc<Bus>,
+    pub pio: Arc<Bus>,
+    /// ECAM base and size.
+    pub ecam: (u64, u64),
+}
+
+impl Pci {
+    pub fn new(windows: PciWindows, stats: &StatsRegistry) -> Pci {
+        let (mmio, pio) = (Arc::new(Bus::new()), Arc::new(Bus::new()));
+        let ecam = windows.ecam;
+        let root = PciRoot::new(mmio.clone(), pio.clone(), windows, stats);
+        root.register()
+            .expect("register the configuration handlers");
+        Pci {
+            root,
+            mmio,
+            pio,
+            ecam,
+        }
+    }
+
+    /// The configuration cycles of the register-level targets, by `kind`: 0, a dword write of
+    /// the 0xCF8 address register (`val`); 1, an access to port 0xCF8 + `sel % 8`; 2, an ECAM
+    /// access at `addr` into the window.
+    pub fn config_cycle(&self, kind: u8, a: &Access) {
+        match kind {
+            0 => Access {
+                size: 4,
+                write: true,
+                ..*a
+            }
+            .on(&self.pio, 0xcf8),
+            1 => a.on(&self.pio, 0xcf8 + (a.sel % 8) as u64),
+            _ => a.on(&self.mmio, self.ecam.0 + a.addr as u64 % self.ecam.1),
         }
     }
 }
