@@ -9,9 +9,11 @@
 //! IDT at 0x1000, the GDT at 0x2000, the TSS at 0x3000, 64 KiB identity-mapped).
 //!
 //! Checked: no panic; an instruction that faults or fails leaves the registers as they were and
-//! injects at most one exception; one that completes injects none.
+//! injects at most one exception; one that completes injects none and, unless it is INT n or
+//! INT3, leaves RIP just past itself.
 #![no_main]
 
+use iced_x86::{Decoder, DecoderOptions, Mnemonic};
 use libfuzzer_sys::fuzz_target;
 use lucid_vmm::emulate::{complete_with, MockCpu};
 
@@ -112,7 +114,24 @@ fuzz_target!(|data: &[u8]| {
 
     let before = cpu.regs;
     match complete_with(&mut cpu, insn) {
-        Ok(o) if o.fault.is_none() => assert!(cpu.injected.is_empty(), "{o:?}"),
+        Ok(o) if o.fault.is_none() => {
+            assert!(cpu.injected.is_empty(), "{o:?}");
+            if !matches!(o.mnemonic, Mnemonic::Int | Mnemonic::Int3) {
+                let bits = match mode % 4 {
+                    2 => 32,
+                    3 => 16,
+                    _ => 64,
+                };
+                let len = Decoder::with_ip(bits, insn, 0x8000, DecoderOptions::NONE)
+                    .decode()
+                    .len();
+                assert_eq!(
+                    cpu.regs.rip,
+                    0x8000 + len as u64,
+                    "{o:?}: RIP past the instruction"
+                );
+            }
+        }
         Ok(o) => {
             assert_eq!(cpu.regs, before, "{o:?} changed registers");
             assert_eq!(cpu.injected.len(), 1, "{o:?}");
