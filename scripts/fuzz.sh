@@ -36,6 +36,11 @@ fi
 failed=()
 summary=()
 for t in "${targets[@]}"; do
+  if [[ $t == virtio_pci && ! -w /dev/kvm ]]; then
+    summary+=("$(printf '%-20s %-6s (needs /dev/kvm)' "$t" skipped)")
+    echo "${summary[-1]}"
+    continue
+  fi
   mkdir -p "corpus/$t" "seeds/$t"
   log="$(mktemp)"
   echo "== $t ($limit)"
