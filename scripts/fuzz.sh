@@ -52,7 +52,7 @@ for t in "${targets[@]}"; do
   else
     status=CRASH
     failed+=("$t")
-    grep -a -E "panicked|ERROR: AddressSanitizer|ERROR: libFuzzer|SUMMARY|Test unit written" "$log" | head -20 || true
+    grep -a -A1 -E "panicked|ERROR: AddressSanitizer|ERROR: libFuzzer|SUMMARY|Test unit written" "$log" | head -20 || true
   fi
   execs=$(grep -a -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' | tail -1)
   secs=$(( $(date +%s) - start ))
