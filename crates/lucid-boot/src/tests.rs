@@ -1280,51 +1280,42 @@ fn real_kernels() {
     }
 }
 
-/// Boots tiny guests on /dev/kvm through `load` + `setup_boot_regs` + `filter_cpuid` and checks
-/// what they report on port 0xf4. Skipped when /dev/kvm cannot be opened.
+/// Boots tiny guests on /dev/kvm through the first stages of Lucid's `VmBuilder` (which loads
+/// with this crate's `load_image`, `setup_boot_regs` and `filter_cpuid`) and checks what they
+/// report on port 0xf4. Skipped when /dev/kvm cannot be opened.
 mod kvm {
     use super::*;
-    use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
-    use kvm_ioctls::{Kvm, VcpuExit};
-    use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+    use lucid_vmm::lucid_boot as boot;
+    use lucid_vmm::lucid_hv::Exit;
+    use lucid_vmm::{KernelLoad, VmBuilder};
 
-    /// Runs the boot vCPU until HLT; returns the dwords written to port 0xf4.
-    fn run(mem: &GuestMemoryMmap, setup: &BootSetup) -> Option<Vec<u32>> {
-        let Ok(kvm) = Kvm::new() else {
-            eprintln!("no /dev/kvm: skipped");
-            return None;
+    /// Runs the boot vCPU of a VM without interrupt controllers until HLT; returns the dwords
+    /// written to port 0xf4. `before` may prepare guest memory before the kernel is loaded.
+    fn run(kernel: &std::path::Path, before: impl FnOnce(&GuestMemoryMmap)) -> Option<Vec<u32>> {
+        let b = match VmBuilder::new(MEM, Default::default()) {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("no KVM ({e}): skipped");
+                return None;
+            }
         };
-        let vm = kvm.create_vm().unwrap();
-        vm.set_tss_address(0xfffb_d000).unwrap();
-        for (slot, r) in mem.iter().enumerate() {
-            let host = mem.get_host_address(r.start_addr()).unwrap();
-            let region = kvm_bindings::kvm_userspace_memory_region {
-                slot: slot as u32,
-                flags: 0,
-                guest_phys_addr: r.start_addr().0,
-                memory_size: r.len(),
-                userspace_addr: host as u64,
-            };
-            // SAFETY: `host` maps `r.len()` bytes of guest memory owned by `mem`, which outlives
-            // the VM (both are dropped at the end of this function, the VM first).
-            unsafe { vm.set_user_memory_region(region) }.unwrap();
-        }
-        let mut vcpu = vm.create_vcpu(0).unwrap();
-        let mut cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).unwrap();
-        filter_cpuid(&mut cpuid, 0, 1);
-        vcpu.set_cpuid2(&cpuid).unwrap();
-        let mut regs = vcpu.get_regs().unwrap();
-        let mut sregs = vcpu.get_sregs().unwrap();
-        setup_boot_regs(&setup.entry, &mut regs, &mut sregs, mem).unwrap();
-        vcpu.set_sregs(&sregs).unwrap();
-        vcpu.set_regs(&regs).unwrap();
+        before(b.memory());
+        let image = boot::KernelImage::open(kernel).unwrap();
+        let load = KernelLoad {
+            image: &image,
+            initrd: None,
+            cmdline: "",
+            acpi: None,
+        };
+        let setup = b.load_kernel(&load).unwrap();
+        let mut vcpu = b.vcpu(0, 1, Some(&setup), |_| {}).unwrap();
         let mut out = Vec::new();
         for _ in 0..20 {
             match vcpu.run() {
-                Ok(VcpuExit::IoOut(0xf4, data)) => {
+                Ok(Exit::IoOut(0xf4, data)) => {
                     out.push(u32::from_le_bytes(data.try_into().unwrap()))
                 }
-                Ok(VcpuExit::Hlt) => return Some(out),
+                Ok(Exit::Hlt) => return Some(out),
                 other => {
                     let s = format!("{other:?}");
                     panic!(
@@ -1356,9 +1347,7 @@ mod kvm {
                 &[pvh_note(0x10_0000), load_seg(0x10_0000, &code, 0x1000)],
             ),
         );
-        let mem = guest(MEM);
-        let s = load(&mem, params(&k, None, "")).unwrap();
-        if let Some(out) = run(&mem, &s) {
+        if let Some(out) = run(&k, |_| {}) {
             assert_eq!(out, vec![HVM_START_MAGIC, BOOT_INFO as u32]);
         }
     }
@@ -1373,9 +1362,7 @@ mod kvm {
             "mb",
             &elf(false, 0x10_000c, &[load_seg(0x10_0000, &seg, 0x1000)]),
         );
-        let mem = guest(MEM);
-        let s = load(&mem, params(&k, None, "x")).unwrap();
-        if let Some(out) = run(&mem, &s) {
+        if let Some(out) = run(&k, |_| {}) {
             assert_eq!(out[0], MULTIBOOT_BOOTLOADER_MAGIC);
             assert_eq!(out[1] & mbi_flags::MMAP, mbi_flags::MMAP);
         }
@@ -1399,11 +1386,11 @@ mod kvm {
             ..load_seg(0x100_0000, &code, 0x1000)
         };
         let k = d.file("vmlinux", &elf(true, 0x100_0000, &[seg]));
-        let mem = guest(MEM);
-        mem.write_obj(0xfeed_f00du32, GuestAddress(0x3ff_fff0))
-            .unwrap();
-        let s = load(&mem, params(&k, None, "")).unwrap();
-        if let Some(out) = run(&mem, &s) {
+        let out = run(&k, |mem| {
+            mem.write_obj(0xfeed_f00du32, GuestAddress(0x3ff_fff0))
+                .unwrap()
+        });
+        if let Some(out) = out {
             assert_eq!(out, vec![0x5372_6448, 0xfeed_f00d, 0x1234_5678]);
         }
     }
@@ -1417,47 +1404,22 @@ mod kvm {
     fn real_kernel_prints_banner() {
         for var in ["LUCID_TEST_BZIMAGE", "LUCID_TEST_VMLINUX"] {
             let Ok(p) = std::env::var(var) else { continue };
-            let Ok(kvm) = Kvm::new() else { return };
             let mem_size = 256 << 20;
-            let mem = guest(mem_size);
-            let k = PathBuf::from(p);
-            let s = load(
-                &mem,
-                BootParams {
-                    kernel: &k,
+            let Ok(mut b) = VmBuilder::new(mem_size, Default::default()) else {
+                return;
+            };
+            b.irqchip().unwrap();
+            let image = boot::KernelImage::open(std::path::Path::new(&p)).unwrap();
+            let s = b
+                .load_kernel(&KernelLoad {
+                    image: &image,
                     initrd: None,
                     cmdline: "console=ttyS0 earlyprintk=serial,ttyS0,115200 noxsave \
                               clearcpuid=141,154,156",
-                    mem_size,
-                    acpi: Some(acpi_cfg()),
-                },
-            )
-            .unwrap();
-            let vm = kvm.create_vm().unwrap();
-            vm.set_tss_address(0xfffb_d000).unwrap();
-            vm.create_irq_chip().unwrap();
-            for (slot, r) in mem.iter().enumerate() {
-                let host = mem.get_host_address(r.start_addr()).unwrap();
-                let region = kvm_bindings::kvm_userspace_memory_region {
-                    slot: slot as u32,
-                    flags: 0,
-                    guest_phys_addr: r.start_addr().0,
-                    memory_size: r.len(),
-                    userspace_addr: host as u64,
-                };
-                // SAFETY: `host` maps `r.len()` bytes of guest memory owned by `mem`, which
-                // outlives the VM.
-                unsafe { vm.set_user_memory_region(region) }.unwrap();
-            }
-            let mut vcpu = vm.create_vcpu(0).unwrap();
-            let mut cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).unwrap();
-            filter_cpuid(&mut cpuid, 0, 1);
-            vcpu.set_cpuid2(&cpuid).unwrap();
-            let mut regs = vcpu.get_regs().unwrap();
-            let mut sregs = vcpu.get_sregs().unwrap();
-            setup_boot_regs(&s.entry, &mut regs, &mut sregs, &mem).unwrap();
-            vcpu.set_sregs(&sregs).unwrap();
-            vcpu.set_regs(&regs).unwrap();
+                    acpi: Some(&boot::AcpiConfig::new(1)),
+                })
+                .unwrap();
+            let mut vcpu = b.vcpu(0, 1, Some(&s), |_| {}).unwrap();
             let mut console = Vec::new();
             let start = std::time::Instant::now();
             let done = |c: &[u8]| {
@@ -1468,14 +1430,13 @@ mod kvm {
             // A bzImage decompresses itself under instruction emulation on PVM hosts: minutes.
             while !done(&console) && start.elapsed().as_secs() < 400 {
                 match vcpu.run() {
-                    Ok(VcpuExit::IoOut(0x3f8, data)) => console.extend_from_slice(data),
-                    Ok(VcpuExit::IoOut(..)) => {}
-                    Ok(VcpuExit::IoIn(port, data)) => {
+                    Ok(Exit::IoOut(0x3f8, data)) => console.extend_from_slice(data),
+                    Ok(Exit::IoOut(..)) | Ok(Exit::MmioWrite(..)) | Ok(Exit::Interrupted) => {}
+                    Ok(Exit::IoIn(port, data)) => {
                         let v = if port == 0x3fd { 0x60 } else { 0xff };
                         data.fill(v);
                     }
-                    Ok(VcpuExit::MmioRead(_, data)) => data.fill(0xff),
-                    Ok(VcpuExit::MmioWrite(..)) => {}
+                    Ok(Exit::MmioRead(_, data)) => data.fill(0xff),
                     other => {
                         let s = format!("{other:?}");
                         eprintln!("{}", String::from_utf8_lossy(&console));

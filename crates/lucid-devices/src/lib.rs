@@ -1,9 +1,12 @@
 //! Lucid's device model: buses of address ranges that the exit loop dispatches to, the VM
 //! lifecycle that devices can end, and the platform devices every VM has.
 
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
 mod acpi_pm;
 mod bus;
 mod cmos;
+mod console;
 mod debug_exit;
 mod i8042;
 mod lifecycle;
@@ -12,10 +15,13 @@ mod serial;
 pub use acpi_pm::{AcpiPm, SciLine, ACPI_PM_LEN, PM_TIMER_HZ};
 pub use bus::{Bus, BusDevice, BusError};
 pub use cmos::Cmos;
+pub use console::{ConsoleOut, FLUSH_PATIENCE};
 pub use debug_exit::DebugExit;
 pub use i8042::I8042;
 pub use lifecycle::{Lifecycle, StopReason};
-pub use serial::{IrqTrigger, Serial, SerialOutput};
+pub use serial::{
+    BadSerialOption, IrqTrigger, Serial, SerialOutput, CONSOLE_BUFFER, SOCKET_BACKLOG,
+};
 
 /// A port that ignores writes and reads as zero (port 0x80 and the like), counting accesses so
 /// that probe guests can check exits per operation.

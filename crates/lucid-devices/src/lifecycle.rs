@@ -2,9 +2,13 @@
 //! first reason wins, every vCPU is kicked out of the guest, and the main thread wakes.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A failure that stopped the VM: a typed error (for example `lucid_vmm::VcpuFault`) with its
+/// source chain, shared so that every reader of the stop reason sees the same one.
+pub type StopError = Arc<dyn std::error::Error + Send + Sync + 'static>;
+
+#[derive(Clone, Debug)]
 pub enum StopReason {
     /// The guest wrote `code` to the debug-exit port.
     DebugExit(u32),
@@ -17,21 +21,45 @@ pub enum StopReason {
     /// SIGINT or SIGTERM.
     Signal(i32),
     /// The VMM could not go on.
-    Error(String),
+    Error(StopError),
+    /// The VMM dropped the VM while it ran.
+    Dropped,
 }
 
 impl StopReason {
+    /// The VM stops because of `e`.
+    pub fn error(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        StopReason::Error(Arc::new(e))
+    }
+
     /// The process exit status that reports this stop (debug-exit follows QEMU).
     pub fn exit_code(&self) -> i32 {
         match self {
             StopReason::DebugExit(v) => ((v << 1) | 1) as i32 & 0xff,
             StopReason::Reset | StopReason::Shutdown => 0,
-            StopReason::Error(_) => 1,
+            StopReason::Error(_) | StopReason::Dropped => 1,
             StopReason::TripleFault { .. } => 2,
             StopReason::Signal(s) => 128 + s,
         }
     }
 }
+
+/// Two errors are the same stop only if they are the same error.
+impl PartialEq for StopReason {
+    fn eq(&self, other: &Self) -> bool {
+        use StopReason::*;
+        match (self, other) {
+            (DebugExit(a), DebugExit(b)) => a == b,
+            (Reset, Reset) | (Shutdown, Shutdown) | (Dropped, Dropped) => true,
+            (TripleFault { vcpu: a, rip: x }, TripleFault { vcpu: b, rip: y }) => a == b && x == y,
+            (Signal(a), Signal(b)) => a == b,
+            (Error(a), Error(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
+impl Eq for StopReason {}
 
 type Kick = Box<dyn Fn() + Send + Sync>;
 

@@ -2,7 +2,7 @@
 //! socket, input from stdin or the socket's client, and its interrupt raised through an irqfd.
 
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -12,6 +12,7 @@ use lucid_stats::{Counter, StatsRegistry};
 use vm_superio::{serial::SerialEvents, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::console::{ConsoleOut, ConsoleWriter, Sink};
 use crate::BusDevice;
 
 /// Raises a device's interrupt by signalling an eventfd (an irqfd in KVM), and counts it.
@@ -54,105 +55,95 @@ pub enum SerialOutput {
     Unix(PathBuf),
 }
 
+/// The form `--serial` takes.
+impl std::fmt::Display for SerialOutput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SerialOutput::Stdio => f.write_str("stdio"),
+            SerialOutput::File(p) => write!(f, "file:{}", p.display()),
+            SerialOutput::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+/// A `--serial` value that is none of the forms.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("bad --serial {0:?}: expected stdio, file:PATH or unix:PATH")]
+pub struct BadSerialOption(pub String);
+
 impl std::str::FromStr for SerialOutput {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = BadSerialOption;
+    fn from_str(s: &str) -> Result<Self, BadSerialOption> {
         match s.split_once(':') {
             _ if s == "stdio" => Ok(SerialOutput::Stdio),
             Some(("file", p)) if !p.is_empty() => Ok(SerialOutput::File(p.into())),
             Some(("unix", p)) if !p.is_empty() => Ok(SerialOutput::Unix(p.into())),
-            _ => Err(format!(
-                "bad --serial {s:?}: expected stdio, file:PATH or unix:PATH"
-            )),
+            _ => Err(BadSerialOption(s.to_string())),
         }
     }
 }
 
-/// The console sink: a writer that never blocks the vCPU on a missing reader.
-enum Sink {
-    Stdout,
-    File(File),
-    Socket(Arc<Mutex<SocketSink>>),
-}
+type Uart = vm_superio::Serial<IrqTrigger, Events, ConsoleWriter>;
 
-#[derive(Default)]
-struct SocketSink {
-    client: Option<UnixStream>,
-    backlog: Vec<u8>,
-}
-
-const SOCKET_BACKLOG_MAX: usize = 1 << 20;
-
-impl Write for Sink {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        match self {
-            Sink::Stdout => {
-                let mut out = std::io::stdout().lock();
-                out.write_all(buf)?;
-                out.flush()?;
-            }
-            Sink::File(f) => f.write_all(buf)?,
-            Sink::Socket(s) => {
-                let mut s = s.lock().unwrap_or_else(|e| e.into_inner());
-                let sent = match s.client.as_mut() {
-                    Some(c) => c.write_all(buf).is_ok(),
-                    None => false,
-                };
-                if !sent {
-                    s.client = None;
-                    if s.backlog.len() + buf.len() <= SOCKET_BACKLOG_MAX {
-                        s.backlog.extend_from_slice(buf);
-                    }
-                }
-            }
-        }
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-type Uart = vm_superio::Serial<IrqTrigger, Events, Sink>;
+/// Console output a stalled reader may leave waiting, at most; beyond it bytes are dropped. A
+/// socket console keeps more, for what is printed before its first client connects.
+pub const CONSOLE_BUFFER: usize = 64 << 10;
+pub const SOCKET_BACKLOG: usize = 1 << 20;
 
 /// COM1, registered at 0x3f8 with length 8.
 pub struct Serial {
     uart: Uart,
+    out: Arc<ConsoleOut>,
+    /// The socket console's client slot, shared with the accept thread.
+    client: Option<Arc<Mutex<Option<Arc<UnixStream>>>>>,
     rx_bytes: Arc<Counter>,
 }
 
 impl Serial {
-    /// Creates the console. Input threads (stdin or socket) are started by [`Serial::start_input`]
-    /// once the device is shared.
+    /// Creates the console and its output thread (confined as a device back-end with
+    /// `seccomp`). Input threads (stdin or socket) are started by [`Serial::start_input`] once
+    /// the device is shared.
     pub fn new(
         output: &SerialOutput,
         irq: EventFd,
         stats: &StatsRegistry,
+        seccomp: Option<Seccomp>,
     ) -> std::io::Result<(Self, Option<UnixListener>)> {
-        let (sink, listener) = match output {
-            SerialOutput::Stdio => (Sink::Stdout, None),
-            SerialOutput::File(p) => (Sink::File(File::create(p)?), None),
+        let mut client = None;
+        let (sink, capacity, listener) = match output {
+            SerialOutput::Stdio => (Sink::Stdout, CONSOLE_BUFFER, None),
+            SerialOutput::File(p) => (Sink::File(File::create(p)?), CONSOLE_BUFFER, None),
             SerialOutput::Unix(p) => {
                 let _ = std::fs::remove_file(p);
                 let l = UnixListener::bind(p)?;
-                (Sink::Socket(Arc::default()), Some(l))
+                let slot: Arc<Mutex<Option<Arc<UnixStream>>>> = Arc::default();
+                client = Some(slot.clone());
+                (Sink::Socket(slot), SOCKET_BACKLOG, Some(l))
             }
         };
+        let (out, writer) = ConsoleOut::start(sink, capacity, stats, seccomp)?;
         let trigger = IrqTrigger {
             evt: irq,
             count: stats.counter("serial.irqs"),
         };
         let events = Events {
             tx_bytes: stats.counter("serial.tx_bytes"),
-            tx_lost: stats.counter("serial.tx_lost"),
+            tx_lost: stats.counter("serial.tx_dropped"),
         };
         Ok((
             Serial {
-                uart: vm_superio::Serial::with_events(trigger, events, sink),
+                uart: vm_superio::Serial::with_events(trigger, events, writer),
+                out,
+                client,
                 rx_bytes: stats.counter("serial.rx_bytes"),
             },
             listener,
         ))
+    }
+
+    /// The output side, to flush at VM exit.
+    pub fn output(&self) -> &Arc<ConsoleOut> {
+        &self.out
     }
 
     /// Starts the input side: the socket's accept loop, or a stdin reader when `stdin` is set.
@@ -176,15 +167,14 @@ impl Serial {
                         let Ok(reader) = conn.try_clone() else {
                             continue;
                         };
-                        {
-                            let mut d = dev.lock().unwrap_or_else(|e| e.into_inner());
-                            if let Sink::Socket(s) = d.uart.writer_mut() {
-                                let mut s = s.lock().unwrap_or_else(|e| e.into_inner());
-                                let mut conn = conn;
-                                let backlog = std::mem::take(&mut s.backlog);
-                                let _ = conn.write_all(&backlog);
-                                s.client = Some(conn);
-                            }
+                        let (slot, out) = {
+                            let d = dev.lock().unwrap_or_else(|e| e.into_inner());
+                            (d.client.clone(), d.out.clone())
+                        };
+                        if let Some(slot) = slot {
+                            // The writer thread sends the backlog, then follows the output.
+                            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(conn));
+                            out.wake();
                         }
                         pump_input(&dev, reader);
                     }
@@ -260,13 +250,55 @@ mod tests {
         let path = std::env::temp_dir().join(format!("lucid-serial-{}", std::process::id()));
         let stats = StatsRegistry::new();
         let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-        let (mut s, _) = Serial::new(&SerialOutput::File(path.clone()), evt, &stats).unwrap();
+        let (mut s, _) = Serial::new(&SerialOutput::File(path.clone()), evt, &stats, None).unwrap();
         for b in b"hi\n" {
             s.write(0, &[*b]);
         }
         drop(s);
         assert_eq!(std::fs::read(&path).unwrap(), b"hi\n");
         assert_eq!(stats.snapshot()["serial.tx_bytes"], 3);
+        assert_eq!(stats.snapshot()["serial.tx_written"], 3);
         std::fs::remove_file(path).unwrap();
+    }
+
+    /// Runs `f` on a thread and fails (instead of hanging) if it takes more than a minute.
+    fn within_a_minute<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(f()));
+        rx.recv_timeout(std::time::Duration::from_secs(60))
+            .expect("the UART blocked on a stalled reader")
+    }
+
+    /// A socket client that connects and never reads: the UART goes on, and once the backlog
+    /// and the socket are full, bytes are dropped and counted.
+    #[test]
+    fn a_stalled_socket_client_does_not_block_the_uart() {
+        let path = std::env::temp_dir().join(format!("lucid-serial-sock-{}", std::process::id()));
+        let stats = StatsRegistry::new();
+        let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let (s, listener) =
+            Serial::new(&SerialOutput::Unix(path.clone()), evt, &stats, None).unwrap();
+        let dev = Arc::new(Mutex::new(s));
+        Serial::start_input(&dev, listener, false, None);
+        let _client = UnixStream::connect(&path).unwrap();
+        let slot = dev.lock().unwrap().client.clone().unwrap();
+        while slot.lock().unwrap().is_none() {
+            std::thread::yield_now();
+        }
+        let total = 4 * SOCKET_BACKLOG as u64;
+        let d = dev.clone();
+        within_a_minute(move || {
+            for i in 0..total {
+                d.lock().unwrap().write(0, &[b'a' + (i % 26) as u8]);
+            }
+        });
+        let c = stats.snapshot();
+        assert_eq!(c["serial.tx_bytes"], total);
+        assert!(c["serial.tx_dropped"] > 0, "{c:?}");
+        assert!(
+            c["serial.tx_written"] + c["serial.tx_dropped"] <= total,
+            "{c:?}"
+        );
+        let _ = std::fs::remove_file(path);
     }
 }

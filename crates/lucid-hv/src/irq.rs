@@ -32,6 +32,8 @@ struct Table {
     msi: BTreeMap<u32, Option<MsiMessage>>,
     /// Which GSIs from [`FIRST_MSI_GSI`] up are handed out (lowest free first).
     ids: vm_allocator::IdAllocator,
+    /// One past the highest GSI KVM routes.
+    max_gsi: u32,
 }
 
 /// The VM's GSI routing table. Shared (`Arc`) by every device that routes MSIs.
@@ -59,6 +61,7 @@ impl GsiRouter {
                 msi: BTreeMap::new(),
                 ids: vm_allocator::IdAllocator::new(FIRST_MSI_GSI, max_gsi - 1)
                     .expect("FIRST_MSI_GSI < max_gsi"),
+                max_gsi,
             }),
         })
     }
@@ -71,7 +74,7 @@ impl GsiRouter {
         let gsi = t
             .ids
             .allocate_id()
-            .map_err(|_| HvError::MissingCap("a free GSI (routing table full)"))?;
+            .map_err(|_| HvError::GsiExhausted { max: t.max_gsi })?;
         t.msi.insert(gsi, None);
         Ok(gsi)
     }
@@ -79,10 +82,7 @@ impl GsiRouter {
     /// Routes `gsi` to `msg`; commits the table only when the route changed.
     pub fn set_msi(&self, gsi: u32, msg: MsiMessage) -> Result<(), HvError> {
         let mut t = self.table.lock().unwrap_or_else(|e| e.into_inner());
-        let slot = t
-            .msi
-            .get_mut(&gsi)
-            .ok_or(HvError::MissingCap("GSI not allocated by this router"))?;
+        let slot = t.msi.get_mut(&gsi).ok_or(HvError::GsiNotAllocated(gsi))?;
         if *slot == Some(msg) {
             return Ok(());
         }
@@ -183,7 +183,7 @@ impl Vm {
     /// [`GsiRouter`] rather than calling this directly, so that routes are not lost.
     pub fn set_gsi_routing(&self, entries: &[kvm_irq_routing_entry]) -> Result<(), HvError> {
         let mut routing = KvmIrqRouting::new(entries.len())
-            .map_err(|_| HvError::MissingCap("a GSI routing table that large"))?;
+            .map_err(|_| HvError::RoutingTableTooLarge(entries.len()))?;
         routing.as_mut_slice().copy_from_slice(entries);
         self.fd()
             .set_gsi_routing(&routing)

@@ -7,6 +7,9 @@ use kvm_bindings::{
 };
 use kvm_ioctls::{VcpuExit, VcpuFd};
 
+use std::sync::Arc;
+
+use crate::vm::VmInner;
 use crate::HvError;
 
 /// Why KVM returned to userspace. Borrowed data must be filled (reads) before the next `run`.
@@ -119,12 +122,20 @@ pub struct Vcpu {
     /// Address of the kvm_run mapping, kept as an integer so that reading exit details does not
     /// borrow `fd` while `run`'s borrow is alive.
     run_addr: usize,
+    /// The VM and its guest memory: a vCPU fd keeps the kernel's VM (and its memory slots)
+    /// alive, so it keeps the memory those slots point into alive too. Dropped after `fd`.
+    _vm: Arc<VmInner>,
 }
 
 impl Vcpu {
-    pub(crate) fn new(id: u32, mut fd: VcpuFd) -> Self {
+    pub(crate) fn new(id: u32, mut fd: VcpuFd, vm: Arc<VmInner>) -> Self {
         let run_addr = fd.get_kvm_run() as *mut kvm_run as usize;
-        Vcpu { id, fd, run_addr }
+        Vcpu {
+            id,
+            fd,
+            run_addr,
+            _vm: vm,
+        }
     }
 
     pub fn id(&self) -> u32 {

@@ -1,12 +1,11 @@
 //! A KVM VM: memory slots, the in-kernel irqchip and PIT, vCPU creation, and the exitless paths
 //! (ioeventfd, irqfd, MSI) that devices use.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use kvm_bindings::{
-    kvm_msi, kvm_pit_config, kvm_userspace_memory_region, KVM_MEM_READONLY, KVM_PIT_SPEAKER_DUMMY,
-};
+use kvm_bindings::{kvm_msi, kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::{IoEventAddress, Kvm, NoDatamatch, VmFd};
+use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::{HvError, Vcpu};
@@ -27,20 +26,41 @@ impl From<IoAddr> for IoEventAddress {
     }
 }
 
+/// The guest memory type KVM slots are made from (the one Lucid uses everywhere).
+pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<()>;
+
 /// One VM. Cheap to clone: device threads hold it to raise interrupts.
 #[derive(Clone)]
 pub struct Vm {
-    fd: Arc<VmFd>,
+    inner: Arc<VmInner>,
     kvm: Arc<Kvm>,
 }
 
+/// Field order is drop order: the VM fd (and with it every memory slot) closes before the
+/// guest memory the slots point into is released.
+pub(crate) struct VmInner {
+    fd: VmFd,
+    /// Clones of the guest memory given to [`Vm::map_memory`]: they keep the host mappings
+    /// alive for as long as a slot may point into them.
+    memory: Mutex<Vec<GuestMemoryMmap>>,
+}
+
 impl Vm {
+    /// A new VM, with the TSS and identity-map pages (which VT-x needs for real mode) placed in a
+    /// hole below 4 GiB that is not RAM.
     pub fn new(kvm: Arc<Kvm>) -> Result<Self, HvError> {
         let fd = kvm
             .create_vm()
             .map_err(|e| HvError::Ioctl("KVM_CREATE_VM", e))?;
+        fd.set_identity_map_address(0xfeffc000)
+            .map_err(|e| HvError::Ioctl("KVM_SET_IDENTITY_MAP_ADDR", e))?;
+        fd.set_tss_address(0xfeffd000)
+            .map_err(|e| HvError::Ioctl("KVM_SET_TSS_ADDR", e))?;
         Ok(Vm {
-            fd: Arc::new(fd),
+            inner: Arc::new(VmInner {
+                fd,
+                memory: Mutex::new(Vec::new()),
+            }),
             kvm,
         })
     }
@@ -49,90 +69,93 @@ impl Vm {
         &self.kvm
     }
 
-    /// Maps `size` bytes of host memory at `host_addr` into the guest at `gpa`.
-    ///
-    /// # Safety
-    /// `host_addr..host_addr+size` must stay mapped for as long as the slot exists (or until the
-    /// slot is replaced); remapping pages inside it (MAP_FIXED) is fine, KVM follows them.
-    pub unsafe fn set_memory_slot(
-        &self,
-        slot: u32,
-        gpa: u64,
-        size: u64,
-        host_addr: u64,
-        readonly: bool,
-    ) -> Result<(), HvError> {
-        let region = kvm_userspace_memory_region {
-            slot,
-            guest_phys_addr: gpa,
-            memory_size: size,
-            userspace_addr: host_addr,
-            flags: if readonly { KVM_MEM_READONLY } else { 0 },
-        };
-        // SAFETY: the caller guarantees the host range outlives the slot.
-        unsafe { self.fd.set_user_memory_region(region) }
-            .map_err(|e| HvError::Ioctl("KVM_SET_USER_MEMORY_REGION", e))
+    /// Makes every region of `mem` guest RAM at its guest-physical address, one read-write
+    /// memory slot per region (numbered after the slots of earlier calls). The VM keeps a clone
+    /// of `mem`, so the mappings outlive the slots. Remapping pages inside a region (MAP_FIXED)
+    /// is fine: KVM follows them.
+    pub fn map_memory(&self, mem: &GuestMemoryMmap) -> Result<(), HvError> {
+        let mut kept = self.inner.memory.lock().unwrap_or_else(|e| e.into_inner());
+        let first_slot: usize = kept.iter().map(|m| m.num_regions()).sum();
+        for (i, r) in mem.iter().enumerate() {
+            let host_addr = mem
+                .get_host_address(r.start_addr())
+                .map_err(|_| HvError::BadMemory(r.start_addr().0))?;
+            let region = kvm_userspace_memory_region {
+                slot: (first_slot + i) as u32,
+                guest_phys_addr: r.start_addr().0,
+                memory_size: r.len(),
+                userspace_addr: host_addr as u64,
+                flags: 0,
+            };
+            // SAFETY: the host range is this region's own mapping, and `kept` (dropped after the
+            // VM fd, see `VmInner`) holds a clone of `mem`, so the mapping outlives the slot.
+            unsafe { self.inner.fd.set_user_memory_region(region) }
+                .map_err(|e| HvError::Ioctl("KVM_SET_USER_MEMORY_REGION", e))?;
+        }
+        kept.push(mem.clone());
+        Ok(())
     }
 
     /// The in-kernel PIC, IOAPIC, LAPICs and PIT: the timer devices Linux needs, with no exits
     /// for their common paths.
     pub fn create_irqchip_and_pit(&self) -> Result<(), HvError> {
-        // The TSS and identity-map pages must sit in a hole below 4 GiB that is not RAM.
-        self.fd
-            .set_identity_map_address(0xfeffc000)
-            .map_err(|e| HvError::Ioctl("KVM_SET_IDENTITY_MAP_ADDR", e))?;
-        self.fd
-            .set_tss_address(0xfeffd000)
-            .map_err(|e| HvError::Ioctl("KVM_SET_TSS_ADDR", e))?;
-        self.fd
+        self.inner
+            .fd
             .create_irq_chip()
             .map_err(|e| HvError::Ioctl("KVM_CREATE_IRQCHIP", e))?;
         let pit = kvm_pit_config {
             flags: KVM_PIT_SPEAKER_DUMMY,
             ..Default::default()
         };
-        self.fd
+        self.inner
+            .fd
             .create_pit2(pit)
             .map_err(|e| HvError::Ioctl("KVM_CREATE_PIT2", e))
     }
 
     pub fn create_vcpu(&self, id: u32) -> Result<Vcpu, HvError> {
         let fd = self
+            .inner
             .fd
             .create_vcpu(id as u64)
             .map_err(|e| HvError::Ioctl("KVM_CREATE_VCPU", e))?;
-        Ok(Vcpu::new(id, fd))
+        Ok(Vcpu::new(id, fd, self.inner.clone()))
     }
 
     /// A guest write of `len` bytes (or any size for `len == 0`) to `addr` signals `fd` in the
     /// kernel, without an exit to userspace.
     pub fn register_ioeventfd(&self, fd: &EventFd, addr: IoAddr) -> Result<(), HvError> {
-        self.fd
+        self.inner
+            .fd
             .register_ioevent(fd, &IoEventAddress::from(addr), NoDatamatch)
             .map_err(|e| HvError::Ioctl("KVM_IOEVENTFD", e))
     }
 
     pub fn unregister_ioeventfd(&self, fd: &EventFd, addr: IoAddr) -> Result<(), HvError> {
-        self.fd
+        self.inner
+            .fd
             .unregister_ioevent(fd, &IoEventAddress::from(addr), NoDatamatch)
             .map_err(|e| HvError::Ioctl("KVM_IOEVENTFD(deassign)", e))
     }
 
     /// Writing to `fd` raises `gsi` in the in-kernel irqchip.
     pub fn register_irqfd(&self, fd: &EventFd, gsi: u32) -> Result<(), HvError> {
-        self.fd
+        self.inner
+            .fd
             .register_irqfd(fd, gsi)
             .map_err(|e| HvError::Ioctl("KVM_IRQFD", e))
     }
 
     pub fn unregister_irqfd(&self, fd: &EventFd, gsi: u32) -> Result<(), HvError> {
-        self.fd
+        self.inner
+            .fd
             .unregister_irqfd(fd, gsi)
             .map_err(|e| HvError::Ioctl("KVM_IRQFD(deassign)", e))
     }
 
     pub fn set_irq_line(&self, irq: u32, active: bool) -> Result<(), HvError> {
-        self.fd
+        self.inner
+            .fd
             .set_irq_line(irq, active)
             .map_err(|e| HvError::Ioctl("KVM_IRQ_LINE", e))
     }
@@ -145,7 +168,8 @@ impl Vm {
             data,
             ..Default::default()
         };
-        self.fd
+        self.inner
+            .fd
             .signal_msi(msi)
             .map(|_| ())
             .map_err(|e| HvError::Ioctl("KVM_SIGNAL_MSI", e))
@@ -153,7 +177,7 @@ impl Vm {
 
     /// The VM's KVM statistics file, if the kernel has `KVM_CAP_BINARY_STATS_FD`.
     pub fn stats(&self) -> Option<crate::KvmStats> {
-        crate::kvm_stats::KvmStats::open(self.fd.as_ref())
+        crate::kvm_stats::KvmStats::open(&self.inner.fd)
     }
 
     /// Sends guest RDMSR/WRMSR of `indices` to userspace (as `Exit::RdMsr`/`Exit::WrMsr`); all
@@ -164,14 +188,18 @@ impl Vm {
         };
         use kvm_ioctls::{MsrFilterDefaultAction, MsrFilterRange, MsrFilterRangeFlags};
         if indices.len() > kvm_bindings::KVM_MSR_FILTER_MAX_RANGES as usize {
-            return Err(HvError::MissingCap("more than 16 trapped MSRs"));
+            return Err(HvError::TooManyMsrs {
+                count: indices.len(),
+                max: kvm_bindings::KVM_MSR_FILTER_MAX_RANGES as usize,
+            });
         }
         let cap = kvm_enable_cap {
             cap: KVM_CAP_X86_USER_SPACE_MSR,
             args: [KVM_MSR_EXIT_REASON_FILTER as u64, 0, 0, 0],
             ..Default::default()
         };
-        self.fd
+        self.inner
+            .fd
             .enable_cap(&cap)
             .map_err(|e| HvError::Ioctl("KVM_ENABLE_CAP(X86_USER_SPACE_MSR)", e))?;
         // A clear bit denies the access in the kernel, which with the FILTER reason enabled
@@ -186,13 +214,14 @@ impl Vm {
                 bitmap: &deny,
             })
             .collect();
-        self.fd
+        self.inner
+            .fd
             .set_msr_filter(MsrFilterDefaultAction::ALLOW, &ranges)
             .map_err(|e| HvError::Ioctl("KVM_X86_SET_MSR_FILTER", e))
     }
 
     /// The raw fd, for capabilities this seam does not wrap yet.
     pub fn fd(&self) -> &VmFd {
-        &self.fd
+        &self.inner.fd
     }
 }

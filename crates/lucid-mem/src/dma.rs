@@ -35,13 +35,31 @@ pub enum DmaError {
     },
     #[error("device {dev:#x}: DMA while bus mastering is disabled")]
     BusMasterOff { dev: DeviceId },
+    #[error("device {dev:#x}: DMA {access:?} at {addr:#x}+{len:#x} translates to {gpa:#x}, which is not guest RAM")]
+    Unbacked {
+        dev: DeviceId,
+        addr: u64,
+        len: u64,
+        gpa: u64,
+        access: Access,
+    },
     #[error("device {dev:#x}: DMA {access:?} at IOVA {iova:#x} faulted: {reason}")]
     Fault {
         dev: DeviceId,
         iova: u64,
         access: Access,
-        reason: String,
+        reason: FaultReason,
     },
+}
+
+/// Why a translator refused an address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FaultReason {
+    #[error("not mapped")]
+    NotMapped,
+    #[error("access not permitted")]
+    Denied,
 }
 
 /// Translates a device address to guest-physical (the vIOMMU's hook).
@@ -200,7 +218,17 @@ impl DmaPath {
             let n = n.clamp(1, len - done);
             if !copy(gpa, done as usize, n as usize) {
                 self.counters.errors.inc();
-                return Err(out_of_range());
+                return Err(if translator.is_some() {
+                    DmaError::Unbacked {
+                        dev,
+                        addr,
+                        len,
+                        gpa,
+                        access,
+                    }
+                } else {
+                    out_of_range()
+                });
             }
             for o in observers.iter() {
                 o.observe(dev, gpa, n, access);
@@ -232,7 +260,7 @@ mod tests {
                     dev,
                     iova,
                     access,
-                    reason: "not present".into(),
+                    reason: FaultReason::NotMapped,
                 });
             }
             let in_page = 0x1000 - (iova & 0xfff);

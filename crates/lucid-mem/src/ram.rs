@@ -13,25 +13,52 @@ use vm_memory::{FileOffset, GuestAddress, GuestRegionMmap, MmapRegion};
 
 use crate::GuestMemoryMmap;
 
+/// What failed while mapping or remapping guest RAM, and with what.
 #[derive(Debug, thiserror::Error)]
 pub enum MemError {
-    #[error("cannot create memfd for guest RAM: {0}")]
-    Memfd(std::io::Error),
-    #[error("cannot open memory backing file {path}: {err}")]
-    File { path: PathBuf, err: std::io::Error },
+    #[error("cannot create the memfd of {size} bytes for guest RAM")]
+    Memfd {
+        size: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot open memory backing file {path}")]
+    File {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("memory backing file {path} has {have} bytes, the guest needs {need}")]
     FileTooSmall { path: PathBuf, have: u64, need: u64 },
-    #[error("cannot map {size} bytes of guest RAM at {gpa:#x}: {err}")]
-    Mmap { gpa: u64, size: u64, err: String },
-    #[error("cannot build guest memory: {0}")]
-    Build(String),
+    #[error("cannot duplicate the backing fd for the RAM region at {gpa:#x}")]
+    DupFd {
+        gpa: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot map {size:#x} bytes of guest RAM at {gpa:#x}")]
+    Mmap {
+        gpa: u64,
+        size: u64,
+        #[source]
+        source: vm_memory::mmap::MmapRegionError,
+    },
+    #[error("the RAM region at {gpa:#x} of {size:#x} bytes ends beyond the address space")]
+    RegionOverflow { gpa: u64, size: u64 },
+    #[error("the RAM regions {ranges:x?} cannot form guest memory")]
+    Layout {
+        ranges: Vec<(u64, u64)>,
+        #[source]
+        source: vm_memory::GuestRegionCollectionError,
+    },
     #[error("remap of {gpa:#x}+{len:#x} is not inside one RAM region or not page aligned")]
     BadRemap { gpa: u64, len: u64 },
-    #[error("remap of {gpa:#x}+{len:#x} failed: {err}")]
+    #[error("remap of {gpa:#x}+{len:#x} failed")]
     RemapFailed {
         gpa: u64,
         len: u64,
-        err: std::io::Error,
+        #[source]
+        source: std::io::Error,
     },
 }
 
@@ -78,17 +105,23 @@ impl GuestRam {
                 let fd =
                     unsafe { libc::memfd_create(c"lucid-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
                 if fd < 0 {
-                    return Err(MemError::Memfd(std::io::Error::last_os_error()));
+                    return Err(MemError::Memfd {
+                        size: total,
+                        source: std::io::Error::last_os_error(),
+                    });
                 }
                 // SAFETY: fd is a fresh descriptor we own.
                 let f = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-                f.set_len(total).map_err(MemError::Memfd)?;
+                f.set_len(total).map_err(|source| MemError::Memfd {
+                    size: total,
+                    source,
+                })?;
                 Some(Arc::new(f))
             }
             Backing::FilePrivate(path) => {
-                let f = File::open(path).map_err(|err| MemError::File {
+                let f = File::open(path).map_err(|source| MemError::File {
                     path: path.clone(),
-                    err,
+                    source,
                 })?;
                 let have = f.metadata().map(|m| m.len()).unwrap_or(0);
                 if have < total {
@@ -123,21 +156,18 @@ impl GuestRam {
                 .with_mmap_prot(prot)
                 .with_mmap_flags(flags);
             if let Some(f) = &file {
-                let dup = f.try_clone().map_err(|err| MemError::Mmap {
-                    gpa,
-                    size,
-                    err: err.to_string(),
-                })?;
+                let dup = f
+                    .try_clone()
+                    .map_err(|source| MemError::DupFd { gpa, source })?;
                 builder = builder.with_file_offset(FileOffset::new(dup, offset));
             }
-            let region: MmapRegion<()> = builder.build().map_err(|e| MemError::Mmap {
-                gpa,
-                size,
-                err: e.to_string(),
-            })?;
+            let region: MmapRegion<()> =
+                builder
+                    .build()
+                    .map_err(|source| MemError::Mmap { gpa, size, source })?;
             let host_addr = region.as_ptr() as u64;
             let gr = GuestRegionMmap::new(region, GuestAddress(gpa))
-                .ok_or_else(|| MemError::Build(format!("region at {gpa:#x} overflows")))?;
+                .ok_or(MemError::RegionOverflow { gpa, size })?;
             guest_regions.push(gr);
             regions.push(RamRegion {
                 gpa,
@@ -148,8 +178,11 @@ impl GuestRam {
             });
             offset += size;
         }
-        let mem = GuestMemoryMmap::from_regions(guest_regions)
-            .map_err(|e| MemError::Build(e.to_string()))?;
+        let mem =
+            GuestMemoryMmap::from_regions(guest_regions).map_err(|source| MemError::Layout {
+                ranges: ranges.to_vec(),
+                source,
+            })?;
         Ok(GuestRam {
             mem,
             regions,
@@ -208,7 +241,7 @@ impl GuestRam {
             return Err(MemError::RemapFailed {
                 gpa,
                 len,
-                err: std::io::Error::last_os_error(),
+                source: std::io::Error::last_os_error(),
             });
         }
         Ok(())

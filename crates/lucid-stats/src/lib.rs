@@ -4,6 +4,8 @@
 //! Counters are lock-free atomics handed out as `Arc<Counter>`; the registry's lock is taken only to
 //! register or to read, never on the hot path.
 
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

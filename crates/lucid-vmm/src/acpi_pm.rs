@@ -30,6 +30,6 @@ pub(crate) fn add_acpi_pm(
         ACPI_PM_LEN,
         "acpi-pm",
         Arc::new(Mutex::new(pm)),
-    )
-    .map_err(|e| VmmError::Device(e.to_string()))
+    )?;
+    Ok(())
 }

@@ -1,7 +1,10 @@
 //! Assembles a Lucid VM from a [`VmConfig`]: memory, devices, boot, vCPU threads and the exit
 //! loop, and reports what happened in a [`RunReport`].
 
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
 mod acpi_pm;
+pub mod builder;
 mod config;
 pub mod emulate;
 pub mod hooks;
@@ -9,15 +12,20 @@ mod report;
 mod vcpu;
 mod vm;
 
+pub use builder::{KernelLoad, VmBuilder};
 pub use config::{
-    parse_blk, parse_net, KernelSource, PciDeviceConfig, PciDeviceKind, VmConfig, MAX_MEM_MIB,
-    MAX_VCPUS,
+    parse_blk, parse_net, DeviceOptionError, KernelSource, PciDeviceConfig, PciDeviceKind,
+    VmConfig, MAX_MEM_MIB, MAX_VCPUS,
 };
 pub use emulate::Emulator;
 pub use hooks::{ExitHooks, HypercallHook, MsrHook};
-pub use report::RunReport;
-pub use vcpu::{LoopEnd, VcpuCtx, VcpuError, VcpuHandle};
-pub use vm::{hypercall, PciBus, Vm, VmmError, DEFAULT_LINUX_CMDLINE, PVM_LINUX_CMDLINE};
+pub use report::{error_chain, DeviceCounts, RunReport};
+pub use vcpu::{LoopEnd, VcpuCtx, VcpuError, VcpuFault, VcpuHandle};
+pub use vm::{
+    hypercall, ConfigError, PciBus, Vm, VmmError, DEFAULT_LINUX_CMDLINE, PVM_LINUX_CMDLINE,
+};
 
-pub use lucid_devices::{SerialOutput, StopReason};
+pub use {lucid_boot, lucid_hv};
+
+pub use lucid_devices::{BadSerialOption, SerialOutput, StopReason};
 pub use lucid_mem::Backing;

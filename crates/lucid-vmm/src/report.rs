@@ -8,6 +8,30 @@ use std::time::Duration;
 use lucid_devices::StopReason;
 use serde_json::json;
 
+/// An error and its sources on one line: `what failed: why: deeper why`. A source whose text
+/// its parent already shows (errors that print their source themselves) is not repeated.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(src) = next {
+        let s = src.to_string();
+        if !text.contains(&s) {
+            text.push_str(": ");
+            text.push_str(&s);
+        }
+        next = src.source();
+    }
+    text
+}
+
+/// One virtio device's work in a run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceCounts {
+    pub name: String,
+    pub requests: u64,
+    pub irqs: u64,
+}
+
 pub struct RunReport {
     pub stop: StopReason,
     pub wall: Duration,
@@ -22,11 +46,17 @@ impl RunReport {
 
     /// Exits by reason summed over vCPUs.
     pub fn exits_by_reason(&self) -> BTreeMap<String, u64> {
+        self.per_vcpu_by_name("exit")
+    }
+
+    /// The non-zero counters `vcpuN.<group>.<name>`, summed over vCPUs, by name.
+    fn per_vcpu_by_name(&self, group: &str) -> BTreeMap<String, u64> {
+        let infix = format!(".{group}.");
         let mut out = BTreeMap::new();
         for (k, v) in &self.counters {
-            if let Some((_, reason)) = k.split_once(".exit.") {
+            if let Some((_, name)) = k.split_once(&infix) {
                 if k.starts_with("vcpu") && *v > 0 {
-                    *out.entry(reason.to_string()).or_insert(0) += v;
+                    *out.entry(name.to_string()).or_insert(0) += v;
                 }
             }
         }
@@ -41,17 +71,40 @@ impl RunReport {
             .sum()
     }
 
+    /// Instructions Lucid completed for KVM's emulator (`vcpuN.emulated.<mnemonic>`), summed
+    /// over vCPUs.
+    pub fn emulated_by_mnemonic(&self) -> BTreeMap<String, u64> {
+        self.per_vcpu_by_name("emulated")
+    }
+
     pub fn total_exits(&self) -> u64 {
         self.sum_suffix(".exits")
     }
 
-    /// Virtio devices and their completed requests (`<dev>.requests`).
-    fn devices(&self) -> Vec<(String, u64)> {
+    /// Exits KVM itself counted on every vCPU (its binary statistics), userspace or not.
+    pub fn kvm_exits(&self) -> u64 {
+        self.counters
+            .iter()
+            .filter(|(k, _)| k.starts_with("kvm.vcpu") && k.ends_with(".exits"))
+            .map(|(_, v)| v)
+            .sum()
+    }
+
+    /// Each virtio device's completed requests (`<dev>.requests`) and the interrupts it sent
+    /// by any path (`<dev>.irq.msi_signal`, `.irqfd`, `.intx`).
+    pub fn devices(&self) -> Vec<DeviceCounts> {
         self.counters
             .iter()
             .filter_map(|(k, v)| {
                 let dev = k.strip_suffix(".requests")?;
-                (!dev.contains('.')).then(|| (dev.to_string(), *v))
+                (!dev.contains('.')).then(|| DeviceCounts {
+                    name: dev.to_string(),
+                    requests: *v,
+                    irqs: ["irq.msi_signal", "irq.irqfd", "irq.intx"]
+                        .iter()
+                        .filter_map(|i| self.counters.get(&format!("{dev}.{i}")))
+                        .sum(),
+                })
             })
             .collect()
     }
@@ -65,21 +118,22 @@ impl RunReport {
                 format!("guest triple-faulted on vCPU {vcpu} (rip {rip:#x})")
             }
             StopReason::Signal(s) => format!("stopped by signal {s}"),
-            StopReason::Error(e) => format!("error: {e}"),
+            StopReason::Error(e) => format!("error: {}", error_chain(e.as_ref())),
+            StopReason::Dropped => "the VMM dropped the VM while it ran".into(),
         }
     }
 
-    /// The human summary printed at VM exit.
+    /// The human summary printed at VM exit, one fact per line (the CLI logs each at info).
     pub fn summary(&self) -> String {
         let secs = self.wall.as_secs_f64().max(1e-9);
         let exits = self.total_exits();
         let in_run = self.sum_suffix(".time.in_kvm_run_ns") as f64 / 1e9;
         let in_vmm = self.sum_suffix(".time.in_vmm_ns") as f64 / 1e9;
         let mut s = String::new();
-        let _ = writeln!(s, "lucid: VM stopped: {}", self.stop_text());
+        let _ = writeln!(s, "VM stopped: {}", self.stop_text());
         let _ = writeln!(
             s,
-            "lucid: {:.3} s wall, {} vCPU(s), {} exits to userspace ({:.0}/s)",
+            "{:.3} s wall, {} vCPU(s), {} exits to userspace ({:.0}/s)",
             secs,
             self.vcpus,
             exits,
@@ -91,30 +145,51 @@ impl RunReport {
             .map(|(r, n)| format!("{r} {n}"))
             .collect();
         if !by_reason.is_empty() {
-            let _ = writeln!(s, "lucid: exits by reason: {}", by_reason.join(", "));
+            let _ = writeln!(s, "exits by reason: {}", by_reason.join(", "));
         }
         let _ = writeln!(
             s,
-            "lucid: vCPU time in KVM_RUN (guest and in-kernel exits) {in_run:.3} s, in the VMM {in_vmm:.3} s"
+            "vCPU time in KVM_RUN (guest and in-kernel exits) {in_run:.3} s, in the VMM {in_vmm:.3} s"
         );
-        for (dev, requests) in self.devices() {
-            let irqs: u64 = ["irq.msi_signal", "irq.irqfd", "irq.intx"]
-                .iter()
-                .filter_map(|k| self.counters.get(&format!("{dev}.{k}")))
-                .sum();
-            let r = requests.max(1) as f64;
+        for d in self.devices() {
+            let r = d.requests.max(1) as f64;
             let _ = writeln!(
                 s,
-                "lucid: {dev}: {requests} requests, {:.3} exits and {:.3} interrupts per request \
+                "{}: {} requests, {:.3} exits and {:.3} interrupts per request \
                  (whole run, boot included)",
+                d.name,
+                d.requests,
                 exits as f64 / r,
-                irqs as f64 / r
+                d.irqs as f64 / r
+            );
+        }
+        let emulated = self.emulated_by_mnemonic();
+        if !emulated.is_empty() {
+            let list: Vec<String> = emulated.iter().map(|(m, n)| format!("{m} {n}")).collect();
+            let _ = writeln!(
+                s,
+                "instructions KVM's emulator could not run, completed by Lucid: {}",
+                list.join(", ")
+            );
+        }
+        let dropped = self.counters.get("serial.tx_dropped").copied().unwrap_or(0);
+        let unwritten = self
+            .counters
+            .get("serial.tx_unwritten")
+            .copied()
+            .unwrap_or(0);
+        if dropped + unwritten > 0 {
+            let _ = writeln!(
+                s,
+                "serial console: {dropped} bytes of guest output dropped and {unwritten} \
+                 left unwritten: the console's reader did not keep up (serial.tx_dropped, \
+                 serial.tx_unwritten)"
             );
         }
         if let Some(k) = self.counters.get("kvm.vcpu0.exits") {
             let _ = writeln!(
                 s,
-                "lucid: KVM's own count on vCPU 0: {k} exits, {} I/O exits, {} MMIO exits",
+                "KVM's own count on vCPU 0: {k} exits, {} I/O exits, {} MMIO exits",
                 self.counters.get("kvm.vcpu0.io_exits").unwrap_or(&0),
                 self.counters.get("kvm.vcpu0.mmio_exits").unwrap_or(&0)
             );
@@ -137,19 +212,60 @@ impl RunReport {
             "exits_by_reason": self.exits_by_reason(),
             "time_in_kvm_run_s": self.sum_suffix(".time.in_kvm_run_ns") as f64 / 1e9,
             "time_in_vmm_s": self.sum_suffix(".time.in_vmm_ns") as f64 / 1e9,
-            "devices": self.devices().iter().map(|(dev, requests)| {
-                let irqs: u64 = ["irq.msi_signal", "irq.irqfd", "irq.intx"]
-                    .iter()
-                    .filter_map(|k| self.counters.get(&format!("{dev}.{k}")))
-                    .sum();
-                let r = (*requests).max(1) as f64;
-                (dev.clone(), json!({
-                    "requests": requests,
+            "devices": self.devices().into_iter().map(|d| {
+                let r = d.requests.max(1) as f64;
+                (d.name, json!({
+                    "requests": d.requests,
                     "exits_per_request": exits as f64 / r,
-                    "irqs_per_request": irqs as f64 / r,
+                    "irqs_per_request": d.irqs as f64 / r,
                 }))
             }).collect::<serde_json::Map<String, serde_json::Value>>(),
             "counters": lucid_stats::nest(&self.counters),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("outer")]
+    struct Outer(#[source] Middle);
+
+    /// Prints its source itself, as some errors do.
+    #[derive(Debug, thiserror::Error)]
+    #[error("middle: {0}")]
+    struct Middle(#[source] std::io::Error);
+
+    #[test]
+    fn error_chain_joins_sources_once() {
+        let e = Outer(Middle(std::io::Error::other("disk on fire")));
+        assert_eq!(error_chain(&e), "outer: middle: disk on fire");
+    }
+
+    #[test]
+    fn summary_names_emulated_instructions_and_dropped_console_bytes() {
+        let counters: BTreeMap<String, u64> = [
+            ("vcpu0.emulated.int3", 2),
+            ("vcpu1.emulated.int3", 1),
+            ("vcpu1.emulated.xgetbv", 1),
+            ("serial.tx_dropped", 10),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let r = RunReport {
+            stop: StopReason::Shutdown,
+            wall: Duration::from_secs(1),
+            vcpus: 2,
+            counters,
+        };
+        let s = r.summary();
+        assert!(s.contains("completed by Lucid: int3 3, xgetbv 1"), "{s}");
+        assert!(
+            s.contains("serial console: 10 bytes of guest output dropped"),
+            "{s}"
+        );
     }
 }

@@ -28,6 +28,37 @@ enum Request {
     Call(Call),
 }
 
+/// Why a vCPU stopped the VM.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuFault {
+    #[error("vCPU {vcpu}: KVM_RUN failed")]
+    Run {
+        vcpu: u32,
+        #[source]
+        source: HvError,
+    },
+    #[error("vCPU {vcpu}: the guest raised system event {event} (crash)")]
+    GuestCrash { vcpu: u32, event: u32 },
+    #[error("vCPU {vcpu}: KVM could not enter the guest (hardware reason {reason:#x})")]
+    FailEntry { vcpu: u32, reason: u64 },
+    #[error("vCPU {vcpu}: unexpected exit to userspace: {exit}")]
+    UnexpectedExit { vcpu: u32, exit: &'static str },
+    #[error("vCPU {vcpu}: KVM could not complete an instruction and neither could Lucid")]
+    Emulation {
+        vcpu: u32,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error("vCPU {vcpu}: cannot {what} the registers of hypercall {nr}")]
+    Hypercall {
+        vcpu: u32,
+        nr: u64,
+        what: &'static str,
+        #[source]
+        source: HvError,
+    },
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum VcpuError {
     #[error("vCPU {0} has stopped")]
@@ -44,8 +75,12 @@ pub struct VcpuHandle {
     alive: AtomicBool,
     immediate_exit: ImmediateExit,
     thread: Mutex<Option<libc::pthread_t>>,
-    /// Signalled whenever the vCPU finishes a request, so waiters need no polling.
-    done: Condvar,
+    /// Signalled (under the `requests` lock) when a request is queued or the vCPU is kicked, so
+    /// that a paused vCPU waiting for its next request wakes at once.
+    wake: Condvar,
+    /// Waits of a paused vCPU that ended by timeout rather than by a wake-up (a lost wake-up
+    /// shows here).
+    wait_timeouts: Arc<Counter>,
 }
 
 impl VcpuHandle {
@@ -67,6 +102,9 @@ impl VcpuHandle {
             // exits; the signal's handler does nothing, it only interrupts KVM_RUN.
             unsafe { libc::pthread_kill(t, vmm_sys_util::signal::SIGRTMIN()) };
         }
+        // A paused vCPU waits on `wake`, not in KVM_RUN: the signal does not reach it.
+        let _q = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        self.wake.notify_all();
     }
 
     fn push(&self, r: Request) -> Result<(), VcpuError> {
@@ -81,8 +119,9 @@ impl VcpuHandle {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .push_back(r);
+            self.pending.store(true, Ordering::SeqCst);
         }
-        self.pending.store(true, Ordering::SeqCst);
+        // Kicks the vCPU out of the guest, or wakes it if it waits paused.
         self.kick();
         Ok(())
     }
@@ -202,7 +241,8 @@ impl VcpuCtx {
             alive: AtomicBool::new(true),
             immediate_exit: vcpu.immediate_exit(),
             thread: Mutex::new(None),
-            done: Condvar::new(),
+            wake: Condvar::new(),
+            wait_timeouts: stats.counter(format!("vcpu{id}.paused_wait_timeouts")),
         });
         let ctx = VcpuCtx {
             vcpu,
@@ -249,21 +289,28 @@ impl VcpuCtx {
                 }
                 Some(Request::Resume) => self.paused = false,
                 Some(Request::Call(f)) => f(self),
-                None if self.paused && !self.lifecycle.is_stopping() => {
-                    // Wait for the next request without spinning.
-                    let q = self
-                        .handle
-                        .requests
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner());
-                    let _ = self
-                        .handle
-                        .done
-                        .wait_timeout(q, std::time::Duration::from_millis(50));
-                }
+                None if self.paused && !self.lifecycle.is_stopping() => self.wait_for_request(),
                 None => return,
             }
-            self.handle.done.notify_all();
+        }
+    }
+
+    /// Paused with nothing queued: sleeps until a request is queued or the VM stops (both
+    /// notify `wake` under the queue's lock, and the queue is checked under that lock, so no
+    /// wake-up is lost). The timeout is only a safety net; each one is counted.
+    fn wait_for_request(&self) {
+        const SAFETY_NET: std::time::Duration = std::time::Duration::from_secs(1);
+        let h = &self.handle;
+        let q = h.requests.lock().unwrap_or_else(|e| e.into_inner());
+        if !q.is_empty() || self.lifecycle.is_stopping() {
+            return;
+        }
+        let (_q, timeout) = h
+            .wake
+            .wait_timeout(q, SAFETY_NET)
+            .unwrap_or_else(|e| e.into_inner());
+        if timeout.timed_out() {
+            h.wait_timeouts.inc();
         }
     }
 
@@ -291,9 +338,9 @@ impl VcpuCtx {
                     let f = handle_exit(exit, &self.hooks, &self.lifecycle, &self.counters, id);
                     (reason, f)
                 }
-                Err(e) => {
+                Err(source) => {
                     self.lifecycle
-                        .stop(StopReason::Error(format!("vCPU {id}: {e}")));
+                        .stop(StopReason::error(VcpuFault::Run { vcpu: id, source }));
                     ("error", Followup::None)
                 }
             };
@@ -308,7 +355,10 @@ impl VcpuCtx {
                 }
                 Followup::Emulate(err) => match self.emulator.complete(&mut self.vcpu, &err) {
                     Ok(()) => self.counters.emulated.inc(),
-                    Err(e) => self.lifecycle.stop(StopReason::Error(e.report())),
+                    Err(report) => self.lifecycle.stop(StopReason::error(VcpuFault::Emulation {
+                        vcpu: id,
+                        source: report.into(),
+                    })),
                 },
             }
             self.counters
@@ -323,21 +373,32 @@ impl VcpuCtx {
     /// Lucid hypercall: rax = number, rdi/rsi/r8 = arguments, result in rax.
     fn hypercall(&mut self) {
         self.counters.hypercalls.inc();
-        let Ok(mut regs) = self.vcpu.get_regs() else {
-            return;
+        let vcpu = self.vcpu.id();
+        let fault = |nr, what, source| {
+            StopReason::error(VcpuFault::Hypercall {
+                vcpu,
+                nr,
+                what,
+                source,
+            })
         };
+        let mut regs = match self.vcpu.get_regs() {
+            Ok(r) => r,
+            Err(e) => return self.lifecycle.stop(fault(u64::MAX, "read", e)),
+        };
+        let nr = regs.rax;
         regs.rax = self
             .hooks
-            .hypercall(self.vcpu.id(), &regs)
+            .hypercall(vcpu, &regs)
             .unwrap_or(HYPERCALL_UNKNOWN);
         if let Err(e) = self.vcpu.set_regs(&regs) {
-            self.lifecycle
-                .stop(StopReason::Error(format!("hypercall: {e}")));
+            self.lifecycle.stop(fault(nr, "write", e));
         }
     }
 }
 
 /// What is left to do for an exit once its borrow of the vCPU has ended.
+#[derive(Debug)]
 enum Followup {
     None,
     ClearImmediateExit,
@@ -359,7 +420,6 @@ impl Drop for VcpuCtx {
             .unwrap_or_else(|e| e.into_inner())
             .clear();
         drop(thread);
-        self.handle.done.notify_all();
     }
 }
 
@@ -413,14 +473,218 @@ fn handle_exit(
         Exit::SystemEvent(kind) => lifecycle.stop(match kind {
             lucid_hv::kvm_bindings::KVM_SYSTEM_EVENT_RESET => StopReason::Reset,
             lucid_hv::kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => StopReason::Shutdown,
-            other => StopReason::Error(format!("vCPU {vcpu}: guest system event {other} (crash)")),
+            event => StopReason::error(VcpuFault::GuestCrash { vcpu, event }),
         }),
-        Exit::FailEntry(code) => lifecycle.stop(StopReason::Error(format!(
-            "vCPU {vcpu}: KVM could not enter the guest (hardware reason {code:#x})"
-        ))),
-        Exit::Other(what) => lifecycle.stop(StopReason::Error(format!(
-            "vCPU {vcpu}: unexpected exit to userspace: {what}"
-        ))),
+        Exit::FailEntry(reason) => {
+            lifecycle.stop(StopReason::error(VcpuFault::FailEntry { vcpu, reason }))
+        }
+        Exit::Other(exit) => {
+            lifecycle.stop(StopReason::error(VcpuFault::UnexpectedExit { vcpu, exit }))
+        }
     }
     Followup::None
+}
+
+#[cfg(test)]
+mod tests {
+    //! The exit dispatcher without KVM: exits made by hand, real hooks, lifecycle and counters.
+
+    use std::sync::Mutex;
+
+    use lucid_devices::BusDevice;
+    use lucid_hv::kvm_bindings::{
+        KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
+    };
+    use lucid_hv::InternalError;
+
+    use super::*;
+    use crate::hooks::MsrHook;
+
+    /// Remembers the last write; reads return 0x42.
+    #[derive(Default)]
+    struct Reg(Option<(u64, Vec<u8>)>);
+    impl BusDevice for Reg {
+        fn read(&mut self, _offset: u64, data: &mut [u8]) {
+            data.fill(0x42);
+        }
+        fn write(&mut self, offset: u64, data: &[u8]) {
+            self.0 = Some((offset, data.to_vec()));
+        }
+    }
+
+    /// MSR 0x10 reads as 7 and accepts writes of 7 only.
+    struct Msr7;
+    impl MsrHook for Msr7 {
+        fn read(&self, _vcpu: u32, _index: u32) -> Option<u64> {
+            Some(7)
+        }
+        fn write(&self, _vcpu: u32, _index: u32, value: u64) -> bool {
+            value == 7
+        }
+    }
+
+    struct Setup {
+        hooks: Arc<ExitHooks>,
+        lifecycle: Lifecycle,
+        stats: Arc<StatsRegistry>,
+        counters: VcpuCounters,
+        port: Arc<Mutex<Reg>>,
+        page: Arc<Mutex<Reg>>,
+    }
+
+    fn setup() -> Setup {
+        let hooks = ExitHooks::new();
+        let port = Arc::new(Mutex::new(Reg::default()));
+        let page = Arc::new(Mutex::new(Reg::default()));
+        hooks.pio.insert(0x100, 4, "port", port.clone()).unwrap();
+        hooks
+            .mmio
+            .insert(0x1000, 0x1000, "page", page.clone())
+            .unwrap();
+        hooks.add_msr(0x10, Arc::new(Msr7));
+        let stats = StatsRegistry::new();
+        let counters = VcpuCounters::new(&stats, 3);
+        Setup {
+            hooks,
+            lifecycle: Lifecycle::new(),
+            stats,
+            counters,
+            port,
+            page,
+        }
+    }
+
+    impl Setup {
+        fn exit(&self, exit: Exit<'_>) -> Followup {
+            handle_exit(exit, &self.hooks, &self.lifecycle, &self.counters, 3)
+        }
+        fn count(&self, name: &str) -> u64 {
+            self.stats.snapshot()[&format!("vcpu3.{name}")]
+        }
+        fn fault(&self) -> Option<String> {
+            match self.lifecycle.reason()? {
+                StopReason::Error(e) => {
+                    let f = e.downcast_ref::<VcpuFault>().expect("a VcpuFault");
+                    Some(format!("{f:?}"))
+                }
+                other => Some(format!("{other:?}")),
+            }
+        }
+    }
+
+    #[test]
+    fn port_io_goes_to_the_bus_or_counts_as_unhandled() {
+        let s = setup();
+        assert!(matches!(s.exit(Exit::IoOut(0x102, &[9])), Followup::None));
+        assert_eq!(s.port.lock().unwrap().0, Some((2, vec![9])));
+        let mut d = [0u8; 2];
+        assert!(matches!(s.exit(Exit::IoIn(0x100, &mut d)), Followup::None));
+        assert_eq!(d, [0x42, 0x42]);
+        assert_eq!(s.count("pio_unhandled"), 0);
+        // Nobody there: writes vanish, reads float high, both are counted.
+        s.exit(Exit::IoOut(0x200, &[1]));
+        let mut d = [0u8; 4];
+        s.exit(Exit::IoIn(0x200, &mut d));
+        assert_eq!(d, [0xff; 4]);
+        // An access that straddles the end of a range is not the device's.
+        s.exit(Exit::IoIn(0x103, &mut [0u8; 2]));
+        assert_eq!(s.count("pio_unhandled"), 3);
+        assert!(s.lifecycle.reason().is_none());
+    }
+
+    #[test]
+    fn the_hypercall_port_is_left_to_the_vcpu() {
+        let s = setup();
+        let f = s.exit(Exit::IoOut(HYPERCALL_PORT, &[0, 0, 0, 0]));
+        assert!(matches!(f, Followup::Hypercall));
+        assert_eq!(s.count("pio_unhandled"), 0);
+    }
+
+    #[test]
+    fn mmio_goes_to_the_bus_or_counts_as_unhandled() {
+        let s = setup();
+        s.exit(Exit::MmioWrite(0x1008, &[1, 2, 3, 4]));
+        assert_eq!(s.page.lock().unwrap().0, Some((8, vec![1, 2, 3, 4])));
+        let mut d = [0u8; 8];
+        s.exit(Exit::MmioRead(0x1ff8, &mut d));
+        assert_eq!(d, [0x42; 8]);
+        s.exit(Exit::MmioWrite(0x3000, &[1]));
+        let mut d = [0u8; 4];
+        s.exit(Exit::MmioRead(0x3000, &mut d));
+        assert_eq!(d, [0xff; 4]);
+        assert_eq!(s.count("mmio_unhandled"), 2);
+    }
+
+    #[test]
+    fn trapped_msrs_reach_their_hook_and_others_fault() {
+        let s = setup();
+        let (mut data, mut error) = (0u64, 0u8);
+        s.exit(Exit::RdMsr {
+            index: 0x10,
+            data: &mut data,
+            error: &mut error,
+        });
+        assert_eq!((data, error), (7, 0));
+        s.exit(Exit::RdMsr {
+            index: 0x11,
+            data: &mut data,
+            error: &mut error,
+        });
+        assert_eq!(error, 1, "#GP for an MSR nobody handles");
+        for (index, value, gp) in [(0x10, 7, 0), (0x10, 8, 1), (0x11, 7, 1)] {
+            let mut error = 0u8;
+            s.exit(Exit::WrMsr {
+                index,
+                data: value,
+                error: &mut error,
+            });
+            assert_eq!(error, gp, "wrmsr {index:#x} {value}");
+        }
+    }
+
+    #[test]
+    fn exits_the_vcpu_finishes_itself() {
+        let s = setup();
+        assert!(matches!(s.exit(Exit::Hlt), Followup::None));
+        assert!(matches!(
+            s.exit(Exit::Interrupted),
+            Followup::ClearImmediateExit
+        ));
+        assert!(matches!(s.exit(Exit::Shutdown), Followup::TripleFault));
+        let err = InternalError {
+            suberror: 1,
+            data: vec![],
+            insn_bytes: vec![0xcc],
+        };
+        assert!(matches!(
+            s.exit(Exit::InternalError(err)),
+            Followup::Emulate(e) if e.insn_bytes == [0xcc]
+        ));
+        assert!(s.lifecycle.reason().is_none());
+    }
+
+    #[test]
+    fn system_events_and_failures_stop_the_vm_with_a_typed_reason() {
+        let s = setup();
+        s.exit(Exit::SystemEvent(KVM_SYSTEM_EVENT_RESET));
+        assert_eq!(s.lifecycle.reason(), Some(StopReason::Reset));
+        let s = setup();
+        s.exit(Exit::SystemEvent(KVM_SYSTEM_EVENT_SHUTDOWN));
+        assert_eq!(s.lifecycle.reason(), Some(StopReason::Shutdown));
+        let s = setup();
+        s.exit(Exit::SystemEvent(KVM_SYSTEM_EVENT_CRASH));
+        assert_eq!(s.fault().unwrap(), "GuestCrash { vcpu: 3, event: 3 }");
+        let s = setup();
+        s.exit(Exit::FailEntry(0x21));
+        assert_eq!(s.fault().unwrap(), "FailEntry { vcpu: 3, reason: 33 }");
+        let s = setup();
+        s.exit(Exit::Other("debug"));
+        assert_eq!(
+            s.fault().unwrap(),
+            "UnexpectedExit { vcpu: 3, exit: \"debug\" }"
+        );
+        // The first reason wins.
+        s.exit(Exit::SystemEvent(KVM_SYSTEM_EVENT_RESET));
+        assert!(s.fault().unwrap().starts_with("UnexpectedExit"));
+    }
 }

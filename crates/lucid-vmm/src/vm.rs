@@ -1,23 +1,27 @@
-//! Builds and runs one VM. [`Vm::build`] reads top to bottom as the VM comes together: KVM and
-//! memory, the interrupt controllers, the devices and their exit hooks, the kernel and its boot
-//! tables, then the vCPUs; [`Vm::start`] starts the vCPU threads and [`Vm::wait`] reports.
+//! Builds and runs one VM. [`Vm::build`] reads top to bottom as the VM comes together, through
+//! the stages of [`VmBuilder`]: KVM and memory, the interrupt controllers, the devices and their
+//! exit hooks, the kernel and its boot tables, then the vCPUs; [`Vm::start`] starts the vCPU
+//! threads and [`Vm::wait`] reports.
 
-use std::path::PathBuf;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use lucid_boot::layout::{self, ports};
-use lucid_boot::{AcpiConfig, BootParams, KernelImage, KernelKind};
-use lucid_devices::{Cmos, DebugExit, Lifecycle, NopPort, Serial, StopReason, I8042};
-use lucid_hv::kvm_bindings::{kvm_regs, KVM_MAX_CPUID_ENTRIES};
-use lucid_hv::probe::{detect_backend, Backend};
-use lucid_hv::IoAddr;
+use lucid_boot::{AcpiConfig, KernelImage, KernelKind};
+use lucid_devices::{
+    BusDevice, Cmos, ConsoleOut, DebugExit, Lifecycle, NopPort, Serial, StopReason, I8042,
+};
+use lucid_hv::kvm_bindings::kvm_regs;
+use lucid_hv::{Backend, IoAddr};
 use lucid_mem::{DmaPath, GuestRam};
-use lucid_seccomp::Role;
+use lucid_seccomp::{Role, Seccomp};
 use lucid_stats::StatsRegistry;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+use crate::builder::{KernelLoad, VmBuilder};
 use crate::config::{KernelSource, VmConfig, MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB};
 use crate::emulate::Emulator;
 use crate::hooks::ExitHooks;
@@ -41,6 +45,7 @@ pub const PVM_LINUX_CMDLINE: &str = "noxsave clearcpuid=137,141,154,156";
 /// The console line Linux gets when the user gives none.
 pub const DEFAULT_LINUX_CMDLINE: &str = "console=ttyS0 earlyprintk=serial reboot=k panic=-1";
 
+/// What failed while building or starting a VM, and with what.
 #[derive(Debug, thiserror::Error)]
 pub enum VmmError {
     #[error(transparent)]
@@ -49,14 +54,62 @@ pub enum VmmError {
     Mem(#[from] lucid_mem::MemError),
     #[error(transparent)]
     Boot(#[from] lucid_boot::BootError),
-    #[error("device setup: {0}")]
-    Device(String),
-    #[error("invalid configuration: {0}")]
-    Config(String),
-    #[error("cannot start vCPU thread: {0}")]
-    Thread(std::io::Error),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("cannot open the serial console --serial {output}")]
+    Serial {
+        output: lucid_devices::SerialOutput,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot create the eventfd of {what}")]
+    EventFd {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A platform device's range clashes with another.
+    #[error("cannot place a platform device")]
+    Bus(#[from] lucid_devices::BusError),
+    #[error("cannot set up the PCI root complex")]
+    PciRoot(#[source] lucid_pci::PciError),
+    #[error("{device}: cannot open its back-end")]
+    Block {
+        device: String,
+        #[source]
+        source: lucid_virtio::blk::BlockError,
+    },
+    #[error("{device}: cannot open its back-end")]
+    Net {
+        device: String,
+        #[source]
+        source: lucid_virtio::net::NetError,
+    },
+    #[error("{device}: cannot attach it to PCI")]
+    PciAttach {
+        device: String,
+        #[source]
+        source: lucid_pci::PciError,
+    },
+    #[error("cannot start the thread of vCPU {vcpu}")]
+    Thread {
+        vcpu: u32,
+        #[source]
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Seccomp(#[from] lucid_seccomp::SeccompError),
+}
+
+/// A VM configuration this version cannot build.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("--vcpus {0} is out of range 1..={MAX_VCPUS}")]
+    Vcpus(u8),
+    #[error("--memory {0} MiB is out of range {MIN_MEM_MIB}..={MAX_MEM_MIB}")]
+    Memory(u64),
+    #[error("the kernel command line contains a NUL byte at offset {0}")]
+    CmdlineNul(usize),
 }
 
 /// A built VM.
@@ -76,10 +129,11 @@ pub struct Vm {
     backend: Backend,
     /// Kept open: the irqfd and ioeventfd registrations refer to them.
     _eventfds: Vec<EventFd>,
-    warnings: Vec<String>,
     pci: Option<PciBus>,
+    /// The serial console's output, flushed before the run is reported.
+    console: Arc<ConsoleOut>,
     /// Set when the VM's threads confine themselves (`VmConfig::seccomp`).
-    seccomp: Option<lucid_seccomp::Seccomp>,
+    seccomp: Option<Seccomp>,
 }
 
 /// The VM's PCI bus and its virtio devices.
@@ -95,194 +149,92 @@ pub struct PciBus {
 }
 
 impl Vm {
+    /// Builds the VM `config` describes, stage by stage ([`VmBuilder`]), ready to [`Vm::start`].
     pub fn build(config: VmConfig) -> Result<Self, VmmError> {
         check_config(&config)?;
-        let kvm = lucid_hv::open_kvm()?;
-        let backend = detect_backend();
         let stats = StatsRegistry::new();
-        let seccomp = if config.seccomp {
-            Some(lucid_seccomp::Seccomp::prepare(&stats)?)
-        } else {
-            None
+        let seccomp = match config.seccomp {
+            true => Some(Seccomp::prepare(&stats)?),
+            false => None,
         };
         let lifecycle = Arc::new(Lifecycle::new());
-        let hooks = ExitHooks::new();
-        let mut warnings = Vec::new();
-
-        // Memory.
-        let vm = lucid_hv::Vm::new(kvm.clone())?;
-        let mem_size = config.mem_mib << 20;
-        let ram = GuestRam::new(&layout::ram_regions(mem_size), config.backing.clone())?;
-        for (slot, r) in ram.regions().iter().enumerate() {
-            // SAFETY: the region's mapping is owned by `ram`, which this Vm keeps until after
-            // the vCPU threads are joined.
-            unsafe { vm.set_memory_slot(slot as u32, r.gpa, r.size, r.host_addr, false)? };
+        if config.handle_signals {
+            // Before any thread starts, so that every thread inherits the blocked mask.
+            watch_stop_signals(lifecycle.clone(), seccomp.clone());
         }
-        let dma = DmaPath::new(ram.memory().clone(), &stats);
+        let hooks = ExitHooks::new();
+
+        // KVM and guest memory.
+        let mut b = VmBuilder::new(config.mem_mib << 20, config.backing.clone())?;
+        let dma = DmaPath::new(b.memory().clone(), &stats);
 
         // Interrupt controllers and timers, in the kernel.
-        vm.create_irqchip_and_pit()?;
-        if let Some(s) = vm.stats() {
+        b.irqchip()?;
+        if let Some(s) = b.vm().stats() {
             stats.probe("kvm.vm", Box::new(move || s.read()));
         }
 
-        // Platform devices.
-        let mut eventfds = Vec::new();
-        let serial_irq = EventFd::new(EFD_NONBLOCK).map_err(dev_err("serial irq eventfd"))?;
-        vm.register_irqfd(&serial_irq, 4)?;
-        let (serial, listener) = Serial::new(
-            &config.serial,
-            serial_irq.try_clone().map_err(dev_err("eventfd"))?,
-            &stats,
-        )
-        .map_err(|e| VmmError::Device(format!("serial console {:?}: {e}", config.serial)))?;
-        eventfds.push(serial_irq);
-        let serial = Arc::new(Mutex::new(serial));
-        let stdin = config.serial_stdin && config.serial == lucid_devices::SerialOutput::Stdio;
-        Serial::start_input(&serial, listener, stdin, seccomp.clone());
-        let pio = &hooks.pio;
-        let add =
-            |base: u16, len: u64, name: &str, dev: Arc<Mutex<dyn lucid_devices::BusDevice>>| {
-                pio.insert(base as u64, len, name, dev)
-                    .map_err(|e| VmmError::Device(e.to_string()))
-            };
-        add(ports::SERIAL_COM1, 8, "serial", serial)?;
-        add(
-            ports::DEBUG_EXIT,
-            4,
-            "debug-exit",
-            Arc::new(Mutex::new(DebugExit::new(lifecycle.clone()))),
-        )?;
-        add(
-            ports::I8042,
-            5,
-            "i8042",
-            Arc::new(Mutex::new(I8042::new(lifecycle.clone()))),
-        )?;
-        add(ports::RTC, 2, "cmos", Arc::new(Mutex::new(Cmos::new())))?;
-        crate::acpi_pm::add_acpi_pm(&vm, pio, &lifecycle, &stats)?;
-        add(
-            ports::POST,
-            1,
-            "post",
-            Arc::new(Mutex::new(NopPort::new(&stats, "post"))),
-        )?;
-        eventfds.push(ioeventfd_probe(&vm, &stats)?);
-        // The page probe guests store to when they measure MMIO exits.
-        hooks
-            .mmio
-            .insert(
-                layout::PROBE_MMIO,
-                0x1000,
-                "mmio-probe",
-                Arc::new(Mutex::new(NopPort::new(&stats, "mmio_probe"))),
-            )
-            .map_err(|e| VmmError::Device(e.to_string()))?;
-
-        // virtio devices on PCI (only when there are any).
-        let pci = if config.pci.is_empty() {
-            None
-        } else {
-            Some(attach_pci(
-                &config,
-                &kvm,
-                &vm,
-                &ram,
-                &dma,
-                &hooks,
-                &stats,
-                &mut warnings,
-            )?)
+        // Devices: the platform's, then virtio devices on PCI (only when there are any).
+        let platform = platform_devices(&config, b.vm(), &hooks, &lifecycle, &stats, &seccomp)?;
+        let pci = match config.pci.is_empty() {
+            true => None,
+            false => Some(attach_pci(&config, &b, &dma, &hooks, &stats)?),
         };
-
-        // Lucid's own hypercalls.
-        let tsc_khz = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        hooks.add_hypercall(
-            hypercall::DISCOVER,
-            Arc::new(|_: u32, _: &kvm_regs| hypercall::MAGIC),
-        );
-        let t = tsc_khz.clone();
-        hooks.add_hypercall(
-            hypercall::TSC_KHZ,
-            Arc::new(move |_: u32, _: &kvm_regs| t.load(std::sync::atomic::Ordering::Relaxed)),
-        );
-        let code = backend.code() as u64;
-        hooks.add_hypercall(
-            hypercall::BACKEND,
-            Arc::new(move |_: u32, _: &kvm_regs| code),
-        );
+        let tsc_khz = add_hypercalls(&hooks, b.backend());
 
         // The kernel, its command line and the boot tables.
-        let (kernel_path, image) = match &config.kernel {
-            KernelSource::File(p) => (p.clone(), KernelImage::open(p)?),
+        let image = match &config.kernel {
+            KernelSource::File(p) => KernelImage::open(p)?,
             KernelSource::Builtin { name, bytes } => {
-                let p = PathBuf::from(format!("<built-in {name}>"));
-                (p.clone(), KernelImage::from_bytes(&p, bytes.to_vec())?)
+                KernelImage::from_bytes(Path::new(&format!("<built-in {name}>")), bytes.to_vec())?
             }
         };
-        let kind = image.kind();
-        let cmdline = kernel_cmdline(&config.cmdline, image.is_linux(), backend, &mut warnings);
+        let cmdline = kernel_cmdline(&config.cmdline, image.is_linux(), b.backend());
+        log::debug!("kernel command line: {cmdline:?}");
         let mut acpi = AcpiConfig::new(config.vcpus);
         if pci.is_some() {
             let last_bus = ((layout::PCI_ECAM_SIZE >> 20) - 1).min(255) as u8;
             acpi.pci_ecam = Some((layout::PCI_ECAM_START, 0, last_bus));
         }
-        let setup = lucid_boot::load_image(
-            ram.memory(),
-            &image,
-            &BootParams {
-                kernel: &kernel_path,
-                initrd: config.initrd.as_deref(),
-                cmdline: &cmdline,
-                mem_size,
-                acpi: Some(&acpi),
-            },
-        )?;
+        let setup = b.load_kernel(&KernelLoad {
+            image: &image,
+            initrd: config.initrd.as_deref(),
+            cmdline: &cmdline,
+            acpi: Some(&acpi),
+        })?;
 
-        // vCPUs: CPUID each, boot registers on vCPU 0; the others wait for INIT/SIPI.
+        // vCPUs: boot registers on vCPU 0; the others wait for INIT/SIPI.
+        // PV EOI in CPUID is the ladder's call (L2 only).
+        let offer_pv_eoi = lucid_pci::ladder::vm_offers_pv_eoi(config.pci.iter().map(|d| d.rung));
         let mut ctxs = Vec::new();
         let mut handles = Vec::new();
         for id in 0..config.vcpus {
-            let vcpu = vm.create_vcpu(id as u32)?;
-            let mut cpuid = kvm
-                .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-                .map_err(|e| lucid_hv::HvError::Ioctl("KVM_GET_SUPPORTED_CPUID", e))?;
-            lucid_boot::filter_cpuid(&mut cpuid, id, config.vcpus);
-            // PV EOI in CPUID is the ladder's call (L2 only).
-            if !lucid_pci::ladder::vm_offers_pv_eoi(config.pci.iter().map(|d| d.rung)) {
-                hide_pv_eoi(&mut cpuid);
-            }
-            vcpu.set_cpuid(&cpuid)?;
-            set_lint_virtual_wire(&vcpu)?;
+            let boot = (id == 0).then_some(&setup);
+            let vcpu = b.vcpu(id, config.vcpus, boot, |cpuid| {
+                if !offer_pv_eoi {
+                    hide_pv_eoi(cpuid)
+                }
+            })?;
             if id == 0 {
-                let (mut regs, mut sregs) = (vcpu.get_regs()?, vcpu.get_sregs()?);
-                lucid_boot::setup_boot_regs(&setup.entry, &mut regs, &mut sregs, ram.memory())?;
-                vcpu.set_sregs(&sregs)?;
-                vcpu.set_regs(&regs)?;
-                tsc_khz.store(
-                    vcpu.tsc_khz().unwrap_or(0) as u64,
-                    std::sync::atomic::Ordering::Relaxed,
-                );
+                tsc_khz.store(vcpu.tsc_khz().unwrap_or(0).into(), Ordering::Relaxed);
             }
             if let Some(s) = vcpu.stats() {
                 stats.probe(format!("kvm.vcpu{id}"), Box::new(move || s.read()));
             }
-            let (ctx, handle) = VcpuCtx::new(
-                vcpu,
-                hooks.clone(),
-                lifecycle.clone(),
-                &stats,
-                Emulator::with_memory(id as u32, ram.memory().clone(), stats.clone()),
-            );
+            let emulator = Emulator::with_memory(id.into(), b.memory().clone(), stats.clone());
+            let (ctx, handle) =
+                VcpuCtx::new(vcpu, hooks.clone(), lifecycle.clone(), &stats, emulator);
             let h = handle.clone();
             lifecycle.add_kicker(Box::new(move || h.kick()));
             ctxs.push(ctx);
             handles.push(handle);
         }
 
+        let backend = b.backend();
+        let (vm, ram) = b.finish();
         Ok(Vm {
             config,
-            kind,
+            kind: image.kind(),
             vm,
             ram,
             dma,
@@ -294,9 +246,9 @@ impl Vm {
             threads: Vec::new(),
             started: None,
             backend,
-            _eventfds: eventfds,
-            warnings,
+            _eventfds: platform.eventfds,
             pci,
+            console: platform.console,
             seccomp,
         })
     }
@@ -304,22 +256,19 @@ impl Vm {
     /// Starts one named thread per vCPU.
     pub fn start(&mut self) -> Result<(), VmmError> {
         install_kick_handler();
-        if self.config.handle_signals {
-            watch_stop_signals(self.lifecycle.clone(), self.seccomp.clone());
-        }
         self.started = Some(Instant::now());
         for ctx in self.ctxs.drain(..) {
-            let name = format!("lucid-vcpu{}", ctx.id());
+            let vcpu = ctx.id();
             let (seccomp, lifecycle) = (self.seccomp.clone(), self.lifecycle.clone());
             let t = std::thread::Builder::new()
-                .name(name)
+                .name(format!("lucid-vcpu{vcpu}"))
                 .spawn(
                     move || match lucid_seccomp::confine(seccomp.as_ref(), Role::Vcpu) {
                         Ok(()) => ctx.run(),
-                        Err(e) => lifecycle.stop(StopReason::Error(e.to_string())),
+                        Err(e) => lifecycle.stop(StopReason::error(e)),
                     },
                 )
-                .map_err(VmmError::Thread)?;
+                .map_err(|source| VmmError::Thread { vcpu, source })?;
             self.threads.push(t);
         }
         Ok(())
@@ -340,6 +289,11 @@ impl Vm {
             let _ = t.join();
         }
         let wall = self.started.map(|s| s.elapsed()).unwrap_or_default();
+        // What a stalled reader left in the buffer counts as dropped once the VM is gone.
+        let unwritten = self.console.flush(lucid_devices::FLUSH_PATIENCE);
+        self.stats
+            .counter("serial.tx_unwritten")
+            .set(unwritten as u64);
         RunReport {
             stop,
             wall,
@@ -386,14 +340,112 @@ impl Vm {
     pub fn pci(&self) -> Option<&PciBus> {
         self.pci.as_ref()
     }
-    /// Things the user should know before the guest runs (e.g. emulated guest kernel code).
-    pub fn warnings(&self) -> &[String] {
-        &self.warnings
-    }
     /// Asks the VM to stop, as SIGTERM would.
     pub fn stop(&self, reason: StopReason) {
         self.lifecycle.stop(reason)
     }
+}
+
+impl Drop for Vm {
+    /// A VM dropped while it runs stops: its vCPU threads are joined, then the PCI bus goes,
+    /// and with the last hold on each transport (the exit hooks, a field of this struct) its
+    /// device is reset and its back-end thread joined.
+    fn drop(&mut self) {
+        if !self.threads.is_empty() {
+            self.lifecycle.stop(StopReason::Dropped);
+            for t in self.threads.drain(..) {
+                let _ = t.join();
+            }
+        }
+        self.pci = None;
+    }
+}
+
+/// What the platform devices leave the VM to keep.
+struct Platform {
+    /// The serial console's output, flushed at VM exit.
+    console: Arc<ConsoleOut>,
+    /// Kept open: the irqfd and ioeventfd registrations refer to them.
+    eventfds: Vec<EventFd>,
+}
+
+/// The devices every VM has, on the exit hooks: COM1 (its interrupt by irqfd on GSI 4), the
+/// debug-exit port, the i8042 reset line, the CMOS RTC, the POST port, the ioeventfd probe port
+/// and the MMIO probe page.
+fn platform_devices(
+    config: &VmConfig,
+    vm: &lucid_hv::Vm,
+    hooks: &ExitHooks,
+    lifecycle: &Arc<Lifecycle>,
+    stats: &Arc<StatsRegistry>,
+    seccomp: &Option<Seccomp>,
+) -> Result<Platform, VmmError> {
+    let serial_irq = eventfd("the serial interrupt")?;
+    vm.register_irqfd(&serial_irq, 4)?;
+    let (serial, listener) = Serial::new(
+        &config.serial,
+        clone_eventfd(&serial_irq, "the serial interrupt")?,
+        stats,
+        seccomp.clone(),
+    )
+    .map_err(|source| VmmError::Serial {
+        output: config.serial.clone(),
+        source,
+    })?;
+    let console = serial.output().clone();
+    let serial = Arc::new(Mutex::new(serial));
+    let stdin = config.serial_stdin && config.serial == lucid_devices::SerialOutput::Stdio;
+    Serial::start_input(&serial, listener, stdin, seccomp.clone());
+    let pio = |base: u16, len: u64, name: &str, dev: Arc<Mutex<dyn BusDevice>>| {
+        hooks.pio.insert(base.into(), len, name, dev)
+    };
+    pio(ports::SERIAL_COM1, 8, "serial", serial)?;
+    let debug_exit = DebugExit::new(lifecycle.clone());
+    pio(
+        ports::DEBUG_EXIT,
+        4,
+        "debug-exit",
+        Arc::new(Mutex::new(debug_exit)),
+    )?;
+    let i8042 = I8042::new(lifecycle.clone());
+    pio(ports::I8042, 5, "i8042", Arc::new(Mutex::new(i8042)))?;
+    pio(ports::RTC, 2, "cmos", Arc::new(Mutex::new(Cmos::new())))?;
+    crate::acpi_pm::add_acpi_pm(vm, &hooks.pio, lifecycle, stats)?;
+    let post = NopPort::new(stats, "post");
+    pio(ports::POST, 1, "post", Arc::new(Mutex::new(post)))?;
+    // The page probe guests store to when they measure MMIO exits.
+    let mmio_probe = NopPort::new(stats, "mmio_probe");
+    hooks.mmio.insert(
+        layout::PROBE_MMIO,
+        0x1000,
+        "mmio-probe",
+        Arc::new(Mutex::new(mmio_probe)),
+    )?;
+    Ok(Platform {
+        console,
+        eventfds: vec![serial_irq, ioeventfd_probe(vm, stats)?],
+    })
+}
+
+/// Lucid's own hypercalls: discovery, the TSC frequency (stored once the boot vCPU exists) and
+/// the KVM backend.
+fn add_hypercalls(hooks: &ExitHooks, backend: Backend) -> Arc<AtomicU64> {
+    let tsc_khz = Arc::new(AtomicU64::new(0));
+    hooks.add_hypercall(
+        hypercall::DISCOVER,
+        Arc::new(|_: u32, _: &kvm_regs| hypercall::MAGIC),
+    );
+    let t = tsc_khz.clone();
+    hooks.add_hypercall(
+        hypercall::TSC_KHZ,
+        Arc::new(move |_: u32, _: &kvm_regs| t.load(Ordering::Relaxed)),
+    );
+    let code = backend.code() as u64;
+    hooks.add_hypercall(
+        hypercall::BACKEND,
+        Arc::new(move |_: u32, _: &kvm_regs| code),
+    );
+    tsc_khz
 }
 
 /// IOAPIC pins 16-23 carry PCI INTx (the ISA IRQs keep 0-15); devices share them round-robin.
@@ -402,26 +454,21 @@ const PCI_INTX_PINS: u32 = 8;
 
 /// Builds the PCI root complex (0xCF8 ports and ECAM), then each configured virtio device on its
 /// rung, attached in order from slot 1.
-#[allow(clippy::too_many_arguments)]
 fn attach_pci(
     config: &VmConfig,
-    kvm: &lucid_hv::Kvm,
-    vm: &lucid_hv::Vm,
-    ram: &GuestRam,
+    b: &VmBuilder,
     dma: &Arc<DmaPath>,
     hooks: &Arc<ExitHooks>,
     stats: &Arc<StatsRegistry>,
-    warnings: &mut Vec<String>,
 ) -> Result<PciBus, VmmError> {
     use lucid_pci::{HostCaps, PciWindows, TransportEnv, TransportOptions};
 
-    let pci_err = |e: lucid_pci::PciError| VmmError::Device(format!("PCI: {e}"));
     let host = HostCaps::probe(
         config.pci.iter().map(|d| d.rung),
-        lucid_hv::probe::posted_interrupts_available,
-        || lucid_hv::probe::cpuid_intercepted(kvm).unwrap_or(false),
+        lucid_hv::posted_interrupts_available,
+        || lucid_probe::cpuid_intercepted(b.kvm()).unwrap_or(false),
     );
-    let router = lucid_hv::GsiRouter::new(vm.clone());
+    let router = lucid_hv::GsiRouter::new(b.vm().clone());
     let root = lucid_pci::PciRoot::new(
         hooks.mmio.clone(),
         hooks.pio.clone(),
@@ -432,11 +479,11 @@ fn attach_pci(
         },
         stats,
     );
-    root.register().map_err(pci_err)?;
+    root.register().map_err(VmmError::PciRoot)?;
     let env = TransportEnv {
-        vm: vm.clone(),
+        vm: b.vm().clone(),
         router: router.clone(),
-        mem: ram.memory().clone(),
+        mem: b.memory().clone(),
         dma: dma.clone(),
         stats: stats.clone(),
         host,
@@ -449,16 +496,24 @@ fn attach_pci(
                 let name = format!("blk{nblk}");
                 nblk += 1;
                 Box::new(
-                    lucid_virtio::blk::Block::new(name.clone(), b.clone())
-                        .map_err(|e| VmmError::Device(format!("{name}: {e}")))?,
+                    lucid_virtio::blk::Block::new(name.clone(), b.clone()).map_err(|source| {
+                        VmmError::Block {
+                            device: name,
+                            source,
+                        }
+                    })?,
                 )
             }
             crate::config::PciDeviceKind::Net(n) => {
                 let name = format!("net{nnet}");
                 nnet += 1;
                 Box::new(
-                    lucid_virtio::net::Net::new(name.clone(), n.clone())
-                        .map_err(|e| VmmError::Device(format!("{name}: {e}")))?,
+                    lucid_virtio::net::Net::new(name.clone(), n.clone()).map_err(|source| {
+                        VmmError::Net {
+                            device: name,
+                            source,
+                        }
+                    })?,
                 )
             }
         };
@@ -469,11 +524,29 @@ fn attach_pci(
             poll_idle_us: d.poll_idle_us,
             intx_gsi: Some(PCI_INTX_FIRST_GSI + i as u32 % PCI_INTX_PINS),
         };
-        let (addr, dev) = lucid_pci::attach_virtio(&root, device, env.clone(), opts)
-            .map_err(|e| VmmError::Device(format!("{name}: {e}")))?;
-        if let Some(w) = lock_transport(&dev).plan().warning() {
-            warnings.push(format!("{name}: {w}"));
+        let (addr, dev) =
+            lucid_pci::attach_virtio(&root, device, env.clone(), opts).map_err(|source| {
+                VmmError::PciAttach {
+                    device: name.clone(),
+                    source,
+                }
+            })?;
+        let plan = lock_transport(&dev).plan();
+        if let Some(w) = plan.warning() {
+            log::warn!("{name}: {w}");
         }
+        log::info!(
+            "{name}: PCI 00:{:02x}.0 on rung {:?}: kicks by {}, interrupts by {:?}, back-end {:?}",
+            addr.slot,
+            plan.rung,
+            if plan.ioeventfd {
+                "ioeventfd"
+            } else {
+                "userspace exit"
+            },
+            plan.msi,
+            plan.notify,
+        );
         devices.push((name, addr, dev));
     }
     Ok(PciBus {
@@ -489,34 +562,31 @@ fn lock_transport(
     d.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn dev_err(what: &'static str) -> impl Fn(std::io::Error) -> VmmError {
-    move |e| VmmError::Device(format!("{what}: {e}"))
+fn eventfd(what: &'static str) -> Result<EventFd, VmmError> {
+    EventFd::new(EFD_NONBLOCK).map_err(|source| VmmError::EventFd { what, source })
 }
 
-fn check_config(c: &VmConfig) -> Result<(), VmmError> {
+fn clone_eventfd(evt: &EventFd, what: &'static str) -> Result<EventFd, VmmError> {
+    evt.try_clone()
+        .map_err(|source| VmmError::EventFd { what, source })
+}
+
+fn check_config(c: &VmConfig) -> Result<(), ConfigError> {
     if c.vcpus == 0 || c.vcpus > MAX_VCPUS {
-        return Err(VmmError::Config(format!(
-            "--vcpus {} is out of range 1..={MAX_VCPUS}",
-            c.vcpus
-        )));
+        return Err(ConfigError::Vcpus(c.vcpus));
     }
     if c.mem_mib < MIN_MEM_MIB || c.mem_mib > MAX_MEM_MIB {
-        return Err(VmmError::Config(format!(
-            "--memory {} MiB is out of range {MIN_MEM_MIB}..={MAX_MEM_MIB}",
-            c.mem_mib
-        )));
+        return Err(ConfigError::Memory(c.mem_mib));
     }
-    if c.cmdline.contains('\0') {
-        return Err(VmmError::Config(
-            "the command line contains a NUL byte".into(),
-        ));
+    if let Some(offset) = c.cmdline.find('\0') {
+        return Err(ConfigError::CmdlineNul(offset));
     }
     Ok(())
 }
 
 /// The command line the kernel gets: Linux gets a console by default, and on a host that emulates
 /// guest kernel code the switches that avoid instructions KVM cannot emulate.
-fn kernel_cmdline(user: &str, linux: bool, backend: Backend, warnings: &mut Vec<String>) -> String {
+fn kernel_cmdline(user: &str, linux: bool, backend: Backend) -> String {
     let mut cmdline = if linux && user.trim().is_empty() {
         DEFAULT_LINUX_CMDLINE.to_string()
     } else {
@@ -540,10 +610,10 @@ fn kernel_cmdline(user: &str, linux: bool, backend: Backend, warnings: &mut Vec<
                 .join(" ");
         }
         cmdline = format!("{cmdline} {extra}").trim().to_string();
-        warnings.push(format!(
+        log::warn!(
             "this host's KVM is PVM: guest kernel code is emulated (thousands of times slower than \
              native), so Linux boots slowly; added `{PVM_LINUX_CMDLINE}` to the command line"
-        ));
+        );
     }
     cmdline
 }
@@ -551,9 +621,9 @@ fn kernel_cmdline(user: &str, linux: bool, backend: Backend, warnings: &mut Vec<
 /// The ioeventfd behind `ports::IOEVENTFD_PROBE`: writes there never leave the kernel. A stats
 /// probe drains the eventfd, so the count of absorbed writes is still reported.
 fn ioeventfd_probe(vm: &lucid_hv::Vm, stats: &Arc<StatsRegistry>) -> Result<EventFd, VmmError> {
-    let evt = EventFd::new(EFD_NONBLOCK).map_err(dev_err("ioeventfd"))?;
+    let evt = eventfd("the ioeventfd probe")?;
     vm.register_ioeventfd(&evt, IoAddr::Pio(ports::IOEVENTFD_PROBE))?;
-    let reader = evt.try_clone().map_err(dev_err("ioeventfd"))?;
+    let reader = clone_eventfd(&evt, "the ioeventfd probe")?;
     let count = stats.counter("ioeventfd_probe.signals");
     stats.probe(
         "ioeventfd_probe",
@@ -579,40 +649,23 @@ fn hide_pv_eoi(cpuid: &mut lucid_hv::kvm_bindings::CpuId) {
     }
 }
 
-/// LINT0 as ExtINT and LINT1 as NMI, the virtual-wire setup firmware leaves for an OS.
-fn set_lint_virtual_wire(vcpu: &lucid_hv::Vcpu) -> Result<(), VmmError> {
-    const LVT_LINT0: usize = 0x350;
-    const LVT_LINT1: usize = 0x360;
-    const DM_EXTINT: u32 = 0x7 << 8;
-    const DM_NMI: u32 = 0x4 << 8;
-    let mut lapic = vcpu.get_lapic()?;
-    let mut set = |off: usize, mode: u32| {
-        let b = &mut lapic.regs[off..off + 4];
-        let v = u32::from_le_bytes([b[0] as u8, b[1] as u8, b[2] as u8, b[3] as u8]);
-        let v = (v & !0x700) | mode;
-        for (i, byte) in v.to_le_bytes().iter().enumerate() {
-            b[i] = *byte as _;
-        }
-    };
-    set(LVT_LINT0, DM_EXTINT);
-    set(LVT_LINT1, DM_NMI);
-    vcpu.set_lapic(&lapic)?;
-    Ok(())
-}
-
 extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
 
 /// The vCPU kick signal only needs to interrupt KVM_RUN; its handler does nothing.
 fn install_kick_handler() {
-    let _ = vmm_sys_util::signal::register_signal_handler(
+    if let Err(e) = vmm_sys_util::signal::register_signal_handler(
         vmm_sys_util::signal::SIGRTMIN(),
         kick_handler,
-    );
+    ) {
+        log::warn!("cannot install the vCPU kick signal handler ({e}): pausing a vCPU may hang");
+    }
 }
 
 /// SIGINT and SIGTERM stop the VM cleanly: they are blocked in every thread and taken by one
-/// thread with sigwait. Called before the vCPU threads start, so they inherit the mask.
-fn watch_stop_signals(lifecycle: Arc<Lifecycle>, seccomp: Option<lucid_seccomp::Seccomp>) {
+/// thread with sigwait. Called before any of the VM's threads start (console writer, input,
+/// vCPUs, device back-ends), so they all inherit the mask: a thread that did not would take
+/// the signal's default action and kill the process.
+fn watch_stop_signals(lifecycle: Arc<Lifecycle>, seccomp: Option<Seccomp>) {
     // SAFETY: sigset manipulation on a local set, and pthread_sigmask on the calling thread.
     let set = unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -622,16 +675,94 @@ fn watch_stop_signals(lifecycle: Arc<Lifecycle>, seccomp: Option<lucid_seccomp::
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         set
     };
-    let _ = std::thread::Builder::new()
+    let spawned = std::thread::Builder::new()
         .name("lucid-signals".into())
         .spawn(move || {
             if let Err(e) = lucid_seccomp::confine(seccomp.as_ref(), Role::Main) {
-                return lifecycle.stop(StopReason::Error(e.to_string()));
+                return lifecycle.stop(StopReason::error(e));
             }
             let mut sig: libc::c_int = 0;
             // SAFETY: sigwait on a valid set with a valid out pointer.
             if unsafe { libc::sigwait(&set, &mut sig) } == 0 {
+                log::info!("signal {sig}: stopping the VM");
                 lifecycle.stop(StopReason::Signal(sig));
             }
         });
+    if let Err(e) = spawned {
+        log::warn!("cannot start the signal thread ({e}): SIGINT/SIGTERM will not stop the VM");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn non_linux_kernels_get_the_command_line_as_given() {
+        for backend in [Backend::Pvm, Backend::Vmx] {
+            assert_eq!(kernel_cmdline("count=5", false, backend), "count=5");
+            assert_eq!(kernel_cmdline("", false, backend), "");
+        }
+    }
+
+    #[test]
+    fn linux_gets_a_console_by_default() {
+        assert_eq!(
+            kernel_cmdline("", true, Backend::Vmx),
+            DEFAULT_LINUX_CMDLINE
+        );
+        assert_eq!(
+            kernel_cmdline("  ", true, Backend::Svm),
+            DEFAULT_LINUX_CMDLINE
+        );
+        assert_eq!(
+            kernel_cmdline("console=hvc0", true, Backend::Vmx),
+            "console=hvc0"
+        );
+    }
+
+    #[test]
+    fn linux_on_pvm_gets_the_emulation_switches() {
+        assert_eq!(
+            kernel_cmdline("", true, Backend::Pvm),
+            format!("{DEFAULT_LINUX_CMDLINE} {PVM_LINUX_CMDLINE}")
+        );
+        assert_eq!(
+            kernel_cmdline("root=/dev/vda", true, Backend::Pvm),
+            format!("root=/dev/vda {PVM_LINUX_CMDLINE}")
+        );
+    }
+
+    /// Linux honours only the last `clearcpuid=`: the user's bits join Lucid's in one.
+    #[test]
+    fn the_users_clearcpuid_is_folded_into_lucids() {
+        assert_eq!(
+            kernel_cmdline(
+                "clearcpuid=1 console=ttyS0 clearcpuid=5,6",
+                true,
+                Backend::Pvm
+            ),
+            "console=ttyS0 noxsave clearcpuid=5,6,137,141,154,156"
+        );
+        // Elsewhere the user's line is left alone.
+        assert_eq!(
+            kernel_cmdline("clearcpuid=5", true, Backend::Vmx),
+            "clearcpuid=5"
+        );
+    }
+
+    #[test]
+    fn bad_configurations_are_typed_errors() {
+        let mut c = VmConfig::new(KernelSource::File("/k".into()));
+        c.vcpus = 0;
+        assert_eq!(check_config(&c), Err(ConfigError::Vcpus(0)));
+        c.vcpus = 1;
+        c.mem_mib = 1;
+        assert_eq!(check_config(&c), Err(ConfigError::Memory(1)));
+        c.mem_mib = 64;
+        c.cmdline = "a\0b".into();
+        assert_eq!(check_config(&c), Err(ConfigError::CmdlineNul(1)));
+        c.cmdline = "ok".into();
+        assert_eq!(check_config(&c), Ok(()));
+    }
 }

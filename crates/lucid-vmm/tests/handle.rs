@@ -51,6 +51,36 @@ fn pause_read_write_registers_and_resume() {
     assert!(h.get_regs().is_err());
 }
 
+/// A paused vCPU sleeps until a request comes: each call is served on its wake-up, none waits
+/// for the safety-net timeout (before the queue notified, every one of them did).
+#[test]
+fn calls_on_a_paused_vcpu_are_served_without_timeouts() {
+    let mut vm = Vm::build(config("spin", "")).unwrap();
+    vm.start().unwrap();
+    let h = vm.vcpus()[0].clone();
+    h.pause().unwrap();
+    const CALLS: u64 = 20;
+    for i in 0..CALLS {
+        assert_eq!(h.call(move |_| i).unwrap(), i);
+    }
+    let timeouts = vm.stats().snapshot()["vcpu0.paused_wait_timeouts"];
+    vm.stop(StopReason::Signal(15));
+    let report = vm.wait();
+    assert_eq!(timeouts, 0, "{CALLS} calls on a paused vCPU");
+    assert_eq!(report.counters["vcpu0.paused_wait_timeouts"], 0);
+}
+
+/// Dropping a started VM stops and joins its vCPU threads: the handle reports the vCPU gone.
+#[test]
+fn dropping_a_running_vm_joins_its_vcpus() {
+    let mut vm = Vm::build(config("spin", "")).unwrap();
+    vm.start().unwrap();
+    let h = vm.vcpus()[0].clone();
+    h.call(|_| ()).unwrap();
+    drop(vm);
+    assert!(matches!(h.get_regs(), Err(lucid_vmm::VcpuError::Gone(0))));
+}
+
 #[test]
 fn a_registered_hypercall_hook_replaces_the_builtin_one() {
     let vm = Vm::build(config("pio-ping", "count=10")).unwrap();

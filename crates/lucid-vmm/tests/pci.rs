@@ -149,14 +149,15 @@ fn virtio_blk_guest_on_l4_polls() {
 
 #[test]
 fn l3_is_refused_without_posted_interrupts() {
-    if lucid_hv::probe::posted_interrupts_available() {
+    if lucid_hv::posted_interrupts_available() {
         return;
     }
     let (mut c, _) = config("hello", "", "l3");
     let img = disk("l3", 1 << 20);
     c.pci.push(blk(img.clone(), Rung::L3));
     let e = Vm::build(c).err().expect("refused");
-    assert!(e.to_string().contains("posted interrupts"), "{e}");
+    let text = lucid_vmm::error_chain(&e);
+    assert!(text.contains("posted interrupts"), "{text}");
     let _ = std::fs::remove_file(img);
 }
 

@@ -83,54 +83,30 @@ fn lucid_run(kernel: &Path, count: u64) -> Result<f64, String> {
     ))
 }
 
-/// The floor: the same guest booted the same way, but the exit loop only collects serial bytes
-/// and re-enters KVM; no buses, no counters, no hooks.
+/// The floor: the same guest booted the same way (the first stages of Lucid's `VmBuilder`), but
+/// the exit loop only collects serial bytes and re-enters KVM; no buses, no counters, no hooks.
 fn floor_run(kernel: &Path, count: u64) -> Result<f64, String> {
-    use lucid_boot::{layout, AcpiConfig, BootParams};
+    use lucid_boot::{layout, AcpiConfig, KernelImage};
     use lucid_hv::Exit;
-    let e = |e: &dyn std::fmt::Display| e.to_string();
-    let kvm = lucid_hv::open_kvm().map_err(|x| e(&x))?;
-    let vm = lucid_hv::Vm::new(kvm.clone()).map_err(|x| e(&x))?;
-    let mem_size = 256u64 << 20;
-    let ram = lucid_mem::GuestRam::new(&layout::ram_regions(mem_size), Default::default())
-        .map_err(|x| e(&x))?;
-    for (slot, r) in ram.regions().iter().enumerate() {
-        // SAFETY: `ram` outlives the VM in this function.
-        unsafe { vm.set_memory_slot(slot as u32, r.gpa, r.size, r.host_addr, false) }
-            .map_err(|x| e(&x))?;
-    }
-    vm.create_irqchip_and_pit().map_err(|x| e(&x))?;
-    let cmdline = format!("count={count}");
-    let setup = lucid_boot::load(
-        ram.memory(),
-        BootParams {
-            kernel,
+    use lucid_vmm::{KernelLoad, VmBuilder};
+    let e = |e: &(dyn std::error::Error + 'static)| lucid_vmm::error_chain(e);
+    let mut b = VmBuilder::new(256 << 20, Default::default()).map_err(|x| e(&x))?;
+    b.irqchip().map_err(|x| e(&x))?;
+    let image = KernelImage::open(kernel).map_err(|x| e(&x))?;
+    let setup = b
+        .load_kernel(&KernelLoad {
+            image: &image,
             initrd: None,
-            cmdline: &cmdline,
-            mem_size,
+            cmdline: &format!("count={count}"),
             acpi: Some(&AcpiConfig::new(1)),
-        },
-    )
-    .map_err(|x| e(&x))?;
-    let mut vcpu = vm.create_vcpu(0).map_err(|x| e(&x))?;
-    let mut cpuid = kvm
-        .get_supported_cpuid(lucid_hv::kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+        })
         .map_err(|x| e(&x))?;
-    lucid_boot::filter_cpuid(&mut cpuid, 0, 1);
-    vcpu.set_cpuid(&cpuid).map_err(|x| e(&x))?;
-    let (mut regs, mut sregs) = (
-        vcpu.get_regs().map_err(|x| e(&x))?,
-        vcpu.get_sregs().map_err(|x| e(&x))?,
-    );
-    lucid_boot::setup_boot_regs(&setup.entry, &mut regs, &mut sregs, ram.memory())
-        .map_err(|x| e(&x))?;
-    vcpu.set_sregs(&sregs).map_err(|x| e(&x))?;
-    vcpu.set_regs(&regs).map_err(|x| e(&x))?;
+    let mut vcpu = b.vcpu(0, 1, Some(&setup), |_| {}).map_err(|x| e(&x))?;
     let mut serial = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         match vcpu.run().map_err(|x| e(&x))? {
-            Exit::IoOut(0x3f8, d) => serial.push(d[0]),
+            Exit::IoOut(layout::ports::SERIAL_COM1, d) => serial.push(d[0]),
             Exit::IoOut(layout::ports::DEBUG_EXIT, _) => break,
             Exit::IoIn(_, d) => d.fill(0xff),
             Exit::Shutdown | Exit::InternalError(_) | Exit::FailEntry(_) => {

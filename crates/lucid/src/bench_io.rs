@@ -8,14 +8,17 @@
 //! Exits per I/O are measured by difference: each configuration runs twice, with N and 2N
 //! operations, so boot, PCI enumeration and printing cancel out.
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::Instant;
 
-use lucid_vmm::{KernelSource, SerialOutput, Vm, VmConfig};
+use lucid_pci::Rung;
+use lucid_virtio::blk::BlockConfig;
+use lucid_virtio::net::{NetBackend, NetConfig};
+use lucid_virtio::Coalescing;
+use lucid_vmm::{KernelSource, PciDeviceConfig, PciDeviceKind, SerialOutput, Vm, VmConfig};
 use serde_json::{json, Value};
 
 #[derive(clap::Args)]
@@ -36,12 +39,21 @@ pub struct IoArgs {
     runs: usize,
 }
 
+/// What the guest does and against which device.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Device {
+    /// virtio-blk on a disk image of `DISK_MIB`.
+    Block,
+    /// virtio-net with the echo back-end, frames of `size` bytes.
+    Net { size: usize },
+}
+
 struct Workload {
     name: &'static str,
     guest: &'static str,
     /// Guest command line without `count` and `mode`.
     args: &'static str,
-    net: bool,
+    device: Device,
 }
 
 const WORKLOADS: &[Workload] = &[
@@ -49,46 +61,143 @@ const WORKLOADS: &[Workload] = &[
         name: "blk-randread-4k-qd1",
         guest: "virtio-blk",
         args: "op=read pattern=rand bs=4096 qd=1",
-        net: false,
+        device: Device::Block,
     },
     Workload {
         name: "blk-randread-4k-qd32",
         guest: "virtio-blk",
         args: "op=read pattern=rand bs=4096 qd=32",
-        net: false,
+        device: Device::Block,
     },
     Workload {
         name: "net-rr-64",
         guest: "virtio-net",
         args: "op=rr size=64",
-        net: true,
+        device: Device::Net { size: 64 },
     },
     Workload {
         name: "net-rr-1500",
         guest: "virtio-net",
         args: "op=rr size=1500",
-        net: true,
+        device: Device::Net { size: 1500 },
     },
 ];
 
-/// (label, device options, guest mode)
-const RUNGS: &[(&str, &str, &str)] = &[
-    ("L0", "rung=L0", "irq"),
-    ("L1", "rung=L1", "irq"),
-    ("L2", "rung=L2", "irq"),
-    ("L4", "rung=L4", "irq"),
-    ("L4p", "rung=L4p", "poll"),
-    ("L1+coalesce", "rung=L1,coalesce=8:50", "irq"),
+impl Workload {
+    /// The prefix of the guest's result line.
+    fn result_prefix(&self) -> &'static str {
+        match self.device {
+            Device::Block => "virtio-blk op=",
+            Device::Net { .. } => "virtio-net op=",
+        }
+    }
+
+    /// The key of the guest's rate.
+    fn rate_key(&self) -> &'static str {
+        match self.device {
+            Device::Block => "ops_per_s",
+            Device::Net { .. } => "pps",
+        }
+    }
+}
+
+/// How the guest waits for completions.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum GuestMode {
+    Irq,
+    Poll,
+}
+
+impl GuestMode {
+    fn arg(self) -> &'static str {
+        match self {
+            GuestMode::Irq => "irq",
+            GuestMode::Poll => "poll",
+        }
+    }
+}
+
+/// One column of the table: a rung with its options, and how the guest waits.
+struct RungSetup {
+    label: &'static str,
+    rung: Rung,
+    coalescing: Coalescing,
+    guest: GuestMode,
+}
+
+const NO_COALESCING: Coalescing = Coalescing {
+    max_completions: 0,
+    max_delay_us: 0,
+};
+
+const RUNGS: &[RungSetup] = &[
+    RungSetup {
+        label: "L0",
+        rung: Rung::L0,
+        coalescing: NO_COALESCING,
+        guest: GuestMode::Irq,
+    },
+    RungSetup {
+        label: "L1",
+        rung: Rung::L1,
+        coalescing: NO_COALESCING,
+        guest: GuestMode::Irq,
+    },
+    RungSetup {
+        label: "L2",
+        rung: Rung::L2,
+        coalescing: NO_COALESCING,
+        guest: GuestMode::Irq,
+    },
+    RungSetup {
+        label: "L4",
+        rung: Rung::L4 { guest_polls: false },
+        coalescing: NO_COALESCING,
+        guest: GuestMode::Irq,
+    },
+    RungSetup {
+        label: "L4p",
+        rung: Rung::L4 { guest_polls: true },
+        coalescing: NO_COALESCING,
+        guest: GuestMode::Poll,
+    },
+    RungSetup {
+        label: "L1+coalesce",
+        rung: Rung::L1,
+        coalescing: Coalescing {
+            max_completions: 8,
+            max_delay_us: 50,
+        },
+        guest: GuestMode::Irq,
+    },
 ];
 
 const DISK_MIB: u64 = 64;
 
-/// `key=value` from the guest's result line (the one starting with `prefix`).
-fn field(out: &str, prefix: &str, key: &str) -> Option<f64> {
-    let line = out.lines().find(|l| l.starts_with(prefix))?;
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(key).and_then(|v| v.strip_prefix('=')))
-        .and_then(|v| v.parse().ok())
+/// What the guest's result line says.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct GuestResult {
+    ops_per_s: f64,
+    irqs: f64,
+    kicks: f64,
+}
+
+impl GuestResult {
+    /// From the line starting with the workload's prefix; `None` when there is none or it has
+    /// no rate.
+    fn parse(w: &Workload, out: &str) -> Option<GuestResult> {
+        let line = out.lines().find(|l| l.starts_with(w.result_prefix()))?;
+        let field = |key: &str| {
+            line.split_whitespace()
+                .find_map(|f| f.strip_prefix(key).and_then(|v| v.strip_prefix('=')))
+                .and_then(|v| v.parse::<f64>().ok())
+        };
+        Some(GuestResult {
+            ops_per_s: field(w.rate_key())?,
+            irqs: field("irqs").unwrap_or(0.0),
+            kicks: field("kicks").unwrap_or(0.0),
+        })
+    }
 }
 
 fn guest_path(name: &str, dir: &Path) -> Result<PathBuf, String> {
@@ -101,117 +210,123 @@ fn guest_path(name: &str, dir: &Path) -> Result<PathBuf, String> {
     Ok(p)
 }
 
+/// The device of workload `w` on rung `r`.
+fn device_config(w: &Workload, r: &RungSetup, disk: &Path) -> PciDeviceConfig {
+    let kind = match w.device {
+        Device::Block => PciDeviceKind::Block(BlockConfig {
+            path: disk.to_path_buf(),
+            read_only: false,
+            logical_block_size: 512,
+            id: String::new(),
+        }),
+        Device::Net { .. } => PciDeviceKind::Net(NetConfig {
+            backend: NetBackend::Echo,
+            mac: [0x52, 0x54, 0x00, 0x12, 0x34, 0x56],
+        }),
+    };
+    PciDeviceConfig {
+        rung: r.rung,
+        coalescing: r.coalescing,
+        ..PciDeviceConfig::new(kind)
+    }
+}
+
+/// What one Lucid run gave: the guest's figures and Lucid's counts.
 struct LucidRun {
-    out: String,
-    counters: BTreeMap<String, u64>,
+    guest: GuestResult,
+    user_exits: u64,
+    kvm_exits: u64,
+    irqs: u64,
 }
 
 fn lucid_run(
     w: &Workload,
+    r: &RungSetup,
     kernel: &Path,
     disk: &Path,
-    dev: &str,
-    mode: &str,
     count: u64,
     dir: &Path,
 ) -> Result<LucidRun, String> {
     let serial = dir.join("serial.txt");
     let mut c = VmConfig::new(KernelSource::File(kernel.into()));
-    c.cmdline = format!("{} mode={mode} count={count}", w.args);
+    c.cmdline = format!("{} mode={} count={count}", w.args, r.guest.arg());
     c.serial = SerialOutput::File(serial.clone());
-    let dev_cfg = if w.net {
-        lucid_vmm::parse_net(&format!("backend=echo,{dev}"), 0)?
-    } else {
-        lucid_vmm::parse_blk(&format!("path={},{dev}", disk.display()))?
-    };
-    c.pci.push(dev_cfg);
-    let report = Vm::run(c).map_err(|e| e.to_string())?;
+    c.pci.push(device_config(w, r, disk));
+    let report = Vm::run(c).map_err(|e| lucid_vmm::error_chain(&e))?;
     let out = std::fs::read_to_string(&serial).unwrap_or_default();
     if report.stop != lucid_vmm::StopReason::DebugExit(0) {
         return Err(format!(
-            "{} on {dev}: {} — guest said: {out}",
+            "{} on {}: {} — guest said: {out}",
             w.name,
+            r.label,
             report.stop_text()
         ));
     }
+    let guest = GuestResult::parse(w, &out).ok_or(format!("no {} in: {out}", w.rate_key()))?;
     Ok(LucidRun {
-        out,
-        counters: report.counters,
-    })
-}
-
-fn sum(c: &BTreeMap<String, u64>, pred: impl Fn(&str) -> bool) -> u64 {
-    c.iter().filter(|(k, _)| pred(k)).map(|(_, v)| v).sum()
-}
-
-fn user_exits(c: &BTreeMap<String, u64>) -> u64 {
-    sum(c, |k| k.starts_with("vcpu") && k.ends_with(".exits"))
-}
-
-fn kvm_exits(c: &BTreeMap<String, u64>) -> u64 {
-    sum(c, |k| k.starts_with("kvm.vcpu") && k.ends_with(".exits"))
-}
-
-fn irqs(c: &BTreeMap<String, u64>) -> u64 {
-    sum(c, |k| {
-        k.contains(".irq.msi_signal") || k.contains(".irq.irqfd") || k.contains(".irq.intx")
+        guest,
+        user_exits: report.total_exits(),
+        kvm_exits: report.kvm_exits(),
+        irqs: report.devices().iter().map(|d| d.irqs).sum(),
     })
 }
 
 /// One rung of one workload: ops/s (from the 2N run), and per-I/O figures by difference.
-fn measure(
-    w: &Workload,
-    kernel: &Path,
-    disk: &Path,
-    dev: &str,
-    mode: &str,
-    count: u64,
-    dir: &Path,
-) -> Result<Value, String> {
-    let a = lucid_run(w, kernel, disk, dev, mode, count, dir)?;
-    let b = lucid_run(w, kernel, disk, dev, mode, 2 * count, dir)?;
-    let prefix = if w.net {
-        "virtio-net op="
-    } else {
-        "virtio-blk op="
-    };
-    let rate_key = if w.net { "pps" } else { "ops_per_s" };
-    let ops_per_s =
-        field(&b.out, prefix, rate_key).ok_or(format!("no {rate_key} in: {}", b.out))?;
-    let n = count as f64;
-    let per = |f: fn(&BTreeMap<String, u64>) -> u64| {
-        (f(&b.counters) as f64 - f(&a.counters) as f64).max(0.0) / n
-    };
-    let guest_irqs =
-        field(&b.out, prefix, "irqs").unwrap_or(0.0) - field(&a.out, prefix, "irqs").unwrap_or(0.0);
-    let guest_kicks = field(&b.out, prefix, "kicks").unwrap_or(0.0)
-        - field(&a.out, prefix, "kicks").unwrap_or(0.0);
-    Ok(json!({
-        "ops_per_s": ops_per_s,
-        "exits_per_io": per(user_exits),
-        "kvm_exits_per_io": per(kvm_exits),
-        "irqs_per_io": per(irqs),
-        "guest_irqs_per_io": guest_irqs.max(0.0) / n,
-        "guest_kicks_per_io": guest_kicks.max(0.0) / n,
-    }))
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+struct RungResult {
+    ops_per_s: f64,
+    exits_per_io: f64,
+    kvm_exits_per_io: f64,
+    irqs_per_io: f64,
+    guest_irqs_per_io: f64,
+    guest_kicks_per_io: f64,
 }
 
-/// Runs `f` `runs` times and returns, for every numeric key, the median.
-fn median_of(runs: usize, mut f: impl FnMut() -> Result<Value, String>) -> Result<Value, String> {
-    let samples: Vec<Value> = (0..runs).map(|_| f()).collect::<Result<_, _>>()?;
-    let mut out = serde_json::Map::new();
-    for key in samples[0]
-        .as_object()
-        .map(|o| o.keys().cloned().collect::<Vec<_>>())
-        .unwrap_or_default()
-    {
-        let mut v: Vec<f64> = samples.iter().filter_map(|s| s[&key].as_f64()).collect();
-        v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
-        if let Some(m) = v.get(v.len() / 2) {
-            out.insert(key, json!(m));
+impl RungResult {
+    /// Per-I/O figures by difference of a run of `n` and a run of `2n` operations.
+    fn from_runs(a: &LucidRun, b: &LucidRun, n: u64) -> RungResult {
+        let n = n as f64;
+        let per = |x: u64, y: u64| (y as f64 - x as f64).max(0.0) / n;
+        let per_f = |x: f64, y: f64| (y - x).max(0.0) / n;
+        RungResult {
+            ops_per_s: b.guest.ops_per_s,
+            exits_per_io: per(a.user_exits, b.user_exits),
+            kvm_exits_per_io: per(a.kvm_exits, b.kvm_exits),
+            irqs_per_io: per(a.irqs, b.irqs),
+            guest_irqs_per_io: per_f(a.guest.irqs, b.guest.irqs),
+            guest_kicks_per_io: per_f(a.guest.kicks, b.guest.kicks),
         }
     }
-    Ok(Value::Object(out))
+
+    /// The median of each figure over `samples` (not empty).
+    fn median(samples: &[RungResult]) -> RungResult {
+        let med = |f: fn(&RungResult) -> f64| {
+            let mut v: Vec<f64> = samples.iter().map(f).collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        RungResult {
+            ops_per_s: med(|r| r.ops_per_s),
+            exits_per_io: med(|r| r.exits_per_io),
+            kvm_exits_per_io: med(|r| r.kvm_exits_per_io),
+            irqs_per_io: med(|r| r.irqs_per_io),
+            guest_irqs_per_io: med(|r| r.guest_irqs_per_io),
+            guest_kicks_per_io: med(|r| r.guest_kicks_per_io),
+        }
+    }
+}
+
+fn measure(
+    w: &Workload,
+    r: &RungSetup,
+    kernel: &Path,
+    disk: &Path,
+    count: u64,
+    dir: &Path,
+) -> Result<RungResult, String> {
+    let a = lucid_run(w, r, kernel, disk, count, dir)?;
+    let b = lucid_run(w, r, kernel, disk, 2 * count, dir)?;
+    Ok(RungResult::from_runs(&a, &b, count))
 }
 
 fn qemu_cmd(
@@ -220,31 +335,34 @@ fn qemu_cmd(
     disk: &Path,
     count: u64,
     iothread_poll: bool,
-    guest_mode: &str,
+    guest: GuestMode,
 ) -> Command {
-    let append = format!("{} mode={guest_mode} count={count}", w.args);
+    let append = format!("{} mode={} count={count}", w.args, guest.arg());
     let mut c = crate::bench::qemu_command(crate::bench::QEMU_Q35, kernel, &append);
     let poll = if iothread_poll { "" } else { ",poll-max-ns=0" };
     c.args(["-object", &format!("iothread,id=io0{poll}")]);
-    if w.net {
-        // A UDP socket netdev that sends to its own address: every frame comes back (echo).
-        let port = 20000 + (std::process::id() % 20000) as u16;
-        c.args([
-            "-netdev",
-            &format!("socket,id=n0,udp=127.0.0.1:{port},localaddr=127.0.0.1:{port}"),
-            "-device",
-            "virtio-net-pci,netdev=n0,disable-legacy=on",
-        ]);
-    } else {
-        c.args([
-            "-drive",
-            &format!(
-                "file={},if=none,id=d0,format=raw,cache=writeback,aio=threads",
-                disk.display()
-            ),
-            "-device",
-            "virtio-blk-pci,drive=d0,disable-legacy=on,iothread=io0",
-        ]);
+    match w.device {
+        Device::Net { .. } => {
+            // A UDP socket netdev that sends to its own address: every frame comes back (echo).
+            let port = 20000 + (std::process::id() % 20000) as u16;
+            c.args([
+                "-netdev",
+                &format!("socket,id=n0,udp=127.0.0.1:{port},localaddr=127.0.0.1:{port}"),
+                "-device",
+                "virtio-net-pci,netdev=n0,disable-legacy=on",
+            ]);
+        }
+        Device::Block => {
+            c.args([
+                "-drive",
+                &format!(
+                    "file={},if=none,id=d0,format=raw,cache=writeback,aio=threads",
+                    disk.display()
+                ),
+                "-device",
+                "virtio-blk-pci,drive=d0,disable-legacy=on,iothread=io0",
+            ]);
+        }
     }
     c
 }
@@ -255,22 +373,17 @@ fn qemu_best(w: &Workload, kernel: &Path, disk: &Path, count: u64) -> Result<f64
     let mut best: Option<f64> = None;
     let mut last_err = String::new();
     for (poll, mode) in [
-        (true, "irq"),
-        (false, "irq"),
-        (true, "poll"),
-        (false, "poll"),
+        (true, GuestMode::Irq),
+        (false, GuestMode::Irq),
+        (true, GuestMode::Poll),
+        (false, GuestMode::Poll),
     ] {
         let out = qemu_cmd(w, kernel, disk, 2 * count, poll, mode)
             .output()
             .map_err(|e| format!("qemu-system-x86_64: {e}"))?;
         let text = String::from_utf8_lossy(&out.stdout);
-        let prefix = if w.net {
-            "virtio-net op="
-        } else {
-            "virtio-blk op="
-        };
-        match field(&text, prefix, if w.net { "pps" } else { "ops_per_s" }) {
-            Some(v) => best = Some(best.map_or(v, |b: f64| b.max(v))),
+        match GuestResult::parse(w, &text) {
+            Some(g) => best = Some(best.map_or(g.ops_per_s, |b: f64| b.max(g.ops_per_s))),
             None => last_err = format!("QEMU printed no result: {}", text.trim()),
         }
     }
@@ -282,8 +395,7 @@ fn qemu_best(w: &Workload, kernel: &Path, disk: &Path, count: u64) -> Result<f64
 /// same frames between two threads, the better of a blocking exchange over a socket pair and a
 /// polling exchange through shared memory (the design of L4 with a polling guest).
 fn native(w: &Workload, disk: &Path) -> Result<f64, String> {
-    if w.net {
-        let size = if w.name.ends_with("64") { 64 } else { 1500 };
+    if let Device::Net { size } = w.device {
         return Ok(native_rr_blocking(size)?.max(native_rr_polling(size)));
     }
     let n = 200_000u64;
@@ -368,7 +480,61 @@ fn native_rr_polling(size: usize) -> f64 {
     n as f64 / elapsed.as_secs_f64()
 }
 
-fn svg_plot(results: &Value) -> String {
+/// One workload's figures: each rung's (or why it failed), QEMU's best and the native limit.
+struct WorkloadResult {
+    workload: &'static Workload,
+    rungs: Vec<(&'static RungSetup, Result<RungResult, String>)>,
+    qemu_best: Result<f64, String>,
+    native_ops_per_s: f64,
+}
+
+impl WorkloadResult {
+    fn rung(&self, label: &str) -> Option<&RungResult> {
+        self.rungs
+            .iter()
+            .find(|(r, _)| r.label == label)
+            .and_then(|(_, res)| res.as_ref().ok())
+    }
+
+    fn lucid_best(&self) -> f64 {
+        self.rungs
+            .iter()
+            .filter_map(|(_, r)| r.as_ref().ok())
+            .map(|r| r.ops_per_s)
+            .fold(0.0, f64::max)
+    }
+
+    fn to_json(&self) -> Value {
+        let best = self.lucid_best();
+        let rungs: serde_json::Map<String, Value> = self
+            .rungs
+            .iter()
+            .map(|(r, res)| {
+                let v = match res {
+                    Ok(x) => json!(x),
+                    Err(e) => json!({ "error": e }),
+                };
+                (r.label.to_string(), v)
+            })
+            .collect();
+        let mut entry = json!({
+            "rungs": rungs,
+            "lucid_best_ops_per_s": best,
+            "native_ops_per_s": self.native_ops_per_s,
+            "lucid_best_over_native": best / self.native_ops_per_s,
+        });
+        match &self.qemu_best {
+            Ok(q) => {
+                entry["qemu_best_ops_per_s"] = json!(q);
+                entry["lucid_best_over_qemu_best"] = json!(best / q);
+            }
+            Err(e) => entry["qemu_error"] = json!(e),
+        }
+        entry
+    }
+}
+
+fn svg_plot(results: &[WorkloadResult]) -> String {
     let (w, h) = (900.0, 520.0);
     let mut s = String::new();
     let _ = writeln!(
@@ -380,18 +546,13 @@ fn svg_plot(results: &Value) -> String {
         s,
         r#"<text x="10" y="18" font-size="14">lucid bench io: ops/s (bars, left axis, log) and userspace exits per I/O (dots, right axis) per rung</text>"#
     );
-    let workloads: Vec<&str> = WORKLOADS.iter().map(|w| w.name).collect();
-    let panel_w = (w - 60.0) / workloads.len() as f64;
+    let panel_w = (w - 60.0) / results.len().max(1) as f64;
     let (top, bottom) = (40.0, h - 90.0);
-    let max_ops = results["workloads"]
-        .as_object()
-        .map(|m| {
-            m.values()
-                .flat_map(|v| v["rungs"].as_object().into_iter().flat_map(|r| r.values()))
-                .filter_map(|r| r["ops_per_s"].as_f64())
-                .fold(1.0, f64::max)
-        })
-        .unwrap_or(1.0);
+    let max_ops = results
+        .iter()
+        .flat_map(|r| r.rungs.iter().filter_map(|(_, x)| x.as_ref().ok()))
+        .map(|r| r.ops_per_s)
+        .fold(1.0, f64::max);
     let log_top = max_ops.log10().ceil();
     let y_ops = |v: f64| bottom - (v.max(1.0).log10() / log_top) * (bottom - top);
     let max_exits = 3.0;
@@ -414,7 +575,8 @@ fn svg_plot(results: &Value) -> String {
             y + 4.0
         );
     }
-    for (i, name) in workloads.iter().enumerate() {
+    for (i, result) in results.iter().enumerate() {
+        let name = result.workload.name;
         let x0 = 45.0 + i as f64 * panel_w;
         let _ = writeln!(
             s,
@@ -422,25 +584,23 @@ fn svg_plot(results: &Value) -> String {
             x0 + 5.0,
             h - 20.0
         );
-        let rungs = &results["workloads"][*name]["rungs"];
         let bar_w = panel_w / (RUNGS.len() as f64 + 1.5);
-        for (j, (label, _, _)) in RUNGS.iter().enumerate() {
+        for (j, setup) in RUNGS.iter().enumerate() {
+            let label = setup.label;
             let x = x0 + j as f64 * bar_w;
-            if let Some(ops) = rungs[*label]["ops_per_s"].as_f64() {
-                let y = y_ops(ops);
+            if let Some(r) = result.rung(label) {
+                let y = y_ops(r.ops_per_s);
                 let _ = writeln!(
                     s,
                     r##"<rect x="{x}" y="{y}" width="{}" height="{}" fill="#4a7fb5"/>"##,
                     bar_w * 0.8,
                     bottom - y
                 );
-            }
-            if let Some(e) = rungs[*label]["exits_per_io"].as_f64() {
                 let _ = writeln!(
                     s,
                     r##"<circle cx="{}" cy="{}" r="3.5" fill="#d0542c"/>"##,
                     x + bar_w * 0.4,
-                    y_exits(e)
+                    y_exits(r.exits_per_io)
                 );
             }
             let _ = writeln!(
@@ -452,7 +612,7 @@ fn svg_plot(results: &Value) -> String {
                 bottom + 12.0
             );
         }
-        if let Some(q) = results["workloads"][*name]["qemu_best_ops_per_s"].as_f64() {
+        if let Ok(q) = result.qemu_best {
             let x = x0 + RUNGS.len() as f64 * bar_w;
             let y = y_ops(q);
             let _ = writeln!(
@@ -488,82 +648,150 @@ pub fn run(args: IoArgs) -> Result<ExitCode, String> {
         data.extend_from_slice(&block);
     }
     std::fs::write(&disk, &data).map_err(|e| e.to_string())?;
-    let mut all = serde_json::Map::new();
+    let mut results = Vec::new();
     for w in WORKLOADS {
         let kernel = guest_path(w.guest, &dir)?;
-        let mut rungs = serde_json::Map::new();
-        for (label, dev, mode) in RUNGS {
-            let count = if w.net || *label == "L0" {
-                args.count
-            } else {
-                args.count * 2
+        let mut rungs = Vec::new();
+        for r in RUNGS {
+            // Block I/O beyond L0 is fast enough for twice the operations.
+            let count = match (w.device, r.rung) {
+                (Device::Block, rung) if rung != Rung::L0 => args.count * 2,
+                _ => args.count,
             };
-            let r = median_of(args.runs.max(1), || {
-                measure(w, &kernel, &disk, dev, mode, count, &dir)
-            })
-            .unwrap_or_else(|e| json!({ "error": e }));
+            let samples: Result<Vec<RungResult>, String> = (0..args.runs.max(1))
+                .map(|_| measure(w, r, &kernel, &disk, count, &dir))
+                .collect();
+            let result = samples.map(|s| RungResult::median(&s));
             if !args.json {
-                eprintln!("{:<22} {:<12} {}", w.name, label, r);
+                match &result {
+                    Ok(x) => log::info!("{:<22} {:<12} {x:?}", w.name, r.label),
+                    Err(e) => log::warn!("{:<22} {:<12} {e}", w.name, r.label),
+                }
             }
-            rungs.insert(label.to_string(), r);
+            rungs.push((r, result));
         }
-        let best = rungs
-            .values()
-            .filter_map(|r| r["ops_per_s"].as_f64())
-            .fold(0.0, f64::max);
-        let qemu = if args.no_qemu {
+        let qemu_best = if args.no_qemu {
             Err("skipped".to_string())
         } else {
             qemu_best(w, &kernel, &disk, args.count)
         };
-        let native = native(w, &disk)?;
-        let mut entry = json!({
-            "rungs": rungs,
-            "lucid_best_ops_per_s": best,
-            "native_ops_per_s": native,
-            "lucid_best_over_native": best / native,
+        results.push(WorkloadResult {
+            workload: w,
+            rungs,
+            qemu_best,
+            native_ops_per_s: native(w, &disk)?,
         });
-        match qemu {
-            Ok(q) => {
-                entry["qemu_best_ops_per_s"] = json!(q);
-                entry["lucid_best_over_qemu_best"] = json!(best / q);
-            }
-            Err(e) => entry["qemu_error"] = json!(e),
-        }
-        all.insert(w.name.to_string(), entry);
     }
     let _ = std::fs::remove_dir_all(&dir);
-    let result = json!({ "count": args.count, "workloads": all });
     if let Some(p) = &args.plot {
-        std::fs::write(p, svg_plot(&result)).map_err(|e| format!("{}: {e}", p.display()))?;
+        std::fs::write(p, svg_plot(&results)).map_err(|e| format!("{}: {e}", p.display()))?;
     }
     if args.json {
-        println!("{result}");
-    } else {
-        println!("lucid bench io (ops/s from inside the guest; exits and interrupts per I/O by difference of N and 2N runs)");
-        for w in WORKLOADS {
-            let e = &result["workloads"][w.name];
-            println!("{}:", w.name);
-            for (label, _, _) in RUNGS {
-                let r = &e["rungs"][*label];
-                match r["ops_per_s"].as_f64() {
-                    Some(ops) => println!(
-                        "  {label:<12} {ops:>10.0} ops/s  exits/IO {:>6.3}  KVM exits/IO {:>6.2}  irqs/IO {:>5.3}",
-                        r["exits_per_io"].as_f64().unwrap_or(f64::NAN),
-                        r["kvm_exits_per_io"].as_f64().unwrap_or(f64::NAN),
-                        r["irqs_per_io"].as_f64().unwrap_or(f64::NAN)
-                    ),
-                    None => println!("  {label:<12} error: {}", r["error"]),
-                }
+        let all: serde_json::Map<String, Value> = results
+            .iter()
+            .map(|r| (r.workload.name.to_string(), r.to_json()))
+            .collect();
+        println!("{}", json!({ "count": args.count, "workloads": all }));
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("lucid bench io (ops/s from inside the guest; exits and interrupts per I/O by difference of N and 2N runs)");
+    for result in &results {
+        println!("{}:", result.workload.name);
+        for (setup, r) in &result.rungs {
+            let label = setup.label;
+            match r {
+                Ok(r) => println!(
+                    "  {label:<12} {:>10.0} ops/s  exits/IO {:>6.3}  KVM exits/IO {:>6.2}  irqs/IO {:>5.3}",
+                    r.ops_per_s, r.exits_per_io, r.kvm_exits_per_io, r.irqs_per_io
+                ),
+                Err(e) => println!("  {label:<12} error: {e}"),
             }
-            println!(
-                "  QEMU best    {}   native {:.0} ops/s   Lucid best / QEMU best {}   Lucid best / native {:.3}",
-                e["qemu_best_ops_per_s"].as_f64().map_or(format!("n/a ({})", e["qemu_error"]), |q| format!("{q:.0} ops/s")),
-                e["native_ops_per_s"].as_f64().unwrap_or(0.0),
-                e["lucid_best_over_qemu_best"].as_f64().map_or("n/a".into(), |r| format!("{r:.2}")),
-                e["lucid_best_over_native"].as_f64().unwrap_or(0.0),
-            );
         }
+        let best = result.lucid_best();
+        println!(
+            "  QEMU best    {}   native {:.0} ops/s   Lucid best / QEMU best {}   Lucid best / native {:.3}",
+            match &result.qemu_best {
+                Ok(q) => format!("{q:.0} ops/s"),
+                Err(e) => format!("n/a ({e})"),
+            },
+            result.native_ops_per_s,
+            result
+                .qemu_best
+                .as_ref()
+                .map_or("n/a".into(), |q| format!("{:.2}", best / q)),
+            best / result.native_ops_per_s,
+        );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guest_result_lines_parse_into_figures() {
+        let net = &WORKLOADS[2];
+        let out = "virtio-net mac=52:54:00:12:34:56 features=0x1\n\
+                   virtio-net op=rr size=64 packets=10 bytes=640 tsc=1 pps=1234.5 kicks=3 irqs=9 mismatches=0\n";
+        assert_eq!(
+            GuestResult::parse(net, out),
+            Some(GuestResult {
+                ops_per_s: 1234.5,
+                irqs: 9.0,
+                kicks: 3.0
+            })
+        );
+        assert_eq!(
+            GuestResult::parse(net, "virtio-net op=rr pps=unknown"),
+            None
+        );
+        assert_eq!(GuestResult::parse(&WORKLOADS[0], out), None);
+    }
+
+    #[test]
+    fn per_io_figures_by_difference_and_medians() {
+        let run = |n: u64, ops: f64| LucidRun {
+            guest: GuestResult {
+                ops_per_s: ops,
+                irqs: n as f64,
+                kicks: 0.0,
+            },
+            user_exits: 100 + n,
+            kvm_exits: 200 + 3 * n,
+            irqs: 5 + n / 2,
+        };
+        let r = RungResult::from_runs(&run(1000, 1.0), &run(2000, 7.0), 1000);
+        assert_eq!(r.ops_per_s, 7.0);
+        assert_eq!(r.exits_per_io, 1.0);
+        assert_eq!(r.kvm_exits_per_io, 3.0);
+        assert_eq!(r.irqs_per_io, 0.5);
+        assert_eq!(r.guest_irqs_per_io, 1.0);
+        let m = RungResult::median(&[
+            RungResult {
+                ops_per_s: 3.0,
+                ..r
+            },
+            RungResult {
+                ops_per_s: 1.0,
+                ..r
+            },
+            RungResult {
+                ops_per_s: 2.0,
+                ..r
+            },
+        ]);
+        assert_eq!(m.ops_per_s, 2.0);
+    }
+
+    #[test]
+    fn devices_are_built_from_the_rung_table() {
+        let d = device_config(&WORKLOADS[0], &RUNGS[5], Path::new("/tmp/d.img"));
+        assert_eq!(d.rung, Rung::L1);
+        assert_eq!(d.coalescing.max_completions, 8);
+        assert!(matches!(d.kind, PciDeviceKind::Block(ref b) if b.path == Path::new("/tmp/d.img")));
+        let d = device_config(&WORKLOADS[3], &RUNGS[4], Path::new("/unused"));
+        assert_eq!(d.rung, Rung::L4 { guest_polls: true });
+        assert!(matches!(d.kind, PciDeviceKind::Net(_)));
+    }
 }

@@ -4,6 +4,7 @@
 
 mod bench;
 mod bench_io;
+mod logger;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -20,6 +21,15 @@ use lucid_vmm::{Backing, KernelSource, SerialOutput, StopReason, Vm, VmConfig};
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+    /// Only warnings and errors (no summary at VM exit, no notes on what Lucid chose).
+    #[arg(short, long, global = true)]
+    quiet: bool,
+    /// More detail on what Lucid decides and why (-v debug, -vv trace).
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    /// Log level: off, error, warn, info (the default), debug or trace. Overrides -q and -v.
+    #[arg(long, global = true, value_name = "LEVEL")]
+    log_level: Option<log::LevelFilter>,
 }
 
 #[derive(Subcommand)]
@@ -70,9 +80,6 @@ struct RunArgs {
     /// Write the run's statistics as JSON to this file.
     #[arg(long)]
     stats_json: Option<PathBuf>,
-    /// Do not print the summary at VM exit.
-    #[arg(long)]
-    quiet: bool,
     /// A virtio-blk disk on PCI (repeatable):
     /// path=FILE[,ro=on][,bs=512|4096][,id=STR][,rung=L0|L1|L2|L3|L4|L4p][,coalesce=N:USEC][,poll_us=N]
     #[arg(long = "blk", value_name = "OPTS")]
@@ -86,29 +93,47 @@ struct RunArgs {
     no_seccomp: bool,
 }
 
-fn parse_backing(s: &str) -> Result<Backing, String> {
+/// What the CLI could not do, for its one error line.
+#[derive(Debug, thiserror::Error)]
+enum CliError {
+    #[error("bad --backing {0:?}: expected anon, memfd or file:PATH")]
+    Backing(String),
+    #[error("no built-in guest {0:?}; built-in guests: {list}", list = lucid_guests::NAMES.join(", "))]
+    NoGuest(String),
+    #[error(transparent)]
+    Serial(#[from] lucid_vmm::BadSerialOption),
+    #[error(transparent)]
+    Device(#[from] lucid_vmm::DeviceOptionError),
+    #[error("cannot write --stats-json {path}")]
+    StatsJson {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Vmm(#[from] lucid_vmm::VmmError),
+    #[error(transparent)]
+    Probe(#[from] lucid_probe::ProbeError),
+    #[error("{0}")]
+    Bench(String),
+}
+
+fn parse_backing(s: &str) -> Result<Backing, CliError> {
     match s.split_once(':') {
         _ if s == "anon" => Ok(Backing::Anonymous),
         _ if s == "memfd" => Ok(Backing::SharedMemfd),
         Some(("file", p)) if !p.is_empty() => Ok(Backing::FilePrivate(p.into())),
-        _ => Err(format!(
-            "bad --backing {s:?}: expected anon, memfd or file:PATH"
-        )),
+        _ => Err(CliError::Backing(s.to_string())),
     }
 }
 
-fn run(args: RunArgs) -> Result<ExitCode, String> {
+fn run(args: RunArgs) -> Result<ExitCode, CliError> {
     let builtin_default = args.kernel.is_none() && args.guest.is_none();
     let kernel = match (&args.kernel, &args.guest) {
         (Some(k), _) => KernelSource::File(k.clone()),
         (None, g) => {
             let name = g.as_deref().unwrap_or("hostinfo");
-            let bytes = lucid_guests::get(name).ok_or_else(|| {
-                format!(
-                    "no built-in guest {name:?}; built-in guests: {}",
-                    lucid_guests::NAMES.join(", ")
-                )
-            })?;
+            let bytes = lucid_guests::get(name).ok_or_else(|| CliError::NoGuest(name.into()))?;
             KernelSource::Builtin {
                 name: name.into(),
                 bytes,
@@ -133,37 +158,44 @@ fn run(args: RunArgs) -> Result<ExitCode, String> {
         config.pci.push(lucid_vmm::parse_net(n, i)?);
     }
 
-    let mut vm = Vm::build(config).map_err(|e| e.to_string())?;
-    if builtin_default {
-        eprintln!(
-            "lucid: no --kernel given: running the built-in probe guest `hostinfo` on this host (KVM backend: {})",
-            vm.backend()
-        );
-    }
-    for w in vm.warnings() {
-        eprintln!("lucid: warning: {w}");
-    }
-    // Opened now: once the VM runs, the main thread may write but not open files (seccomp).
+    // Checked before the run, not after it: a typo in the path should not cost a whole run.
     let stats_file = match &args.stats_json {
-        Some(p) => Some(
-            std::fs::File::create(p)
-                .map_err(|e| format!("cannot write --stats-json {}: {e}", p.display()))?,
+        Some(path) => Some(
+            std::fs::File::create(path).map_err(|source| CliError::StatsJson {
+                path: path.clone(),
+                source,
+            })?,
         ),
         None => None,
     };
-    vm.start().map_err(|e| e.to_string())?;
-    vm.confine_caller().map_err(|e| e.to_string())?;
-    let report = vm.wait();
-    if !args.quiet {
-        eprint!("{}", report.summary());
+    let built = Vm::build(config);
+    if let (Err(_), Some(path)) = (&built, &args.stats_json) {
+        let _ = std::fs::remove_file(path);
     }
-    if let (Some(path), Some(mut file)) = (args.stats_json, stats_file) {
+    let mut vm = built?;
+    if builtin_default {
+        log::info!(
+            "no --kernel given: running the built-in probe guest `hostinfo` on this host (KVM backend: {})",
+            vm.backend()
+        );
+    }
+    vm.start()?;
+    vm.confine_caller()?;
+    let report = vm.wait();
+    for line in report.summary().lines() {
+        log::info!("{line}");
+    }
+    if let (Some(mut file), Some(path)) = (stats_file, &args.stats_json) {
         let text = serde_json::to_string_pretty(&report.to_json()).expect("JSON of plain values");
-        std::io::Write::write_all(&mut file, (text + "\n").as_bytes())
-            .map_err(|e| format!("cannot write --stats-json {}: {e}", path.display()))?;
+        std::io::Write::write_all(&mut file, (text + "\n").as_bytes()).map_err(|source| {
+            CliError::StatsJson {
+                path: path.clone(),
+                source,
+            }
+        })?;
     }
     if let StopReason::Error(e) = &report.stop {
-        eprintln!("lucid: error: {e}");
+        log::error!("{}", lucid_vmm::error_chain(e.as_ref()));
     }
     // The built-in host report succeeds with exit status 0 when the guest reports success (0);
     // every other run follows QEMU's debug-exit convention.
@@ -176,22 +208,20 @@ fn run(args: RunArgs) -> Result<ExitCode, String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    logger::install(logger::level(cli.log_level, cli.quiet, cli.verbose));
     let result = match cli.cmd {
         Cmd::Run(args) => run(*args),
-        Cmd::Probe { json, quick } => {
-            match lucid_hv::probe::run_probe(&lucid_hv::probe::ProbeOptions { quick }) {
-                Ok(r) if json => {
+        Cmd::Probe { json, quick } => lucid_probe::run_probe(&lucid_probe::ProbeOptions { quick })
+            .map(|r| {
+                if json {
                     println!("{}", r.to_json());
-                    Ok(ExitCode::SUCCESS)
-                }
-                Ok(r) => {
+                } else {
                     print!("{r}");
-                    Ok(ExitCode::SUCCESS)
                 }
-                Err(e) => Err(e.to_string()),
-            }
-        }
-        Cmd::Bench { what } => bench::run(what),
+                ExitCode::SUCCESS
+            })
+            .map_err(CliError::from),
+        Cmd::Bench { what } => bench::run(what).map_err(CliError::Bench),
         Cmd::Guests => {
             for n in lucid_guests::NAMES {
                 println!("{n}");
@@ -200,7 +230,8 @@ fn main() -> ExitCode {
         }
     };
     result.unwrap_or_else(|e| {
-        eprintln!("lucid: {e}");
+        // Printed whatever the log level: it is the reason for exit status 1.
+        eprintln!("lucid: {}", lucid_vmm::error_chain(&e));
         ExitCode::from(1)
     })
 }

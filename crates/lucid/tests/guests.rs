@@ -246,6 +246,32 @@ fn kernel_larger_than_memory_is_a_clear_error() {
     let _ = std::fs::remove_file(big);
 }
 
+/// A `--stats-json` path that cannot be written is refused before the guest runs, not after.
+#[test]
+fn an_unwritable_stats_json_path_is_refused_before_the_run() {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_lucid"));
+    cmd.args([
+        "run",
+        "--guest",
+        "hello",
+        "--stats-json",
+        "/nonexistent-lucid-dir/stats.json",
+    ]);
+    let o = run_cmd(cmd, LIMIT);
+    assert_eq!(o.status, Some(1), "{}", o.stderr);
+    assert!(
+        o.stderr
+            .contains("cannot write --stats-json /nonexistent-lucid-dir/stats.json"),
+        "{}",
+        o.stderr
+    );
+    assert!(
+        !o.stdout.contains("hello from"),
+        "the guest ran: {}",
+        o.stdout
+    );
+}
+
 #[test]
 fn bad_options_are_clear_errors() {
     for args in [

@@ -1,13 +1,14 @@
 //! The probe's guest programs and measurements, all on [`MiniVm`].
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
-use kvm_ioctls::{IoEventAddress, Kvm, NoDatamatch, VcpuExit};
+use lucid_hv::{Exit, IoAddr, Kvm};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::minivm::{CodeBuf, CpuMode, Flow, MiniVm};
-use super::{CpuidLeaf, CpuidSeen, ProbeError};
+use crate::codebuf::CodeBuf;
+use crate::minivm::{CpuMode, Flow, MiniVm};
+use crate::{CpuidLeaf, CpuidSeen, ProbeError};
 
 /// Port written once per operation by the exit-cost guests.
 pub const PORT_OP: u16 = 0x80;
@@ -61,7 +62,7 @@ pub struct LoopVm {
 }
 
 impl LoopVm {
-    pub fn new(kvm: &Kvm, mode: CpuMode, body: LoopBody) -> Result<Self, ProbeError> {
+    pub fn new(kvm: &Arc<Kvm>, mode: CpuMode, body: LoopBody) -> Result<Self, ProbeError> {
         let mut vm = MiniVm::new(kvm, GUEST_MEM, mode)?;
         vm.load_code(MiniVm::CODE_ADDR, counted_loop(body).bytes())?;
         Ok(Self { vm })
@@ -81,9 +82,9 @@ impl LoopVm {
         self.vm.write_u32(MiniVm::PARAM_ADDR, iters)?;
         let max_exits = u64::from(iters) * 2 + 1000;
         let out = self.vm.run(max_exits, |exit| match exit {
-            VcpuExit::IoOut(PORT_DONE, _) => Ok(Flow::Stop),
-            VcpuExit::IoOut(PORT_OP, _) => Ok(Flow::Continue),
-            VcpuExit::MmioWrite(MMIO_ADDR, _) => Ok(Flow::Continue),
+            Exit::IoOut(PORT_DONE, _) => Ok(Flow::Stop),
+            Exit::IoOut(PORT_OP, _) => Ok(Flow::Continue),
+            Exit::MmioWrite(MMIO_ADDR, _) => Ok(Flow::Continue),
             other => Err(ProbeError::unexpected_exit("counted loop", &other)),
         })?;
         Ok((out.elapsed, out.exits))
@@ -120,20 +121,14 @@ pub fn exit_cost_us(lvm: &mut LoopVm, ops: u32, reps: usize) -> Result<(f64, u64
 }
 
 /// A [`LoopVm`] whose `PORT_OP` writes and `MMIO_ADDR` stores are absorbed by ioeventfds.
-pub fn ioeventfd_vm(kvm: &Kvm, body: LoopBody) -> Result<(LoopVm, EventFd), ProbeError> {
+pub fn ioeventfd_vm(kvm: &Arc<Kvm>, body: LoopBody) -> Result<(LoopVm, EventFd), ProbeError> {
     let lvm = LoopVm::new(kvm, CpuMode::User, body)?;
-    let efd = EventFd::new(libc::EFD_NONBLOCK).map_err(|source| ProbeError::Io {
-        what: "eventfd",
-        source,
-    })?;
+    let efd = EventFd::new(libc::EFD_NONBLOCK).map_err(ProbeError::EventFd)?;
     let addr = match body {
-        LoopBody::MmioStore => IoEventAddress::Mmio(MMIO_ADDR),
-        _ => IoEventAddress::Pio(u64::from(PORT_OP)),
+        LoopBody::MmioStore => IoAddr::Mmio(MMIO_ADDR),
+        _ => IoAddr::Pio(PORT_OP),
     };
-    lvm.vm()
-        .vm()
-        .register_ioevent(&efd, &addr, NoDatamatch)
-        .map_err(|e| ProbeError::kvm("KVM_IOEVENTFD", e))?;
+    lvm.vm().vm().register_ioeventfd(&efd, addr)?;
     Ok((lvm, efd))
 }
 
@@ -141,7 +136,7 @@ pub fn ioeventfd_vm(kvm: &Kvm, body: LoopBody) -> Result<(LoopVm, EventFd), Prob
 /// so one run takes about `target`, then the median of `reps` runs is taken. Returns
 /// (ns per iteration, iterations per run).
 pub fn loop_ns_per_iter(
-    kvm: &Kvm,
+    kvm: &Arc<Kvm>,
     mode: CpuMode,
     target: Duration,
     reps: usize,
@@ -185,12 +180,10 @@ const CLEARED_ECX_ALL: u32 = CLEARED_ECX | (1 << 27);
 
 /// Sets a leaf 1 that differs from the host's (features cleared, APIC ID changed) with
 /// `KVM_SET_CPUID2`, runs `cpuid` in `mode`, and returns (what was set, what the guest saw).
-pub fn cpuid_seen(kvm: &Kvm, mode: CpuMode) -> Result<(CpuidLeaf, CpuidLeaf), ProbeError> {
+pub fn cpuid_seen(kvm: &Arc<Kvm>, mode: CpuMode) -> Result<(CpuidLeaf, CpuidLeaf), ProbeError> {
     let host = host_leaf1();
     let apic_id: u32 = if host.ebx >> 24 == 0x5a { 0xa5 } else { 0x5a };
-    let mut cpuid = kvm
-        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-        .map_err(|e| ProbeError::kvm("KVM_GET_SUPPORTED_CPUID", e))?;
+    let mut cpuid = lucid_hv::supported_cpuid(kvm)?;
     let mut set = None;
     for e in cpuid.as_mut_slice() {
         if e.function == 1 && e.index == 0 {
@@ -204,9 +197,7 @@ pub fn cpuid_seen(kvm: &Kvm, mode: CpuMode) -> Result<(CpuidLeaf, CpuidLeaf), Pr
             });
         }
     }
-    let set = set.ok_or(ProbeError::Layout(
-        "KVM_GET_SUPPORTED_CPUID has no leaf 1".to_string(),
-    ))?;
+    let set = set.ok_or(ProbeError::NoCpuidLeaf1)?;
     let mut vm = MiniVm::with_cpuid(kvm, GUEST_MEM, mode, &cpuid)?;
     let mut c = CodeBuf::new();
     c.mov_eax_imm(1)
@@ -217,7 +208,7 @@ pub fn cpuid_seen(kvm: &Kvm, mode: CpuMode) -> Result<(CpuidLeaf, CpuidLeaf), Pr
     c.jmp(end);
     vm.load_code(MiniVm::CODE_ADDR, c.bytes())?;
     vm.run(100, |exit| match exit {
-        VcpuExit::IoOut(PORT_DONE, _) => Ok(Flow::Stop),
+        Exit::IoOut(PORT_DONE, _) => Ok(Flow::Stop),
         other => Err(ProbeError::unexpected_exit("cpuid check", &other)),
     })?;
     let r = vm.regs()?;

@@ -1,70 +1,30 @@
 //! Host probe: which KVM backend `/dev/kvm` is, what it offers, whether CPUID is intercepted, and
-//! what exits and guest code cost here, measured in tiny VMs ([`MiniVm`]).
+//! what exits and guest code cost here, measured in tiny VMs ([`MiniVm`]). `lucid probe` prints
+//! its report; the VMM asks it one question ([`cpuid_intercepted`], for the ladder's L2).
 //!
-//! Entry points: [`open_kvm`] (used by the whole VMM, maps "no KVM" and "no permission" to one
-//! clear line), [`detect_backend`] and [`run_probe`].
+//! Opening the device and naming the backend are facts of the KVM seam
+//! (`lucid_hv::host`); this crate runs guests to measure the rest.
 
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
+pub mod codebuf;
 pub mod measure;
 pub mod minivm;
 
 use std::collections::BTreeMap;
-use std::ffi::CString;
 use std::fmt;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvm_bindings::*;
-use kvm_ioctls::{Kvm, VcpuExit};
+use lucid_hv::host::{self, Backend, KvmOpenError};
+use lucid_hv::kvm_bindings::*;
+use lucid_hv::{Exit, HvError, Kvm};
 
-pub use minivm::{CodeBuf, CpuMode, Flow, MiniVm, RunOutcome};
+pub use codebuf::CodeBuf;
+pub use minivm::{CpuMode, Flow, MiniVm, RunOutcome};
 
 use measure::{LoopBody, LoopVm};
-
-/// Path of the KVM device.
-pub const KVM_PATH: &str = "/dev/kvm";
-
-/// The only KVM API version there has ever been.
-pub const KVM_API_VERSION: i32 = 12;
-
-/// Why `/dev/kvm` could not be opened. Each Display is one line saying what to do.
-#[derive(Debug, thiserror::Error)]
-pub enum KvmOpenError {
-    /// The device node is missing.
-    #[error("{path} does not exist: this host has no KVM (load kvm_intel/kvm_amd, or enable nested virtualization)")]
-    NotFound { path: String },
-    /// Not allowed to open it.
-    #[error("{path}: permission denied: run as root or add your user to the kvm group")]
-    PermissionDenied { path: String },
-    /// The node exists but no KVM module backs it.
-    #[error("{path} exists but no KVM module is loaded (errno {errno}): load kvm_intel or kvm_amd (modprobe)")]
-    NoModule { path: String, errno: i32 },
-    /// Opened, but the API version is not 12.
-    #[error("{path}: KVM API version {found}, expected 12: this kernel's KVM is not supported")]
-    ApiVersion { path: String, found: i32 },
-    /// Any other failure of open(2).
-    #[error("{path}: cannot open: {source}")]
-    Other {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-}
-
-impl KvmOpenError {
-    /// Maps an `open(2)` errno on `path` to the error a user can act on.
-    pub fn from_errno(path: &str, errno: i32) -> Self {
-        let path = path.to_string();
-        match errno {
-            libc::ENOENT => Self::NotFound { path },
-            libc::EACCES | libc::EPERM => Self::PermissionDenied { path },
-            libc::ENXIO | libc::ENODEV => Self::NoModule { path, errno },
-            _ => Self::Other {
-                path,
-                source: std::io::Error::from_raw_os_error(errno),
-            },
-        }
-    }
-}
 
 /// What went wrong in the probe or in a [`MiniVm`].
 #[derive(Debug, thiserror::Error)]
@@ -73,137 +33,43 @@ pub enum ProbeError {
     #[error(transparent)]
     Open(#[from] KvmOpenError),
     /// A KVM ioctl failed.
-    #[error("{what} failed: {source}")]
-    Kvm {
-        what: &'static str,
-        #[source]
-        source: kvm_ioctls::Error,
-    },
+    #[error(transparent)]
+    Hv(#[from] HvError),
     /// Guest RAM could not be mapped.
-    #[error("mmap of {size} bytes of guest RAM failed: {source}")]
-    Mmap {
-        size: usize,
-        #[source]
-        source: std::io::Error,
-    },
-    /// Another system call failed.
-    #[error("{what} failed: {source}")]
-    Io {
-        what: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Mem(#[from] lucid_mem::MemError),
+    #[error("cannot create an eventfd")]
+    EventFd(#[source] std::io::Error),
     /// The guest exited in a way the probe did not expect.
     #[error("{probe}: unexpected vCPU exit {exit}")]
-    UnexpectedExit { probe: &'static str, exit: String },
+    UnexpectedExit {
+        probe: &'static str,
+        /// The exit's reason and, for I/O and MMIO, its port or address.
+        exit: String,
+    },
     /// The guest kept exiting without ever finishing.
     #[error("guest did not finish within {max_exits} exits")]
     TooManyExits { max_exits: u64 },
-    /// A guest memory layout or address the harness cannot honour.
-    #[error("mini VM layout: {0}")]
-    Layout(String),
+    #[error(
+        "mini VM: guest RAM of {bytes} bytes must be a non-zero multiple of 2 MiB up to 3 GiB"
+    )]
+    BadRamSize { bytes: usize },
+    #[error("mini VM: guest access at {addr:#x}+{len:#x} is outside RAM of {ram:#x} bytes")]
+    OutsideRam { addr: u64, len: usize, ram: usize },
+    #[error("KVM_GET_SUPPORTED_CPUID has no leaf 1")]
+    NoCpuidLeaf1,
 }
 
 impl ProbeError {
-    /// A failed KVM ioctl.
-    pub fn kvm(what: &'static str, source: kvm_ioctls::Error) -> Self {
-        Self::Kvm { what, source }
-    }
-
     /// An exit a guest program did not expect.
-    pub fn unexpected_exit(probe: &'static str, exit: &VcpuExit<'_>) -> Self {
-        Self::UnexpectedExit {
-            probe,
-            exit: format!("{exit:?}"),
-        }
-    }
-}
-
-/// Opens `/dev/kvm` and checks the API version, with errors a user can act on.
-pub fn open_kvm() -> Result<Kvm, KvmOpenError> {
-    open_kvm_at(KVM_PATH)
-}
-
-/// [`open_kvm`] on another path (tests, containers with a relocated device node).
-pub fn open_kvm_at(path: &str) -> Result<Kvm, KvmOpenError> {
-    let cpath = CString::new(path).map_err(|_| KvmOpenError::Other {
-        path: path.to_string(),
-        source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "path contains NUL"),
-    })?;
-    let kvm = Kvm::new_with_path(&cpath).map_err(|e| KvmOpenError::from_errno(path, e.errno()))?;
-    let found = kvm.get_api_version();
-    if found != KVM_API_VERSION {
-        return Err(KvmOpenError::ApiVersion {
-            path: path.to_string(),
-            found,
-        });
-    }
-    Ok(kvm)
-}
-
-/// Which KVM backend serves `/dev/kvm`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Backend {
-    /// Nothing recognised.
-    Unknown,
-    /// Intel VT-x (`kvm_intel`).
-    Vmx,
-    /// AMD-V (`kvm_amd`).
-    Svm,
-    /// PVM, pagetable-based, no hardware virtualization (`kvm_pvm`).
-    Pvm,
-}
-
-impl Backend {
-    /// "vmx", "svm", "pvm" or "unknown".
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Unknown => "unknown",
-            Self::Vmx => "vmx",
-            Self::Svm => "svm",
-            Self::Pvm => "pvm",
-        }
-    }
-
-    /// 1 vmx, 2 svm, 3 pvm, 0 unknown (stable: guests and result files carry it).
-    pub fn code(self) -> u32 {
-        match self {
-            Self::Unknown => 0,
-            Self::Vmx => 1,
-            Self::Svm => 2,
-            Self::Pvm => 3,
-        }
-    }
-
-    /// True when guest kernel-mode code runs natively (hardware virtualization).
-    pub fn is_hardware(self) -> bool {
-        matches!(self, Self::Vmx | Self::Svm)
-    }
-}
-
-impl fmt::Display for Backend {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// Detects the backend from the loaded KVM vendor modules in `/sys/module`.
-pub fn detect_backend() -> Backend {
-    detect_backend_in(Path::new("/sys/module"))
-}
-
-/// [`detect_backend`] on another sysfs module directory. A vendor module for hardware
-/// virtualization wins over `kvm_pvm` if both are loaded.
-pub fn detect_backend_in(sys_module: &Path) -> Backend {
-    if sys_module.join("kvm_intel").exists() {
-        Backend::Vmx
-    } else if sys_module.join("kvm_amd").exists() {
-        Backend::Svm
-    } else if sys_module.join("kvm_pvm").exists() {
-        Backend::Pvm
-    } else {
-        Backend::Unknown
+    pub fn unexpected_exit(probe: &'static str, exit: &Exit<'_>) -> Self {
+        let exit = match exit {
+            Exit::IoIn(p, _) | Exit::IoOut(p, _) => format!("{} port {p:#x}", exit.reason()),
+            Exit::MmioRead(a, _) | Exit::MmioWrite(a, _) => format!("{} {a:#x}", exit.reason()),
+            Exit::Other(what) => format!("other ({what})"),
+            e => e.reason().to_string(),
+        };
+        Self::UnexpectedExit { probe, exit }
     }
 }
 
@@ -413,12 +279,6 @@ const PV_FEATURES: &[(&str, u32)] = &[
     ("kvmclock_stable", 24),
 ];
 
-fn read_bool_param(path: &str) -> bool {
-    std::fs::read_to_string(path)
-        .map(|s| matches!(s.trim(), "Y" | "y" | "1"))
-        .unwrap_or(false)
-}
-
 struct CapsFound {
     caps: BTreeMap<String, bool>,
     disable_exits: u32,
@@ -426,10 +286,9 @@ struct CapsFound {
     tsc_khz: Option<u32>,
 }
 
-fn probe_capabilities(kvm: &Kvm) -> Result<CapsFound, ProbeError> {
-    let vm = kvm
-        .create_vm()
-        .map_err(|e| ProbeError::kvm("KVM_CREATE_VM", e))?;
+fn probe_capabilities(kvm: &Arc<Kvm>) -> Result<CapsFound, ProbeError> {
+    let vm = lucid_hv::Vm::new(kvm.clone())?;
+    let vm = vm.fd();
     let mut caps = BTreeMap::new();
     for &(name, cap) in CAPS {
         caps.insert(name.to_string(), vm.check_extension_raw(cap.into()) > 0);
@@ -441,9 +300,7 @@ fn probe_capabilities(kvm: &Kvm) -> Result<CapsFound, ProbeError> {
         caps.insert(name.to_string(), disable_exits & bit != 0);
     }
 
-    let cpuid = kvm
-        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-        .map_err(|e| ProbeError::kvm("KVM_GET_SUPPORTED_CPUID", e))?;
+    let cpuid = lucid_hv::supported_cpuid(kvm)?;
     let leaf = |f: u32| {
         cpuid
             .as_slice()
@@ -460,12 +317,9 @@ fn probe_capabilities(kvm: &Kvm) -> Result<CapsFound, ProbeError> {
     caps.insert("cpuid_tsc_deadline".to_string(), leaf1_ecx & (1 << 24) != 0);
     caps.insert(
         "posted_interrupts".to_string(),
-        read_bool_param("/sys/module/kvm_intel/parameters/enable_apicv"),
+        host::module_param(host::APICV_PARAM),
     );
-    caps.insert(
-        "avic".to_string(),
-        read_bool_param("/sys/module/kvm_amd/parameters/avic"),
-    );
+    caps.insert("avic".to_string(), host::module_param(host::AVIC_PARAM));
 
     let tsc_khz = vm
         .create_vcpu(0)
@@ -483,8 +337,8 @@ fn probe_capabilities(kvm: &Kvm) -> Result<CapsFound, ProbeError> {
 /// measures exit and guest-code costs in [`MiniVm`]s. Quick mode takes well under 2 s.
 pub fn run_probe(opts: &ProbeOptions) -> Result<ProbeReport, ProbeError> {
     let started = Instant::now();
-    let kvm = open_kvm()?;
-    let backend = detect_backend();
+    let kvm = Arc::new(host::open_device(host::KVM_PATH)?);
+    let backend = host::detect_backend();
     let host = host_info();
     let found = probe_capabilities(&kvm)?;
 
@@ -684,16 +538,9 @@ impl fmt::Display for ProbeReport {
     }
 }
 
-/// Whether the host virtualizes APIC interrupts (VT-x APICv posted interrupts or AMD AVIC), read
-/// from the KVM module parameters: what the exit ladder's L3 needs.
-pub fn posted_interrupts_available() -> bool {
-    read_bool_param("/sys/module/kvm_intel/parameters/enable_apicv")
-        || read_bool_param("/sys/module/kvm_amd/parameters/avic")
-}
-
 /// Whether a guest at CPL3 reads the CPUID that `KVM_SET_CPUID2` set (one tiny VM, a few ms).
 /// PV features offered in CPUID (PV EOI: the exit ladder's L2) only reach guests where it is.
-pub fn cpuid_intercepted(kvm: &Kvm) -> Result<bool, ProbeError> {
+pub fn cpuid_intercepted(kvm: &Arc<Kvm>) -> Result<bool, ProbeError> {
     let (set, seen) = measure::cpuid_seen(kvm, CpuMode::User)?;
     Ok(measure::cpuid_result(CpuMode::User, set, seen).intercepted)
 }
@@ -701,81 +548,6 @@ pub fn cpuid_intercepted(kvm: &Kvm) -> Result<bool, ProbeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn open_error_mapping_is_one_actionable_line() {
-        let e = open_kvm_at("/nonexistent/lucid-test/kvm").unwrap_err();
-        assert!(matches!(e, KvmOpenError::NotFound { .. }), "{e:?}");
-        let msg = e.to_string();
-        assert_eq!(
-            msg,
-            "/nonexistent/lucid-test/kvm does not exist: this host has no KVM (load kvm_intel/kvm_amd, or enable nested virtualization)"
-        );
-        assert!(!msg.contains('\n'));
-
-        let e = KvmOpenError::from_errno("/dev/kvm", libc::EACCES);
-        assert_eq!(
-            e.to_string(),
-            "/dev/kvm: permission denied: run as root or add your user to the kvm group"
-        );
-        let e = KvmOpenError::from_errno("/dev/kvm", libc::ENOENT);
-        assert!(e.to_string().starts_with("/dev/kvm does not exist"));
-        let e = KvmOpenError::from_errno("/dev/kvm", libc::ENXIO);
-        assert!(matches!(e, KvmOpenError::NoModule { .. }));
-        let e = KvmOpenError::from_errno("/dev/kvm", libc::EIO);
-        assert!(matches!(e, KvmOpenError::Other { .. }));
-        // ProbeError carries the same single line.
-        let p: ProbeError = KvmOpenError::from_errno("/dev/kvm", libc::EACCES).into();
-        assert_eq!(
-            p.to_string(),
-            "/dev/kvm: permission denied: run as root or add your user to the kvm group"
-        );
-    }
-
-    #[test]
-    fn open_error_permission_denied_on_real_path() {
-        // A file without read/write permission: root bypasses DAC, so only check when not root.
-        let dir = std::env::temp_dir().join(format!("lucid-probe-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("kvm");
-        std::fs::write(&path, b"").unwrap();
-        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o000))
-            .unwrap();
-        let result = open_kvm_at(path.to_str().unwrap());
-        // Effective uid from /proc: root bypasses file permissions.
-        let is_root = std::fs::read_to_string("/proc/self/status")
-            .unwrap()
-            .lines()
-            .find(|l| l.starts_with("Uid:"))
-            .is_some_and(|l| l.split_whitespace().nth(2) == Some("0"));
-        if !is_root {
-            assert!(matches!(result, Err(KvmOpenError::PermissionDenied { .. })));
-        } else {
-            // Opened a regular file: the API version ioctl fails, which must not pass as KVM.
-            assert!(result.is_err());
-        }
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn backend_codes_and_names() {
-        assert_eq!(Backend::Vmx.code(), 1);
-        assert_eq!(Backend::Svm.code(), 2);
-        assert_eq!(Backend::Pvm.code(), 3);
-        assert_eq!(Backend::Unknown.code(), 0);
-        assert_eq!(Backend::Pvm.as_str(), "pvm");
-        assert_eq!(serde_json::to_string(&Backend::Svm).unwrap(), "\"svm\"");
-        assert_eq!(
-            detect_backend_in(Path::new("/nonexistent/sys/module")),
-            Backend::Unknown
-        );
-    }
-
-    #[test]
-    fn backend_is_pvm_here() {
-        // PLATFORM.md: this project's machines are PVM hosts.
-        assert_eq!(detect_backend(), Backend::Pvm);
-    }
 
     #[test]
     fn quick_probe_on_real_kvm() {
@@ -820,7 +592,7 @@ mod tests {
         assert!(r.to_string().lines().count() > 5);
     }
 
-    /// `cargo test -p lucid-hv full_probe -- --ignored --nocapture` prints the full report.
+    /// `cargo test -p lucid-probe full_probe -- --ignored --nocapture` prints the full report.
     #[test]
     #[ignore = "takes a few seconds; run by hand to see this host's figures"]
     fn full_probe_prints_report() {
@@ -831,7 +603,7 @@ mod tests {
 
     #[test]
     fn mini_vm_floor_loop_counts_exits() {
-        let kvm = open_kvm().unwrap();
+        let kvm = Arc::new(host::open_device(host::KVM_PATH).unwrap());
         let mut lvm = LoopVm::new(&kvm, CpuMode::User, LoopBody::PortOut).unwrap();
         let (_, exits) = lvm.run(10).unwrap();
         assert_eq!(exits, 11, "10 ops + the done marker");
@@ -842,10 +614,10 @@ mod tests {
 
     #[test]
     fn mini_vm_rejects_bad_layout() {
-        let kvm = open_kvm().unwrap();
+        let kvm = Arc::new(host::open_device(host::KVM_PATH).unwrap());
         assert!(matches!(
             MiniVm::new(&kvm, 3 << 20, CpuMode::User),
-            Err(ProbeError::Layout(_))
+            Err(ProbeError::BadRamSize { .. })
         ));
         let mut vm = MiniVm::new(&kvm, 2 << 20, CpuMode::User).unwrap();
         assert!(vm.write(2 << 20, &[0]).is_err());
