@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Installs what Lucid needs on a fresh Debian machine (as root): a C toolchain for the probe-guest
 # kit, and with --test also QEMU (the peer the probe guests are checked against) and the tools
-# the Linux guest script uses. Idempotent and quiet when everything is there.
+# the Linux guest script and tests use. Idempotent and quiet when everything is there.
 set -euo pipefail
 want=(gcc make)
 if [[ "${1:-}" == "--test" ]]; then
   want+=(qemu-system-x86 busybox-static lz4 cpio iproute2)
+  # The small Linux guest: its source and build tools, and mke2fs for the test's root disk.
+  want+=(linux-source-6.1 flex bison bc libelf-dev e2fsprogs)
 fi
 missing=()
 for p in "${want[@]}"; do

@@ -1,16 +1,29 @@
 #!/usr/bin/env bash
-# Fetch a Debian cloud kernel and build a busybox initramfs for booting Linux under Lucid.
+# Fetch a Debian cloud kernel, build a small kernel from Debian's kernel source, and build a
+# busybox initramfs, for booting Linux under Lucid.
 #
 #   scripts/linux-guest.sh [OUTDIR]        (default: work-linux/ in the repository root)
 #
-# Outputs OUTDIR/bzImage, OUTDIR/vmlinux (ELF with a PVH note, extracted from the bzImage's
-# LZ4 payload) and OUTDIR/initramfs.cpio.gz. Idempotent: existing, valid outputs are kept.
-# Needs root (apt-get) on Debian 12, or the tools already installed.
+# Outputs:
+#   OUTDIR/bzImage, OUTDIR/vmlinux   the distribution's cloud kernel (ELF with a PVH note,
+#                                    extracted from the bzImage's LZ4 payload)
+#   OUTDIR/initramfs.cpio.gz         busybox initramfs for it
+#   OUTDIR/small/vmlinux             the small kernel: `make tinyconfig` on linux-source-6.1 plus
+#                                    guests/linux/lucid.config (a symlink into the cache below)
+# Idempotent: existing, valid outputs are kept. Needs root (apt-get) on Debian 12, or the tools
+# already installed.
+#
+# The small kernel is cached outside the checkout, in
+# $LUCID_LINUX_CACHE/<source version>-<fragment hash>/ (default /var/cache/lucid/linux, or
+# ~/.cache/lucid/linux when that is not writable), so a machine builds it once per source
+# version and fragment. The build takes about 10 minutes on 2 cores; it runs under `nice`.
 #
 # Environment:
 #   LUCID_KERNEL_PKG   Debian package to use (default: what linux-image-cloud-amd64 depends on,
 #                      i.e. the newest 6.1 cloud kernel of the release)
-#   LUCID_FORCE=1      rebuild everything
+#   LUCID_LINUX_CACHE  where small kernels are cached (see above)
+#   LUCID_NO_SMALL=1   skip the small kernel
+#   LUCID_FORCE=1      rebuild everything (the small kernel too)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,6 +41,14 @@ command -v lz4 >/dev/null 2>&1 || need_tools+=(lz4)
 command -v cpio >/dev/null 2>&1 || need_tools+=(cpio)
 command -v readelf >/dev/null 2>&1 || need_tools+=(binutils)
 command -v gzip >/dev/null 2>&1 || need_tools+=(gzip)
+if [ "${LUCID_NO_SMALL:-0}" != 1 ]; then
+    # What building the small kernel from Debian's source package takes.
+    [ -e /usr/src/linux-source-6.1.tar.xz ] || need_tools+=(linux-source-6.1)
+    for t in gcc make flex bison bc xz; do
+        command -v "$t" >/dev/null 2>&1 || need_tools+=("${t/xz/xz-utils}")
+    done
+    [ -e /usr/include/libelf.h ] || need_tools+=(libelf-dev)
+fi
 # Deduplicate.
 mapfile -t need_tools < <(printf '%s\n' "${need_tools[@]+"${need_tools[@]}"}" | sed '/^$/d' | sort -u)
 
@@ -164,8 +185,96 @@ EOF
     rm -rf "$rootfs"
 fi
 
+# ---------------------------------------------------------------------------------------------
+# The small kernel: tinyconfig + guests/linux/lucid.config, cached by source version + fragment
+# ---------------------------------------------------------------------------------------------
+build_small_kernel() {
+    local src_tar=/usr/src/linux-source-6.1.tar.xz fragment="$repo_root/guests/linux/lucid.config"
+    local srcver hash cache key dir src build
+    srcver="$(dpkg-query -W -f='${Version}' linux-source-6.1 2>/dev/null || true)"
+    [ -n "$srcver" ] || srcver="$(stat -c %s-%Y "$src_tar")"
+    hash="$(sha256sum "$fragment" | cut -c1-12)"
+    cache="${LUCID_LINUX_CACHE:-}"
+    if [ -z "$cache" ]; then
+        cache=/var/cache/lucid/linux
+        if ! mkdir -p "$cache" 2>/dev/null || [ ! -w "$cache" ]; then
+            cache="${XDG_CACHE_HOME:-$HOME/.cache}/lucid/linux"
+        fi
+    fi
+    key="$srcver-$hash"
+    dir="$cache/$key"
+    mkdir -p "$outdir/small"
+    if [ -s "$dir/vmlinux" ] && [ "$force" != 1 ] && has_pvh_note "$dir/vmlinux"; then
+        ln -sfn "$dir/vmlinux" "$outdir/small/vmlinux"
+        ln -sfn "$dir/config" "$outdir/small/config"
+        echo "$key" >"$outdir/small/key"
+        return
+    fi
+    mkdir -p "$dir"
+    # One unpacked source tree per source version, shared by every fragment.
+    src="$cache/src-$srcver"
+    if [ ! -e "$src/.lucid-unpacked" ]; then
+        log "unpacking $src_tar into $src"
+        rm -rf "$src" "$src.tmp"
+        mkdir -p "$src.tmp"
+        tar -xJf "$src_tar" -C "$src.tmp" --strip-components=1
+        touch "$src.tmp/.lucid-unpacked"
+        mv "$src.tmp" "$src"
+    fi
+    build="$dir/build"
+    rm -rf "$build"
+    mkdir -p "$build"
+    log "building the small kernel ($key) in $build; log: $dir/build.log"
+    # Fixed build identity, so that the same source and fragment give the same banner.
+    local kmake=(nice -n 10 make -C "$src" O="$build" ARCH=x86_64 -j"$(nproc)"
+        KBUILD_BUILD_USER=lucid KBUILD_BUILD_HOST=lucid
+        KBUILD_BUILD_TIMESTAMP="linux-source $srcver")
+    {
+        "${kmake[@]}" tinyconfig
+        "$src/scripts/kconfig/merge_config.sh" -m -O "$build" "$build/.config" "$fragment"
+        "${kmake[@]}" olddefconfig
+    } >"$dir/build.log" 2>&1 || { tail -n 30 "$dir/build.log" >&2; log "configuring failed"; exit 1; }
+    # Every option the fragment turns on must have survived the dependency resolution.
+    local missing
+    missing="$(grep -E '^CONFIG_[A-Z0-9_]+=y' "$fragment" | while read -r opt; do
+        grep -qxF "$opt" "$build/.config" || echo "$opt"
+    done)"
+    if [ -n "$missing" ]; then
+        log "options of $fragment lost by make olddefconfig (missing dependency?):"
+        echo "$missing" >&2
+        exit 1
+    fi
+    # And every option it turns off must be off.
+    local kept
+    kept="$(sed -n 's/^# \(CONFIG_[A-Z0-9_]*\) is not set$/\1/p' "$fragment" | while read -r opt; do
+        if grep -q "^$opt=[ym]" "$build/.config"; then echo "$opt"; fi
+    done)"
+    if [ -n "$kept" ]; then
+        log "options $fragment turns off are still on (selected by another option?):"
+        echo "$kept" >&2
+        exit 1
+    fi
+    "${kmake[@]}" vmlinux >>"$dir/build.log" 2>&1 ||
+        { tail -n 30 "$dir/build.log" >&2; log "kernel build failed"; exit 1; }
+    has_pvh_note "$build/vmlinux" || { log "$build/vmlinux has no PVH note"; exit 1; }
+    cp "$build/.config" "$dir/config"
+    cp "$build/vmlinux" "$dir/vmlinux.tmp"
+    mv "$dir/vmlinux.tmp" "$dir/vmlinux"
+    # The objects are not needed again (a new fragment is a new key); the source tree stays.
+    rm -rf "$build"
+    ln -sfn "$dir/vmlinux" "$outdir/small/vmlinux"
+    ln -sfn "$dir/config" "$outdir/small/config"
+    echo "$key" >"$outdir/small/key"
+    log "small kernel: $dir/vmlinux"
+}
+
+if [ "${LUCID_NO_SMALL:-0}" != 1 ]; then
+    build_small_kernel
+fi
+
 kver="$(cat "$outdir/kernel-version" 2>/dev/null || echo unknown)"
 log "kernel $kver"
 echo "$outdir/bzImage"
 echo "$outdir/vmlinux"
 echo "$outdir/initramfs.cpio.gz"
+if [ "${LUCID_NO_SMALL:-0}" != 1 ]; then echo "$outdir/small/vmlinux"; fi

@@ -24,16 +24,20 @@
 //! Hypervisor and QEMU's microvm): no fixed hardware at all, Linux uses the null legacy PIC and
 //! the local APIC timer. Either way:
 //!
-//! - `IAPC_BOOT_ARCH` has the 8042 bit (and the DSDT has a `PNP0303` device), so `i8042` probes
-//!   ports 0x60/0x64 (`reboot=k` works through it); VGA-not-present and PCIe-ASPM-controls are set.
+//! - With [`AcpiConfig::i8042`], `IAPC_BOOT_ARCH` has the 8042 bit and the DSDT a `PNP0303`
+//!   device, so Linux's `i8042` driver probes ports 0x60/0x64. Lucid's VMs leave it off: their
+//!   i8042 is only a reset line, which `reboot=k` uses without asking ACPI. VGA-not-present and
+//!   PCIe-ASPM-controls are set.
+//! - The PCI root bridge's `_PRT` routes each slot's INTx to the IOAPIC GSI the VMM raises
+//!   ([`crate::layout::pci_intx_gsi`]).
 //! - COM1 is a `PNP0501` device with I/O 0x3f8-0x3ff and IRQ 4, which `8250_pnp` binds.
 //!
 //! The MADT has the `PCAT_COMPAT` flag and the interrupt source overrides IRQ0 -> GSI2 and
 //! IRQ9 level/active-high that KVM's in-kernel irqchip routing (and the SCI) expect.
 
 use acpi_tables::aml::{
-    AddressSpace, AddressSpaceCacheable, Device, EISAName, Interrupt, Name, Package, Path,
-    ResourceTemplate, Scope, IO,
+    AddressSpace, AddressSpaceCacheable, Device, EISAName, Interrupt, Name, Package,
+    PackageBuilder, Path, ResourceTemplate, Scope, IO,
 };
 use acpi_tables::facs::FACS;
 use acpi_tables::fadt::{FADTBuilder, Flags};
@@ -53,8 +57,8 @@ use std::ops::Range;
 
 use crate::area::BootArea;
 use crate::layout::{
-    ports, ACPI_END, ACPI_SCI_IRQ, ACPI_START, EBDA_START, IOAPIC_START, LAPIC_START, PCI_MMIO_END,
-    PCI_MMIO_START,
+    pci_intx_gsi, ports, ACPI_END, ACPI_SCI_IRQ, ACPI_START, EBDA_START, IOAPIC_START, LAPIC_START,
+    PCI_MMIO_END, PCI_MMIO_START,
 };
 use crate::loader::write_bytes;
 use crate::BootError;
@@ -163,10 +167,11 @@ fn dsdt_aml(cfg: &AcpiConfig) -> Vec<u8> {
         Path::new("_CRS"),
         &ResourceTemplate::new(vec![&bus, &cfg_io, &io_lo, &io_hi, &mmio]),
     );
+    let pci_prt = pci_routing_table();
     let pci = Device::new(
         Path::new("PCI0"),
         vec![
-            &pci_hid, &pci_cid, &pci_adr, &pci_seg, &pci_uid, &pci_bbn, &pci_crs,
+            &pci_hid, &pci_cid, &pci_adr, &pci_seg, &pci_uid, &pci_bbn, &pci_crs, &pci_prt,
         ],
     );
 
@@ -181,6 +186,26 @@ fn dsdt_aml(cfg: &AcpiConfig) -> Vec<u8> {
         children.push(&pci);
     }
     to_bytes(&Scope::new(Path::new("\\_SB_"), children))
+}
+
+/// Bus-0 device numbers a `_PRT` covers (slot 0 is the host bridge, which raises no INTx).
+const PCI_SLOTS: u8 = 32;
+
+/// The root bridge's `_PRT`: INTA-INTD of every slot to the IOAPIC GSI the VMM raises for it
+/// ([`pci_intx_gsi`]). Without it Linux finds no route (`PCI INT A: no GSI`) and a driver that
+/// falls back to INTx (no MSI-X, or `pci=nomsi`) never gets an interrupt.
+fn pci_routing_table() -> Name {
+    let mut prt = PackageBuilder::new();
+    for slot in 1..PCI_SLOTS {
+        // _ADR form: device in the high word, 0xFFFF = any function.
+        let addr = (u32::from(slot) << 16) | 0xffff;
+        for pin in 0..4u8 {
+            let gsi = pci_intx_gsi(slot, pin);
+            // Source 0: the last field is a GSI, not an index into a link device.
+            prt.add_element(&Package::new(vec![&addr, &pin, &0u8, &gsi]));
+        }
+    }
+    Name::new(Path::new("_PRT"), &prt)
 }
 
 /// The DSDT's sleep-state objects at root scope: `\_S5_` = {SLP_TYPa, SLP_TYPb, 0, 0} when the

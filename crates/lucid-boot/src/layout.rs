@@ -47,6 +47,18 @@ pub const PROBE_MMIO: u64 = 0xd000_0000;
 pub const PCI_ECAM_START: u64 = 0xe000_0000;
 pub const PCI_ECAM_SIZE: u64 = 0x1000_0000;
 pub const IOAPIC_START: u64 = 0xfec0_0000;
+/// IOAPIC pins 16-23 carry PCI INTx (the ISA IRQs keep 0-15).
+pub const PCI_INTX_FIRST_GSI: u32 = 16;
+pub const PCI_INTX_PINS: u32 = 8;
+
+/// The IOAPIC GSI of INTx pin `pin` (0 = INTA .. 3 = INTD) of the device in bus-0 slot `slot`
+/// (1 and up; slot 0 is the host bridge): slots rotate over the 8 pins, and a slot's INTB-INTD
+/// continue from its INTA, the usual swizzle. The VMM wires devices and the DSDT's `_PRT`
+/// describes them with this one rule.
+pub fn pci_intx_gsi(slot: u8, pin: u8) -> u32 {
+    let n = u32::from(slot).wrapping_sub(1).wrapping_add(u32::from(pin)) % PCI_INTX_PINS;
+    PCI_INTX_FIRST_GSI + n
+}
 pub const LAPIC_START: u64 = 0xfee0_0000;
 /// RAM above the hole starts at 4 GiB.
 pub const HIGH_RAM_START: u64 = 0x1_0000_0000;

@@ -1227,6 +1227,73 @@ fn acpi_tables_walk() {
     write_acpi_tables(&mem, &AcpiConfig::new(254)).unwrap();
 }
 
+#[test]
+fn pci_intx_gsis_rotate_over_the_eight_pci_pins() {
+    assert_eq!(pci_intx_gsi(1, 0), PCI_INTX_FIRST_GSI);
+    assert_eq!(pci_intx_gsi(8, 0), 23);
+    assert_eq!(pci_intx_gsi(9, 0), 16);
+    assert_eq!(
+        pci_intx_gsi(2, 3),
+        20,
+        "INTD of slot 2 shares slot 5's INTA"
+    );
+    assert_eq!(pci_intx_gsi(31, 3), 16 + (30 + 3) % 8);
+    for slot in 1..32 {
+        for pin in 0..4 {
+            assert!((16..24).contains(&pci_intx_gsi(slot, pin)));
+        }
+    }
+}
+
+/// The root bridge has a `_PRT` that routes every slot's INTA-INTD to the GSI the VMM raises
+/// (before it, Linux printed `PCI INT A: no GSI` for every device).
+#[test]
+fn dsdt_routes_pci_intx_to_the_vmm_gsis() {
+    let mem = guest(MEM);
+    let cfg = AcpiConfig {
+        pci_ecam: Some((PCI_ECAM_START, 0, 255)),
+        ..AcpiConfig::new(1)
+    };
+    let rsdp = write_acpi_tables(&mem, &cfg).unwrap();
+    let xsdt = table(&mem, r64(&mem, rsdp + 24));
+    let fadt = table(&mem, u64::from_le_bytes(xsdt[36..44].try_into().unwrap()));
+    let dsdt = table(&mem, u64::from_le_bytes(fadt[140..148].try_into().unwrap()));
+    let aml = &dsdt[36..];
+    let at = |s: &[u8]| aml.windows(s.len()).position(|w| w == s);
+    let prt = at(b"_PRT").expect("_PRT in the DSDT");
+    assert!(at(b"PCI0").unwrap() < prt, "_PRT belongs to PCI0");
+    // Package (4) { 0xSSSSFFFF, pin, Zero, GSI }: PackageOp, length, count, DWordConst, pin
+    // (Zero/One/BytePrefix n), source Zero, GSI (BytePrefix n).
+    let entry = |slot: u8, pin: u8| {
+        let mut e = vec![0x12, 0, 4, 0x0c, 0xff, 0xff, slot, 0];
+        match pin {
+            0 => e.push(0x00),
+            1 => e.push(0x01),
+            p => e.extend([0x0a, p]),
+        }
+        e.extend([0x00, 0x0a, pci_intx_gsi(slot, pin) as u8]);
+        e[1] = (e.len() - 1) as u8;
+        e
+    };
+    let mut entries = 0;
+    for slot in 1..32u8 {
+        for pin in 0..4u8 {
+            assert!(at(&entry(slot, pin)).is_some(), "slot {slot} pin {pin}");
+            entries += 1;
+        }
+    }
+    assert_eq!(entries, 124);
+    assert!(at(&entry(1, 0)).unwrap() > prt);
+
+    // Without PCI there is no root bridge and no _PRT.
+    let mem = guest(MEM);
+    let rsdp = write_acpi_tables(&mem, &AcpiConfig::new(1)).unwrap();
+    let xsdt = table(&mem, r64(&mem, rsdp + 24));
+    let fadt = table(&mem, u64::from_le_bytes(xsdt[36..44].try_into().unwrap()));
+    let dsdt = table(&mem, u64::from_le_bytes(fadt[140..148].try_into().unwrap()));
+    assert!(!dsdt.windows(4).any(|w| w == b"_PRT"));
+}
+
 /// Loads a real kernel: `LUCID_TEST_BZIMAGE=/path/vmlinuz` and/or
 /// `LUCID_TEST_VMLINUX=/path/vmlinux` (e.g. Debian's linux-image-*-cloud-amd64; its bzImage
 /// payload decompressed with `lz4 -d` is a PVH ELF).

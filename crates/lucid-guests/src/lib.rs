@@ -44,6 +44,7 @@ guests!(
     "mb-lowmem",
     "acpi-pm",
     "cpl0-insns",
+    "kvm-hypercall",
 );
 
 /// Guests that boot through multiboot (32-bit ELF) rather than the PVH note.

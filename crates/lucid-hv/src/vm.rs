@@ -220,6 +220,36 @@ impl Vm {
             .map_err(|e| HvError::Ioctl("KVM_X86_SET_MSR_FILTER", e))
     }
 
+    /// Turns off KVM's "fix hypercall instruction" quirk (`KVM_X86_QUIRK_FIX_HYPERCALL_INSN`):
+    /// when KVM's instruction emulator meets `vmcall`/`vmmcall` it then injects #UD instead of
+    /// rewriting the instruction to the host vendor's and re-running it. Where all guest kernel
+    /// code goes through that emulator (PVM), the rewritten instruction comes straight back to it,
+    /// and the vCPU spins in the kernel for good (docs/linux.md, "The ptp_kvm_init hang").
+    /// Returns whether KVM offers the switch; without it the quirk stays on.
+    pub fn disable_hypercall_patching(&self) -> Result<bool, HvError> {
+        use kvm_bindings::{
+            kvm_enable_cap, KVM_CAP_DISABLE_QUIRKS2, KVM_X86_QUIRK_FIX_HYPERCALL_INSN,
+        };
+        let quirk = u64::from(KVM_X86_QUIRK_FIX_HYPERCALL_INSN);
+        // KVM_CHECK_EXTENSION answers with the quirks that may be disabled.
+        let offered = self
+            .fd()
+            .check_extension_raw(u64::from(KVM_CAP_DISABLE_QUIRKS2)) as u64;
+        if offered & quirk == 0 {
+            log::debug!("KVM cannot disable the fix-hypercall quirk (offers {offered:#x})");
+            return Ok(false);
+        }
+        let cap = kvm_enable_cap {
+            cap: KVM_CAP_DISABLE_QUIRKS2,
+            args: [quirk, 0, 0, 0],
+            ..Default::default()
+        };
+        self.fd()
+            .enable_cap(&cap)
+            .map_err(|e| HvError::Ioctl("KVM_ENABLE_CAP(DISABLE_QUIRKS2)", e))?;
+        Ok(true)
+    }
+
     /// The raw fd, for capabilities this seam does not wrap yet.
     pub fn fd(&self) -> &VmFd {
         &self.inner.fd

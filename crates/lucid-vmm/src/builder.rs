@@ -43,6 +43,10 @@ impl VmBuilder {
         let kvm = lucid_hv::open_kvm()?;
         let backend = detect_backend();
         let vm = lucid_hv::Vm::new(kvm.clone())?;
+        if backend == Backend::Pvm {
+            // Else a KVM hypercall at CPL0 spins in the host kernel forever (docs/linux.md).
+            vm.disable_hypercall_patching()?;
+        }
         let ram = GuestRam::new(&layout::ram_regions(mem_size), backing)?;
         vm.map_memory(ram.memory())?;
         log::debug!(

@@ -192,6 +192,9 @@ impl Vm {
         let cmdline = kernel_cmdline(&config.cmdline, image.is_linux(), b.backend());
         log::debug!("kernel command line: {cmdline:?}");
         let mut acpi = AcpiConfig::new(config.vcpus);
+        // Lucid's i8042 is only a reset line (`reboot=k` writes 0xfe to port 0x64 whatever ACPI
+        // says): describing a PS/2 controller makes Linux probe it and fail (`Can't read CTR`).
+        acpi.i8042 = false;
         if pci.is_some() {
             let last_bus = ((layout::PCI_ECAM_SIZE >> 20) - 1).min(255) as u8;
             acpi.pci_ecam = Some((layout::PCI_ECAM_START, 0, last_bus));
@@ -448,10 +451,6 @@ fn add_hypercalls(hooks: &ExitHooks, backend: Backend) -> Arc<AtomicU64> {
     tsc_khz
 }
 
-/// IOAPIC pins 16-23 carry PCI INTx (the ISA IRQs keep 0-15); devices share them round-robin.
-const PCI_INTX_FIRST_GSI: u32 = 16;
-const PCI_INTX_PINS: u32 = 8;
-
 /// Builds the PCI root complex (0xCF8 ports and ECAM), then each configured virtio device on its
 /// rung, attached in order from slot 1.
 fn attach_pci(
@@ -522,7 +521,8 @@ fn attach_pci(
             rung: d.rung,
             coalescing: d.coalescing,
             poll_idle_us: d.poll_idle_us,
-            intx_gsi: Some(PCI_INTX_FIRST_GSI + i as u32 % PCI_INTX_PINS),
+            // attach_virtio takes the next free slot, i + 1; the DSDT's _PRT uses the same rule.
+            intx_gsi: Some(layout::pci_intx_gsi(i as u8 + 1, 0)),
         };
         let (addr, dev) =
             lucid_pci::attach_virtio(&root, device, env.clone(), opts).map_err(|source| {
@@ -531,6 +531,7 @@ fn attach_pci(
                     source,
                 }
             })?;
+        debug_assert_eq!(addr.slot, i as u8 + 1, "INTx GSI assumes slot i + 1");
         let plan = lock_transport(&dev).plan();
         if let Some(w) = plan.warning() {
             log::warn!("{name}: {w}");

@@ -534,3 +534,35 @@ fn acpi_pm_timer_ticks_and_s5_powers_off() {
     qemu_agrees("acpi-pm", Q35_QBOOT, timer, "backwards=0", 1);
     qemu_agrees("acpi-pm", Q35_QBOOT, "sleep=s5 reads=10", "(S5)", 0);
 }
+
+/// A KVM hypercall made at CPL0 the way Linux makes it (`ptp_kvm_init`'s `KVM_HC_CLOCK_PAIRING`,
+/// and an unknown number) comes back to the guest: answered by KVM (-1000 = -KVM_ENOSYS for an
+/// unknown number) on hosts that run guest kernel code in hardware, or refused with #UD on a
+/// host that emulates it (PVM), where KVM's default "fix the hypercall instruction" quirk would
+/// rewrite and re-run it for good. A second vCPU ends the run (code 3) if the call never returns.
+#[test]
+fn kvm_hypercall_at_cpl0_returns_to_the_guest() {
+    let pvm = lucid_hv::detect_backend() == lucid_hv::Backend::Pvm;
+    for (insn, nr) in [
+        ("vmmcall", 9),
+        ("vmcall", 9),
+        ("vmmcall", 12345),
+        ("vmcall", 12345),
+    ] {
+        let cmdline = format!("insn={insn} nr={nr} watch_ms=5000");
+        let o = guest("kvm-hypercall", &["--vcpus", "2", "--cmdline", &cmdline]);
+        assert_eq!(o.status, Some(1), "{cmdline}: {}\n{}", o.stdout, o.stderr);
+        let result = o
+            .stdout
+            .lines()
+            .filter_map(|l| l.strip_prefix("kvm-hypercall: "))
+            .find(|l| l.starts_with("ud="))
+            .unwrap_or_else(|| panic!("{cmdline}: no result in {}", o.stdout));
+        if pvm {
+            assert!(result.starts_with("ud=1 "), "{cmdline}: {result}");
+        } else if nr != 9 {
+            // Unknown to KVM (whichever vendor's instruction: KVM fixes up a foreign one).
+            assert_eq!(result, "ud=0 rax=-1000", "{cmdline}");
+        }
+    }
+}

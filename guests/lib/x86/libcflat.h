@@ -69,6 +69,9 @@ const char *fmt_milli(char *buf, u64 v_milli);
 /* run fn(arg) at CPL0 (interrupts off) and return its result; keep fn tiny.
  * Implemented with int3 (vector 3 is the gate, not a debug trap). */
 u64 cpl0_call(u64 (*fn)(u64), u64 arg);
+/* point IDT vector v at fn (64-bit interrupt gate, CPL0 code, IST ist, callable from CPL dpl);
+ * exceptions use IST 2. fn runs at CPL0 and must end with iretq. */
+void idt_set_gate(int v, void *fn, int ist, int dpl);
 void cpu_park(void);			/* CPL0 only: cli; hlt forever */
 
 /* ---- interrupts ----

@@ -35,7 +35,7 @@ volatile struct exc_info exc_info;
 void params_init(void);
 void ap_entry(u32 idx) __attribute__((noreturn));
 
-static void set_gate(int v, void *fn, int ist, int dpl)
+void idt_set_gate(int v, void *fn, int ist, int dpl)
 {
 	u64 a = (u64)fn;
 	struct idt_gate *g = &idt_table[v];
@@ -117,8 +117,8 @@ void cpu_user_entry(u64 idx)
 	copy_boot_info();
 	params_init();
 	for (int v = 0; v < 256; v++)
-		set_gate(v, isr_stubs + 32 * v, v < 32 ? 2 : 1, 0);
-	set_gate(VEC_CPL0_CALL, gate_cpl0_call, 1, 3);
+		idt_set_gate(v, isr_stubs + 32 * v, v < 32 ? 2 : 1, 0);
+	idt_set_gate(VEC_CPL0_CALL, gate_cpl0_call, 1, 3);
 	percpu_init(0);
 	/* mask LINT0 (ExtINT from the 8259) and LINT1: no stray interrupts,
 	 * also on hosts that run CPL3 with IF=1 whatever the iretq frame says */

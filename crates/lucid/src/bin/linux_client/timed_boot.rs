@@ -1,0 +1,178 @@
+//! Runs `lucid run` and reads the guest's console line by line, with the time each line arrived.
+//! Shared by `lucid-linux-client` and the Linux tests (`crates/lucid/tests/linux.rs`, which
+//! include this file as a module).
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Console lines that end a boot early.
+pub const FATAL: &[&str] = &["Kernel panic", "not syncing"];
+
+/// A console line and when it arrived, in seconds since Lucid was started.
+pub struct Line {
+    pub t: f64,
+    pub text: String,
+}
+
+/// A running `lucid run`, its console read line by line with times.
+pub struct Boot {
+    child: Child,
+    lines: Vec<Line>,
+    rx: mpsc::Receiver<Line>,
+    stderr: std::thread::JoinHandle<String>,
+    stats: PathBuf,
+    log: Option<File>,
+}
+
+impl Boot {
+    /// Starts `lucid run ARGS --stats-json STATS`, inside the network namespace `netns` (an
+    /// open `/var/run/netns` file) when given; `log` gets every console line with its time.
+    pub fn start(
+        lucid: &Path,
+        args: &[String],
+        netns: Option<&File>,
+        stats: PathBuf,
+        log: Option<&Path>,
+    ) -> Result<Boot, String> {
+        let mut cmd = Command::new(lucid);
+        cmd.arg("run")
+            .args(args)
+            .arg("--stats-json")
+            .arg(&stats)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(ns) = netns {
+            let fd = ns.as_raw_fd();
+            // SAFETY: the closure runs in the child between fork and exec and makes only the
+            // async-signal-safe setns system call on a descriptor the child inherited.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let start = Instant::now();
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| format!("spawn {}: {e}", lucid.display()))?;
+        let (tx, rx) = mpsc::channel();
+        let stdout = child.stdout.take().expect("piped");
+        std::thread::spawn(move || {
+            let mut r = BufReader::new(stdout);
+            let mut buf = Vec::new();
+            while let Ok(n) = r.read_until(b'\n', &mut buf) {
+                if n == 0 {
+                    break;
+                }
+                let text = String::from_utf8_lossy(&buf).trim_end().to_string();
+                let t = start.elapsed().as_secs_f64();
+                if tx.send(Line { t, text }).is_err() {
+                    break;
+                }
+                buf.clear();
+            }
+        });
+        let mut err = child.stderr.take().expect("piped");
+        let stderr = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = err.read_to_string(&mut s);
+            s
+        });
+        let log = match log {
+            Some(p) => {
+                let mut f = File::create(p).map_err(|e| format!("{}: {e}", p.display()))?;
+                let _ = writeln!(f, "# lucid run {}", args.join(" "));
+                Some(f)
+            }
+            None => None,
+        };
+        Ok(Boot {
+            child,
+            lines: Vec::new(),
+            rx,
+            stderr,
+            stats,
+            log,
+        })
+    }
+
+    fn push(&mut self, l: Line) {
+        if let Some(f) = &mut self.log {
+            let _ = writeln!(f, "{:8.3} {}", l.t, l.text);
+        }
+        self.lines.push(l);
+    }
+
+    /// Reads console lines until `done` holds, Lucid exits, a fatal line appears or `deadline`.
+    pub fn wait_for(&mut self, deadline: Instant, done: impl Fn(&[Line]) -> bool) -> bool {
+        loop {
+            if done(&self.lines) {
+                return true;
+            }
+            if self
+                .lines
+                .iter()
+                .any(|l| FATAL.iter().any(|f| l.text.contains(f)))
+            {
+                return false;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            match self
+                .rx
+                .recv_timeout((deadline - now).min(Duration::from_millis(500)))
+            {
+                Ok(l) => self.push(l),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => return done(&self.lines),
+            }
+        }
+    }
+
+    /// Stops Lucid with SIGTERM (if it still runs) and collects what is left.
+    pub fn finish(mut self) -> (Option<i32>, String, Vec<Line>, Option<Value>) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            // SAFETY: kill(2) on our own child, which has not been reaped.
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let status = loop {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                break Some(s);
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                break self.child.wait().ok();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        while let Ok(l) = self.rx.recv_timeout(Duration::from_millis(200)) {
+            self.push(l);
+        }
+        let stderr = self.stderr.join().unwrap_or_default();
+        let stats = std::fs::read_to_string(&self.stats)
+            .ok()
+            .and_then(|s| serde_json::from_str(&s).ok());
+        let _ = std::fs::remove_file(&self.stats);
+        (status.and_then(|s| s.code()), stderr, self.lines, stats)
+    }
+}
+
+/// When the first line containing `needle` arrived.
+pub fn first(lines: &[Line], needle: &str) -> Option<f64> {
+    lines.iter().find(|l| l.text.contains(needle)).map(|l| l.t)
+}
