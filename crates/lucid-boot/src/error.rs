@@ -202,4 +202,9 @@ pub enum ImageDefect {
          the setup: truncated?"
     )]
     BzImagePayloadTruncated { syssize: u64, have: u64 },
+    #[error(
+        "bzImage decompression area at pref_address {pref:#x} with init_size {init_size:#x} \
+         wraps around"
+    )]
+    BzImageDecompressionWraps { pref: u64, init_size: u32 },
 }

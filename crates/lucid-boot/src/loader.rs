@@ -592,7 +592,14 @@ fn load_linux(
                 0 => DEFAULT_PREF_ADDRESS,
                 a => a,
             };
-            let need_end = load_end.max(pref.max(load) + u64::from(hdr.init_size));
+            let decompress_end =
+                pref.max(load)
+                    .checked_add(u64::from(hdr.init_size))
+                    .ok_or(bad(ImageDefect::BzImageDecompressionWraps {
+                        pref,
+                        init_size: hdr.init_size,
+                    }))?;
+            let need_end = load_end.max(decompress_end);
             check_load_range(p.mem_size, &image.path, "kernel", load, need_end)?;
             area.claim("kernel", load, need_end);
             // linux-loader copies the protected-mode part to code32_start (checked above).

@@ -1521,3 +1521,64 @@ mod kvm {
         }
     }
 }
+
+/// The kernel-loader fuzz targets' seeds (`fuzz/seeds/boot_*`, image then an options byte) are
+/// the kernels they are named after and load.
+#[test]
+fn fuzz_seeds_load() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz/seeds");
+    for (seed, kind) in [
+        ("boot_elf/hello.elf", KernelKind::PvhElf),
+        ("boot_elf/pvh-ttext.elf", KernelKind::PvhElf),
+        ("boot_elf/mb-lowmem.elf", KernelKind::Multiboot),
+        ("boot_elf/vmlinux-shaped", KernelKind::LinuxElf),
+        ("boot_multiboot/aout-kludge-flat", KernelKind::Multiboot),
+        (
+            "boot_multiboot/aout-low-memory-mem-info",
+            KernelKind::Multiboot,
+        ),
+        ("boot_bzimage/setup-header-2.15", KernelKind::BzImage),
+        ("boot_bzimage/pref-address-high", KernelKind::BzImage),
+    ] {
+        let mut bytes = std::fs::read(format!("{dir}/{seed}")).unwrap();
+        bytes.pop();
+        let image = KernelImage::from_bytes(seed.as_ref(), bytes).unwrap();
+        assert_eq!(image.kind(), kind, "{seed}");
+        let mem = guest(16 << 20);
+        let p = BootParams {
+            mem_size: 16 << 20,
+            ..params(image.path(), None, "")
+        };
+        load_image(&mem, &image, &p).unwrap_or_else(|e| panic!("{seed}: {e}"));
+    }
+}
+
+/// Found by fuzzing (`boot_bzimage`): a bzImage whose `pref_address` + `init_size` wraps around
+/// 2^64 made the loader panic on the overflow (debug builds) or wrap past its RAM check.
+#[test]
+fn bzimage_decompression_area_that_wraps_is_refused() {
+    // The fuzz input: the image, then the target's options byte.
+    let input = include_bytes!("fuzz-regressions/bzimage-pref-address-wraps");
+    let (_, bytes) = input.split_last().unwrap();
+    let image = KernelImage::from_bytes("wraps".as_ref(), bytes.to_vec()).unwrap();
+    assert_eq!(image.kind(), KernelKind::BzImage);
+    let mem = guest(16 << 20);
+    let p = BootParams {
+        mem_size: 16 << 20,
+        ..params(image.path(), None, "")
+    };
+    let err = load_image(&mem, &image, &p).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            BootError::BadImage {
+                why: ImageDefect::BzImageDecompressionWraps {
+                    pref: 0xffff_ffff_fff0_0000,
+                    init_size: 0x40_00ff
+                },
+                ..
+            }
+        ),
+        "{err}"
+    );
+}

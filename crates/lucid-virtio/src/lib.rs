@@ -34,6 +34,9 @@ pub mod blk;
 pub mod net;
 mod worker;
 
+#[doc(hidden)]
+pub mod fuzz_api;
+
 /// Feature bits every Lucid virtio device may offer (virtio 1.x).
 pub mod features {
     pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
@@ -58,6 +61,9 @@ pub enum Notify {
     /// L4: a polling back-end thread ("sidecore") watches the avail rings and keeps guest
     /// notifications suppressed; `idle_sleep_us` = 0 spins.
     Poll { idle_sleep_us: u32 },
+    /// No thread: `activate` serves what the rings hold on the caller's thread and returns (the
+    /// fuzz targets' mode, deterministic; a transport never asks for it).
+    Inline,
 }
 
 /// Interrupt coalescing: at most one interrupt per `max_completions` used buffers, or per

@@ -421,6 +421,78 @@ impl Io {
     }
 }
 
+impl Io {
+    /// The worker's view of `ctx`'s queues (each must be valid on `ctx.mem`), and the idle sleep
+    /// of poll mode.
+    fn new(
+        name: &str,
+        ctx: ActivateContext,
+        needs_reset: Arc<AtomicBool>,
+    ) -> Result<(Io, u32), ActivateError> {
+        let event_idx = ctx.features & features::VIRTIO_RING_F_EVENT_IDX != 0;
+        let mut queues = Vec::new();
+        for (index, mut queue, kick) in ctx.queues {
+            queue.set_event_idx(event_idx);
+            if !queue.is_valid(&ctx.mem) {
+                return Err(ActivateError::QueueInvalid {
+                    device: name.to_string(),
+                    queue: index,
+                });
+            }
+            queues.push(WorkerQueue {
+                index,
+                queue,
+                kick,
+                pending: 0,
+                wanted: false,
+                deadline: None,
+                batch: 0,
+                suppressed_at: None,
+            });
+        }
+        let (poll, idle_sleep_us) = match ctx.notify {
+            Notify::Kicks | Notify::Inline => (false, 0),
+            Notify::Poll { idle_sleep_us } => (true, idle_sleep_us),
+        };
+        let io = Io {
+            mem: ctx.mem,
+            dma: ctx.dma,
+            dev_id: ctx.dev_id,
+            c: Counters::new(&ctx.stats, name),
+            name: name.to_string(),
+            queues,
+            interrupt: ctx.interrupt,
+            coalescing: ctx.coalescing,
+            poll,
+            needs_reset,
+            halted: false,
+            stop: Arc::new(AtomicBool::new(false)),
+            scratch: Vec::new(),
+        };
+        Ok((io, idle_sleep_us))
+    }
+
+    /// [`Notify::Inline`]: serves what the rings hold now on the caller's thread, a few rounds
+    /// (an echo's frames go from tx to rx and free tx room), then raises what is still pending.
+    fn serve_inline(mut self, mut backend: impl Backend) {
+        backend.init(&mut self);
+        for _ in 0..4 {
+            let mut found = false;
+            for qi in 0..self.queues.len() {
+                if !self.halted {
+                    found |= backend.process_queue(&mut self, qi);
+                }
+            }
+            if !found || self.halted {
+                break;
+            }
+        }
+        for qi in 0..self.queues.len() {
+            self.flush(qi);
+        }
+    }
+}
+
 /// A device's request handling, run on the worker thread.
 pub(crate) trait Backend: Send + 'static {
     /// Queue `qi` (a position in the worker's queue list) may have new chains.
@@ -474,6 +546,12 @@ impl WorkerSlot {
             });
         }
         self.needs_reset.store(false, Ordering::SeqCst);
+        if ctx.notify == Notify::Inline {
+            Io::new(name, ctx, self.needs_reset.clone())?
+                .0
+                .serve_inline(backend);
+            return Ok(());
+        }
         self.worker = Some(Worker::spawn(name, ctx, self.needs_reset.clone(), backend)?);
         Ok(())
     }
@@ -499,46 +577,8 @@ impl Worker {
         needs_reset: Arc<AtomicBool>,
         backend: impl Backend,
     ) -> Result<Worker, ActivateError> {
-        let event_idx = ctx.features & features::VIRTIO_RING_F_EVENT_IDX != 0;
-        let mut queues = Vec::new();
-        for (index, mut queue, kick) in ctx.queues {
-            queue.set_event_idx(event_idx);
-            if !queue.is_valid(&ctx.mem) {
-                return Err(ActivateError::QueueInvalid {
-                    device: name.to_string(),
-                    queue: index,
-                });
-            }
-            queues.push(WorkerQueue {
-                index,
-                queue,
-                kick,
-                pending: 0,
-                wanted: false,
-                deadline: None,
-                batch: 0,
-                suppressed_at: None,
-            });
-        }
-        let (poll, idle_sleep_us) = match ctx.notify {
-            Notify::Kicks => (false, 0),
-            Notify::Poll { idle_sleep_us } => (true, idle_sleep_us),
-        };
-        let io = Io {
-            mem: ctx.mem,
-            dma: ctx.dma,
-            dev_id: ctx.dev_id,
-            c: Counters::new(&ctx.stats, name),
-            name: name.to_string(),
-            queues,
-            interrupt: ctx.interrupt,
-            coalescing: ctx.coalescing,
-            poll,
-            needs_reset,
-            halted: false,
-            stop: Arc::new(AtomicBool::new(false)),
-            scratch: Vec::new(),
-        };
+        let (io, idle_sleep_us) = Io::new(name, ctx, needs_reset)?;
+        let poll = io.poll;
         let stop = io.stop.clone();
         let thread_err = |source| ActivateError::Thread {
             device: name.to_string(),

@@ -382,6 +382,7 @@ mod tests {
             "backend=sink,mac=zz:00:00:00:00:00",
             "backend=sink,mac=1:2:3",
             "backend=sink,rung=L5",
+            // Also found by fuzzing (cli_devices): a sign is not a hex digit.
             "backend=sink,mac=+1:02:03:04:05:06",
         ] {
             assert!(parse_net(bad, 0).is_err(), "{bad}");

@@ -1,0 +1,249 @@
+#!/usr/bin/env python3
+"""Writes the seeds of the register-level fuzz targets (pci_config, virtio_pci, virtqueue) in the
+16-byte access encoding of fuzz/src/lib.rs. Run from fuzz/: python3 seeds/make.py"""
+import os
+import struct
+
+
+def acc(kind, size=4, write=False, sel=0, addr=0, val=0):
+    flags = {1: 0, 2: 1, 4: 2, 8: 3}[size] | (4 if write else 0)
+    return struct.pack("<BBHIQ", kind, flags, sel, addr & 0xffffffff, val & (2**64 - 1))
+
+
+def save(target, name, records):
+    os.makedirs(f"seeds/{target}", exist_ok=True)
+    with open(f"seeds/{target}/{name}", "wb") as f:
+        f.write(b"".join(records))
+
+
+# pci_config: kind 0 = CF8 write, 1 = port 0xCF8 + sel, 2 = ECAM at addr, 3 = BAR sel of dev sel>>8.
+def cf8(slot, reg):
+    return acc(0, write=True, val=0x8000_0000 | slot << 11 | reg)
+
+
+def cfc_read(size=4, byte=0):
+    return acc(1, size=size, sel=4 + byte)
+
+
+def cfc_write(val, size=4, byte=0):
+    return acc(1, size=size, write=True, sel=4 + byte, val=val)
+
+
+def ecam(slot, reg, size=4, write=False, val=0):
+    return acc(2, size=size, write=write, addr=slot << 15 | reg, val=val)
+
+
+# A firmware's enumeration through 0xCF8/0xCFC: IDs, then each BAR sized and programmed.
+enum = []
+for slot in range(4):
+    enum += [cf8(slot, 0), cfc_read()]
+for slot in (1, 2):
+    for bar in range(6):
+        enum += [cf8(slot, 0x10 + 4 * bar), cfc_write(0xffffffff), cfc_read(),
+                 cfc_write(0xc0800000 + 0x100000 * bar + 0x200000 * slot)]
+    enum += [cf8(slot, 0x04), cfc_write(0x0007, size=2)]
+save("pci_config", "enumerate-cf8", enum)
+
+# The same through ECAM, with the capability list walked and MSI-X enabled, then an MSI-X entry
+# written through BAR 1 and unmasked, the PBA read, and a BAR moved.
+msix = [ecam(1, 0x34, size=1), ecam(1, 0x40, size=2), ecam(1, 0x50, size=4)]
+msix += [ecam(1, 0x52, size=2, write=True, val=0xc000), ecam(1, 0x52, size=2, write=True, val=0x8000)]
+msix += [acc(3, sel=1, addr=0, write=True, val=0xfee00000), acc(3, sel=1, addr=4, write=True, val=0),
+         acc(3, sel=1, addr=8, write=True, val=0x4041), acc(3, sel=1, addr=12, write=True, val=0),
+         acc(3, size=8, sel=1, addr=16, write=True, val=0xfee01000),
+         acc(3, sel=1, addr=0x800, size=8), acc(3, sel=1, addr=12)]
+msix += [ecam(1, 0x14, write=True, val=0xc0f00000), ecam(1, 0x14), acc(3, sel=1, addr=12)]
+msix += [ecam(2, 0x20, write=True, val=0xffffffff), ecam(2, 0x24, write=True, val=0xffffffff),
+         ecam(2, 0x20), ecam(2, 0x24), ecam(2, 0x20, write=True, val=0xc0e00000),
+         ecam(2, 0x24, write=True, val=0), acc(3, sel=0x104, addr=0x10, size=8, write=True, val=7)]
+save("pci_config", "msix-ecam", msix)
+
+
+# virtio_pci: kind 0 = CF8 write, 1 = port,
+# 2 = ECAM (bus 0), 3 = BAR sel at addr, 4 = the device raises queue sel's interrupt.
+def common(off, val=None, size=4):
+    return acc(3, size=size, write=val is not None, sel=4, addr=off, val=val or 0)
+
+
+def driver_init(queues=((0, 256, 0x10000), (1, 64, 0x20000)), features_hi=1, msix=True):
+    r = [ecam(1, 0x34, size=1), ecam(1, 0x40), ecam(1, 0x9a, size=2)]
+    if msix:
+        r += [ecam(1, 0x9a, size=2, write=True, val=0x8000)]
+        for v in range(3):
+            r += [acc(3, sel=1, addr=16 * v, write=True, val=0xfee00000),
+                  acc(3, sel=1, addr=16 * v + 8, write=True, val=0x40 + v),
+                  acc(3, sel=1, addr=16 * v + 12, write=True, val=0)]
+    r += [common(0x14, 0, size=1), common(0x14, 1, size=1), common(0x14, 3, size=1)]
+    r += [common(0x00, 0), common(0x04), common(0x00, 1), common(0x04)]
+    r += [common(0x08, 0), common(0x0c, 0x20000020), common(0x08, 1), common(0x0c, features_hi)]
+    r += [common(0x14, 0xb, size=1), common(0x14, size=1), common(0x10, 2, size=2)]
+    for q, size, base in queues:
+        r += [common(0x16, q, size=2), common(0x18, size=2), common(0x18, size, size=2),
+              common(0x1a, q, size=2), common(0x20, base, size=8), common(0x28, base + 0x1000),
+              common(0x2c, 0), common(0x30, base + 0x2000, size=8), common(0x1c, 1, size=2)]
+    r += [common(0x14, 0xf, size=1), common(0x14, size=1)]
+    return r
+
+
+run = driver_init() + [acc(3, sel=4, addr=0x3000, write=True, val=0), acc(4, sel=0),
+                       acc(4, sel=1), acc(4, sel=0xffff), acc(3, size=1, sel=4, addr=0x1000),
+                       acc(3, sel=4, addr=0x2000, size=8), acc(3, sel=4, addr=0x2000, write=True, val=2),
+                       common(0x14, size=1), common(0x14, 0, size=1)]
+save("virtio_pci", "driver-init-msix", run)
+save("virtio_pci", "driver-init-intx", driver_init(msix=False) + [acc(4, sel=0),
+                                                                        acc(3, size=1, sel=4, addr=0x1000)])
+# Refused: features without VERSION_1, rings outside RAM; then a BAR move and the PCI_CFG window.
+bad = driver_init(queues=((0, 256, 0x7ff000),), features_hi=0) + driver_init(queues=((1, 64, 0x1ff000),))
+bad += [ecam(1, 0x20, write=True, val=0xc0c00000), ecam(1, 0x24, write=True, val=0),
+        ecam(1, 0x88, size=1, write=True, val=4), ecam(1, 0x8c, write=True, val=0x14),
+        ecam(1, 0x90, write=True, val=1), ecam(1, 0x94), ecam(1, 0x94, write=True, val=0)]
+save("virtio_pci", "refused-and-moved", bad)
+
+
+# virtqueue: byte 0 device (0 blk, 1 blk ro, 2 blk 4k, 3 net echo, 4 net sink), byte 1 flags
+# (1 EVENT_IDX, 2 coalescing, 4 no bus master), byte 2 log2 queue size, then guest memory from 0.
+def rings(i, size):
+    a4 = lambda x: (x + 3) // 4 * 4
+    per = a4(16 * size + 6 + 2 * size) + 6 + 8 * size
+    desc = i * ((per + 15) // 16 * 16)
+    avail = desc + 16 * size
+    return desc, avail, a4(avail + 6 + 2 * size)
+
+
+def vq(device, flags, size_log2, queues, data):
+    """queues: per queue (descriptors [(addr, len, flags, next)], avail heads); data: {addr: bytes}"""
+    size = 1 << size_log2
+    mem = bytearray(0x4000)
+    for i, (descs, heads) in enumerate(queues):
+        d, a, _ = rings(i, size)
+        for n, (addr, ln, fl, nx) in enumerate(descs):
+            mem[d + 16 * n:d + 16 * n + 16] = struct.pack("<QIHH", addr, ln, fl, nx)
+        mem[a:a + 4] = struct.pack("<HH", 0, len(heads))
+        for n, h in enumerate(heads):
+            mem[a + 4 + 2 * n:a + 6 + 2 * n] = struct.pack("<H", h)
+    for addr, b in data.items():
+        mem[addr:addr + len(b)] = b
+    return bytes([device, flags, size_log2]) + bytes(mem).rstrip(b"\0")
+
+
+NEXT, WRITE = 1, 2
+hdr = lambda t, sector: struct.pack("<IIQ", t, 0, sector)
+blk_descs = [(0x1000, 16, NEXT, 1), (0x1100, 512, NEXT, 2), (0x1400, 1, WRITE, 0),
+             (0x1010, 16, NEXT, 4), (0x1600, 512, NEXT | WRITE, 5), (0x1401, 1, WRITE, 0),
+             (0x1020, 16, NEXT, 7), (0x1800, 20, NEXT | WRITE, 8), (0x1402, 1, WRITE, 0),
+             (0x1030, 16, NEXT, 10), (0x1403, 1, WRITE, 0),
+             (0x1040, 16, NEXT, 12), (0x1050, 16, NEXT, 13), (0x1404, 1, WRITE, 0)]
+blk_data = {0x1000: hdr(1, 0) + hdr(0, 0) + hdr(8, 0) + hdr(4, 0) + hdr(11, 0)
+            + struct.pack("<QII", 1, 1, 0), 0x1100: bytes(range(256)) * 2}
+save("virtqueue", "blk-out-in-id-flush-discard", [vq(0, 0, 4, [(blk_descs, [0, 3, 6, 9, 11])], blk_data)])
+save("virtqueue", "blk-4k-event-idx", [vq(2, 1, 4, [(blk_descs, [3, 0])], blk_data)])
+save("virtqueue", "blk-ro-write-refused", [vq(1, 2, 3, [(blk_descs[:3], [0])], blk_data)])
+frame = bytes(12) + bytes.fromhex("525400123456525400123457") + b"\x08\x00" + bytes(range(46))
+rx = ([(0x3000, 1526, WRITE, 0), (0x3800, 1526, WRITE, 0)], [0, 1])
+save("virtqueue", "net-echo-tx-rx", [vq(3, 1, 4, [rx, ([(0x2000, len(frame), 0, 0)], [0])], {0x2000: frame})])
+save("virtqueue", "net-sink-split-header", [vq(4, 0, 4, [([], []), ([(0x2000, 12, NEXT, 1), (0x200c, 60, 0, 0)], [0])],
+                                                 {0x2000: frame})])
+
+
+# completer: mode, feature to clear, 15 instruction bytes, 17 GPRs/RFLAGS, 16 XMM, RAM from 0.
+def completer(name, insn, mode=0, feature=0, regs=(), xmm=(), ram=b""):
+    r = list(regs) + [0] * (17 - len(regs))
+    x = list(xmm) + [0] * (16 - len(xmm))
+    body = bytes([mode, feature]) + bytes.fromhex(insn).ljust(15, b"\x90")
+    body += b"".join(struct.pack("<Q", v & (2**64 - 1)) for v in r)
+    body += b"".join(struct.pack("<QQ", v & (2**64 - 1), v >> 64) for v in x)
+    save("completer", name, [body + ram])
+
+
+# An IDT at 0x1000 whose gate 0x80 goes to 0x9000 (code selector 0x08, DPL 3) and gate 3 too.
+def gate(offset, dpl=3, kind=0xe):
+    return struct.pack("<HHBBHII", offset & 0xffff, 0x08, 0, 0x80 | dpl << 5 | kind,
+                       (offset >> 16) & 0xffff, offset >> 32, 0)
+
+
+idt = bytearray(0x1000)
+idt[0x80 * 16:0x81 * 16] = gate(0x9000)
+idt[3 * 16:4 * 16] = gate(0x9100, kind=0xf)
+gdt = struct.pack("<QQQQQ", 0, 0x00af9b000000ffff, 0x00cf93000000ffff, 0x00affb000000ffff, 0x00cff3000000ffff)
+ram = bytes(0x1000) + bytes(idt) + gdt.ljust(0x1000, b"\0") + struct.pack("<IQ", 0, 0xf000)
+rsp = 0xe000
+completer("xgetbv", "0f01d0", regs=[0, 0, 0])
+completer("xgetbv-ecx1", "0f01d0", regs=[0, 0, 1])
+completer("clwb", "660fae30", regs=[0x4000])
+completer("rdpru", "0f01fd", regs=[0, 0, 1])
+completer("invpcid", "660f388208", regs=[0, 0x4000], ram=bytes(0x4000) + struct.pack("<QQ", 1, 0x1000))
+completer("int80-cpl3", "cd80", mode=1 | 8, regs=[0] * 6 + [rsp], ram=ram)
+completer("int3", "cc", regs=[0] * 6 + [rsp], ram=ram)
+completer("crc32", "f2480f38f1c3", regs=[0xffffffff, 0x1122334455667788])
+completer("popcnt-lzcnt", "f3480fb8c3", regs=[0, 0xf0f0])
+completer("rdrand-no-feature", "480fc7f0", feature=5)
+completer("wrfsbase", "f3480faed0", regs=[0x7fff_0000_1000])
+completer("movdqu-store", "f30f7f00", regs=[0x5000], xmm=[0x0123456789abcdef_fedcba9876543210])
+completer("ldmxcsr", "0fae10", regs=[0, 0, 0x6000], ram=bytes(0x6000) + struct.pack("<I", 0x1f80))
+completer("stac-smap", "0f01cb", mode=4)
+completer("lock-misuse", "f00f01d0")
+completer("compat-clwb", "660fae30", mode=2, regs=[0x4000])
+
+
+# Kernel loaders: the image, then an options byte (1 initrd, 2 no ACPI).
+# The probe-guest ELFs come from a build (LUCID_GUESTS=<cargo out dir>/guests), stripped.
+guests = os.environ.get("LUCID_GUESTS")
+if guests:
+    import subprocess
+    for name, opts in [("hello", 0), ("pvh-ttext", 1), ("mb-lowmem", 1)]:
+        out = f"/tmp/lucid-seed-{name}.elf"
+        subprocess.run(["strip", "-o", out, f"{guests}/{name}.elf"], check=True)
+        target = "boot_multiboot" if name.startswith("mb") else "boot_elf"
+        save(target, f"{name}.elf", [open(out, "rb").read(), bytes([opts])])
+        if target == "boot_multiboot":
+            save("boot_elf", f"{name}.elf", [open(out, "rb").read(), bytes([opts])])
+
+
+def elf64(entry, segs):
+    """A minimal ELF64 executable (a vmlinux's shape): PT_LOAD segments (paddr, data, memsz)."""
+    ph_off, n = 64, len(segs)
+    data_off = ph_off + 56 * n
+    eh = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9)
+    eh += struct.pack("<HHIQQQIHHHHHH", 2, 62, 1, entry, ph_off, 0, 0, 64, 56, n, 64, 0, 0)
+    phs, body = b"", b""
+    for paddr, d, memsz in segs:
+        phs += struct.pack("<IIQQQQQQ", 1, 7, data_off + len(body), paddr | 0xffffffff80000000,
+                           paddr, len(d), memsz, 0x1000)
+        body += d
+    return eh + phs + body
+
+
+save("boot_elf", "vmlinux-shaped", [elf64(0x100000, [(0x100000, b"\xf4" * 64, 0x2000),
+                                                     (0x200000, b"Linux version 6.1" * 4, 0x1000)]),
+                                    b"\x01"])
+mb_magic = 0x1BADB002
+aout = [0x20_0000, 0x1f_fff8, 0, 0x20_4000, 0x20_0100]
+flat = bytes([0xf4] * 8) + struct.pack("<III", mb_magic, 1 << 16, (-(mb_magic + (1 << 16))) & 0xffffffff)
+flat += struct.pack("<5I", *aout) + bytes([0xaa] * 100)
+save("boot_multiboot", "aout-kludge-flat", [flat, b"\x01"])
+low = bytes([0xf4] * 8) + struct.pack("<III", mb_magic, 3 | 1 << 16, (-(mb_magic + (3 | 1 << 16))) & 0xffffffff)
+low += struct.pack("<5I", 0x8000, 0x7ff8, 0x8060, 0xa000, 0x8040) + bytes([0x90] * 64)
+save("boot_multiboot", "aout-low-memory-mem-info", [low, b"\x02"])
+
+
+def bzimage(payload, init_size, pref=0x100000):
+    b = bytearray(5 * 512)
+    b[0x1f1] = 4
+    struct.pack_into("<I", b, 0x1f4, (len(payload) + 15) // 16)
+    struct.pack_into("<H", b, 0x1fe, 0xaa55)
+    b[0x202:0x206] = b"HdrS"
+    struct.pack_into("<H", b, 0x206, 0x020f)
+    b[0x211] = 1
+    struct.pack_into("<I", b, 0x214, 0x100000)
+    struct.pack_into("<I", b, 0x22c, 0x7fffffff)
+    struct.pack_into("<I", b, 0x230, 0x200000)
+    b[0x234] = 1
+    struct.pack_into("<H", b, 0x236, 3)
+    struct.pack_into("<I", b, 0x238, 2047)
+    struct.pack_into("<Q", b, 0x258, pref)
+    struct.pack_into("<I", b, 0x260, init_size)
+    return bytes(b) + payload + bytes(-len(payload) % 16)
+
+
+save("boot_bzimage", "setup-header-2.15", [bzimage(b"\xf4" * 256, 0x10000), b"\x01"])
+save("boot_bzimage", "pref-address-high", [bzimage(b"\x90" * 64, 0x400000, pref=0x800000), b"\x00"])
