@@ -8,11 +8,15 @@ use log::{Level, LevelFilter, Log, Metadata, Record};
 
 struct StderrLogger {
     level: LevelFilter,
+    /// The level for records of the VMM's library crates (every target but the CLI's own):
+    /// `lucid bench` builds dozens of VMs and keeps their per-VM lines to errors by default.
+    vmm_level: LevelFilter,
 }
 
 impl Log for StderrLogger {
     fn enabled(&self, m: &Metadata) -> bool {
-        m.level() <= self.level
+        let cli = m.target() == "lucid" || m.target().starts_with("lucid::");
+        m.level() <= if cli { self.level } else { self.vmm_level }
     }
 
     fn log(&self, r: &Record) {
@@ -43,10 +47,11 @@ pub fn level(log_level: Option<LevelFilter>, quiet: bool, verbose: u8) -> LevelF
     })
 }
 
-/// Installs the logger for the whole process (once).
-pub fn install(level: LevelFilter) {
-    if log::set_boxed_logger(Box::new(StderrLogger { level })).is_ok() {
-        log::set_max_level(level);
+/// Installs the logger for the whole process (once); `vmm_level` applies to the library crates.
+pub fn install(level: LevelFilter, vmm_level: LevelFilter) {
+    let logger = StderrLogger { level, vmm_level };
+    if log::set_boxed_logger(Box::new(logger)).is_ok() {
+        log::set_max_level(level.max(vmm_level));
     }
 }
 
@@ -61,5 +66,18 @@ mod tests {
         assert_eq!(level(None, false, 1), LevelFilter::Debug);
         assert_eq!(level(None, false, 3), LevelFilter::Trace);
         assert_eq!(level(Some(LevelFilter::Error), true, 2), LevelFilter::Error);
+    }
+
+    #[test]
+    fn the_vmm_crates_can_have_their_own_level() {
+        let l = StderrLogger {
+            level: LevelFilter::Info,
+            vmm_level: LevelFilter::Error,
+        };
+        let meta = |target, level| Metadata::builder().target(target).level(level).build();
+        assert!(l.enabled(&meta("lucid::bench_io", Level::Info)));
+        assert!(l.enabled(&meta("lucid", Level::Info)));
+        assert!(!l.enabled(&meta("lucid_vmm::vm", Level::Warn)));
+        assert!(l.enabled(&meta("lucid_pci::transport", Level::Error)));
     }
 }

@@ -208,7 +208,13 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    logger::install(logger::level(cli.log_level, cli.quiet, cli.verbose));
+    let level = logger::level(cli.log_level, cli.quiet, cli.verbose);
+    // A benchmark builds dozens of VMs: what each decides is noise there unless asked for.
+    let vmm_level = match &cli.cmd {
+        Cmd::Bench { .. } if cli.log_level.is_none() && cli.verbose == 0 => log::LevelFilter::Error,
+        _ => level,
+    };
+    logger::install(level, vmm_level);
     let result = match cli.cmd {
         Cmd::Run(args) => run(*args),
         Cmd::Probe { json, quick } => lucid_probe::run_probe(&lucid_probe::ProbeOptions { quick })
