@@ -8,7 +8,9 @@
  * mac=52:54:00:12:34:56 (used when the device offers no MAC), dst=
  * (destination MAC, default our own), dev=0, preempt_us=0 (rr: spin this
  * long between reaping tx completions and looking for the reply, as a vCPU
- * preempted there would: the reply then overtakes its tx completion).
+ * preempted there would: the reply then overtakes its tx completion),
+ * reap_late=0 (rr: 1 looks for each reply before reaping its request's tx
+ * completion, so that every reply overtakes it).
  *
  * Frames: dst, src = our MAC, ethertype 0x88b5 (local experimental), then
  * u32 sequence number, u32 0x4c554349 ('LUCI'), then bytes derived from the
@@ -26,7 +28,8 @@
  * Prints "virtio-net mac=... features=..." then "virtio-net op=.. size=..
  * packets=N bytes=B tsc=T pps=X kicks=K irqs=I mismatches=M" and
  * "virtio-net detail: ..." (overtaken = replies seen before their tx
- * completion; work_tsc = TSC ticks spent building and checking frames). On a timeout it prints both rings' indices and event fields.
+ * completion; work_tsc = TSC ticks spent building and checking frames).
+ * On a timeout it prints both rings' indices and event fields.
  * Exit 0; 1 on mismatch or timeout; 2 setup.
  */
 #include "libcflat.h"
@@ -44,6 +47,7 @@ static u8 **rxbuf, **txbuf;
 static u64 timeout_tsc, mismatches, other, received;
 /* rr: replies seen before their request's tx completion; preempt_us as ticks */
 static u64 overtaken, preempt_tsc;
+static int reap_late;
 /* rr and tx: TSC ticks spent building and checking frames (the guest's own CPL3 work) */
 static u64 work_tsc;
 
@@ -432,6 +436,7 @@ int main(void)
 	u64 k = tsc_khz() ? tsc_khz() : 3000000;
 	timeout_tsc = param_u64("timeout_ms", 2000) * k;
 	preempt_tsc = param_u64("preempt_us", 0) * k / 1000;
+	reap_late = param_u64("reap_late", 0) != 0;
 
 	if (virtio_probe(&dev, VIRTIO_DEV_NET, param_u64("dev", 0)))
 		return 2;
@@ -536,18 +541,25 @@ int main(void)
 		}
 
 		/* request-response: wait for the echo of packet `done` */
-		reap_tx();
+		if (!reap_late)
+			reap_tx();
 		if (sent == done) {
 			/* The last reply was seen before its request's tx completion (the device
 			 * completes tx first, but both can land between reap_tx and vq_pop), so
-			 * the send above was held back: send now, there is no reply to wait for. */
+			 * the send above was held back: reap it, then send; there is no reply
+			 * to wait for. */
 			overtaken++;
-			if (inflight && wait_any(txq, NULL)) {
-				printf("virtio-net: no tx completion (timeout) packet=%lu\n", done);
-				dump_queues();
-				rc = 1;
-				break;
+			while (inflight && !reap_tx()) {
+				if (wait_any(txq, NULL)) {
+					printf("virtio-net: no tx completion (timeout) packet=%lu\n",
+					       done);
+					dump_queues();
+					rc = 1;
+					break;
+				}
 			}
+			if (rc)
+				break;
 			continue;
 		}
 		spin_tsc(preempt_tsc);

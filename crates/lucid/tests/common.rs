@@ -37,8 +37,9 @@ pub fn lucid(args: &[&str], limit: Duration) -> Outcome {
 }
 
 /// As [`lucid`], and pins each of Lucid's threads named in `pins` (e.g. `lucid-vcpu0`) to its
-/// CPU as soon as it appears (threads not seen within a second run where the scheduler puts
-/// them).
+/// CPU as soon as it appears, for a while after start (a thread not seen within a second keeps
+/// the affinity it inherited: a device back-end started by a pinned vCPU shares its CPU).
+/// Best effort, for steadier timing: no test's assertions depend on it.
 pub fn lucid_pinned(args: &[&str], limit: Duration, pins: &[(&str, usize)]) -> Outcome {
     let stats = tmp(&format!("stats-{}.json", rand_suffix()));
     let mut child = Command::new(env!("CARGO_BIN_EXE_lucid"))
