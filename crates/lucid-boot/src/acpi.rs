@@ -90,13 +90,15 @@ pub struct AcpiConfig {
 pub const SLP_TYP_S5: u8 = 0;
 
 impl AcpiConfig {
-    /// `vcpus` vCPUs with COM1 and the i8042, no PCI.
+    /// `vcpus` vCPUs with COM1 and the PM blocks; no i8042 (Lucid's is only a reset line,
+    /// which `reboot=k` uses without asking ACPI: a described PS/2 controller makes Linux probe
+    /// it and fail with `Can't read CTR`), no PCI.
     pub fn new(vcpus: u8) -> Self {
         AcpiConfig {
             vcpus,
             pci_ecam: None,
             com1: true,
-            i8042: true,
+            i8042: false,
             pm: true,
         }
     }

@@ -93,8 +93,9 @@ impl AcpiPm {
         (ns * u128::from(PM_TIMER_HZ) / 1_000_000_000) as u32
     }
 
-    fn status(&self) -> u16 {
-        let flipped = (self.timer() >> 31 != 0) != self.tmr_msb_cleared;
+    /// PM1 status with TMR_STS as it stands at timer count `t`.
+    fn status(&self, t: u32) -> u16 {
+        let flipped = (t >> 31 != 0) != self.tmr_msb_cleared;
         self.sts | if flipped { TMR_STS } else { 0 }
     }
 
@@ -102,18 +103,18 @@ impl AcpiPm {
         SCI_EN | self.slp_typ
     }
 
-    /// The 12 bytes of the register range as the guest reads them.
-    fn image(&self) -> [u8; ACPI_PM_LEN as usize] {
+    /// The 12 bytes of the register range as the guest reads them at timer count `t`.
+    fn image(&self, t: u32) -> [u8; ACPI_PM_LEN as usize] {
         let mut b = [0u8; ACPI_PM_LEN as usize];
-        b[STS as usize..][..2].copy_from_slice(&self.status().to_le_bytes());
+        b[STS as usize..][..2].copy_from_slice(&self.status(t).to_le_bytes());
         b[EN as usize..][..2].copy_from_slice(&self.en.to_le_bytes());
         b[CNT as usize..][..2].copy_from_slice(&self.control().to_le_bytes());
-        b[TMR as usize..][..4].copy_from_slice(&self.timer().to_le_bytes());
+        b[TMR as usize..][..4].copy_from_slice(&t.to_le_bytes());
         b
     }
 
-    fn update_sci(&mut self) {
-        let level = self.status() & self.en != 0;
+    fn update_sci(&mut self, t: u32) {
+        let level = self.status(t) & self.en != 0;
         if level != self.sci_level {
             self.sci_level = level;
             if level {
@@ -123,9 +124,9 @@ impl AcpiPm {
         }
     }
 
-    fn write_status(&mut self, clear: u16) {
+    fn write_status(&mut self, clear: u16, t: u32) {
         if clear & TMR_STS != 0 {
-            self.tmr_msb_cleared = self.timer() >> 31 != 0;
+            self.tmr_msb_cleared = t >> 31 != 0;
         }
         self.sts &= !clear;
     }
@@ -167,19 +168,22 @@ fn part16(offset: u64, data: &[u8], reg: u64) -> Option<(u16, u16)> {
 
 impl BusDevice for AcpiPm {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
-        let image = self.image();
+        // One clock read per access: the timer and TMR_STS agree within it.
+        let t = self.timer();
+        let image = self.image(t);
         for (i, b) in data.iter_mut().enumerate() {
             *b = image.get(offset as usize + i).copied().unwrap_or(0xff);
         }
         if (offset..offset + data.len() as u64).contains(&TMR) {
             self.timer_reads.inc();
         }
-        self.update_sci();
+        self.update_sci(t);
     }
 
     fn write(&mut self, offset: u64, data: &[u8]) {
+        let t = self.timer();
         if let Some((v, _)) = part16(offset, data, STS) {
-            self.write_status(v);
+            self.write_status(v, t);
         }
         if let Some((v, mask)) = part16(offset, data, EN) {
             self.en = (self.en & !mask | v & mask) & EN_MASK;
@@ -187,7 +191,7 @@ impl BusDevice for AcpiPm {
         if let Some((v, mask)) = part16(offset, data, CNT) {
             self.write_control(self.control() & !mask | v & mask);
         }
-        self.update_sci();
+        self.update_sci(t);
     }
 }
 
@@ -220,8 +224,24 @@ mod tests {
         // At least 2 ms worth of 3.579545 MHz ticks.
         assert!(t1.wrapping_sub(t0) >= 7000, "{t0} -> {t1}");
         assert_eq!(rd(&mut p, CNT, 2) & 1, 1, "SCI_EN");
-        // Byte reads of the timer see the same count's bytes.
-        assert_eq!(rd(&mut p, TMR + 3, 1), 0);
+        // Byte reads of the timer see the count's bytes: each byte read agrees with a dword
+        // read just before or just after it (the count moves on between reads).
+        for byte in 0..4u64 {
+            let before = rd(&mut p, TMR, 4);
+            let b = rd(&mut p, TMR + byte, 1);
+            let after = rd(&mut p, TMR, 4);
+            let at = |v: u32| (v >> (8 * byte)) & 0xff;
+            let (lo, hi) = (at(before), at(after));
+            let ok = if lo <= hi {
+                (lo..=hi).contains(&b)
+            } else {
+                b >= lo || b <= hi
+            };
+            assert!(
+                ok,
+                "byte {byte}: {b:#x} not between {before:#x} and {after:#x}"
+            );
+        }
     }
 
     #[test]

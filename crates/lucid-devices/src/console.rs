@@ -63,6 +63,11 @@ struct State {
     closing: bool,
     /// When the writer last finished a write (or started waiting), for the final flush.
     progress: Instant,
+    /// The writer thread sleeps on `cv`: only then does new output need a wake-up (a futex
+    /// call per byte on the vCPU otherwise: the UART writes one byte at a time).
+    writer_waiting: bool,
+    /// Bytes wait for a sink that cannot take them yet (a socket console with no client).
+    no_reader: bool,
 }
 
 struct Shared {
@@ -86,6 +91,7 @@ impl Write for ConsoleWriter {
         let room = s.capacity.saturating_sub(st.buf.len());
         let take = room.min(buf.len());
         st.buf.extend(&buf[..take]);
+        let wake = take > 0 && st.writer_waiting;
         drop(st);
         if take < buf.len() {
             s.dropped.add((buf.len() - take) as u64);
@@ -97,7 +103,7 @@ impl Write for ConsoleWriter {
                 );
             }
         }
-        if take > 0 {
+        if wake {
             s.cv.notify_all();
         }
         Ok(buf.len())
@@ -132,6 +138,8 @@ impl ConsoleOut {
                 in_flight: 0,
                 closing: false,
                 progress: Instant::now(),
+                writer_waiting: false,
+                no_reader: false,
             }),
             cv: Condvar::new(),
             capacity,
@@ -170,6 +178,11 @@ impl ConsoleOut {
             let pending = st.buf.len();
             if pending == 0 && st.in_flight == 0 {
                 return 0;
+            }
+            if st.no_reader && st.in_flight == 0 {
+                // Nobody to write to (a socket console no client connected to): no point
+                // waiting for progress.
+                return pending;
             }
             let idle = st.progress.elapsed();
             if idle >= patience {
@@ -217,8 +230,16 @@ fn drain(s: &Shared, mut sink: Sink) {
     loop {
         while !st.closing && (st.buf.is_empty() || !sink.ready()) {
             st.progress = Instant::now();
+            let no_reader = !st.buf.is_empty();
+            if no_reader != st.no_reader {
+                st.no_reader = no_reader;
+                s.cv.notify_all();
+            }
+            st.writer_waiting = true;
             st = s.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+            st.writer_waiting = false;
         }
+        st.no_reader = false;
         if st.closing && (st.buf.is_empty() || !sink.ready()) {
             return;
         }

@@ -588,7 +588,12 @@ impl VirtioPciDevice {
                 v &= !status::DRIVER_OK;
                 self.counters.bad_accesses.inc();
             } else if let Err(e) = self.activate() {
-                log::error!("{}: DRIVER_OK refused, device needs reset: {e}", self.name);
+                // A guest can repeat this at will: the first one is an error, the rest detail.
+                if self.counters.activation_failed.get() == 0 {
+                    log::error!("{}: DRIVER_OK refused, device needs reset: {e}", self.name);
+                } else {
+                    log::debug!("{}: DRIVER_OK refused, device needs reset: {e}", self.name);
+                }
                 self.counters.activation_failed.inc();
                 self.activation_error = Some(e);
                 self.counters.needs_reset.inc();

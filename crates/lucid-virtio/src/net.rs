@@ -46,6 +46,8 @@ pub const NET_HDR_LEN: usize = 12;
 pub const MAX_FRAME: usize = 65_536 + 14;
 /// Frames the echo back-end holds while the rx queue has no buffers.
 pub const ECHO_BACKLOG: usize = 1024;
+/// Emptied echo buffers kept for reuse.
+const SPARE_BUFFERS: usize = 64;
 pub const QUEUE_SIZE: u16 = 256;
 pub const RX_QUEUE: u16 = 0;
 pub const TX_QUEUE: u16 = 1;
@@ -268,7 +270,8 @@ struct NetWorker {
     rx: Option<usize>,
     tx: Option<usize>,
     /// Echo: frames waiting for rx buffers, in order, and emptied buffers to reuse (no
-    /// allocation per frame once the backlog has been as deep as it gets).
+    /// allocation per frame in a steady state; at most [`SPARE_BUFFERS`] are kept, so a burst
+    /// that filled the backlog does not hold its memory for the VM's life).
     echo: VecDeque<Vec<u8>>,
     spare: Vec<Vec<u8>>,
     /// Tap: the rx queue ran out of buffers; the tap is not watched until the driver adds some.
@@ -396,7 +399,9 @@ impl NetWorker {
             None => &mut self.frame[..len],
         };
         if let Err(e) = gather(io, &self.chain.body, buf) {
-            self.spare.extend(echoed);
+            if let Some(v) = echoed {
+                recycle(&mut self.spare, v);
+            }
             return self.tx_drop(io, e.into());
         }
         io.c.bytes_read.add(len as u64);
@@ -408,7 +413,7 @@ impl NetWorker {
                 let v = echoed.expect("echo gathered into a buffer");
                 if self.rx.is_none() || self.echo.len() >= ECHO_BACKLOG {
                     self.c.rx_dropped_no_buffers.inc();
-                    self.spare.push(v);
+                    recycle(&mut self.spare, v);
                 } else {
                     self.echo.push_back(v);
                 }
@@ -461,7 +466,7 @@ impl NetWorker {
                     if let Delivery::NoBuffer = outcome {
                         self.echo.push_front(f);
                     } else {
-                        self.spare.push(f);
+                        recycle(&mut self.spare, f);
                     }
                     outcome
                 }
@@ -536,5 +541,12 @@ impl Chain {
         c.rx_packets.inc();
         c.rx_bytes.add(frame.len() as u64);
         Delivery::Delivered
+    }
+}
+
+/// Keeps an emptied echo buffer for the next frame, up to [`SPARE_BUFFERS`] of them.
+fn recycle(spare: &mut Vec<Vec<u8>>, v: Vec<u8>) {
+    if spare.len() < SPARE_BUFFERS {
+        spare.push(v);
     }
 }

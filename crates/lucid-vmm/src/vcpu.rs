@@ -43,12 +43,9 @@ pub enum VcpuFault {
     FailEntry { vcpu: u32, reason: u64 },
     #[error("vCPU {vcpu}: unexpected exit to userspace: {exit}")]
     UnexpectedExit { vcpu: u32, exit: &'static str },
-    #[error("vCPU {vcpu}: KVM could not complete an instruction and neither could Lucid")]
-    Emulation {
-        vcpu: u32,
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
+    /// KVM stopped with an internal error that Lucid could not finish (it names the vCPU).
+    #[error(transparent)]
+    Emulation(#[from] crate::emulate::CompleteError),
     #[error("vCPU {vcpu}: cannot {what} the registers of hypercall {nr}")]
     Hypercall {
         vcpu: u32,
@@ -78,8 +75,8 @@ pub struct VcpuHandle {
     /// Signalled (under the `requests` lock) when a request is queued or the vCPU is kicked, so
     /// that a paused vCPU waiting for its next request wakes at once.
     wake: Condvar,
-    /// Waits of a paused vCPU that ended by timeout rather than by a wake-up (a lost wake-up
-    /// shows here).
+    /// Waits of a paused vCPU that timed out with a request queued or the VM stopping: a lost
+    /// wake-up (a paused vCPU with nothing to do times out harmlessly and is not counted).
     wait_timeouts: Arc<Counter>,
 }
 
@@ -297,7 +294,8 @@ impl VcpuCtx {
 
     /// Paused with nothing queued: sleeps until a request is queued or the VM stops (both
     /// notify `wake` under the queue's lock, and the queue is checked under that lock, so no
-    /// wake-up is lost). The timeout is only a safety net; each one is counted.
+    /// wake-up is lost). The timeout is only a safety net; one that finds work was a lost
+    /// wake-up, and is counted.
     fn wait_for_request(&self) {
         const SAFETY_NET: std::time::Duration = std::time::Duration::from_secs(1);
         let h = &self.handle;
@@ -305,11 +303,11 @@ impl VcpuCtx {
         if !q.is_empty() || self.lifecycle.is_stopping() {
             return;
         }
-        let (_q, timeout) = h
+        let (q, timeout) = h
             .wake
             .wait_timeout(q, SAFETY_NET)
             .unwrap_or_else(|e| e.into_inner());
-        if timeout.timed_out() {
+        if timeout.timed_out() && (!q.is_empty() || self.lifecycle.is_stopping()) {
             h.wait_timeouts.inc();
         }
     }
@@ -355,10 +353,9 @@ impl VcpuCtx {
                 }
                 Followup::Emulate(err) => match self.emulator.complete(&mut self.vcpu, &err) {
                     Ok(()) => self.counters.emulated.inc(),
-                    Err(report) => self.lifecycle.stop(StopReason::error(VcpuFault::Emulation {
-                        vcpu: id,
-                        source: report.into(),
-                    })),
+                    Err(e) => self
+                        .lifecycle
+                        .stop(StopReason::error(VcpuFault::Emulation(e))),
                 },
             }
             self.counters

@@ -192,9 +192,6 @@ impl Vm {
         let cmdline = kernel_cmdline(&config.cmdline, image.is_linux(), b.backend());
         log::debug!("kernel command line: {cmdline:?}");
         let mut acpi = AcpiConfig::new(config.vcpus);
-        // Lucid's i8042 is only a reset line (`reboot=k` writes 0xfe to port 0x64 whatever ACPI
-        // says): describing a PS/2 controller makes Linux probe it and fail (`Can't read CTR`).
-        acpi.i8042 = false;
         if pci.is_some() {
             let last_bus = ((layout::PCI_ECAM_SIZE >> 20) - 1).min(255) as u8;
             acpi.pci_ecam = Some((layout::PCI_ECAM_START, 0, last_bus));

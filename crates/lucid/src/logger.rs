@@ -2,21 +2,33 @@
 //! form the CLI has always printed (`lucid: warning: ...`). The level comes from the command
 //! line (`-q`, `-v`, `--log-level`).
 
+use std::collections::HashSet;
 use std::io::Write;
+use std::sync::Mutex;
 
 use log::{Level, LevelFilter, Log, Metadata, Record};
 
 struct StderrLogger {
     level: LevelFilter,
-    /// The level for records of the VMM's library crates (every target but the CLI's own):
-    /// `lucid bench` builds dozens of VMs and keeps their per-VM lines to errors by default.
+    /// The level for records of the VMM's library crates (every target but the CLI's own).
     vmm_level: LevelFilter,
+    /// The VMM crates' lines already printed, when each is to be printed once (`lucid bench`
+    /// builds dozens of VMs, which would say the same things again and again).
+    seen: Option<Mutex<HashSet<String>>>,
+}
+
+fn is_cli(target: &str) -> bool {
+    target == "lucid" || target.starts_with("lucid::")
 }
 
 impl Log for StderrLogger {
     fn enabled(&self, m: &Metadata) -> bool {
-        let cli = m.target() == "lucid" || m.target().starts_with("lucid::");
-        m.level() <= if cli { self.level } else { self.vmm_level }
+        m.level()
+            <= if is_cli(m.target()) {
+                self.level
+            } else {
+                self.vmm_level
+            }
     }
 
     fn log(&self, r: &Record) {
@@ -30,6 +42,12 @@ impl Log for StderrLogger {
             Level::Debug => format!("lucid: debug: {}: {}\n", r.target(), r.args()),
             Level::Trace => format!("lucid: trace: {}: {}\n", r.target(), r.args()),
         };
+        if let Some(seen) = &self.seen {
+            let mut seen = seen.lock().unwrap_or_else(|e| e.into_inner());
+            if !is_cli(r.target()) && !seen.insert(line.clone()) {
+                return;
+            }
+        }
         // One write per line, so lines from different threads do not interleave.
         let _ = std::io::stderr().lock().write_all(line.as_bytes());
     }
@@ -47,9 +65,14 @@ pub fn level(log_level: Option<LevelFilter>, quiet: bool, verbose: u8) -> LevelF
     })
 }
 
-/// Installs the logger for the whole process (once); `vmm_level` applies to the library crates.
-pub fn install(level: LevelFilter, vmm_level: LevelFilter) {
-    let logger = StderrLogger { level, vmm_level };
+/// Installs the logger for the whole process (once); `vmm_level` applies to the library crates,
+/// whose lines are printed once each with `once`.
+pub fn install(level: LevelFilter, vmm_level: LevelFilter, once: bool) {
+    let logger = StderrLogger {
+        level,
+        vmm_level,
+        seen: once.then(Mutex::default),
+    };
     if log::set_boxed_logger(Box::new(logger)).is_ok() {
         log::set_max_level(level.max(vmm_level));
     }
@@ -73,6 +96,7 @@ mod tests {
         let l = StderrLogger {
             level: LevelFilter::Info,
             vmm_level: LevelFilter::Error,
+            seen: None,
         };
         let meta = |target, level| Metadata::builder().target(target).level(level).build();
         assert!(l.enabled(&meta("lucid::bench_io", Level::Info)));

@@ -209,12 +209,14 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let level = logger::level(cli.log_level, cli.quiet, cli.verbose);
-    // A benchmark builds dozens of VMs: what each decides is noise there unless asked for.
-    let vmm_level = match &cli.cmd {
-        Cmd::Bench { .. } if cli.log_level.is_none() && cli.verbose == 0 => log::LevelFilter::Error,
-        _ => level,
+    // A benchmark builds dozens of VMs: their per-VM decisions (info) are noise there unless
+    // asked for, and each warning (a rung that fell back) is said once.
+    let bench = matches!(cli.cmd, Cmd::Bench { .. });
+    let vmm_level = match bench && cli.log_level.is_none() && cli.verbose == 0 {
+        true => level.min(log::LevelFilter::Warn),
+        false => level,
     };
-    logger::install(level, vmm_level);
+    logger::install(level, vmm_level, bench);
     let result = match cli.cmd {
         Cmd::Run(args) => run(*args),
         Cmd::Probe { json, quick } => lucid_probe::run_probe(&lucid_probe::ProbeOptions { quick })

@@ -263,20 +263,6 @@ pub enum CompleteError {
     },
 }
 
-impl CompleteError {
-    /// The error and its causes on one line, for the VM's stop reason.
-    pub fn report(&self) -> String {
-        let mut s = self.to_string();
-        let mut cause = std::error::Error::source(self);
-        while let Some(c) = cause {
-            s.push_str(": ");
-            s.push_str(&c.to_string());
-            cause = c.source();
-        }
-        s
-    }
-}
-
 /// Per-vCPU state of the completer; counts by mnemonic go to the stats registry as
 /// `vcpuN.emulated.<mnemonic>`.
 pub struct Emulator {

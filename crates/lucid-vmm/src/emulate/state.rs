@@ -47,6 +47,9 @@ pub struct KvmCpu<'a> {
     vcpu: &'a Vcpu,
     mem: Option<&'a GuestMemoryMmap>,
     cpuid: &'a [kvm_cpuid_entry2],
+    /// The XSAVE image [`CpuState::fpu`] read, so that [`CpuState::set_fpu`] writes it back
+    /// without reading the 4 KiB area again (one `KvmCpu` serves one instruction).
+    xsave: std::cell::RefCell<Option<Box<kvm_xsave>>>,
 }
 
 impl<'a> KvmCpu<'a> {
@@ -55,7 +58,12 @@ impl<'a> KvmCpu<'a> {
         mem: Option<&'a GuestMemoryMmap>,
         cpuid: &'a [kvm_cpuid_entry2],
     ) -> Self {
-        KvmCpu { vcpu, mem, cpuid }
+        KvmCpu {
+            vcpu,
+            mem,
+            cpuid,
+            xsave: std::cell::RefCell::new(None),
+        }
     }
 
     fn mem(&self) -> Result<&GuestMemoryMmap, EmulateError> {
@@ -80,12 +88,20 @@ impl CpuState for KvmCpu<'_> {
     // whatever XSTATE_BV says, so a value written while the guest's SSE state was in its
     // initial configuration (XSTATE_BV bit 1 clear) was dropped when KVM restored the state.
     fn fpu(&self) -> Result<kvm_fpu, EmulateError> {
-        Ok(fpu_from_xsave(&self.vcpu.get_xsave()?))
+        let x = Box::new(self.vcpu.get_xsave()?);
+        let fpu = fpu_from_xsave(&x);
+        *self.xsave.borrow_mut() = Some(x);
+        Ok(fpu)
     }
     fn set_fpu(&mut self, fpu: &kvm_fpu) -> Result<(), EmulateError> {
-        let mut x = self.vcpu.get_xsave()?;
+        let mut x = match self.xsave.get_mut().take() {
+            Some(x) => x,
+            None => Box::new(self.vcpu.get_xsave()?),
+        };
         fpu_into_xsave(fpu, &mut x);
-        Ok(self.vcpu.set_xsave(&x)?)
+        self.vcpu.set_xsave(&x)?;
+        *self.xsave.get_mut() = Some(x);
+        Ok(())
     }
     fn xcr0(&self) -> Result<u64, EmulateError> {
         let x = self.vcpu.get_xcrs()?;
