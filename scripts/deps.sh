@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Installs what Lucid needs on a fresh Debian machine (as root): a C toolchain for the probe-guest
 # kit, and with --test also QEMU (the peer the probe guests are checked against) and the tools
-# the Linux guest script and tests use. Idempotent and quiet when everything is there.
+# the Linux guest script and tests use; with --fuzz what scripts/fuzz.sh needs. Idempotent and
+# quiet when everything is there.
 set -euo pipefail
 want=(gcc make)
+if [[ "${1:-}" == "--test" || "${1:-}" == "--fuzz" ]]; then
+  # The fuzz targets link libFuzzer, which is C++ (the tests check that the targets build).
+  want+=(g++)
+fi
 if [[ "${1:-}" == "--test" ]]; then
   want+=(qemu-system-x86 busybox-static lz4 cpio iproute2)
   # The small Linux guest: its source and build tools, and mke2fs for the test's root disk.

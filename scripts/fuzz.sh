@@ -11,6 +11,8 @@
 # fuzz/artifacts/<target>/; `cargo +nightly fuzz tmin <target> <input>` minimizes it.
 # Installs what it needs: the nightly toolchain and cargo-fuzz.
 set -euo pipefail
+# libFuzzer (libfuzzer-sys) is C++.
+"$(dirname "$0")/deps.sh" --fuzz
 cd "$(dirname "$0")/../fuzz"
 
 limit="-max_total_time=60"

@@ -10,4 +10,6 @@ fi
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -q -- -D warnings
 cargo build --workspace --release -q
+# The fuzz targets (their own workspace, run by scripts/fuzz.sh) must keep building.
+cargo check -q --manifest-path fuzz/Cargo.toml
 cargo test --workspace --release -- --test-threads=2
