@@ -8,9 +8,11 @@
 # when it is missing (about 10 minutes, once per machine), then runs the checks. The last line
 # printed is
 #
-#   linux-client: init=yes|no rootfs=ok|fail net=ok|fail|skipped userspace=ok|fail|skipped seconds=N
+#   linux-client: init=yes|no rootfs=ok|fail disk2=ok|fail net=ok|fail|skipped
+#                 userspace=ok|fail|skipped seconds=N                    (one line)
 #
-# and the exit status is 0 when nothing failed. The network checks need root (a network
+# (disk2: the GPT disk; each device's check includes MSI-X interrupts, none on INTx, from Lucid's
+# counters) and the exit status is 0 when nothing failed. The network checks need root (a network
 # namespace with a tap); the userspace checks need a VT-x/AMD-V host. Other options go to
 # lucid-linux-client: --timeout SECS, --json FILE, --log FILE, --net auto|yes|no,
 # --userspace auto|yes|no, -- extra `lucid run` arguments. The console log with times goes to

@@ -1,14 +1,15 @@
 //! Booting real Linux kernels built or fetched by `scripts/linux-guest.sh` into `work-linux/`:
 //! Debian's cloud kernel (ELF `vmlinux` through PVH) with a busybox initramfs, and the small
 //! kernel (`work-linux/small/vmlinux`) whose own drivers drive Lucid's devices, checked through
-//! `lucid-linux-client` (crates/lucid/src/bin/linux_client.rs).
+//! `lucid-linux-client` (crates/lucid/src/bin/linux_client/main.rs).
 //!
 //! On a host whose KVM emulates guest kernel code (PVM, see shared/PLATFORM.md) Linux runs about
 //! a thousand times slower than native: these tests look for boot milestones on the serial
 //! console within a time limit, then stop Lucid with SIGTERM.
 //!
 //! Without the artifacts the tests print `skipped: ...` and pass, unless `LUCID_REQUIRE_LINUX=1`,
-//! which makes a missing artifact a failure (CI sets it after running the script).
+//! which makes a missing artifact a failure (CI sets it after running the script). With it (or
+//! `CI`) set, a root run that cannot make the tap for the network checks fails too.
 //! `LUCID_LINUX_DIR` overrides the artifact directory.
 
 use std::path::{Path, PathBuf};
@@ -45,6 +46,19 @@ const MILESTONES: &[(&str, &str)] = &[
     ),
 ];
 
+/// `LUCID_REQUIRE_LINUX` is set (to anything but empty or 0): what would be skipped fails.
+fn linux_required() -> bool {
+    std::env::var("LUCID_REQUIRE_LINUX").is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
+/// Skips (prints `skipped: MSG`, the caller returns) or, with `LUCID_REQUIRE_LINUX`, fails.
+fn skip_unless_required(msg: &str) {
+    if linux_required() {
+        panic!("{msg} (LUCID_REQUIRE_LINUX is set)");
+    }
+    println!("skipped: {msg}");
+}
+
 fn artifacts_dir() -> PathBuf {
     match std::env::var_os("LUCID_LINUX_DIR") {
         Some(d) => PathBuf::from(d),
@@ -72,17 +86,14 @@ fn artifacts() -> Option<(PathBuf, PathBuf)> {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    if std::env::var("LUCID_REQUIRE_LINUX").is_ok_and(|v| !v.is_empty() && v != "0") {
-        panic!("{msg} (LUCID_REQUIRE_LINUX is set)");
-    }
-    println!("skipped: {msg}");
+    skip_unless_required(&msg);
     None
 }
 
 #[allow(dead_code)]
 #[path = "../src/bin/linux_client/timed_boot.rs"]
 mod timed_boot;
-use timed_boot::{first, Boot, Line};
+use timed_boot::{counter, first, Boot, Line};
 
 /// Boots Debian's kernel with its initramfs (256 MiB, the console on stdout).
 fn boot_debian(kernel: &Path, initrd: &Path, name: &str) -> Boot {
@@ -190,9 +201,14 @@ fn linux_boot_milestones() {
     }
     println!("lucid stderr:\n{stderr}");
     if let Some(stats) = stats {
-        let vcpu0 = &stats["counters"]["vcpu0"];
-        println!("emulated_insns: {}", vcpu0["emulated_insns"]);
-        println!("emulated by mnemonic: {}", vcpu0["emulated"]);
+        println!(
+            "emulated_insns: {}",
+            counter(&stats, "vcpu0.emulated_insns")
+        );
+        println!(
+            "emulated by mnemonic: {}",
+            stats["counters"]["vcpu0"]["emulated"]
+        );
     }
     assert!(
         first(&lines, "Linux version").is_some(),
@@ -214,10 +230,7 @@ fn small_kernel() -> Option<PathBuf> {
         "small Linux kernel missing ({}): run scripts/linux-guest.sh",
         k.display()
     );
-    if std::env::var("LUCID_REQUIRE_LINUX").is_ok_and(|v| !v.is_empty() && v != "0") {
-        panic!("{msg} (LUCID_REQUIRE_LINUX is set)");
-    }
-    println!("skipped: {msg}");
+    skip_unless_required(&msg);
     None
 }
 
@@ -228,8 +241,10 @@ fn one_boot_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     TURN.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Runs `lucid-linux-client` on `rung` and checks every milestone this host allows: Linux's
-/// virtio-pci enumerates Lucid's functions (with INTx routed by the DSDT's `_PRT`); virtio_blk
+/// Runs `lucid-linux-client` on `rung` and checks every milestone this host allows: Linux
+/// enumerates Lucid's virtio functions, one per device, and virtio_pci drives each of them with
+/// MSI-X, every interrupt an MSI-X message and none on INTx (which the DSDT's `_PRT` routes,
+/// for a driver without MSI-X); virtio_blk
 /// mounts the ext2 root and loads `/sbin/init` from it, and reads both GPT headers of a second
 /// disk with matching CRCs; virtio_net takes a static `ip=`, sends the kernel log by netconsole
 /// to a UDP listener on the host, and answers 5 of 5 ICMP echo requests from the host while
@@ -287,6 +302,7 @@ fn small_linux_on(rung: &str) {
         line.starts_with("linux-client: init=yes rootfs=ok "),
         "{why}"
     );
+    assert!(line.contains(" disk2=ok "), "{why}");
     for m in report["milestones"].as_array().expect("milestones") {
         assert!(
             m["seconds"].is_number(),
@@ -294,11 +310,61 @@ fn small_linux_on(rung: &str) {
             m["name"]
         );
     }
-    let counter = |n: &str| report["counters"][n].as_u64().unwrap_or(0);
-    assert!(counter("blk0.requests") > 0, "{why}");
-    assert!(counter("blk1.requests") > 0, "{why}");
-    assert_eq!(counter("blk0.errors") + counter("blk1.errors"), 0, "{why}");
+    // The report's counters are nested as in Lucid's stats JSON.
+    let count = |n: &str| counter(&report, n);
+    assert!(count("blk0.requests") > 0, "{why}");
+    assert!(count("blk1.requests") > 0, "{why}");
+    assert_eq!(count("blk0.errors") + count("blk1.errors"), 0, "{why}");
     assert_eq!(report["disk2"], "ok", "{why}");
+
+    // Whether the network ran, and if not, why (a kind, not words).
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let net_skip = report["net_skip"].as_str();
+    let has_net = net_skip.is_none();
+
+    // Linux enumerated one virtio function per device: two disks and, with the network, a NIC.
+    let functions = report["pci_functions"].as_array().expect("pci_functions");
+    let with_id = |id: &str| {
+        functions
+            .iter()
+            .filter(|f| f.as_str().is_some_and(|f| f.contains(id)))
+            .count()
+    };
+    assert_eq!(with_id("[1af4:1042]"), 2, "{why}");
+    assert_eq!(with_id("[1af4:1041]"), usize::from(has_net), "{why}");
+    assert_eq!(functions.len(), 2 + usize::from(has_net), "{why}");
+    // MSI-X, not INTx: Lucid delivers a device's MSI-X vectors by KVM_SIGNAL_MSI on L0 and by
+    // irqfd on L1-L4 (`irq.msi_signal`, `irq.irqfd`), and counts INTx apart (`irq.intx`). L4's
+    // polling back-ends still raise the interrupts a driver asks for, and Linux's virtio_blk
+    // and virtio_net ask for them (block completions, received packets), so on either rung each
+    // device has at least one, all on the rung's MSI-X path.
+    let (msix, other) = if rung == "L0" {
+        ("msi_signal", "irqfd")
+    } else {
+        ("irqfd", "msi_signal")
+    };
+    let devices: &[&str] = if has_net {
+        &["blk0", "blk1", "net0"]
+    } else {
+        &["blk0", "blk1"]
+    };
+    for dev in devices {
+        assert!(
+            count(&format!("{dev}.irq.{msix}")) > 0,
+            "{dev}: no MSI-X interrupt ({msix}) on {rung}; {why}"
+        );
+        assert_eq!(
+            count(&format!("{dev}.irq.intx")),
+            0,
+            "{dev}: interrupts on INTx; {why}"
+        );
+        assert_eq!(
+            count(&format!("{dev}.irq.{other}")),
+            0,
+            "{dev}: interrupts by {other} on {rung}; {why}"
+        );
+    }
 
     // What Linux said about Lucid's platform devices.
     let console = std::fs::read_to_string(&log).unwrap_or_default();
@@ -310,17 +376,32 @@ fn small_linux_on(rung: &str) {
         );
     }
 
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
     let net_skipped = report["net_skipped_because"].as_str().unwrap_or_default();
-    if root && net_skipped.starts_with("cannot make a tap") {
-        // A host without tap support: only the network part is skipped.
-        println!("  network checks skipped: {net_skipped}");
-    } else if root {
+    match net_skip {
+        None => assert!(root, "the network ran without root; {why}"),
+        Some("no-tap") => {
+            assert!(root, "{why}");
+            // A host without tap support: only the network part is skipped, and only where
+            // nothing requires it.
+            let required = linux_required() || std::env::var_os("CI").is_some();
+            assert!(
+                !required,
+                "root, but no tap for the network checks (LUCID_REQUIRE_LINUX or CI is set): \
+                 {net_skipped}; {why}"
+            );
+            println!("  network checks skipped: {net_skipped}");
+        }
+        Some("no-root") => {
+            assert!(!root, "{why}");
+            assert!(std::env::var_os("CI").is_none(), "CI runs as root");
+        }
+        Some(other) => panic!("unexpected net_skip {other:?}; {why}"),
+    }
+    if has_net {
         assert_eq!(report["net"], "ok", "{why}");
         assert_eq!(report["icmp"]["replies"], 5, "{why}");
         assert!(
-            counter("net0.tx_packets") > 0 && counter("net0.rx_packets") > 0,
+            count("net0.tx_packets") > 0 && count("net0.rx_packets") > 0,
             "{why}"
         );
         let netcon = report["netconsole_lines"].as_array().expect("lines");
@@ -331,12 +412,12 @@ fn small_linux_on(rung: &str) {
             "{why}"
         );
     } else {
-        assert!(std::env::var_os("CI").is_none(), "CI runs as root");
         assert_eq!(report["net"], "skipped", "{why}");
     }
 
     if lucid_hv::detect_backend() == lucid_hv::Backend::Pvm {
         assert_eq!(report["userspace"], "skipped", "{why}");
+        assert_eq!(report["userspace_skip"], "pvm", "{why}");
         println!(
             "  userspace skipped: {}",
             report["userspace_skipped_because"].as_str().unwrap_or("?")

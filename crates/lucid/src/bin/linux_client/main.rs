@@ -4,9 +4,17 @@
 //! guest can make system calls, a busybox userspace. Used by `scripts/linux-client.sh` and by the
 //! CI test `crates/lucid/tests/linux.rs`; prints, last, one line:
 //!
-//! `linux-client: init=yes|no rootfs=ok|fail net=ok|fail|skipped userspace=ok|fail|skipped seconds=N`
+//! `linux-client: init=yes|no rootfs=ok|fail disk2=ok|fail net=ok|fail|skipped
+//! userspace=ok|fail|skipped seconds=N` (on one line)
 //!
-//! and with `--json FILE` a report with every milestone's time and the counts behind each check.
+//! and with `--json FILE` a report with every milestone's time and the counts behind each check,
+//! and for a skipped part its reason, typed (`net_skip`, `userspace_skip`) and in words.
+//!
+//! Each device's check also asks Lucid's counters how its interrupts went: Linux's virtio_pci
+//! enabled MSI-X and every interrupt of the device went out as an MSI-X message
+//! (`<dev>.irq.irqfd` + `<dev>.irq.msi_signal` > 0, `<dev>.irq.intx` = 0), so a driver that
+//! fell back to INTx through the DSDT's `_PRT` fails it; and Linux enumerated one PCI function
+//! per device (`pci 0000:00:..: [1af4:1042]` for each disk, `[1af4:1041]` for the NIC).
 //!
 //! On a host whose KVM is PVM (see shared/PLATFORM.md) no guest system call works, so the checks
 //! of the first boot need none: the kernel mounts the root filesystem and loads `/sbin/init` (a
@@ -15,7 +23,8 @@
 //! echo from here while init spins. The userspace boot runs only on VT-x/AMD-V hosts.
 //!
 //! The network part needs root (a network namespace with a tap, made and removed here); without
-//! it, it is skipped with the reason.
+//! it (`net_skip: "no-root"`), or when the tap cannot be made (`"no-tap"`), or with `--net no`
+//! (`"disabled"`), it is skipped with the reason.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -28,13 +37,16 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 mod timed_boot;
-use timed_boot::{first, Boot, Line};
+use timed_boot::{counter, first, Boot, Line};
 
 const GUEST_IP: &str = "10.0.2.15";
 const HOST_IP: &str = "10.0.2.2";
 const NETCONSOLE_PORT: u16 = 6666;
 const TAP: &str = "lx0";
 const ICMP_COUNT: u16 = 5;
+/// PCI vendor:device of Linux's enumeration line for a modern virtio-blk and virtio-net function.
+const VIRTIO_BLK_ID: &str = "[1af4:1042]";
+const VIRTIO_NET_ID: &str = "[1af4:1041]";
 
 /// A milestone: a console line that shows a step of the boot.
 struct Milestone {
@@ -190,13 +202,14 @@ struct Report {
     rootfs: Status,
     disk2: Status,
     net: Status,
-    net_skipped_because: Option<String>,
+    net_skip: Option<Skip>,
     icmp_sent: u64,
     icmp_replies: u64,
     icmp_rtt_ms: Vec<f64>,
     netconsole_lines: Vec<String>,
+    pci_functions: Vec<String>,
     userspace: Status,
-    userspace_skipped_because: Option<String>,
+    userspace_skip: Option<Skip>,
     userspace_lines: Vec<String>,
     counters: Vec<(String, u64)>,
     lucid_exit: Option<i32>,
@@ -204,6 +217,47 @@ struct Report {
     console_tail: Vec<String>,
     error: Option<String>,
     seconds: f64,
+}
+
+/// Why a part was skipped: a kind that callers decide on (the JSON's `net_skip`,
+/// `userspace_skip`), and the words for people (`net_skipped_because`, ...).
+#[derive(Clone, Debug)]
+struct Skip {
+    kind: SkipKind,
+    why: String,
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum SkipKind {
+    /// `--net no` / `--userspace no`.
+    Disabled,
+    /// Not root: no network namespace or tap.
+    NoRoot,
+    /// Root, but the namespace with its tap could not be made.
+    NoTap,
+    /// A PVM host: no guest system call works, so no userspace.
+    Pvm,
+    /// No static `/bin/busybox` for the userspace boot.
+    NoBusybox,
+}
+
+impl SkipKind {
+    fn word(self) -> &'static str {
+        match self {
+            SkipKind::Disabled => "disabled",
+            SkipKind::NoRoot => "no-root",
+            SkipKind::NoTap => "no-tap",
+            SkipKind::Pvm => "pvm",
+            SkipKind::NoBusybox => "no-busybox",
+        }
+    }
+}
+
+fn skip(kind: SkipKind, why: impl Into<String>) -> Option<Skip> {
+    Some(Skip {
+        kind,
+        why: why.into(),
+    })
 }
 
 #[derive(Default, Clone, Copy, PartialEq, Debug)]
@@ -242,9 +296,10 @@ impl Report {
 
     fn line(&self) -> String {
         format!(
-            "linux-client: init={} rootfs={} net={} userspace={} seconds={}",
+            "linux-client: init={} rootfs={} disk2={} net={} userspace={} seconds={}",
             if self.init { "yes" } else { "no" },
             self.rootfs.word(),
+            self.disk2.word(),
             self.net.word(),
             self.userspace.word(),
             self.seconds.round() as u64
@@ -257,11 +312,16 @@ impl Report {
             .iter()
             .map(|(n, t)| json!({ "name": n, "seconds": t }))
             .collect();
-        let counters: serde_json::Map<String, Value> = self
-            .counters
-            .iter()
-            .map(|(k, v)| (k.clone(), json!(v)))
-            .collect();
+        // Nested by the dotted name, as in Lucid's stats JSON, so `timed_boot::counter` reads
+        // both.
+        let mut counters = json!({});
+        for (name, v) in &self.counters {
+            let mut at = &mut counters;
+            for part in name.split('.') {
+                at = &mut at[part];
+            }
+            *at = json!(v);
+        }
         json!({
             "rung": self.rung,
             "backend": self.backend,
@@ -270,11 +330,14 @@ impl Report {
             "rootfs": self.rootfs.word(),
             "disk2": self.disk2.word(),
             "net": self.net.word(),
-            "net_skipped_because": self.net_skipped_because,
+            "net_skip": self.net_skip.as_ref().map(|s| s.kind.word()),
+            "net_skipped_because": self.net_skip.as_ref().map(|s| &s.why),
             "icmp": { "sent": self.icmp_sent, "replies": self.icmp_replies, "rtt_ms": self.icmp_rtt_ms },
             "netconsole_lines": self.netconsole_lines,
+            "pci_functions": self.pci_functions,
             "userspace": self.userspace.word(),
-            "userspace_skipped_because": self.userspace_skipped_because,
+            "userspace_skip": self.userspace_skip.as_ref().map(|s| s.kind.word()),
+            "userspace_skipped_because": self.userspace_skip.as_ref().map(|s| &s.why),
             "userspace_lines": self.userspace_lines,
             "counters": counters,
             "lucid_exit": self.lucid_exit,
@@ -306,20 +369,20 @@ fn run(args: &Args, report: &mut Report) -> Result<(), String> {
 
     let netns = match args.net {
         Tristate::No => {
-            report.net_skipped_because = Some("--net no".into());
+            report.net_skip = skip(SkipKind::Disabled, "--net no");
             None
         }
         _ => match NetNs::new() {
             Ok(ns) => Some(ns),
             Err(e) if args.net == Tristate::Auto => {
-                report.net_skipped_because = Some(e);
+                report.net_skip = Some(e);
                 None
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.why),
         },
     };
-    if let Some(why) = &report.net_skipped_because {
-        eprintln!("linux-client: network checks skipped: {why}");
+    if let Some(s) = &report.net_skip {
+        eprintln!("linux-client: network checks skipped: {}", s.why);
         report.net = Status::Skipped;
     }
 
@@ -329,14 +392,14 @@ fn run(args: &Args, report: &mut Report) -> Result<(), String> {
     match (args.userspace, pvm) {
         (Tristate::No, _) => {
             report.userspace = Status::Skipped;
-            report.userspace_skipped_because = Some("--userspace no".into());
+            report.userspace_skip = skip(SkipKind::Disabled, "--userspace no");
         }
         (Tristate::Auto, true) => {
             let why = "this host's KVM is PVM: a guest's system calls do not reach its kernel \
                        (docs/linux.md), so no Linux userspace runs here";
             eprintln!("linux-client: userspace checks skipped: {why}");
             report.userspace = Status::Skipped;
-            report.userspace_skipped_because = Some(why.into());
+            report.userspace_skip = skip(SkipKind::Pvm, why);
         }
         _ => userspace_boot(args, &work, netns.as_ref(), report)?,
     }
@@ -562,14 +625,22 @@ fn ip(args: &[&str]) -> Result<(), String> {
 }
 
 impl NetNs {
-    fn new() -> Result<NetNs, String> {
+    /// The namespace, or why not: [`SkipKind::NoRoot`] or [`SkipKind::NoTap`].
+    fn new() -> Result<NetNs, Skip> {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
-            return Err("making a network namespace and a tap needs root".into());
+            return Err(Skip {
+                kind: SkipKind::NoRoot,
+                why: "making a network namespace and a tap needs root".into(),
+            });
         }
         let name = format!("lucid-lx-{}", std::process::id());
         let _ = ip(&["netns", "del", &name]);
-        ip(&["netns", "add", &name])?;
+        let no_tap = |e: String| Skip {
+            kind: SkipKind::NoTap,
+            why: format!("cannot make a tap in a network namespace: {e}"),
+        };
+        ip(&["netns", "add", &name]).map_err(no_tap)?;
         let ns = |a: &[&str]| {
             let mut v = vec!["netns", "exec", &name, "ip"];
             v.extend_from_slice(a);
@@ -586,7 +657,7 @@ impl NetNs {
             Ok(fd) => Ok(NetNs { name, fd }),
             Err(e) => {
                 let _ = ip(&["netns", "del", &name]);
-                Err(format!("cannot make a tap in a network namespace: {e}"))
+                Err(no_tap(e))
             }
         }
     }
@@ -752,16 +823,6 @@ fn ping_here(count: u16) -> Result<Vec<f64>, String> {
     Ok(rtts)
 }
 
-/// A counter from Lucid's stats JSON by dotted path (`blk0.requests`), 0 when absent.
-fn counter(stats: &Option<Value>, path: &str) -> u64 {
-    let Some(s) = stats else { return 0 };
-    let mut v = &s["counters"];
-    for part in path.split('.') {
-        v = &v[part];
-    }
-    v.as_u64().or_else(|| v["total"].as_u64()).unwrap_or(0)
-}
-
 fn tail(lines: &[Line], n: usize) -> Vec<String> {
     let from = lines.len().saturating_sub(n);
     lines[from..]
@@ -878,7 +939,12 @@ fn first_boot(
         .map(|m| (m.name.to_string(), first(&lines, m.needle)))
         .collect();
     report.init = first(&lines, init_line).is_some();
-    for name in [
+    let devices: &[&str] = if has_net {
+        &["blk0", "blk1", "net0"]
+    } else {
+        &["blk0", "blk1"]
+    };
+    let mut names: Vec<String> = [
         "blk0.requests",
         "blk0.errors",
         "blk1.requests",
@@ -887,18 +953,60 @@ fn first_boot(
         "net0.rx_packets",
         "vcpu0.exits",
         "vcpu0.emulated_insns",
-    ] {
-        report.counters.push((name.into(), counter(&stats, name)));
+    ]
+    .map(String::from)
+    .to_vec();
+    for dev in devices {
+        for n in [
+            "irqs",
+            "irqs_suppressed",
+            "irq.irqfd",
+            "irq.msi_signal",
+            "irq.intx",
+        ] {
+            names.push(format!("{dev}.{n}"));
+        }
     }
-    let c = |n: &str| counter(&stats, n);
+    let c = |n: &str| stats.as_ref().map_or(0, |s| counter(s, n));
+    for name in names {
+        let v = c(&name);
+        report.counters.push((name, v));
+    }
+    // Every interrupt of the device went out as an MSI-X message (irqfd on L1-L4, signal_msi
+    // on L0), and at least one did: its driver enabled MSI-X and did not fall back to INTx.
+    let msix_only = |dev: &str| {
+        c(&format!("{dev}.irq.irqfd")) + c(&format!("{dev}.irq.msi_signal")) > 0
+            && c(&format!("{dev}.irq.intx")) == 0
+    };
+    // Linux's enumeration: `pci 0000:00:01.0: [1af4:1042] type 00 class 0x010000`.
+    report.pci_functions = lines
+        .iter()
+        .filter_map(|l| l.text.find("pci 0000:").map(|i| &l.text[i + 4..]))
+        .filter(|s| s.contains(": [1af4:"))
+        .map(|s| s.split(" type").next().unwrap_or(s).to_string())
+        .collect();
+    let functions = |id: &str| {
+        report
+            .pci_functions
+            .iter()
+            .filter(|f| f.contains(id))
+            .count()
+    };
+    let blk_functions = functions(VIRTIO_BLK_ID) == 2;
     report.rootfs = Status::from(
         first(&lines, "VFS: Mounted root (ext2").is_some()
             && report.init
+            && blk_functions
+            && msix_only("blk0")
             && c("blk0.requests") > 0
             && c("blk0.errors") == 0,
     );
-    report.disk2 =
-        Status::from(first(&lines, " vdb: vdb1 vdb2 vdb3").is_some() && c("blk1.errors") == 0);
+    report.disk2 = Status::from(
+        first(&lines, " vdb: vdb1 vdb2 vdb3").is_some()
+            && blk_functions
+            && msix_only("blk1")
+            && c("blk1.errors") == 0,
+    );
     report.netconsole_lines = netcon.lock().unwrap_or_else(|e| e.into_inner()).clone();
     if has_net {
         report.icmp_sent = u64::from(ICMP_COUNT);
@@ -912,7 +1020,9 @@ fn first_boot(
                     .iter()
                     .any(|l| l.contains(init_line))
                 && c("net0.tx_packets") > 0
-                && c("net0.rx_packets") > 0,
+                && c("net0.rx_packets") > 0
+                && functions(VIRTIO_NET_ID) == 1
+                && msix_only("net0"),
         );
     }
     report.lucid_exit = code;
@@ -1034,8 +1144,10 @@ fn userspace_boot(
     let busybox = Path::new("/bin/busybox");
     if !is_static_elf(busybox) {
         report.userspace = Status::Skipped;
-        report.userspace_skipped_because =
-            Some("no static /bin/busybox (apt-get install busybox-static)".into());
+        report.userspace_skip = skip(
+            SkipKind::NoBusybox,
+            "no static /bin/busybox (apt-get install busybox-static)",
+        );
         return Ok(());
     }
     let bb = std::fs::read(busybox).map_err(|e| format!("{}: {e}", busybox.display()))?;
@@ -1148,6 +1260,7 @@ mod tests {
         let r = Report {
             init: true,
             rootfs: Status::Ok,
+            disk2: Status::Fail,
             net: Status::Skipped,
             userspace: Status::Skipped,
             seconds: 131.4,
@@ -1155,7 +1268,27 @@ mod tests {
         };
         assert_eq!(
             r.line(),
-            "linux-client: init=yes rootfs=ok net=skipped userspace=skipped seconds=131"
+            "linux-client: init=yes rootfs=ok disk2=fail net=skipped userspace=skipped \
+             seconds=131"
         );
+        assert!(!r.passed(), "a failed GPT check fails the run");
+    }
+
+    #[test]
+    fn report_json_nests_counters_and_types_skips() {
+        let r = Report {
+            counters: vec![("blk0.irq.irqfd".into(), 9), ("blk0.requests".into(), 7)],
+            net_skip: skip(
+                SkipKind::NoTap,
+                "cannot make a tap in a network namespace: x",
+            ),
+            ..Report::default()
+        };
+        let j = r.to_json();
+        assert_eq!(counter(&j, "blk0.irq.irqfd"), 9);
+        assert_eq!(counter(&j, "blk0.requests"), 7);
+        assert_eq!(counter(&j, "blk1.requests"), 0);
+        assert_eq!(j["net_skip"], "no-tap");
+        assert_eq!(j["userspace_skip"], Value::Null);
     }
 }

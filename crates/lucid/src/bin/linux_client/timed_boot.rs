@@ -22,12 +22,13 @@ pub struct Line {
     pub text: String,
 }
 
-/// A running `lucid run`, its console read line by line with times.
+/// A running `lucid run`, its console read line by line with times. Dropped unfinished (an
+/// early return, a panic), it kills and reaps Lucid.
 pub struct Boot {
     child: Child,
     lines: Vec<Line>,
     rx: mpsc::Receiver<Line>,
-    stderr: std::thread::JoinHandle<String>,
+    stderr: Option<std::thread::JoinHandle<String>>,
     stats: PathBuf,
     log: Option<File>,
 }
@@ -42,6 +43,15 @@ impl Boot {
         stats: PathBuf,
         log: Option<&Path>,
     ) -> Result<Boot, String> {
+        // Everything that can fail comes before the spawn, so no error leaves Lucid running.
+        let log = match log {
+            Some(p) => {
+                let mut f = File::create(p).map_err(|e| format!("{}: {e}", p.display()))?;
+                let _ = writeln!(f, "# lucid run {}", args.join(" "));
+                Some(f)
+            }
+            None => None,
+        };
         let mut cmd = Command::new(lucid);
         cmd.arg("run")
             .args(args)
@@ -90,19 +100,11 @@ impl Boot {
             let _ = err.read_to_string(&mut s);
             s
         });
-        let log = match log {
-            Some(p) => {
-                let mut f = File::create(p).map_err(|e| format!("{}: {e}", p.display()))?;
-                let _ = writeln!(f, "# lucid run {}", args.join(" "));
-                Some(f)
-            }
-            None => None,
-        };
         Ok(Boot {
             child,
             lines: Vec::new(),
             rx,
-            stderr,
+            stderr: Some(stderr),
             stats,
             log,
         })
@@ -163,13 +165,41 @@ impl Boot {
         while let Ok(l) = self.rx.recv_timeout(Duration::from_millis(200)) {
             self.push(l);
         }
-        let stderr = self.stderr.join().unwrap_or_default();
+        let stderr = self
+            .stderr
+            .take()
+            .and_then(|h| h.join().ok())
+            .unwrap_or_default();
         let stats = std::fs::read_to_string(&self.stats)
             .ok()
             .and_then(|s| serde_json::from_str(&s).ok());
         let _ = std::fs::remove_file(&self.stats);
-        (status.and_then(|s| s.code()), stderr, self.lines, stats)
+        let lines = std::mem::take(&mut self.lines);
+        (status.and_then(|s| s.code()), stderr, lines, stats)
     }
+}
+
+impl Drop for Boot {
+    /// A boot not finished (an early return or a panic between `start` and `finish`): kill
+    /// Lucid and reap it, so no `lucid run` outlives its caller. After `finish` the child has
+    /// been reaped and `try_wait` says so.
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            let _ = std::fs::remove_file(&self.stats);
+        }
+    }
+}
+
+/// A counter from Lucid's stats JSON (`--stats-json`) by dotted path (`blk0.irq.irqfd`): the
+/// number, or a histogram's `total`; 0 when absent.
+pub fn counter(stats: &Value, path: &str) -> u64 {
+    let mut v = &stats["counters"];
+    for part in path.split('.') {
+        v = &v[part];
+    }
+    v.as_u64().or_else(|| v["total"].as_u64()).unwrap_or(0)
 }
 
 /// When the first line containing `needle` arrived.
