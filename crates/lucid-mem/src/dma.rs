@@ -169,6 +169,7 @@ impl DmaPath {
     }
 
     /// Whether a translator is installed (device addresses are IOVAs, not guest-physical).
+    #[inline]
     pub fn has_translator(&self) -> bool {
         self.translating.load(Ordering::Acquire)
     }
@@ -345,8 +346,39 @@ impl DeviceMemory {
     }
 
     /// The DMA path behind this view.
+    #[inline]
     pub fn dma(&self) -> &Arc<DmaPath> {
         &self.dma
+    }
+
+    /// `get_slices` with a translator, out of line so that the fast path stays small.
+    #[cold]
+    #[inline(never)]
+    fn translated_slices(
+        &self,
+        addr: GuestAddress,
+        count: usize,
+        perm: Permissions,
+    ) -> DeviceSlices<'_> {
+        // Removed since the caller looked: guest RAM it is.
+        let Some(translator) = self.dma.translator() else {
+            return DeviceSlices {
+                piece: GuestMemoryBackend::get_slices(&self.dma.mem, addr, count),
+                translated: None,
+            };
+        };
+        let token = translator.access_begin();
+        DeviceSlices {
+            piece: GuestMemoryBackend::get_slices(&self.dma.mem, GuestAddress(0), 0),
+            translated: Some(Box::new(Translated {
+                mem: self,
+                translator,
+                token,
+                iova: addr.0,
+                left: count as u64,
+                perm,
+            })),
+        }
     }
 
     /// The translator, if one is installed (the slow path).
@@ -435,33 +467,25 @@ impl GuestMemory for DeviceMemory {
         })
     }
 
+    #[inline]
     fn get_slices<'a>(
         &'a self,
         addr: GuestAddress,
         count: usize,
         access: Permissions,
     ) -> GuestMemoryResult<impl GuestMemorySliceIterator<'a, BS<'a, Self::Bitmap>>> {
-        let Some(t) = self.translator() else {
-            return Ok(DeviceSlices::Phys(GuestMemoryBackend::get_slices(
-                &self.dma.mem,
-                addr,
-                count,
-            )));
-        };
-        let token = t.access_begin();
-        Ok(DeviceSlices::Translated(TranslatedSlices {
-            mem: self,
-            translator: t,
-            token,
-            iova: addr.0,
-            left: count as u64,
-            perm: access,
-            piece: None,
-        }))
+        if self.dma.translating.load(Ordering::Acquire) {
+            return Ok(self.translated_slices(addr, count, access));
+        }
+        Ok(DeviceSlices {
+            piece: GuestMemoryBackend::get_slices(&self.dma.mem, addr, count),
+            translated: None,
+        })
     }
 
     /// Guest RAM itself, only while no translator is installed (with one, the device's
     /// addresses are not guest-physical). virtio-queue 0.18 does not call it.
+    #[inline]
     fn physical_memory(&self) -> Option<&Self::PhysicalMemory> {
         if self.dma.has_translator() {
             None
@@ -471,11 +495,69 @@ impl GuestMemory for DeviceMemory {
     }
 }
 
-/// The slices of one `DeviceMemory::get_slices` call.
-enum DeviceSlices<'a> {
-    /// No translator: guest RAM's own iterator.
-    Phys(GuestMemoryBackendSliceIterator<'a, GuestMemoryMmap>),
-    Translated(TranslatedSlices<'a>),
+/// The slices of one `DeviceMemory::get_slices` call: guest RAM's own iterator over the
+/// current piece (the whole range without a translator), and the translation state, boxed so
+/// that the fast path's iterator stays as small as guest RAM's.
+struct DeviceSlices<'a> {
+    piece: GuestMemoryBackendSliceIterator<'a, GuestMemoryMmap>,
+    translated: Option<Box<Translated<'a>>>,
+}
+
+/// The rest of a translated range, inside one access bracket that ends on drop.
+struct Translated<'a> {
+    mem: &'a DeviceMemory,
+    translator: Arc<dyn DmaTranslator>,
+    token: u64,
+    /// The next IOVA to translate and how many bytes are left from it.
+    iova: u64,
+    left: u64,
+    perm: Permissions,
+}
+
+impl<'a> DeviceSlices<'a> {
+    /// The fast path's continuation: the current piece is done or failed.
+    #[cold]
+    fn next_piece(
+        &mut self,
+        ended: Option<GuestMemoryError>,
+    ) -> Option<GuestMemoryResult<VolatileSlice<'a, ()>>> {
+        let t = self.translated.as_mut()?;
+        if let Some(e) = ended {
+            // Translated to a guest-physical address that is not RAM.
+            return t.fail(e);
+        }
+        if t.left == 0 {
+            return None;
+        }
+        let iova = t.iova;
+        if iova.checked_add(t.left).is_none() {
+            return t.fail(GuestMemoryError::GuestAddressOverflow);
+        }
+        let (gpa, n) = match translate_piece(&*t.translator, t.mem.dev, iova, t.left, t.perm) {
+            Ok(r) => r,
+            Err(e) => {
+                log::debug!("{e}");
+                return t.fail(GuestMemoryError::InvalidGuestAddress(GuestAddress(iova)));
+            }
+        };
+        t.iova += n;
+        t.left -= n;
+        self.piece = GuestMemoryBackend::get_slices(&t.mem.dma.mem, GuestAddress(gpa), n as usize);
+        match self.piece.next() {
+            Some(Ok(s)) => Some(Ok(s)),
+            Some(Err(e)) => self.translated.as_mut()?.fail(e),
+            // A piece is at least 1 byte.
+            None => None,
+        }
+    }
+}
+
+impl<'a> Translated<'a> {
+    fn fail(&mut self, e: GuestMemoryError) -> Option<GuestMemoryResult<VolatileSlice<'a, ()>>> {
+        self.mem.dma.counters.errors.inc();
+        self.left = 0;
+        Some(Err(e))
+    }
 }
 
 impl<'a> Iterator for DeviceSlices<'a> {
@@ -483,9 +565,11 @@ impl<'a> Iterator for DeviceSlices<'a> {
 
     #[inline]
     fn next(&mut self) -> Option<Self::Item> {
-        match self {
-            DeviceSlices::Phys(it) => it.next(),
-            DeviceSlices::Translated(it) => it.next(),
+        match self.piece.next() {
+            Some(Ok(s)) => Some(Ok(s)),
+            Some(Err(e)) if self.translated.is_none() => Some(Err(e)),
+            Some(Err(e)) => self.next_piece(Some(e)),
+            None => self.next_piece(None),
         }
     }
 }
@@ -493,76 +577,7 @@ impl<'a> Iterator for DeviceSlices<'a> {
 impl FusedIterator for DeviceSlices<'_> {}
 impl<'a> GuestMemorySliceIterator<'a, ()> for DeviceSlices<'a> {}
 
-/// Translates lazily, one contiguous piece at a time, inside one access bracket that ends on
-/// drop.
-struct TranslatedSlices<'a> {
-    mem: &'a DeviceMemory,
-    translator: Arc<dyn DmaTranslator>,
-    token: u64,
-    /// The next IOVA to translate and how many bytes are left after it.
-    iova: u64,
-    left: u64,
-    perm: Permissions,
-    /// Guest RAM's iterator over the piece being visited.
-    piece: Option<GuestMemoryBackendSliceIterator<'a, GuestMemoryMmap>>,
-}
-
-impl<'a> TranslatedSlices<'a> {
-    fn fail(&mut self, e: GuestMemoryError) -> Option<GuestMemoryResult<VolatileSlice<'a, ()>>> {
-        self.mem.dma.counters.errors.inc();
-        self.left = 0;
-        self.piece = None;
-        Some(Err(e))
-    }
-}
-
-impl<'a> Iterator for TranslatedSlices<'a> {
-    type Item = GuestMemoryResult<VolatileSlice<'a, ()>>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        loop {
-            if let Some(piece) = &mut self.piece {
-                match piece.next() {
-                    Some(Ok(s)) => return Some(Ok(s)),
-                    // Translated to a guest-physical address that is not RAM.
-                    Some(Err(e)) => return self.fail(e),
-                    None => self.piece = None,
-                }
-            }
-            if self.left == 0 {
-                return None;
-            }
-            let iova = self.iova;
-            if iova.checked_add(self.left).is_none() {
-                return self.fail(GuestMemoryError::GuestAddressOverflow);
-            }
-            let (gpa, n) = match translate_piece(
-                &*self.translator,
-                self.mem.dev,
-                iova,
-                self.left,
-                self.perm,
-            ) {
-                Ok(r) => r,
-                Err(e) => {
-                    log::debug!("{e}");
-                    return self.fail(GuestMemoryError::InvalidGuestAddress(GuestAddress(iova)));
-                }
-            };
-            self.iova += n;
-            self.left -= n;
-            self.piece = Some(GuestMemoryBackend::get_slices(
-                &self.mem.dma.mem,
-                GuestAddress(gpa),
-                n as usize,
-            ));
-        }
-    }
-}
-
-impl FusedIterator for TranslatedSlices<'_> {}
-
-impl Drop for TranslatedSlices<'_> {
+impl Drop for Translated<'_> {
     fn drop(&mut self) {
         self.translator.access_end(self.token);
     }

@@ -102,7 +102,7 @@ impl Guest {
         coalescing: Coalescing,
     ) -> ActivateContext {
         ActivateContext {
-            mem: self.mem.clone(),
+            mem: self.dma.device_memory(DEV_ID),
             dma: self.dma.clone(),
             dev_id: DEV_ID,
             queues,
