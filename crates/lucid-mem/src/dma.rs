@@ -116,7 +116,9 @@ impl Drop for Bracket<'_> {
     }
 }
 
-/// Sees every completed DMA access, by guest-physical range (the Swap Mapper's hook).
+/// Sees every completed data access through [`DmaPath::read`]/[`DmaPath::write`], by
+/// guest-physical range (the Swap Mapper's hook). Ring accesses through [`DeviceMemory`] are not
+/// reported.
 pub trait DmaObserver: Send + Sync {
     fn observe(&self, dev: DeviceId, gpa: u64, len: u64, access: Access);
 }
@@ -309,8 +311,9 @@ impl DmaPath {
 /// `vm_memory::GuestMemory` (vm-memory 0.18's IOVA-aware trait), so `Bytes<GuestAddress>`
 /// (`read_obj`, `load`, `store`, ...) and virtio-queue's `Queue` work on it directly.
 ///
-/// Without a translator an access costs one atomic load more than on the `GuestMemoryMmap`
-/// itself. With one, `get_slices` translates the range piece by piece (splitting wherever the
+/// Without a translator an access costs one atomic load, then guest RAM's own slices; hot code
+/// that wants exactly the `GuestMemoryMmap` code (the virtio worker) calls `physical_memory()`,
+/// which gives guest RAM only while no translator is installed. With one, `get_slices` translates the range piece by piece (splitting wherever the
 /// translator's contiguous length ends), asks for the access's permission, and yields slices of
 /// the underlying guest RAM; a translation fault ends the iteration with
 /// `GuestMemoryError::InvalidGuestAddress(iova)` and counts in `dma.errors`.
