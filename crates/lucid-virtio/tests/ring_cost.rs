@@ -5,6 +5,9 @@
 //! ```text
 //! LUCID_RING_COST_N=80 valgrind --tool=callgrind <test binary> --ignored ring_cost
 //! ```
+//!
+//! `LUCID_RING_COST_IOMMU=1` puts the device behind the test translator (`OffsetIommu`), rings
+//! and buffers at IOVAs: the cost of translating with a trivial translator.
 
 mod common;
 
@@ -24,8 +27,14 @@ fn ring_cost() {
         .min(80); // 3 descriptors each in a 256-entry table, all published at once
     let img = Image::new(IMAGE);
     let mut g = Guest::new();
+    let off = if std::env::var_os("LUCID_RING_COST_IOMMU").is_some() {
+        g.behind_iommu(32 << 20);
+        32 << 20
+    } else {
+        0
+    };
     let mut dev = Block::new("blk0".into(), cfg(&img)).unwrap();
-    let (mut vq, (q, kick)) = Vq::new(&g.mem, 0x10000, 256);
+    let (mut vq, (q, kick)) = Vq::at(&g.mem, 0x10000, 256, off);
     let mut statuses = Vec::new();
     for _ in 0..n {
         let hdr = g.alloc(16);
