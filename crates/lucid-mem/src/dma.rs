@@ -2,13 +2,24 @@
 //! vIOMMU can translate device addresses (IOVA to guest-physical, with permission checks and
 //! faults) and observers such as the VSWAPPER Swap Mapper can see which guest pages a device
 //! filled. With neither installed, an access is a bounds-checked copy.
+//!
+//! Two ways in: [`DmaPath::read`]/[`DmaPath::write`] copy a device's data, and
+//! [`DmaPath::device_memory`] gives a device a [`DeviceMemory`], a `vm_memory::GuestMemory` in
+//! that device's address space for virtio-queue's rings. Both translate through the same
+//! translator, so there is one translation point for every guest-memory access a device makes.
 
 use std::collections::HashSet;
+use std::iter::FusedIterator;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
 use lucid_stats::{Counter, StatsRegistry};
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::bitmap::BS;
+use vm_memory::guest_memory::{GuestMemoryBackendSliceIterator, GuestMemorySliceIterator};
+use vm_memory::{
+    Bytes, GuestAddress, GuestMemory, GuestMemoryBackend, GuestMemoryError, GuestMemoryResult,
+    Permissions, VolatileSlice,
+};
 
 use crate::GuestMemoryMmap;
 
@@ -73,9 +84,41 @@ pub trait DmaTranslator: Send + Sync {
         len: u64,
         access: Access,
     ) -> Result<(u64, u64), DmaError>;
+
+    /// Brackets one device access (translate + copy). The pin policy must not unpin a page
+    /// translated inside a bracket until that bracket ends. Default: no tracking.
+    fn access_begin(&self) -> u64 {
+        0
+    }
+
+    /// Ends the bracket `access_begin` returned `token` for.
+    fn access_end(&self, _token: u64) {}
 }
 
-/// Sees every completed DMA access, by guest-physical range (the Swap Mapper's hook).
+/// One open access bracket; ends it when dropped, so early returns and `?` end it too.
+struct Bracket<'t> {
+    translator: &'t dyn DmaTranslator,
+    token: u64,
+}
+
+impl<'t> Bracket<'t> {
+    fn begin(translator: &'t dyn DmaTranslator) -> Self {
+        Bracket {
+            translator,
+            token: translator.access_begin(),
+        }
+    }
+}
+
+impl Drop for Bracket<'_> {
+    fn drop(&mut self) {
+        self.translator.access_end(self.token);
+    }
+}
+
+/// Sees every completed data access through [`DmaPath::read`]/[`DmaPath::write`], by
+/// guest-physical range (the Swap Mapper's hook). Ring accesses through [`DeviceMemory`] are not
+/// reported.
 pub trait DmaObserver: Send + Sync {
     fn observe(&self, dev: DeviceId, gpa: u64, len: u64, access: Access);
 }
@@ -91,6 +134,8 @@ struct DmaCounters {
 pub struct DmaPath {
     mem: GuestMemoryMmap,
     translator: RwLock<Option<Arc<dyn DmaTranslator>>>,
+    /// Mirrors `translator.is_some()`: the rings' fast path is this one load.
+    translating: AtomicBool,
     observers: RwLock<Vec<Arc<dyn DmaObserver>>>,
     /// Devices whose bus mastering is off (PCI command register): their DMA fails.
     blocked: RwLock<HashSet<DeviceId>>,
@@ -104,6 +149,7 @@ impl DmaPath {
         Arc::new(DmaPath {
             mem,
             translator: RwLock::new(None),
+            translating: AtomicBool::new(false),
             observers: RwLock::new(Vec::new()),
             blocked: RwLock::new(HashSet::new()),
             any_blocked: AtomicBool::new(false),
@@ -119,7 +165,30 @@ impl DmaPath {
 
     /// Installs (or removes) the translator; takes effect for the next access.
     pub fn set_translator(&self, t: Option<Arc<dyn DmaTranslator>>) {
-        *self.translator.write().unwrap_or_else(|e| e.into_inner()) = t;
+        let mut slot = self.translator.write().unwrap_or_else(|e| e.into_inner());
+        self.translating.store(t.is_some(), Ordering::Release);
+        *slot = t;
+    }
+
+    /// Whether a translator is installed (device addresses are IOVAs, not guest-physical).
+    #[inline]
+    pub fn has_translator(&self) -> bool {
+        self.translating.load(Ordering::Acquire)
+    }
+
+    /// A per-device view of guest memory in that device's IOVA space, for virtio-queue's rings.
+    pub fn device_memory(self: &Arc<Self>, dev: DeviceId) -> DeviceMemory {
+        DeviceMemory {
+            dma: self.clone(),
+            dev,
+        }
+    }
+
+    fn translator(&self) -> Option<Arc<dyn DmaTranslator>> {
+        self.translator
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     pub fn add_observer(&self, o: Arc<dyn DmaObserver>) {
@@ -201,11 +270,9 @@ impl DmaPath {
             self.counters.errors.inc();
             return Err(DmaError::BusMasterOff { dev });
         }
-        let translator = self
-            .translator
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let translator = self.translator();
+        // Begins before the first translation, ends after the last copy (or the error).
+        let _bracket = translator.as_deref().map(Bracket::begin);
         let observers = self.observers.read().unwrap_or_else(|e| e.into_inner());
         let mut done = 0u64;
         while done < len {
@@ -236,6 +303,286 @@ impl DmaPath {
             done += n;
         }
         Ok(())
+    }
+}
+
+/// A device's view of guest memory in its own address space (IOVAs when a translator is
+/// installed, guest-physical otherwise), for virtio-queue's rings: it implements
+/// `vm_memory::GuestMemory` (vm-memory 0.18's IOVA-aware trait), so `Bytes<GuestAddress>`
+/// (`read_obj`, `load`, `store`, ...) and virtio-queue's `Queue` work on it directly.
+///
+/// Without a translator an access costs one atomic load, then guest RAM's own slices; hot code
+/// that wants exactly the `GuestMemoryMmap` code (the virtio worker) calls `physical_memory()`,
+/// which gives guest RAM only while no translator is installed. With one, `get_slices` translates the range piece by piece (splitting wherever the
+/// translator's contiguous length ends), asks for the access's permission, and yields slices of
+/// the underlying guest RAM; a translation fault ends the iteration with
+/// `GuestMemoryError::InvalidGuestAddress(iova)` and counts in `dma.errors`.
+///
+/// Access bracket: one `get_slices` (or `check_range`) call is one bracket. It begins before the
+/// first translation and ends when the returned iterator is dropped, so every use of the slices
+/// made while iterating is inside it: all of vm-memory's `Bytes` methods and so every
+/// virtio-queue ring access. A slice kept after its iterator is dropped is outside the bracket
+/// (virtio-queue keeps none).
+///
+/// Ring accesses are not [`DmaObserver`] events: observers (the Swap Mapper) are for the data a
+/// device moves through [`DmaPath::read`]/[`DmaPath::write`], and the rings' few bytes per
+/// request would only add cost. Bus mastering is likewise checked on data only.
+#[derive(Clone)]
+pub struct DeviceMemory {
+    dma: Arc<DmaPath>,
+    dev: DeviceId,
+}
+
+impl std::fmt::Debug for DeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceMemory")
+            .field("dev", &self.dev)
+            .field("translated", &self.dma.has_translator())
+            .finish()
+    }
+}
+
+impl DeviceMemory {
+    /// The requester this view translates for.
+    pub fn device(&self) -> DeviceId {
+        self.dev
+    }
+
+    /// The DMA path behind this view.
+    #[inline]
+    pub fn dma(&self) -> &Arc<DmaPath> {
+        &self.dma
+    }
+
+    /// `get_slices` with a translator, out of line so that the fast path stays small.
+    #[cold]
+    #[inline(never)]
+    fn translated_slices(
+        &self,
+        addr: GuestAddress,
+        count: usize,
+        perm: Permissions,
+    ) -> DeviceSlices<'_> {
+        // Removed since the caller looked: guest RAM it is.
+        let Some(translator) = self.dma.translator() else {
+            return DeviceSlices {
+                piece: GuestMemoryBackend::get_slices(&self.dma.mem, addr, count),
+                translated: None,
+            };
+        };
+        let token = translator.access_begin();
+        DeviceSlices {
+            piece: GuestMemoryBackend::get_slices(&self.dma.mem, GuestAddress(0), 0),
+            translated: Some(Box::new(Translated {
+                mem: self,
+                translator,
+                token,
+                iova: addr.0,
+                left: count as u64,
+                perm,
+            })),
+        }
+    }
+
+    /// The translator, if one is installed (the slow path).
+    #[inline]
+    fn translator(&self) -> Option<Arc<dyn DmaTranslator>> {
+        if self.dma.translating.load(Ordering::Acquire) {
+            self.dma.translator()
+        } else {
+            None
+        }
+    }
+
+    /// Translates `[addr, addr + count)` piece by piece with the permission `perm` asks for,
+    /// calling `f(gpa, len)` on each piece; stops at the first fault or `false` from `f`.
+    fn translate_range(
+        &self,
+        t: &dyn DmaTranslator,
+        addr: u64,
+        count: u64,
+        perm: Permissions,
+        mut f: impl FnMut(u64, u64) -> bool,
+    ) -> bool {
+        let mut done = 0u64;
+        while done < count {
+            match translate_piece(t, self.dev, addr + done, count - done, perm) {
+                Ok((gpa, n)) => {
+                    if !f(gpa, n) {
+                        return false;
+                    }
+                    done += n;
+                }
+                Err(_) => {
+                    self.dma.counters.errors.inc();
+                    return false;
+                }
+            }
+        }
+        true
+    }
+}
+
+/// One translation for `perm`: both directions for `ReadWrite`, which must agree; `No` asks
+/// only that the page be mapped (checked as a read).
+fn translate_piece(
+    t: &dyn DmaTranslator,
+    dev: DeviceId,
+    iova: u64,
+    len: u64,
+    perm: Permissions,
+) -> Result<(u64, u64), DmaError> {
+    let access = match perm {
+        Permissions::Write | Permissions::ReadWrite => Access::Write,
+        Permissions::Read | Permissions::No => Access::Read,
+    };
+    let (gpa, n) = t.translate(dev, iova, len, access)?;
+    let mut n = n.clamp(1, len);
+    if perm == Permissions::ReadWrite {
+        let (gpa_r, n_r) = t.translate(dev, iova, n, Access::Read)?;
+        if gpa_r != gpa {
+            return Err(DmaError::Fault {
+                dev,
+                iova,
+                access: Access::Read,
+                reason: FaultReason::Denied,
+            });
+        }
+        n = n.min(n_r.max(1));
+    }
+    Ok((gpa, n))
+}
+
+impl GuestMemory for DeviceMemory {
+    type PhysicalMemory = GuestMemoryMmap;
+    type Bitmap = ();
+
+    fn check_range(&self, addr: GuestAddress, count: usize, access: Permissions) -> bool {
+        let Some(t) = self.translator() else {
+            return GuestMemoryBackend::check_range(&self.dma.mem, addr, count);
+        };
+        if addr.0.checked_add(count as u64).is_none() {
+            return false;
+        }
+        let _bracket = Bracket::begin(&*t);
+        self.translate_range(&*t, addr.0, count as u64, access, |gpa, n| {
+            GuestMemoryBackend::check_range(&self.dma.mem, GuestAddress(gpa), n as usize)
+        })
+    }
+
+    #[inline]
+    fn get_slices<'a>(
+        &'a self,
+        addr: GuestAddress,
+        count: usize,
+        access: Permissions,
+    ) -> GuestMemoryResult<impl GuestMemorySliceIterator<'a, BS<'a, Self::Bitmap>>> {
+        if self.dma.translating.load(Ordering::Acquire) {
+            return Ok(self.translated_slices(addr, count, access));
+        }
+        Ok(DeviceSlices {
+            piece: GuestMemoryBackend::get_slices(&self.dma.mem, addr, count),
+            translated: None,
+        })
+    }
+
+    /// Guest RAM itself, only while no translator is installed (with one, the device's
+    /// addresses are not guest-physical). virtio-queue 0.18 does not call it.
+    #[inline]
+    fn physical_memory(&self) -> Option<&Self::PhysicalMemory> {
+        if self.dma.has_translator() {
+            None
+        } else {
+            Some(&self.dma.mem)
+        }
+    }
+}
+
+/// The slices of one `DeviceMemory::get_slices` call: guest RAM's own iterator over the
+/// current piece (the whole range without a translator), and the translation state, boxed so
+/// that the fast path's iterator stays as small as guest RAM's.
+struct DeviceSlices<'a> {
+    piece: GuestMemoryBackendSliceIterator<'a, GuestMemoryMmap>,
+    translated: Option<Box<Translated<'a>>>,
+}
+
+/// The rest of a translated range, inside one access bracket that ends on drop.
+struct Translated<'a> {
+    mem: &'a DeviceMemory,
+    translator: Arc<dyn DmaTranslator>,
+    token: u64,
+    /// The next IOVA to translate and how many bytes are left from it.
+    iova: u64,
+    left: u64,
+    perm: Permissions,
+}
+
+impl<'a> DeviceSlices<'a> {
+    /// The fast path's continuation: the current piece is done or failed.
+    #[cold]
+    fn next_piece(
+        &mut self,
+        ended: Option<GuestMemoryError>,
+    ) -> Option<GuestMemoryResult<VolatileSlice<'a, ()>>> {
+        let t = self.translated.as_mut()?;
+        if let Some(e) = ended {
+            // Translated to a guest-physical address that is not RAM.
+            return t.fail(e);
+        }
+        if t.left == 0 {
+            return None;
+        }
+        let iova = t.iova;
+        if iova.checked_add(t.left).is_none() {
+            return t.fail(GuestMemoryError::GuestAddressOverflow);
+        }
+        let (gpa, n) = match translate_piece(&*t.translator, t.mem.dev, iova, t.left, t.perm) {
+            Ok(r) => r,
+            Err(e) => {
+                log::debug!("{e}");
+                return t.fail(GuestMemoryError::InvalidGuestAddress(GuestAddress(iova)));
+            }
+        };
+        t.iova += n;
+        t.left -= n;
+        self.piece = GuestMemoryBackend::get_slices(&t.mem.dma.mem, GuestAddress(gpa), n as usize);
+        match self.piece.next() {
+            Some(Ok(s)) => Some(Ok(s)),
+            Some(Err(e)) => self.translated.as_mut()?.fail(e),
+            // A piece is at least 1 byte.
+            None => None,
+        }
+    }
+}
+
+impl<'a> Translated<'a> {
+    fn fail(&mut self, e: GuestMemoryError) -> Option<GuestMemoryResult<VolatileSlice<'a, ()>>> {
+        self.mem.dma.counters.errors.inc();
+        self.left = 0;
+        Some(Err(e))
+    }
+}
+
+impl<'a> Iterator for DeviceSlices<'a> {
+    type Item = GuestMemoryResult<VolatileSlice<'a, ()>>;
+
+    #[inline]
+    fn next(&mut self) -> Option<Self::Item> {
+        match self.piece.next() {
+            Some(Ok(s)) => Some(Ok(s)),
+            Some(Err(e)) if self.translated.is_none() => Some(Err(e)),
+            Some(Err(e)) => self.next_piece(Some(e)),
+            None => self.next_piece(None),
+        }
+    }
+}
+
+impl FusedIterator for DeviceSlices<'_> {}
+impl<'a> GuestMemorySliceIterator<'a, ()> for DeviceSlices<'a> {}
+
+impl Drop for Translated<'_> {
+    fn drop(&mut self) {
+        self.translator.access_end(self.token);
     }
 }
 
@@ -320,5 +667,270 @@ mod tests {
             dma.read(3, 0x7000, &mut b),
             Err(DmaError::Fault { .. })
         ));
+    }
+    /// A page table for DeviceMemory tests: IOVA page -> (guest page, writable), with open and
+    /// total bracket counts.
+    #[derive(Default)]
+    struct PageTable {
+        pages: Mutex<std::collections::HashMap<u64, (u64, bool)>>,
+        begun: std::sync::atomic::AtomicU64,
+        ended: std::sync::atomic::AtomicU64,
+        /// Translations made outside any bracket.
+        unbracketed: std::sync::atomic::AtomicU64,
+    }
+
+    impl PageTable {
+        fn map(&self, iova_page: u64, gpa_page: u64, writable: bool) {
+            self.pages
+                .lock()
+                .unwrap()
+                .insert(iova_page, (gpa_page, writable));
+        }
+        fn open(&self) -> u64 {
+            self.begun.load(Ordering::SeqCst) - self.ended.load(Ordering::SeqCst)
+        }
+    }
+
+    impl DmaTranslator for PageTable {
+        fn translate(
+            &self,
+            dev: DeviceId,
+            iova: u64,
+            len: u64,
+            access: Access,
+        ) -> Result<(u64, u64), DmaError> {
+            if self.open() == 0 {
+                self.unbracketed.fetch_add(1, Ordering::SeqCst);
+            }
+            let fault = |reason| DmaError::Fault {
+                dev,
+                iova,
+                access,
+                reason,
+            };
+            let (gpa_page, writable) = *self
+                .pages
+                .lock()
+                .unwrap()
+                .get(&(iova >> 12))
+                .ok_or(fault(FaultReason::NotMapped))?;
+            if access == Access::Write && !writable {
+                return Err(fault(FaultReason::Denied));
+            }
+            let in_page = 0x1000 - (iova & 0xfff);
+            Ok(((gpa_page << 12) | (iova & 0xfff), len.min(in_page)))
+        }
+        fn access_begin(&self) -> u64 {
+            self.begun.fetch_add(1, Ordering::SeqCst) + 1
+        }
+        fn access_end(&self, token: u64) {
+            assert_ne!(token, 0, "a bracket ended that never began");
+            self.ended.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn translated() -> (GuestRam, Arc<DmaPath>, Arc<PageTable>, Arc<StatsRegistry>) {
+        let ram = GuestRam::new(&[(0, 1 << 20)], Backing::Anonymous).unwrap();
+        let stats = StatsRegistry::new();
+        let dma = DmaPath::new(ram.memory().clone(), &stats);
+        let pt = Arc::new(PageTable::default());
+        // IOVA 0x100000.. (outside RAM) -> scattered guest pages; 0x102000 read-only.
+        pt.map(0x100, 0x20, true);
+        pt.map(0x101, 0x10, true);
+        pt.map(0x102, 0x30, false);
+        // Maps to a guest-physical page that is not RAM.
+        pt.map(0x104, 0x400, true);
+        dma.set_translator(Some(pt.clone()));
+        (ram, dma, pt, stats)
+    }
+
+    #[test]
+    fn device_memory_without_translator_is_guest_ram() {
+        let ram = GuestRam::new(&[(0, 1 << 20)], Backing::Anonymous).unwrap();
+        let dma = DmaPath::new(ram.memory().clone(), &StatsRegistry::new());
+        let dm = dma.device_memory(5);
+        assert!(!dma.has_translator());
+        assert!(dm.physical_memory().is_some());
+        dm.write_obj(0xabcdu16, GuestAddress(0x2000)).unwrap();
+        assert_eq!(
+            ram.memory().read_obj::<u16>(GuestAddress(0x2000)).unwrap(),
+            0xabcd
+        );
+        assert!(GuestMemory::check_range(
+            &dm,
+            GuestAddress(0xff000),
+            0x1000,
+            Permissions::Write
+        ));
+        assert!(!GuestMemory::check_range(
+            &dm,
+            GuestAddress(0xff000),
+            0x1001,
+            Permissions::Read
+        ));
+        assert!(dm.read_obj::<u64>(GuestAddress(1 << 20)).is_err());
+    }
+
+    #[test]
+    fn device_memory_splits_at_translation_boundaries() {
+        let (ram, dma, pt, stats) = translated();
+        let dm = dma.device_memory(5);
+        assert!(dma.has_translator());
+        assert!(dm.physical_memory().is_none());
+        // 0x20 bytes across IOVA pages 0x100 and 0x101: two slices, in two guest pages.
+        let data: Vec<u8> = (0..0x20).collect();
+        let mut it = dm
+            .get_slices(GuestAddress(0x100ff0), 0x20, Permissions::Write)
+            .unwrap();
+        let lens: Vec<usize> = it.by_ref().map(|s| s.unwrap().len()).collect();
+        assert_eq!(lens, [0x10, 0x10]);
+        assert!(it.next().is_none());
+        assert_eq!(pt.open(), 1, "the bracket lasts as long as the iterator");
+        drop(it);
+        assert_eq!(pt.open(), 0);
+        dm.write_slice(&data, GuestAddress(0x100ff0)).unwrap();
+        let mem = ram.memory();
+        let mut lo = [0u8; 0x10];
+        let mut hi = [0u8; 0x10];
+        mem.read_slice(&mut lo, GuestAddress(0x20ff0)).unwrap();
+        mem.read_slice(&mut hi, GuestAddress(0x10000)).unwrap();
+        assert_eq!(&lo[..], &data[..0x10]);
+        assert_eq!(&hi[..], &data[0x10..]);
+        let mut back = [0u8; 0x20];
+        dm.read_slice(&mut back, GuestAddress(0x100ff0)).unwrap();
+        assert_eq!(&back[..], &data[..]);
+        assert_eq!(stats.snapshot()["dma.errors"], 0);
+        assert_eq!(pt.open(), 0);
+        assert_eq!(pt.unbracketed.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn device_memory_permissions_and_faults() {
+        let (ram, dma, pt, stats) = translated();
+        let dm = dma.device_memory(5);
+        ram.memory()
+            .write_obj(0x1234u16, GuestAddress(0x30010))
+            .unwrap();
+        // Read-only page: reads work, writes are denied and leave memory alone.
+        assert_eq!(dm.read_obj::<u16>(GuestAddress(0x102010)).unwrap(), 0x1234);
+        assert!(matches!(
+            dm.write_obj(0u16, GuestAddress(0x102010)),
+            Err(GuestMemoryError::InvalidGuestAddress(GuestAddress(
+                0x102010
+            )))
+        ));
+        assert!(dm
+            .store(
+                0u16,
+                GuestAddress(0x102010),
+                std::sync::atomic::Ordering::Relaxed
+            )
+            .is_err());
+        assert!(dm
+            .get_slices(GuestAddress(0x102000), 4, Permissions::ReadWrite)
+            .unwrap()
+            .next()
+            .unwrap()
+            .is_err());
+        assert_eq!(
+            ram.memory().read_obj::<u16>(GuestAddress(0x30010)).unwrap(),
+            0x1234
+        );
+        assert!(GuestMemory::check_range(
+            &dm,
+            GuestAddress(0x102000),
+            0x1000,
+            Permissions::Read
+        ));
+        assert!(!GuestMemory::check_range(
+            &dm,
+            GuestAddress(0x102000),
+            0x1000,
+            Permissions::Write
+        ));
+        // Unmapped IOVA (inside guest RAM's physical range: no identity fallback), and a
+        // mapping onto non-RAM.
+        assert!(dm.read_obj::<u32>(GuestAddress(0x1000)).is_err());
+        assert!(dm.read_obj::<u32>(GuestAddress(0x103000)).is_err());
+        assert!(dm.read_obj::<u32>(GuestAddress(0x104000)).is_err());
+        assert!(dm.read_obj::<u32>(GuestAddress(u64::MAX - 1)).is_err());
+        // A range that runs from a mapped page into an unmapped one: the first slice is
+        // given, then the fault ends the iteration.
+        let items: Vec<_> = dm
+            .get_slices(GuestAddress(0x102ff8), 0x10, Permissions::Read)
+            .unwrap()
+            .collect();
+        assert_eq!(items.len(), 2);
+        assert!(items[0].is_ok() && items[1].is_err());
+        drop(items);
+        let mut buf = [0u8; 0x10];
+        assert!(matches!(
+            dm.read_slice(&mut buf, GuestAddress(0x102ff8)),
+            Err(GuestMemoryError::PartialBuffer { completed: 8, .. })
+        ));
+        assert_eq!(stats.snapshot()["dma.errors"], 10);
+        // Every bracket ended, on the error paths too, and no translation was outside one.
+        assert_eq!(pt.open(), 0);
+        assert!(pt.begun.load(Ordering::SeqCst) >= 10);
+        assert_eq!(pt.unbracketed.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn ring_through_device_memory() {
+        // A split-ring used ring (flags, idx, 4 elements of id/len) at an IOVA that crosses
+        // from page 0x100 into page 0x101, written and read with vm-memory's Bytes API.
+        let (ram, dma, pt, _stats) = translated();
+        let dm = dma.device_memory(9);
+        let used = GuestAddress(0x100ff8);
+        dm.write_obj(0u16, used).unwrap();
+        for i in 0..4u32 {
+            let e = used.0 + 4 + 8 * u64::from(i);
+            dm.write_obj(i.to_le(), GuestAddress(e)).unwrap();
+            dm.write_obj((100 + i).to_le(), GuestAddress(e + 4))
+                .unwrap();
+        }
+        dm.store(
+            4u16.to_le(),
+            GuestAddress(used.0 + 2),
+            std::sync::atomic::Ordering::Release,
+        )
+        .unwrap();
+        let mem = ram.memory();
+        // idx at IOVA 0x100ffa -> 0x20ffa; element 1 (IOVA 0x101004) -> 0x10004.
+        assert_eq!(mem.read_obj::<u16>(GuestAddress(0x20ffa)).unwrap(), 4);
+        assert_eq!(mem.read_obj::<u32>(GuestAddress(0x10004)).unwrap(), 1);
+        assert_eq!(mem.read_obj::<u32>(GuestAddress(0x10008)).unwrap(), 101);
+        assert_eq!(
+            dm.load::<u16>(
+                GuestAddress(used.0 + 2),
+                std::sync::atomic::Ordering::Acquire
+            )
+            .unwrap(),
+            4
+        );
+        // Element 0 spans the page boundary (IOVA 0x100ffc..0x101004): read_obj splits it.
+        assert_eq!(
+            dm.read_obj::<u64>(GuestAddress(0x100ffc)).unwrap(),
+            100 << 32
+        );
+        assert_eq!(pt.open(), 0);
+    }
+
+    #[test]
+    fn dma_path_brackets_every_access() {
+        let (_ram, dma, pt, _stats) = translated();
+        dma.write(5, 0x100ff0, &[1u8; 0x20]).unwrap();
+        let mut b = [0u8; 0x20];
+        dma.read(5, 0x100ff0, &mut b).unwrap();
+        assert!(dma.write(5, 0x101ff0, &[1u8; 0x20]).is_err()); // read-only second page
+        assert!(dma.read(5, 0x103000, &mut b).is_err()); // unmapped
+        assert!(dma.read(5, 0x104000, &mut b).is_err()); // not RAM
+        assert_eq!(pt.begun.load(Ordering::SeqCst), 5);
+        assert_eq!(pt.open(), 0);
+        assert_eq!(pt.unbracketed.load(Ordering::SeqCst), 0);
+        // No translator: no bracket.
+        dma.set_translator(None);
+        dma.read(5, 0x1000, &mut b).unwrap();
+        assert_eq!(pt.begun.load(Ordering::SeqCst), 5);
     }
 }

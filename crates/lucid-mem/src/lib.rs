@@ -6,7 +6,9 @@
 mod dma;
 mod ram;
 
-pub use dma::{Access, DeviceId, DmaError, DmaObserver, DmaPath, DmaTranslator, FaultReason};
+pub use dma::{
+    Access, DeviceId, DeviceMemory, DmaError, DmaObserver, DmaPath, DmaTranslator, FaultReason,
+};
 pub use ram::{Backing, GuestRam, MemError, RamRegion};
 pub use vm_memory;
 

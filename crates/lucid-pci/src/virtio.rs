@@ -26,7 +26,9 @@ use std::sync::{Arc, Mutex};
 use lucid_hv::{GsiRouter, IoAddr, Vm};
 use lucid_mem::{DmaPath, GuestMemoryMmap};
 use lucid_stats::{Counter, StatsRegistry};
-use lucid_virtio::features::{VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
+use lucid_virtio::features::{
+    VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
+};
 use lucid_virtio::{
     device_type, ActivateContext, ActivateError, Coalescing, VirtioDevice, VirtioInterrupt,
 };
@@ -119,6 +121,9 @@ pub struct TransportOptions {
 pub struct TransportEnv {
     pub vm: Vm,
     pub router: Arc<GsiRouter>,
+    /// Guest-physical memory, for the transport's own needs; the device's rings and data go
+    /// through `dma` (its translator, when a vIOMMU is installed, must be installed before the
+    /// transport is built: the transport offers `VIRTIO_F_ACCESS_PLATFORM` then).
     pub mem: GuestMemoryMmap,
     pub dma: Arc<DmaPath>,
     pub stats: Arc<StatsRegistry>,
@@ -181,7 +186,7 @@ pub enum ActivationError {
         source: virtio_queue::Error,
     },
     #[error(
-        "queue {queue}: rings outside guest memory (descriptors {desc:#x}, driver area \
+        "queue {queue}: rings outside guest memory or not mapped for the device (descriptors {desc:#x}, driver area \
          {driver:#x}, device area {device:#x}, size {size})"
     )]
     RingsOutsideMemory {
@@ -430,7 +435,11 @@ impl VirtioPciDevice {
         c("rung").set(plan.rung.code());
         c("pv_eoi.offered").set(plan.pv_eoi as u64);
         c("pv_eoi.effective").set(plan.pv_eoi_effective as u64);
-        let offered = device.features() | VIRTIO_F_VERSION_1;
+        // Behind a vIOMMU the device's addresses are IOVAs: the driver must know (virtio 6.1).
+        let mut offered = device.features() | VIRTIO_F_VERSION_1;
+        if env.dma.has_translator() {
+            offered |= VIRTIO_F_ACCESS_PLATFORM;
+        }
         Ok(VirtioPciDevice {
             name,
             device,
@@ -578,7 +587,11 @@ impl VirtioPciDevice {
         let new = v & !old;
         if new & status::FEATURES_OK != 0 {
             let f = self.driver_features;
-            if f & !self.offered != 0 || f & VIRTIO_F_VERSION_1 == 0 {
+            // With ACCESS_PLATFORM offered, a driver that did not accept it would hand the
+            // device guest-physical addresses where it expects IOVAs (virtio 6.1: the device
+            // may fail FEATURES_OK).
+            let platform = self.offered & VIRTIO_F_ACCESS_PLATFORM;
+            if f & !self.offered != 0 || f & VIRTIO_F_VERSION_1 == 0 || f & platform != platform {
                 self.counters.features_refused.inc();
                 v &= !status::FEATURES_OK;
             }
@@ -609,6 +622,8 @@ impl VirtioPciDevice {
     /// DRIVER_OK: validate the queues against guest memory and start the device.
     fn activate(&mut self) -> Result<(), ActivationError> {
         let event_idx = self.driver_features & VIRTIO_RING_F_EVENT_IDX != 0;
+        // The rings are in the device's address space (IOVAs behind a vIOMMU).
+        let mem = self.env.dma.device_memory(u32::from(self.rid));
         let mut queues = Vec::new();
         for (i, qc) in self.queues.iter().enumerate() {
             if !qc.enabled {
@@ -633,7 +648,7 @@ impl VirtioPciDevice {
                 .map_err(refused(QueueField::DeviceArea(qc.device)))?;
             q.set_event_idx(event_idx);
             q.set_ready(true);
-            if !q.is_valid(&self.env.mem) {
+            if !q.is_valid(&mem) {
                 return Err(ActivationError::RingsOutsideMemory {
                     queue,
                     desc: qc.desc,
@@ -648,7 +663,7 @@ impl VirtioPciDevice {
             queues.push((queue, q, kick));
         }
         let ctx = ActivateContext {
-            mem: self.env.mem.clone(),
+            mem,
             dma: self.env.dma.clone(),
             dev_id: self.rid as u32,
             queues,

@@ -898,3 +898,101 @@ fn dropping_the_root_drops_and_resets_active_devices() {
     }
     assert_eq!(seen.resets.load(Ordering::SeqCst), 1, "reset on drop");
 }
+
+/// IOVA = guest-physical + `IOVA_OFFSET`; anything below faults.
+struct Offset;
+const IOVA_OFFSET: u64 = 1 << 40;
+impl lucid_mem::DmaTranslator for Offset {
+    fn translate(
+        &self,
+        dev: u32,
+        iova: u64,
+        len: u64,
+        access: lucid_mem::Access,
+    ) -> Result<(u64, u64), lucid_mem::DmaError> {
+        match iova.checked_sub(IOVA_OFFSET) {
+            Some(gpa) => Ok((gpa, len.min(0x1000 - (gpa & 0xfff)))),
+            None => Err(lucid_mem::DmaError::Fault {
+                dev,
+                iova,
+                access,
+                reason: lucid_mem::FaultReason::NotMapped,
+            }),
+        }
+    }
+}
+
+/// Negotiates `driver_hi` as the high feature word (low word 0) and sets up queue 0 at
+/// `base` (a device address); returns the status after FEATURES_OK and after DRIVER_OK.
+fn negotiate(h: &Host, slot: u8, driver_hi: u64, base: u64) -> (u8, u8) {
+    let b = h.bar(slot, VIRTIO_BAR);
+    h.w(b + common::DEVICE_STATUS, 1, 0);
+    h.w(b + common::DEVICE_STATUS, 1, 3);
+    h.w(b + common::DRIVER_FEATURE_SELECT, 4, 0);
+    h.w(b + common::DRIVER_FEATURE, 4, 0);
+    h.w(b + common::DRIVER_FEATURE_SELECT, 4, 1);
+    h.w(b + common::DRIVER_FEATURE, 4, driver_hi);
+    h.w(b + common::DEVICE_STATUS, 1, 0xb);
+    let features_ok = h.r(b + common::DEVICE_STATUS, 1) as u8;
+    h.w(b + common::QUEUE_SELECT, 2, 0);
+    h.w(b + common::QUEUE_SIZE, 2, 64);
+    h.w(b + common::QUEUE_DESC, 8, base);
+    h.w(b + common::QUEUE_DRIVER, 8, base + 0x4000);
+    h.w(b + common::QUEUE_DEVICE, 8, base + 0x8000);
+    h.w(b + common::QUEUE_ENABLE, 2, 1);
+    h.w(b + common::DEVICE_STATUS, 1, 0xf);
+    (features_ok, h.r(b + common::DEVICE_STATUS, 1) as u8)
+}
+
+fn device_features(h: &Host, slot: u8) -> u64 {
+    let b = h.bar(slot, VIRTIO_BAR);
+    h.w(b + common::DEVICE_FEATURE_SELECT, 4, 0);
+    let lo = h.r(b + common::DEVICE_FEATURE, 4);
+    h.w(b + common::DEVICE_FEATURE_SELECT, 4, 1);
+    lo | h.r(b + common::DEVICE_FEATURE, 4) << 32
+}
+
+#[test]
+fn access_platform_only_behind_a_translator() {
+    use lucid_virtio::features::VIRTIO_F_ACCESS_PLATFORM;
+    // No translator: the features are the device's and VERSION_1, as before.
+    let h = host();
+    let (slot, seen, _dev) = h.attach("blk0", 1, Rung::L1);
+    assert_eq!(
+        device_features(&h, slot),
+        VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX
+    );
+    assert_eq!(negotiate(&h, slot, 1, 0x10_0000), (0xb, 0xf));
+    assert_eq!(seen.activations.load(Ordering::SeqCst), 1);
+    assert_eq!(h.counter("blk0.virtio.features_refused"), 0);
+
+    // A translator installed before the transport is built: ACCESS_PLATFORM is offered and
+    // required, and the rings are checked in the device's IOVA space.
+    let h = host();
+    h.env.dma.set_translator(Some(Arc::new(Offset)));
+    let (slot, seen, dev) = h.attach("blk0", 1, Rung::L1);
+    assert_eq!(
+        device_features(&h, slot),
+        VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX | VIRTIO_F_ACCESS_PLATFORM
+    );
+    // Without ACCESS_PLATFORM: FEATURES_OK stays clear, DRIVER_OK is not taken.
+    // (The DRIVER_OK write sets FEATURES_OK again: refused again.)
+    assert_eq!(negotiate(&h, slot, 1, IOVA_OFFSET + 0x10_0000), (3, 3));
+    assert_eq!(h.counter("blk0.virtio.features_refused"), 2);
+    assert_eq!(seen.activations.load(Ordering::SeqCst), 0);
+    // Rings at guest-physical addresses the device cannot reach: activation refused.
+    assert_eq!(
+        negotiate(&h, slot, 3, 0x10_0000),
+        (0xb, 0xf | status::NEEDS_RESET)
+    );
+    assert!(matches!(
+        dev.lock().unwrap().activation_error(),
+        Some(ActivationError::RingsOutsideMemory { .. })
+    ));
+    // Rings at mapped IOVAs: accepted, with ACCESS_PLATFORM negotiated.
+    assert_eq!(negotiate(&h, slot, 3, IOVA_OFFSET + 0x10_0000), (0xb, 0xf));
+    assert_eq!(seen.activations.load(Ordering::SeqCst), 1);
+    let (_, feats, _) = seen.last.lock().unwrap().clone().unwrap();
+    assert_eq!(feats, VIRTIO_F_VERSION_1 | VIRTIO_F_ACCESS_PLATFORM);
+    assert_eq!(h.counter("blk0.virtio.features_refused"), 2);
+}

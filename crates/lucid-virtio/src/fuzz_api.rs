@@ -146,7 +146,7 @@ pub fn virtqueue(data: &[u8]) -> BTreeMap<String, u64> {
         layout.push((avail, used));
     }
     let ctx = ActivateContext {
-        mem: mem.clone(),
+        mem: dma.device_memory(DEV_ID),
         dma,
         dev_id: DEV_ID,
         queues,

@@ -11,20 +11,25 @@
 //! (`VRING_AVAIL_F_NO_INTERRUPT`, or `used_event` with EVENT_IDX) and at most as often as
 //! [`Coalescing`] allows (a time cap of 0 means: flush when the device goes idle). The transport
 //! must hand over queues that are `ready`, with EVENT_IDX as negotiated (the device sets it again
-//! from `features`); rings are accessed on `mem`, buffer data only through the DMA path.
+//! from `features`); rings are accessed on `mem` (the device's [`DeviceMemory`] view), buffer
+//! data only through the DMA path: both translate through the DMA path's translator when a vIOMMU
+//! is installed. A ring that cannot be accessed makes the device need a reset; a buffer that
+//! cannot be is the request's error (blk: `IOERR`; net: the frame is dropped and counted in
+//! `tx_dropped_fault` / `rx_dropped_fault`).
 //!
 //! Counters, under `<name>.`: `kicks` (kick eventfd signals consumed), `polls_found_work`,
 //! `requests` (chains completed), `bytes_read` / `bytes_written` (payload the device read from /
 //! wrote into guest buffers: blk writes / blk reads, net tx / net rx), `irqs` (signalled),
 //! `irqs_coalesced` (completions covered by another's interrupt), `irqs_suppressed` (completions
 //! for which the driver asked for none), `errors`; net adds `tx_packets`, `tx_bytes`,
-//! `tx_dropped`, `rx_packets`, `rx_bytes`, `rx_dropped_no_buffers`, `rx_dropped_too_big`.
+//! `tx_dropped`, `tx_dropped_fault`, `rx_packets`, `rx_bytes`, `rx_dropped_no_buffers`,
+//! `rx_dropped_too_big`, `rx_dropped_fault`.
 //! Every completion is counted in exactly one of `irqs`, `irqs_coalesced`, `irqs_suppressed`
 //! once its interrupt decision is made.
 
 use std::sync::Arc;
 
-use lucid_mem::{DeviceId, DmaPath, GuestMemoryMmap};
+use lucid_mem::{DeviceId, DeviceMemory, DmaPath};
 use lucid_stats::StatsRegistry;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -85,8 +90,9 @@ pub trait VirtioInterrupt: Send + Sync {
 
 /// Everything a device gets when the driver sets DRIVER_OK.
 pub struct ActivateContext {
-    /// Ring memory for virtio-queue (the rings are guest-physical).
-    pub mem: GuestMemoryMmap,
+    /// Ring memory for virtio-queue, in the device's address space (IOVAs when the DMA path has
+    /// a translator): `dma.device_memory(dev_id)`.
+    pub mem: DeviceMemory,
     /// Buffer data goes through the one DMA path, with this requester ID.
     pub dma: Arc<DmaPath>,
     pub dev_id: DeviceId,

@@ -19,6 +19,9 @@
 //! rx chain, a tx chain shorter than the header or longer than [`MAX_FRAME`]) are completed with
 //! length 0 and counted in `errors`; a DMA address outside guest memory likewise. An rx frame
 //! larger than the rx chain is dropped (`rx_dropped_too_big`) and the chain kept for the next.
+//! A buffer the DMA path refuses (a vIOMMU fault, an address outside guest memory) drops the
+//! frame: a tx chain is consumed (`tx_dropped`, `tx_dropped_fault`), an rx chain is completed
+//! with length 0 (`rx_dropped_fault`).
 
 use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
@@ -237,10 +240,14 @@ struct NetCounters {
     tx_packets: Arc<Counter>,
     tx_bytes: Arc<Counter>,
     tx_dropped: Arc<Counter>,
+    /// Tx frames dropped because the DMA path refused their buffer (also in `tx_dropped`).
+    tx_dropped_fault: Arc<Counter>,
     rx_packets: Arc<Counter>,
     rx_bytes: Arc<Counter>,
     rx_dropped_no_buffers: Arc<Counter>,
     rx_dropped_too_big: Arc<Counter>,
+    /// Rx frames dropped because the DMA path refused the rx buffer.
+    rx_dropped_fault: Arc<Counter>,
 }
 
 impl NetCounters {
@@ -250,10 +257,12 @@ impl NetCounters {
             tx_packets: c("tx_packets"),
             tx_bytes: c("tx_bytes"),
             tx_dropped: c("tx_dropped"),
+            tx_dropped_fault: c("tx_dropped_fault"),
             rx_packets: c("rx_packets"),
             rx_bytes: c("rx_bytes"),
             rx_dropped_no_buffers: c("rx_dropped_no_buffers"),
             rx_dropped_too_big: c("rx_dropped_too_big"),
+            rx_dropped_fault: c("rx_dropped_fault"),
         }
     }
 }
@@ -402,6 +411,9 @@ impl NetWorker {
             if let Some(v) = echoed {
                 recycle(&mut self.spare, v);
             }
+            if matches!(e, DataError::Dma(_)) {
+                self.c.tx_dropped_fault.inc();
+            }
             return self.tx_drop(io, e.into());
         }
         io.c.bytes_read.add(len as u64);
@@ -532,6 +544,9 @@ impl Chain {
         let written =
             scatter(io, &self.regions, &hdr).and_then(|()| scatter(io, &self.body, frame));
         if let Err(e) = written {
+            if matches!(e, DataError::Dma(_)) {
+                c.rx_dropped_fault.inc();
+            }
             chain_error(io, e.into());
             io.complete(rx, head, 0);
             return Delivery::Dropped;

@@ -6,7 +6,10 @@
 //! [`Coalescing`].
 //!
 //! A device plugs in as a [`Backend`]; it sees the rings only through [`Io`] (pop a chain,
-//! complete it) and moves buffer data only through `io.dma`.
+//! complete it) and moves buffer data only through `io.dma`. Every ring access goes through the
+//! device's [`DeviceMemory`] (the DMA path's translator, when a vIOMMU is installed); a ring
+//! access that fails (the driver unmapped or revoked a ring's IOVA) is fatal: the device needs a
+//! reset.
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{fence, AtomicBool, Ordering};
@@ -14,8 +17,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use lucid_mem::vm_memory::{Bytes, GuestAddress};
-use lucid_mem::{DeviceId, DmaError, DmaPath, GuestMemoryMmap};
+use lucid_mem::vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryError};
+use lucid_mem::{DeviceId, DeviceMemory, DmaError, DmaPath};
 use lucid_seccomp::Role;
 use lucid_stats::{Counter, StatsRegistry};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
@@ -24,6 +27,41 @@ use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::timerfd::TimerFd;
 
 use crate::{features, ActivateContext, ActivateError, Coalescing, Notify, VirtioInterrupt};
+
+/// Runs `$body` with `$m` bound to guest RAM itself while no translator is installed (one atomic
+/// load, then the code virtio-queue generates for `GuestMemoryMmap`: the ring path costs what it
+/// did before the vIOMMU), else to the device's translated view. A translator installed while a
+/// call runs applies from the next call (Lucid installs it before any device is activated).
+macro_rules! on_mem {
+    ($mem:expr, |$m:ident| $body:expr) => {
+        match $mem.physical_memory() {
+            Some($m) => $body,
+            None => {
+                let $m = &$mem;
+                $body
+            }
+        }
+    };
+}
+
+/// Pops the next chain of `q` into `out`: its head and whether its last descriptor asks for a
+/// next (a chain virtio-queue cut short).
+fn pop_chain<M: GuestMemory>(
+    q: &mut Queue,
+    mem: &M,
+    out: &mut Vec<Desc>,
+) -> Result<Option<(u16, bool)>, virtio_queue::Error> {
+    let Some(chain) = q.iter(mem)?.next() else {
+        return Ok(None);
+    };
+    let head = chain.head_index();
+    let mut dangling = true;
+    for d in chain {
+        dangling = d.has_next();
+        out.push(d);
+    }
+    Ok(Some((head, dangling)))
+}
 
 /// A split-ring descriptor as read from the descriptor table.
 pub(crate) type Desc = virtio_queue::desc::split::Descriptor;
@@ -115,9 +153,16 @@ pub(crate) enum Fault {
     },
     #[error(
         "queue {queue}: descriptor chain at head {head} is malformed (loops, is longer than the \
-         queue, or leaves the descriptor table)"
+         queue, leaves the descriptor table, or cannot be read)"
     )]
     MalformedChain { queue: u16, head: u16 },
+    #[error("queue {queue}: cannot access the {what}: {source}")]
+    Ring {
+        queue: u16,
+        what: &'static str,
+        #[source]
+        source: virtio_queue::Error,
+    },
     #[error("queue {queue}: cannot put head {head} in the used ring: {source}")]
     UsedRing {
         queue: u16,
@@ -137,7 +182,8 @@ pub(crate) enum Fault {
 
 /// The worker's view of the device's queues and of guest memory.
 pub(crate) struct Io {
-    mem: GuestMemoryMmap,
+    /// The rings, in the device's address space.
+    mem: DeviceMemory,
     pub dma: Arc<DmaPath>,
     pub dev_id: DeviceId,
     pub c: Counters,
@@ -178,12 +224,25 @@ impl Io {
         }
     }
 
+    /// A ring access of queue `qi` failed: the device needs a reset.
+    fn ring_fault(&mut self, qi: usize, what: &'static str, source: virtio_queue::Error) {
+        let queue = self.queues[qi].index;
+        self.fatal(Fault::Ring {
+            queue,
+            what,
+            source,
+        });
+    }
+
     /// Whether the driver has made chains available that the device has not consumed.
-    pub fn has_avail(&self, qi: usize) -> bool {
+    pub fn has_avail(&mut self, qi: usize) -> bool {
         let q = &self.queues[qi].queue;
-        match q.avail_idx(&self.mem, Ordering::Acquire) {
+        match on_mem!(self.mem, |m| q.avail_idx(m, Ordering::Acquire)) {
             Ok(idx) => idx.0 != q.next_avail(),
-            Err(_) => false,
+            Err(e) => {
+                self.ring_fault(qi, "avail index", e);
+                false
+            }
         }
     }
 
@@ -196,30 +255,46 @@ impl Io {
         if self.halted {
             return Pop::Empty;
         }
-        let wq = &mut self.queues[qi];
-        let chain = match wq.queue.iter(&self.mem) {
-            Ok(mut it) => it.next(),
-            Err(source) => {
-                let queue = wq.index;
-                self.fatal(Fault::AvailRing { queue, source });
-                return Pop::Fatal;
+        let q = &mut self.queues[qi].queue;
+        let popped = match on_mem!(self.mem, |m| pop_chain(q, m, out)) {
+            Ok(None) if self.mem.dma().has_translator() => self.pop_again(qi, out),
+            r => r,
+        };
+        let queue = self.queues[qi].index;
+        match popped {
+            Ok(None) => Pop::Empty,
+            Ok(Some((head, dangling))) if out.is_empty() || dangling => {
+                self.fatal(Fault::MalformedChain { queue, head });
+                Pop::Fatal
             }
-        };
-        let Some(chain) = chain else {
-            return Pop::Empty;
-        };
-        let head = chain.head_index();
-        let mut dangling = true;
-        for d in chain {
-            dangling = d.has_next();
-            out.push(d);
+            Ok(Some((head, _))) => Pop::Chain(head),
+            Err(source) => {
+                self.fatal(Fault::AvailRing { queue, source });
+                Pop::Fatal
+            }
         }
-        if out.is_empty() || dangling {
-            let queue = self.queues[qi].index;
-            self.fatal(Fault::MalformedChain { queue, head });
-            return Pop::Fatal;
+    }
+
+    /// The avail iterator gave nothing: the ring is empty, or (only possible with a translator:
+    /// guest RAM does not shrink) the avail entry could not be read, which virtio-queue does not
+    /// report. Reads the index again and retries once: nothing again while chains are published
+    /// is a ring fault.
+    #[cold]
+    fn pop_again(
+        &mut self,
+        qi: usize,
+        out: &mut Vec<Desc>,
+    ) -> Result<Option<(u16, bool)>, virtio_queue::Error> {
+        let q = &mut self.queues[qi].queue;
+        if q.avail_idx(&self.mem, Ordering::Acquire)?.0 == q.next_avail() {
+            return Ok(None);
         }
-        Pop::Chain(head)
+        match pop_chain(q, &self.mem, out)? {
+            Some(c) => Ok(Some(c)),
+            None => Err(virtio_queue::Error::GuestMemory(
+                GuestMemoryError::InvalidGuestAddress(GuestAddress(q.avail_ring())),
+            )),
+        }
     }
 
     /// Gives back the chain just popped (for example an rx buffer too small for the frame).
@@ -230,7 +305,7 @@ impl Io {
     /// Puts chain `head` in queue `qi`'s used ring with `len` bytes written.
     pub fn complete(&mut self, qi: usize, head: u16, len: u32) {
         let wq = &mut self.queues[qi];
-        match wq.queue.add_used(&self.mem, head, len) {
+        match on_mem!(self.mem, |m| wq.queue.add_used(m, head, len)) {
             Ok(()) => {
                 wq.batch += 1;
                 self.c.requests.inc();
@@ -251,7 +326,10 @@ impl Io {
         if self.poll {
             return;
         }
-        let _ = self.queues[qi].queue.disable_notification(&self.mem);
+        let q = &mut self.queues[qi].queue;
+        if let Err(e) = on_mem!(self.mem, |m| q.disable_notification(m)) {
+            self.ring_fault(qi, "used ring flags", e);
+        }
     }
 
     /// Kicks mode: asks the driver to notify on its next chain; returns true if chains arrived in
@@ -261,10 +339,14 @@ impl Io {
             self.suppress(qi);
             return self.has_avail(qi);
         }
-        self.queues[qi]
-            .queue
-            .enable_notification(&self.mem)
-            .unwrap_or(false)
+        let q = &mut self.queues[qi].queue;
+        match on_mem!(self.mem, |m| q.enable_notification(m)) {
+            Ok(more) => more,
+            Err(e) => {
+                self.ring_fault(qi, "notification fields", e);
+                false
+            }
+        }
     }
 
     /// Poll mode: keeps the driver from notifying. Without EVENT_IDX that is
@@ -280,32 +362,41 @@ impl Io {
         }
         wq.suppressed_at = Some(wq.queue.next_avail());
         let q = &mut wq.queue;
-        if q.event_idx_enabled() {
+        let r = if q.event_idx_enabled() {
             let addr = q.used_ring() + 4 + 8 * u64::from(q.size());
             let v = q.next_avail().wrapping_add(0x8000);
-            let _ = self
-                .mem
-                .store(v.to_le(), GuestAddress(addr), Ordering::Relaxed);
+            on_mem!(self.mem, |m| m.store(
+                v.to_le(),
+                GuestAddress(addr),
+                Ordering::Relaxed
+            ))
+            .map_err(virtio_queue::Error::GuestMemory)
         } else {
-            let _ = q.disable_notification(&self.mem);
-        }
+            on_mem!(self.mem, |m| q.disable_notification(m))
+        };
         fence(Ordering::SeqCst);
+        if let Err(e) = r {
+            self.ring_fault(qi, "avail_event / used ring flags", e);
+        }
     }
 
-    /// Whether the driver wants an interrupt for the completions since the last call.
+    /// Whether the driver wants an interrupt for the completions since the last call (yes when
+    /// its fields cannot be read: the device then needs a reset anyway).
     fn driver_wants_irq(&mut self, qi: usize) -> bool {
         let q = &mut self.queues[qi].queue;
-        if q.event_idx_enabled() {
-            q.needs_notification(&self.mem).unwrap_or(true)
+        let r = if q.event_idx_enabled() {
+            on_mem!(self.mem, |m| q.needs_notification(m))
         } else {
             fence(Ordering::SeqCst);
-            let flags: u16 = self
-                .mem
-                .load(GuestAddress(q.avail_ring()), Ordering::Relaxed)
-                .map(u16::from_le)
-                .unwrap_or(0);
-            flags & VRING_AVAIL_F_NO_INTERRUPT == 0
-        }
+            on_mem!(self.mem, |m| m
+                .load(GuestAddress(q.avail_ring()), Ordering::Relaxed))
+            .map(|f: u16| u16::from_le(f) & VRING_AVAIL_F_NO_INTERRUPT == 0)
+            .map_err(virtio_queue::Error::GuestMemory)
+        };
+        r.unwrap_or_else(|e| {
+            self.ring_fault(qi, "used_event / avail ring flags", e);
+            true
+        })
     }
 
     fn coalescing_on(&self) -> bool {

@@ -71,9 +71,21 @@ impl Blk {
     }
 
     pub fn with(cfg: BlockConfig, notify: Notify, coal: Coalescing, event_idx: bool) -> Blk {
-        let g = Guest::new();
+        Self::build(Guest::new(), 0, cfg, notify, coal, event_idx)
+    }
+
+    /// A device on guest `g` whose addresses are guest-physical + `dev_off` (an
+    /// [`OffsetIommu`] installed in `g` beforehand).
+    pub fn build(
+        g: Guest,
+        dev_off: u64,
+        cfg: BlockConfig,
+        notify: Notify,
+        coal: Coalescing,
+        event_idx: bool,
+    ) -> Blk {
         let mut dev = Block::new("blk0".into(), cfg).unwrap();
-        let (vq, (q, kick)) = Vq::new(&g.mem, 0x10000, 256);
+        let (vq, (q, kick)) = Vq::at(&g.mem, 0x10000, 256, dev_off);
         let mut feats = dev.features() & !VIRTIO_RING_F_EVENT_IDX;
         if event_idx {
             feats |= VIRTIO_RING_F_EVENT_IDX;

@@ -4,12 +4,17 @@
 
 pub mod blkdrv;
 
+use std::collections::HashSet;
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use lucid_mem::vm_memory::{Bytes, GuestAddress};
-use lucid_mem::{Backing, DmaPath, GuestMemoryMmap, GuestRam};
+use lucid_mem::{
+    Access, Backing, DeviceId, DmaError, DmaPath, DmaTranslator, FaultReason, GuestMemoryMmap,
+    GuestRam,
+};
 use lucid_stats::StatsRegistry;
 use lucid_virtio::virtio_queue::{Queue, QueueT};
 use lucid_virtio::{ActivateContext, Coalescing, Notify, VirtioInterrupt};
@@ -102,7 +107,7 @@ impl Guest {
         coalescing: Coalescing,
     ) -> ActivateContext {
         ActivateContext {
-            mem: self.mem.clone(),
+            mem: self.dma.device_memory(DEV_ID),
             dma: self.dma.clone(),
             dev_id: DEV_ID,
             queues,
@@ -118,6 +123,8 @@ impl Guest {
 /// The driver's side of one split virtqueue.
 pub struct Vq {
     pub mem: GuestMemoryMmap,
+    /// What the device's addresses add to guest-physical ones (0 without a translator).
+    pub dev_off: u64,
     pub size: u16,
     pub desc: u64,
     pub avail: u64,
@@ -132,21 +139,32 @@ impl Vq {
     /// Lays out a queue of `size` at `base` (16 KiB needed) and returns the driver side and the
     /// device side (a ready `Queue` and the kick eventfd).
     pub fn new(mem: &GuestMemoryMmap, base: u64, size: u16) -> (Vq, (Queue, EventFd)) {
+        Self::at(mem, base, size, 0)
+    }
+
+    /// [`Vq::new`] for a device that sees guest-physical `a` at `a + dev_off` (behind an
+    /// [`OffsetIommu`]): the queue's ring addresses and every descriptor's buffer address are
+    /// given to the device as such.
+    pub fn at(mem: &GuestMemoryMmap, base: u64, size: u16, dev_off: u64) -> (Vq, (Queue, EventFd)) {
         let desc = base;
         let avail = base + 0x1000;
         let used = base + 0x2000;
         mem.write_slice(&[0u8; 0x4000], GuestAddress(base)).unwrap();
         let mut q = Queue::new(size).unwrap();
         q.set_size(size);
-        q.try_set_desc_table_address(GuestAddress(desc)).unwrap();
-        q.try_set_avail_ring_address(GuestAddress(avail)).unwrap();
-        q.try_set_used_ring_address(GuestAddress(used)).unwrap();
+        q.try_set_desc_table_address(GuestAddress(desc + dev_off))
+            .unwrap();
+        q.try_set_avail_ring_address(GuestAddress(avail + dev_off))
+            .unwrap();
+        q.try_set_used_ring_address(GuestAddress(used + dev_off))
+            .unwrap();
         q.set_ready(true);
         let kick = EventFd::new(libc::EFD_NONBLOCK).unwrap();
         let dev_kick = kick.try_clone().unwrap();
         (
             Vq {
                 mem: mem.clone(),
+                dev_off,
                 size,
                 desc,
                 avail,
@@ -162,7 +180,7 @@ impl Vq {
 
     pub fn write_desc(&self, i: u16, addr: u64, len: u32, flags: u16, next: u16) {
         let mut b = [0u8; 16];
-        b[0..8].copy_from_slice(&addr.to_le_bytes());
+        b[0..8].copy_from_slice(&addr.wrapping_add(self.dev_off).to_le_bytes());
         b[8..12].copy_from_slice(&len.to_le_bytes());
         b[12..14].copy_from_slice(&flags.to_le_bytes());
         b[14..16].copy_from_slice(&next.to_le_bytes());
@@ -323,4 +341,88 @@ pub fn thread_names() -> Vec<String> {
         .filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("comm")).ok())
         .map(|s| s.trim().to_string())
         .collect()
+}
+
+/// A test vIOMMU: IOVA `a + off` is guest-physical `a` for `a` in guest RAM, 4 KiB at a time;
+/// other IOVAs, and the IOVA pages in `faults`, fault. Counts its access brackets.
+pub struct OffsetIommu {
+    pub off: u64,
+    pub faults: Mutex<HashSet<u64>>,
+    pub begun: AtomicU64,
+    pub ended: AtomicU64,
+    /// Translations made outside any bracket.
+    pub unbracketed: AtomicU64,
+    pub translations: AtomicU64,
+}
+
+impl OffsetIommu {
+    /// Makes the IOVA page holding guest-physical `gpa` fault.
+    pub fn unmap_gpa(&self, gpa: u64) {
+        self.faults.lock().unwrap().insert((gpa + self.off) >> 12);
+    }
+    pub fn open(&self) -> u64 {
+        self.begun.load(Ordering::SeqCst) - self.ended.load(Ordering::SeqCst)
+    }
+}
+
+impl DmaTranslator for OffsetIommu {
+    fn translate(
+        &self,
+        dev: DeviceId,
+        iova: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<(u64, u64), DmaError> {
+        self.translations.fetch_add(1, Ordering::SeqCst);
+        if self.open() == 0 {
+            self.unbracketed.fetch_add(1, Ordering::SeqCst);
+        }
+        let fault = |reason| DmaError::Fault {
+            dev,
+            iova,
+            access,
+            reason,
+        };
+        let gpa = iova
+            .checked_sub(self.off)
+            .filter(|&g| g < RAM)
+            .ok_or(fault(FaultReason::NotMapped))?;
+        if self.faults.lock().unwrap().contains(&(iova >> 12)) {
+            return Err(fault(FaultReason::NotMapped));
+        }
+        Ok((gpa, len.min(0x1000 - (gpa & 0xfff))))
+    }
+    fn access_begin(&self) -> u64 {
+        self.begun.fetch_add(1, Ordering::SeqCst) + 1
+    }
+    fn access_end(&self, _token: u64) {
+        self.ended.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl Guest {
+    /// Installs an [`OffsetIommu`] with offset `off` in the DMA path.
+    pub fn behind_iommu(&self, off: u64) -> Arc<OffsetIommu> {
+        let t = Arc::new(OffsetIommu {
+            off,
+            faults: Mutex::new(HashSet::new()),
+            begun: AtomicU64::new(0),
+            ended: AtomicU64::new(0),
+            unbracketed: AtomicU64::new(0),
+            translations: AtomicU64::new(0),
+        });
+        self.dma.set_translator(Some(t.clone()));
+        t
+    }
+
+    /// Indices of the guest pages whose contents differ from `before` (a copy of all of RAM).
+    pub fn changed_pages(&self, before: &[u8]) -> Vec<u64> {
+        let now = self.read(0, RAM as usize);
+        (0..RAM / 0x1000)
+            .filter(|&p| {
+                let r = (p * 0x1000) as usize..((p + 1) * 0x1000) as usize;
+                now[r.clone()] != before[r]
+            })
+            .collect()
+    }
 }
