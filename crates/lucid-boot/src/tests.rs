@@ -1589,9 +1589,13 @@ fn bzimage_decompression_area_that_wraps_is_refused() {
 struct ParsedDmar {
     haw: u8,
     flags: u8,
-    /// (flags, size, segment, base, scopes as (type, enumeration id, start bus, path))
-    drhds: Vec<(u8, u8, u16, u64, Vec<(u8, u8, u8, Vec<(u8, u8)>)>)>,
+    drhds: Vec<Drhd>,
 }
+
+/// A device scope: (type, enumeration id, start bus, path of (device, function)).
+type Scope = (u8, u8, u8, Vec<(u8, u8)>);
+/// A DRHD: (flags, size, segment, register base, scopes).
+type Drhd = (u8, u8, u16, u64, Vec<Scope>);
 
 fn parse_dmar(t: &[u8]) -> Result<ParsedDmar, String> {
     if t.len() < 48 || &t[..4] != b"DMAR" {
@@ -1623,7 +1627,7 @@ fn parse_dmar(t: &[u8]) -> Result<ParsedDmar, String> {
             while so < len {
                 let sc = s.get(so..).ok_or("scope")?;
                 let slen = *sc.get(1).ok_or("scope length")? as usize;
-                if slen < 6 || (slen - 6) % 2 != 0 || sc.len() < slen {
+                if slen < 6 || !(slen - 6).is_multiple_of(2) || sc.len() < slen {
                     return Err(format!("scope length {slen}"));
                 }
                 let path = sc[6..slen].chunks(2).map(|p| (p[0], p[1])).collect();
