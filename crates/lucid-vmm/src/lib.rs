@@ -8,6 +8,7 @@ pub mod builder;
 mod config;
 pub mod emulate;
 pub mod hooks;
+mod iommu;
 mod report;
 mod vcpu;
 mod vm;
