@@ -66,7 +66,8 @@ pub struct GsiRouter {
     remapper: RwLock<Option<Arc<dyn MsiRemapper>>>,
     /// Fast path: false while no remapper is installed, so unremapped MSIs take no lock.
     remapping: AtomicBool,
-    /// Messages the remapper blocked (routes not installed and signalled MSIs dropped).
+    /// Messages the remapper blocked: guest-written routes it refused, installed routes a refresh
+    /// withdrew, and signalled MSIs it dropped.
     blocked: AtomicU64,
 }
 
@@ -218,7 +219,11 @@ impl GsiRouter {
             let Some(Some(r)) = t.msi.get(&gsi).copied() else {
                 continue;
             };
-            let installed = self.resolve(remapper.as_deref(), r.source, r.msg);
+            // Counted only when a route becomes blocked, not at every refresh that keeps it so.
+            let installed = resolve(remapper.as_deref(), r.source, r.msg);
+            if installed.is_none() && r.installed.is_some() {
+                self.blocked.fetch_add(1, Ordering::Relaxed);
+            }
             if installed != r.installed {
                 changed = true;
                 if let Some(Some(slot)) = t.msi.get_mut(&gsi) {
@@ -452,6 +457,10 @@ mod tests {
         r.refresh().unwrap();
         assert_eq!(r.installed(a), None);
         assert_eq!(r.entries().len(), 40);
+        // Only the route that became blocked counts; a second refresh counts nothing.
+        assert_eq!(r.blocked(), 2);
+        r.refresh().unwrap();
+        assert_eq!(r.blocked(), 2);
         // Signalled MSIs go through the remapper too: blocked ones are dropped, not errors.
         let before = r.blocked();
         r.signal_msi(1, m).unwrap();
