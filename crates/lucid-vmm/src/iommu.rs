@@ -186,6 +186,24 @@ fn spawn_sidecore(
         .map_err(|source| VmmError::IommuThread { source })
 }
 
+/// What Linux needs on its command line with the vIOMMU: `intremap=off` unless the user chose.
+///
+/// Lucid's I/O APIC is KVM's in-kernel one, which knows only the compatibility format of a
+/// redirection entry. A Linux that turns interrupt remapping on writes its I/O APIC entries in
+/// the remappable format (an IRTE index where the destination was), which KVM's I/O APIC would
+/// deliver to the wrong vCPU or vector: QEMU refuses `intremap=on` with `kernel-irqchip=on` for
+/// the same reason. DMA remapping is unaffected; MSIs are then not remapped for Linux.
+pub(crate) fn linux_cmdline(cmdline: String) -> String {
+    if cmdline.split_whitespace().any(|w| w.starts_with("intremap=")) {
+        return cmdline;
+    }
+    log::info!(
+        "vIOMMU: Linux gets intremap=off (KVM's in-kernel I/O APIC cannot take remappable \
+         redirection entries); DMA remapping stays on"
+    );
+    format!("{cmdline} intremap=off").trim().to_string()
+}
+
 /// Hypercall REPORT (rdi = key, rsi = value): the guest's own figures for its mappings, kept as
 /// `iommu.guest.<key>` counters (set, not added). Unknown keys return `HYPERCALL_UNKNOWN`.
 pub(crate) fn add_report_hypercall(hooks: &ExitHooks, stats: &Arc<StatsRegistry>) {
@@ -201,4 +219,17 @@ pub(crate) fn add_report_hypercall(hooks: &ExitHooks, stats: &Arc<StatsRegistry>
             0
         }),
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn linux_gets_intremap_off_unless_the_user_chose() {
+        assert_eq!(linux_cmdline("console=ttyS0".into()), "console=ttyS0 intremap=off");
+        assert_eq!(linux_cmdline(String::new()), "intremap=off");
+        let mine = "console=ttyS0 intremap=on".to_string();
+        assert_eq!(linux_cmdline(mine.clone()), mine);
+    }
 }

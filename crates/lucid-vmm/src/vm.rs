@@ -250,7 +250,10 @@ impl Vm {
                 KernelImage::from_bytes(Path::new(&format!("<built-in {name}>")), bytes.to_vec())?
             }
         };
-        let cmdline = kernel_cmdline(&config.cmdline, image.is_linux(), b.backend());
+        let mut cmdline = kernel_cmdline(&config.cmdline, image.is_linux(), b.backend());
+        if iommu.is_some() && image.is_linux() {
+            cmdline = crate::iommu::linux_cmdline(cmdline);
+        }
         log::debug!("kernel command line: {cmdline:?}");
         let mut acpi = AcpiConfig::new(config.vcpus);
         if pci.is_some() {
