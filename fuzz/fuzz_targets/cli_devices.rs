@@ -1,12 +1,13 @@
-//! The CLI's device option strings (`--blk`, `--net`): any string gets a config or an error, an
-//! accepted config written back as an option string parses to the same config, and an accepted
-//! MAC address is made of hex digits.
+//! The CLI's device option strings (`--blk`, `--net`, `--iommu`): any string gets a config or an
+//! error, an accepted config written back as an option string parses to the same config, and an
+//! accepted MAC address is made of hex digits.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use lucid_pci::Rung;
 use lucid_virtio::net::NetBackend;
-use lucid_vmm::{parse_blk, parse_net, PciDeviceConfig, PciDeviceKind};
+use lucid_vmm::lucid_iommu::{EmulationMode, PinPolicy, VtdConfig};
+use lucid_vmm::{parse_blk, parse_iommu, parse_net, PciDeviceConfig, PciDeviceKind};
 
 fn rung(r: Rung) -> &'static str {
     match r {
@@ -51,7 +52,25 @@ fn unparse(d: &PciDeviceConfig) -> String {
     }
 }
 
+/// The `--iommu` string the CLI documents for `c`.
+fn unparse_iommu(c: &VtdConfig) -> String {
+    let mode = match c.mode {
+        EmulationMode::Samecore => "samecore",
+        EmulationMode::Sidecore => "sidecore",
+    };
+    let pin = match c.pin {
+        PinPolicy::All => "all",
+        PinPolicy::Map => "map",
+        PinPolicy::Deferred => "deferred",
+    };
+    format!("vtd,mode={mode},pin={pin}")
+}
+
 fuzz_target!(|s: &str| {
+    if let Ok(c) = parse_iommu(s) {
+        let again = parse_iommu(&unparse_iommu(&c)).expect("a written-back --iommu parses");
+        assert_eq!((again.mode, again.pin), (c.mode, c.pin));
+    }
     if let Ok(d) = parse_blk(s) {
         let again = parse_blk(&unparse(&d)).expect("a written-back --blk parses");
         assert_eq!(again, d);

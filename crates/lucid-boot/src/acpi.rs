@@ -32,6 +32,8 @@
 //!   ([`crate::layout::pci_intx_gsi`]).
 //! - COM1 is a `PNP0501` device with I/O 0x3f8-0x3ff and IRQ 4, which `8250_pnp` binds.
 //!
+//! With [`AcpiConfig::dmar`] a DMAR table announces one Intel VT-d unit ([`dmar`]).
+//!
 //! The MADT has the `PCAT_COMPAT` flag and the interrupt source overrides IRQ0 -> GSI2 and
 //! IRQ9 level/active-high that KVM's in-kernel irqchip routing (and the SCI) expect.
 
@@ -83,6 +85,19 @@ pub struct AcpiConfig {
     /// (the VMM must register `lucid_devices::AcpiPm` at [`ports::ACPI_PM_BASE`]); `false` gives
     /// a hardware-reduced FADT.
     pub pm: bool,
+    /// An Intel VT-d remapping unit: adds a DMAR table (see [`DmarUnit`]).
+    pub dmar: Option<DmarUnit>,
+}
+
+/// The one VT-d remapping unit the DMAR table describes: a DRHD with `INCLUDE_PCI_ALL` (every PCI
+/// function of segment 0 is behind it) and the I/O APIC in its device scope, so that a guest may
+/// enable interrupt remapping.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DmarUnit {
+    /// Guest-physical base of the register window (4 KiB aligned).
+    pub base: u64,
+    /// Size of the register window in 4 KiB pages, a power of two from 1 to 32768.
+    pub pages: u32,
 }
 
 /// The SLP_TYP value of S5 (soft off) in `\_S5_`, as QEMU's PIIX4 and ICH9 PM use it, so that
@@ -100,6 +115,7 @@ impl AcpiConfig {
             com1: true,
             i8042: false,
             pm: true,
+            dmar: None,
         }
     }
 }
@@ -288,6 +304,57 @@ fn madt(cfg: &AcpiConfig) -> Vec<u8> {
     bytes
 }
 
+/// DMAR flag: the platform supports interrupt remapping.
+pub const DMAR_INTR_REMAP: u8 = 1 << 0;
+/// DRHD flag: the unit covers every PCI function of its segment not claimed by another DRHD.
+pub const DRHD_INCLUDE_PCI_ALL: u8 = 1 << 0;
+/// DMAR host address width field: the width minus one (48-bit guest addresses).
+pub const DMAR_HAW: u8 = 48 - 1;
+/// Device scope type of an I/O APIC.
+pub const SCOPE_IOAPIC: u8 = 3;
+/// The I/O APIC's requester ID in the device scope: bus 0xff, device 0, function 0, the
+/// pseudo-bus QEMU's q35 uses for platform devices (so a guest sees the same source ID on both
+/// VMMs, and it can never collide with a function on Lucid's PCI bus 0). Linux takes it as the
+/// source ID it programs into the I/O APIC's remapping entries.
+pub const IOAPIC_SCOPE_BUS: u8 = 0xff;
+pub const IOAPIC_SCOPE_DEVFN: u8 = 0x00;
+
+/// The DMAR table (Intel VT-d spec chapter 8, revision 1): host address width, flags, then one
+/// DRHD (type 0) whose device scope names the I/O APIC (its MADT ID, `cfg.vcpus`). Linux's
+/// interrupt remapping refuses to start unless every I/O APIC of the MADT appears in some DRHD's
+/// scope.
+pub fn dmar(cfg: &AcpiConfig, unit: &DmarUnit) -> Vec<u8> {
+    let pages = unit.pages.clamp(1, 1 << 15).next_power_of_two();
+    // Device scope: type, length, flags, reserved, enumeration ID, start bus, path (dev, fn).
+    let scope = [
+        SCOPE_IOAPIC,
+        8,
+        0,
+        0,
+        cfg.vcpus,
+        IOAPIC_SCOPE_BUS,
+        IOAPIC_SCOPE_DEVFN >> 3,
+        IOAPIC_SCOPE_DEVFN & 7,
+    ];
+    let drhd_len = 16 + scope.len() as u16;
+    let mut drhd = Vec::with_capacity(drhd_len as usize);
+    drhd.extend_from_slice(&0u16.to_le_bytes()); // type 0: DRHD
+    drhd.extend_from_slice(&drhd_len.to_le_bytes());
+    drhd.push(DRHD_INCLUDE_PCI_ALL);
+    // "Size": bits 3:0 = N, the register set is 2^N 4 KiB pages (VT-d spec 2.5 on; Linux reads
+    // it to size its mapping).
+    drhd.push(pages.trailing_zeros() as u8);
+    drhd.extend_from_slice(&0u16.to_le_bytes()); // segment 0
+    drhd.extend_from_slice(&unit.base.to_le_bytes());
+    drhd.extend_from_slice(&scope);
+
+    let mut t = Sdt::new(*b"DMAR", 48, 1, OEM_ID, table_id(b"DMAR"), OEM_REVISION);
+    t.write_u8(36, DMAR_HAW);
+    t.write_u8(37, DMAR_INTR_REMAP);
+    t.append_slice(&drhd);
+    t.as_slice().to_vec()
+}
+
 /// The FACS (version 2): no hardware signature, waking vector 0 (Lucid does not resume).
 fn facs() -> Vec<u8> {
     let mut f = FACS::new();
@@ -389,6 +456,10 @@ fn build_tables(cfg: &AcpiConfig, base: u64) -> (Vec<(u64, Vec<u8>)>, u64, u64) 
         // The ECAM base in MCFG is that of bus 0, even when the range starts later.
         mcfg.add_ecam(base, 0, first, last);
         let a = place(to_bytes(&mcfg), &mut tables);
+        xsdt.add_entry(a);
+    }
+    if let Some(unit) = &cfg.dmar {
+        let a = place(dmar(cfg, unit), &mut tables);
         xsdt.add_entry(a);
     }
     let xsdt_addr = place(to_bytes(&xsdt), &mut tables);

@@ -62,7 +62,7 @@ pub mod regs;
 
 use std::path::Path;
 
-pub use acpi::{write_acpi_tables, AcpiConfig};
+pub use acpi::{write_acpi_tables, AcpiConfig, DmarUnit};
 pub use area::{Claim, Claims};
 pub use cpuid::filter_cpuid;
 pub use error::{BootError, ImageDefect, NotAKernel};

@@ -1582,3 +1582,144 @@ fn bzimage_decompression_area_that_wraps_is_refused() {
         "{err}"
     );
 }
+
+/// A DMAR table as a guest's parser reads it (Intel VT-d spec 8.1-8.3, Linux's dmar.c): the
+/// header fields, then each remapping structure and each DRHD's device scopes.
+#[derive(Debug, PartialEq, Eq)]
+struct ParsedDmar {
+    haw: u8,
+    flags: u8,
+    drhds: Vec<Drhd>,
+}
+
+/// A device scope: (type, enumeration id, start bus, path of (device, function)).
+type Scope = (u8, u8, u8, Vec<(u8, u8)>);
+/// A DRHD: (flags, size, segment, register base, scopes).
+type Drhd = (u8, u8, u16, u64, Vec<Scope>);
+
+fn parse_dmar(t: &[u8]) -> Result<ParsedDmar, String> {
+    if t.len() < 48 || &t[..4] != b"DMAR" {
+        return Err("not a DMAR".into());
+    }
+    if u32::from_le_bytes(t[4..8].try_into().unwrap()) as usize != t.len() {
+        return Err("length".into());
+    }
+    if !checksum_ok(t) {
+        return Err("checksum".into());
+    }
+    let mut out = ParsedDmar {
+        haw: t[36],
+        flags: t[37],
+        drhds: Vec::new(),
+    };
+    let mut off = 48;
+    while off < t.len() {
+        let hdr = t.get(off..off + 4).ok_or("truncated structure header")?;
+        let ty = u16::from_le_bytes([hdr[0], hdr[1]]);
+        let len = u16::from_le_bytes([hdr[2], hdr[3]]) as usize;
+        let s = t.get(off..off + len).ok_or("structure past the end")?;
+        if len < 16 {
+            return Err(format!("structure length {len}"));
+        }
+        if ty == 0 {
+            let mut scopes = Vec::new();
+            let mut so = 16;
+            while so < len {
+                let sc = s.get(so..).ok_or("scope")?;
+                let slen = *sc.get(1).ok_or("scope length")? as usize;
+                if slen < 6 || !(slen - 6).is_multiple_of(2) || sc.len() < slen {
+                    return Err(format!("scope length {slen}"));
+                }
+                let path = sc[6..slen].chunks(2).map(|p| (p[0], p[1])).collect();
+                scopes.push((sc[0], sc[4], sc[5], path));
+                so += slen;
+            }
+            out.drhds.push((
+                s[4],
+                s[5],
+                u16::from_le_bytes([s[6], s[7]]),
+                u64::from_le_bytes(s[8..16].try_into().unwrap()),
+                scopes,
+            ));
+        }
+        off += len;
+    }
+    Ok(out)
+}
+
+#[test]
+fn dmar_table_fields_and_checksum() {
+    let cfg = AcpiConfig {
+        dmar: Some(acpi::DmarUnit {
+            base: 0xfed9_0000,
+            pages: 2,
+        }),
+        ..AcpiConfig::new(2)
+    };
+    let t = acpi::dmar(&cfg, cfg.dmar.as_ref().unwrap());
+    if let Some(p) = std::env::var_os("LUCID_DUMP_DMAR") {
+        std::fs::write(p, &t).unwrap();
+    }
+    assert_eq!(&t[..4], b"DMAR");
+    assert_eq!(t[8], 1, "revision 1");
+    assert!(checksum_ok(&t));
+    assert_eq!(t.len(), 48 + 16 + 8);
+    let d = parse_dmar(&t).unwrap();
+    assert_eq!(
+        d,
+        ParsedDmar {
+            haw: 47,
+            flags: 1,
+            // INCLUDE_PCI_ALL, 2^1 pages, segment 0, the base; the I/O APIC (ID 2 = vcpus, as
+            // in the MADT) at ff:00.0.
+            drhds: vec![(1, 1, 0, 0xfed9_0000, vec![(3, 2, 0xff, vec![(0, 0)])])],
+        }
+    );
+    // Sizes round up to a power of two, within the 4-bit field.
+    for (pages, n) in [(0, 0), (1, 0), (3, 2), (u32::MAX, 15)] {
+        let t = acpi::dmar(&cfg, &acpi::DmarUnit { base: 0, pages });
+        assert_eq!(parse_dmar(&t).unwrap().drhds[0].1, n, "{pages} pages");
+    }
+    // The parser catches what a broken table would do.
+    let mut bad = t.clone();
+    bad[50] = 0xff;
+    assert!(parse_dmar(&bad).is_err());
+}
+
+#[test]
+fn dmar_table_in_the_xsdt_only_with_an_iommu() {
+    let sigs = |cfg: &AcpiConfig| {
+        let mem = guest(MEM);
+        let rsdp = write_acpi_tables(&mem, cfg).unwrap();
+        let xsdt = table(&mem, r64(&mem, rsdp + 24));
+        xsdt[36..]
+            .chunks(8)
+            .map(|e| table(&mem, u64::from_le_bytes(e.try_into().unwrap())))
+            .collect::<Vec<_>>()
+    };
+    assert!(sigs(&AcpiConfig::new(1)).iter().all(|t| &t[..4] != b"DMAR"));
+    let cfg = AcpiConfig {
+        pci_ecam: Some((PCI_ECAM_START, 0, 0)),
+        dmar: Some(acpi::DmarUnit {
+            base: 0xfed9_0000,
+            pages: 2,
+        }),
+        ..AcpiConfig::new(1)
+    };
+    let tables = sigs(&cfg);
+    let dmar = tables.iter().find(|t| &t[..4] == b"DMAR").unwrap();
+    let d = parse_dmar(dmar).unwrap();
+    assert_eq!(d.drhds.len(), 1);
+    assert_eq!(d.drhds[0].3, 0xfed9_0000);
+    // The scope's enumeration ID is the MADT's I/O APIC ID.
+    let madt = tables.iter().find(|t| &t[..4] == b"APIC").unwrap();
+    let mut off = 44;
+    let mut ioapic_id = None;
+    while off + 2 <= madt.len() {
+        if madt[off] == 1 {
+            ioapic_id = Some(madt[off + 2]);
+        }
+        off += madt[off + 1] as usize;
+    }
+    assert_eq!(ioapic_id, Some(d.drhds[0].4[0].1));
+}

@@ -5,7 +5,7 @@
 //! from userspace (L0), or one GSI + irqfd per vector whose route follows the vector's
 //! address/data (L1+). With MSI-X disabled, interrupts go out as INTx on an IOAPIC pin by irqfd.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 use lucid_hv::{GsiRouter, MsiMessage, Vm};
@@ -237,6 +237,8 @@ pub struct Interrupts {
     intx: Option<(u32, EventFd)>,
     /// virtio ISR status bits (bit 0 queue, bit 1 config), cleared by the read.
     isr: AtomicU8,
+    /// The function's requester ID, the source an interrupt remapper sees.
+    source: AtomicU16,
     counters: Counters,
 }
 
@@ -279,6 +281,7 @@ impl Interrupts {
             irqfds,
             intx,
             isr: AtomicU8::new(0),
+            source: AtomicU16::new(0),
             counters: Counters {
                 msi_signal: c("msi_signal"),
                 irqfd: c("irqfd"),
@@ -291,6 +294,16 @@ impl Interrupts {
 
     pub fn path(&self) -> MsiPath {
         self.path
+    }
+
+    /// The function's requester ID (bus << 8 | devfn), set when it is attached to the bus; the
+    /// interrupt remapper keys its messages by it.
+    pub fn set_requester_id(&self, rid: u16) {
+        self.source.store(rid, Ordering::Relaxed);
+    }
+
+    pub fn requester_id(&self) -> u16 {
+        self.source.load(Ordering::Relaxed)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, MsixTable> {
@@ -336,7 +349,11 @@ impl Interrupts {
         match self.path {
             MsiPath::SignalMsi => {
                 self.counters.msi_signal.inc();
-                if self.vm.signal_msi(msg.address, msg.data).is_err() {
+                let sent = match &self.router {
+                    Some(router) => router.signal_msi(self.requester_id(), msg),
+                    None => self.vm.signal_msi(msg.address, msg.data),
+                };
+                if sent.is_err() {
                     self.counters.errors.inc();
                 }
             }
@@ -395,7 +412,7 @@ impl Interrupts {
         if let (Some(router), Some((gsi, _))) = (&self.router, self.irqfds.get(vector as usize)) {
             // A message that is not an MSI write (garbage from the guest) still installs; KVM
             // routes it as the guest asked. It must not fail the VMM, so errors are counted.
-            if router.set_msi(*gsi, msg).is_err() {
+            if router.set_msi(*gsi, self.requester_id(), msg).is_err() {
                 self.counters.errors.inc();
             }
         }

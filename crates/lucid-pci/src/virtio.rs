@@ -929,6 +929,7 @@ impl PciDevice for VirtioPciDevice {
 
     fn set_requester_id(&mut self, rid: u16) {
         self.rid = rid;
+        self.irq.interrupts.set_requester_id(rid);
         self.apply_bus_master();
     }
 }

@@ -727,6 +727,55 @@ fn msix_rung(rung: Rung, path: MsiPath, counter: &str) {
     let _ = &h.vm;
 }
 
+/// Records what it is asked to remap and blocks vector data 0x66.
+#[derive(Default)]
+struct Recorder(Mutex<Vec<(u16, lucid_hv::MsiMessage)>>);
+
+impl lucid_hv::MsiRemapper for Recorder {
+    fn remap(&self, source: u16, msg: lucid_hv::MsiMessage) -> Option<lucid_hv::MsiMessage> {
+        self.0.lock().unwrap().push((source, msg));
+        (msg.data != 0x66).then_some(msg)
+    }
+}
+
+/// With an interrupt remapper installed, MSI-X messages reach it with the function's requester
+/// ID: on L0 each signalled MSI, on L1 each route the guest programs; a blocked route installs
+/// nothing.
+#[test]
+fn msix_messages_carry_the_requester_id_to_the_remapper() {
+    for rung in [Rung::L0, Rung::L1] {
+        let h = host();
+        let rec = Arc::new(Recorder::default());
+        h.env.router.set_remapper(Some(rec.clone()));
+        let (slot, seen, dev) = h.attach("net0", 2, rung);
+        let rid = u16::from(slot) << 3;
+        assert_eq!(dev.lock().unwrap().interrupts().requester_id(), rid);
+        assert_eq!(drive_to_ok(&h, slot, 2, 256), 0xf);
+        let irq = seen.irq.lock().unwrap().clone().unwrap();
+        enable_msix(&h, slot);
+        program_vector(&h, slot, 0, 0x31, false);
+        program_vector(&h, slot, 1, 0x66, false);
+        irq.signal_queue(0);
+        let got = rec.0.lock().unwrap().clone();
+        assert!(
+            got.iter().any(|(s, m)| *s == rid && m.data == 0x31),
+            "{rung:?}: {got:?}"
+        );
+        assert!(got.iter().all(|(s, _)| *s == rid), "{rung:?}: {got:?}");
+        if rung == Rung::L1 {
+            let d = dev.lock().unwrap();
+            let (g0, g1) = (
+                d.interrupts().gsi(0).unwrap(),
+                d.interrupts().gsi(1).unwrap(),
+            );
+            assert_eq!(h.env.router.installed(g0).unwrap().data, 0x31);
+            assert_eq!(h.env.router.route(g1).unwrap().data, 0x66);
+            assert_eq!(h.env.router.installed(g1), None, "blocked: no route");
+            assert_eq!(h.env.router.blocked(), 1);
+        }
+    }
+}
+
 #[test]
 fn msix_l0_signals_msi() {
     msix_rung(Rung::L0, MsiPath::SignalMsi, "net0.irq.msi_signal");

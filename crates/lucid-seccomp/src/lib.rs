@@ -1,5 +1,5 @@
 //! Lucid's seccomp filters: one per thread role ([`Role::Vcpu`], [`Role::Backend`],
-//! [`Role::Main`]), built with seccompiler and installed by each thread on itself once it has
+//! [`Role::Main`], [`Role::Iommu`]), built with seccompiler and installed by each thread on itself once it has
 //! opened what it needs. A forbidden call traps into a handler that reports the thread, its role
 //! and the call, and ends the process (the VM) with [`VIOLATION_EXIT_STATUS`]: see
 //! docs/security.md for the lists, the reasons and how to debug a violation.
@@ -22,7 +22,8 @@ use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 
 pub use report::VIOLATION_EXIT_STATUS;
 
-/// The environment variable that makes a thread of the named role (`vcpu`, `backend`, `main`)
+/// The environment variable that makes a thread of the named role (`vcpu`, `backend`, `main`,
+/// `iommu`)
 /// call `socket(2)`, which every role forbids, right after it confined itself: how the tests
 /// show that a violation is caught and reported. It does nothing else; with seccomp off the
 /// call succeeds and the socket is closed.
@@ -37,16 +38,19 @@ pub enum Role {
     Backend,
     /// The main thread once the VM runs, and the signal thread.
     Main,
+    /// `lucid-vtd-sc`: the vIOMMU's sidecore, which polls its shared register page.
+    Iommu,
 }
 
 impl Role {
-    pub const ALL: [Role; 3] = [Role::Vcpu, Role::Backend, Role::Main];
+    pub const ALL: [Role; 4] = [Role::Vcpu, Role::Backend, Role::Main, Role::Iommu];
 
     pub fn name(self) -> &'static str {
         match self {
             Role::Vcpu => "vcpu",
             Role::Backend => "backend",
             Role::Main => "main",
+            Role::Iommu => "iommu",
         }
     }
 
@@ -84,7 +88,7 @@ pub enum SeccompError {
     Handler(#[source] std::io::Error),
     #[error("this kernel refuses seccomp filters ({0}); run with --no-seccomp")]
     Unsupported(#[source] seccompiler::Error),
-    #[error("{SELFTEST_ENV}={0:?}: expected vcpu, backend or main")]
+    #[error("{SELFTEST_ENV}={0:?}: expected vcpu, backend, main or iommu")]
     BadSelftest(String),
 }
 
@@ -92,7 +96,7 @@ pub enum SeccompError {
 /// Counts confined threads per role as `seccomp.confined.<role>`.
 #[derive(Clone)]
 pub struct Seccomp {
-    confined: Arc<[Arc<Counter>; 3]>,
+    confined: Arc<[Arc<Counter>; Role::ALL.len()]>,
 }
 
 thread_local! {

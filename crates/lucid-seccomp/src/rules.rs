@@ -206,6 +206,8 @@ fn base(a: &mut Allowed, pid: u32, kick_signal: i32) -> Result<(), BackendError>
         SYS_futex,
         SYS_munmap,
         SYS_madvise,
+        SYS_mlock,
+        SYS_munlock,
         SYS_mremap,
         SYS_brk,
         SYS_sigaltstack,
@@ -346,6 +348,13 @@ fn main_thread(a: &mut Allowed) -> Result<(), BackendError> {
     a.ioctls(&main_ioctls())
 }
 
+/// The vIOMMU's sidecore thread: it polls shared memory and sleeps (the base list), sends the
+/// unit's own MSIs and, after an interrupt-entry-cache invalidation it processed, re-installs the
+/// remapped GSI routes.
+fn iommu(a: &mut Allowed) -> Result<(), BackendError> {
+    a.ioctls(&[KVM_SIGNAL_MSI(), KVM_SET_GSI_ROUTING()])
+}
+
 /// The syscalls `role` may make in process `pid`, whose vCPUs are kicked with `kick_signal`.
 pub(crate) fn allowed(role: Role, pid: u32, kick_signal: i32) -> Result<Allowed, BackendError> {
     let mut a = Allowed::default();
@@ -354,6 +363,7 @@ pub(crate) fn allowed(role: Role, pid: u32, kick_signal: i32) -> Result<Allowed,
         Role::Vcpu => vcpu(&mut a)?,
         Role::Backend => backend(&mut a)?,
         Role::Main => main_thread(&mut a)?,
+        Role::Iommu => iommu(&mut a)?,
     }
     Ok(a)
 }
@@ -386,7 +396,7 @@ mod tests {
 
     #[test]
     fn roles_get_what_their_paths_need_and_nothing_dangerous() {
-        for role in [Role::Vcpu, Role::Backend, Role::Main] {
+        for role in Role::ALL {
             for bad in [
                 "execve",
                 "execveat",
@@ -435,5 +445,10 @@ mod tests {
         assert!(has(Role::Backend, "pwrite64") && !has(Role::Main, "pwrite64"));
         assert!(has(Role::Vcpu, "clone") && !has(Role::Backend, "clone"));
         assert!(!has(Role::Main, "clone3") && !has(Role::Main, "accept4"));
+        // The sidecore polls and sleeps: no disk, no sockets, no threads.
+        for bad in ["pwrite64", "clone", "accept4", "epoll_wait", "eventfd2"] {
+            assert!(!has(Role::Iommu, bad), "iommu may call {bad}");
+        }
+        assert!(has(Role::Iommu, "mlock") && has(Role::Iommu, "sched_yield"));
     }
 }

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use lucid_devices::SerialOutput;
+use lucid_iommu::{EmulationMode, PinPolicy, VtdConfig};
 use lucid_mem::Backing;
 use lucid_pci::Rung;
 use lucid_virtio::blk::BlockConfig;
@@ -63,6 +64,8 @@ pub struct VmConfig {
     pub pci: Vec<PciDeviceConfig>,
     /// Confine Lucid's threads with a seccomp filter per role (docs/security.md).
     pub seccomp: bool,
+    /// An emulated Intel VT-d (`--iommu vtd`): every device's DMA and MSIs go through it.
+    pub iommu: Option<VtdConfig>,
 }
 
 impl VmConfig {
@@ -79,6 +82,7 @@ impl VmConfig {
             handle_signals: false,
             pci: Vec::new(),
             seccomp: true,
+            iommu: None,
         }
     }
 }
@@ -99,7 +103,7 @@ pub enum DeviceOptionError {
         input: String,
         pair: String,
     },
-    #[error("{opt}: unknown option {key:?} (options: {known}, rung, coalesce, poll_us)")]
+    #[error("{opt}: unknown option {key:?} (options: {known})")]
     UnknownKey {
         opt: &'static str,
         key: String,
@@ -145,7 +149,7 @@ pub fn parse_blk(s: &str) -> Result<PciDeviceConfig, DeviceOptionError> {
             }
             "id" if v.len() > 20 => return Err(bad("id", "at most 20 bytes")),
             "id" => cfg.id = v.to_string(),
-            _ => common.set(OPT, k, v, "path, ro, bs, id")?,
+            _ => common.set(OPT, k, v, "path, ro, bs, id, rung, coalesce, poll_us")?,
         }
     }
     if cfg.path.as_os_str().is_empty() {
@@ -194,7 +198,7 @@ pub fn parse_net(s: &str, index: usize) -> Result<PciDeviceConfig, DeviceOptionE
                 })
             }
             "mac" => mac = parse_mac(v)?,
-            _ => common.set(OPT, k, v, "backend, mac")?,
+            _ => common.set(OPT, k, v, "backend, mac, rung, coalesce, poll_us")?,
         }
     }
     let backend = backend.ok_or_else(|| DeviceOptionError::Missing {
@@ -203,6 +207,51 @@ pub fn parse_net(s: &str, index: usize) -> Result<PciDeviceConfig, DeviceOptionE
         what: "backend=tap:IFNAME|echo|sink",
     })?;
     Ok(common.finish(PciDeviceKind::Net(NetConfig { backend, mac })))
+}
+
+/// Parses `--iommu vtd[,mode=samecore|sidecore][,pin=all|map|deferred]` (defaults: samecore,
+/// pin=all, today's pinning). Never panics, whatever the input (a fuzz target calls it).
+pub fn parse_iommu(s: &str) -> Result<VtdConfig, DeviceOptionError> {
+    const OPT: &str = "--iommu";
+    let (model, rest) = s.split_once(',').unwrap_or((s, ""));
+    if model != "vtd" {
+        return Err(DeviceOptionError::Missing {
+            opt: OPT,
+            input: s.into(),
+            what: "the model first (vtd)",
+        });
+    }
+    let mut cfg = VtdConfig {
+        mode: EmulationMode::Samecore,
+        pin: PinPolicy::All,
+    };
+    for (k, v) in pairs(OPT, rest)? {
+        match k {
+            "mode" => {
+                cfg.mode = match v {
+                    "samecore" => EmulationMode::Samecore,
+                    "sidecore" => EmulationMode::Sidecore,
+                    _ => return Err(bad_value(OPT, "mode", v, "samecore or sidecore")),
+                }
+            }
+            "pin" => {
+                cfg.pin = match v {
+                    "all" => PinPolicy::All,
+                    "map" => PinPolicy::Map,
+                    "deferred" => PinPolicy::Deferred,
+                    _ => return Err(bad_value(OPT, "pin", v, "all, map or deferred")),
+                }
+            }
+            _ => {
+                return Err(DeviceOptionError::UnknownKey {
+                    opt: OPT,
+                    key: k.into(),
+                    known: "mode, pin",
+                })
+            }
+        }
+    }
+    Ok(cfg)
 }
 
 #[derive(Default)]
@@ -389,6 +438,31 @@ mod tests {
         }
     }
 
+    #[test]
+    fn iommu_options() {
+        let c = parse_iommu("vtd").unwrap();
+        assert_eq!((c.mode, c.pin), (EmulationMode::Samecore, PinPolicy::All));
+        let c = parse_iommu("vtd,mode=sidecore,pin=deferred").unwrap();
+        assert_eq!(
+            (c.mode, c.pin),
+            (EmulationMode::Sidecore, PinPolicy::Deferred)
+        );
+        let c = parse_iommu("vtd,pin=map,mode=samecore").unwrap();
+        assert_eq!((c.mode, c.pin), (EmulationMode::Samecore, PinPolicy::Map));
+        for bad in [
+            "",
+            "amd",
+            "mode=sidecore",
+            "vtd,mode=othercore",
+            "vtd,pin=some",
+            "vtd,mode",
+            "vtd,colour=red",
+            "VTD",
+        ] {
+            assert!(parse_iommu(bad).is_err(), "{bad}");
+        }
+    }
+
     /// Option soup from the pieces the parsers look for (and bytes they do not expect): every
     /// string gets a clean Ok or Err, never a panic. The fuzz target does the same at scale.
     #[test]
@@ -410,6 +484,11 @@ mod tests {
             "tap",
             "echo",
             "sink",
+            "vtd",
+            "mode",
+            "pin",
+            "sidecore",
+            "deferred",
             "L4p",
             "on",
             "4096",
@@ -434,6 +513,7 @@ mod tests {
             }
             accepted += parse_blk(&s).is_ok() as u32;
             accepted += parse_net(&s, (x % 300) as usize).is_ok() as u32;
+            accepted += parse_iommu(&s).is_ok() as u32;
         }
         assert!(accepted > 0, "the soup holds some valid strings");
     }

@@ -8,14 +8,15 @@ pub mod builder;
 mod config;
 pub mod emulate;
 pub mod hooks;
+mod iommu;
 mod report;
 mod vcpu;
 mod vm;
 
 pub use builder::{KernelLoad, VmBuilder};
 pub use config::{
-    parse_blk, parse_net, DeviceOptionError, KernelSource, PciDeviceConfig, PciDeviceKind,
-    VmConfig, MAX_MEM_MIB, MAX_VCPUS,
+    parse_blk, parse_iommu, parse_net, DeviceOptionError, KernelSource, PciDeviceConfig,
+    PciDeviceKind, VmConfig, MAX_MEM_MIB, MAX_VCPUS,
 };
 pub use emulate::Emulator;
 pub use hooks::{ExitHooks, HypercallHook, MsrHook};
@@ -25,7 +26,7 @@ pub use vm::{
     hypercall, ConfigError, PciBus, Vm, VmmError, DEFAULT_LINUX_CMDLINE, PVM_LINUX_CMDLINE,
 };
 
-pub use {lucid_boot, lucid_hv};
+pub use {lucid_boot, lucid_hv, lucid_iommu};
 
 pub use lucid_devices::{BadSerialOption, SerialOutput, StopReason};
 pub use lucid_mem::Backing;

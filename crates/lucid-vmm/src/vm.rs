@@ -33,8 +33,41 @@ pub mod hypercall {
     pub const DISCOVER: u64 = 0;
     pub const TSC_KHZ: u64 = 1;
     pub const BACKEND: u64 = 2;
+    /// rdi = one of the `REPORT_*` keys, rsi = its value: the guest's own figures (its vIOMMU
+    /// mappings), kept as counters `iommu.guest.<key name>`; returns 0.
+    pub const REPORT: u64 = 3;
     /// What DISCOVER returns: "LUCI".
     pub const MAGIC: u64 = 0x4C55_4349;
+
+    /// REPORT keys (`LUCID_REPORT_*` in lucid.h).
+    pub const REPORT_MAPS: u64 = 0;
+    pub const REPORT_UNMAPS: u64 = 1;
+    /// rdtsc cycles spent in map, summed.
+    pub const REPORT_MAP_CYCLES: u64 = 2;
+    pub const REPORT_UNMAP_CYCLES: u64 = 3;
+    /// Maps served by an existing mapping.
+    pub const REPORT_REUSE_HITS: u64 = 4;
+    /// The most mappings logically unmapped but still reachable.
+    pub const REPORT_STALE_MAX: u64 = 5;
+    /// The longest time from a logical unmap to its invalidation's completion.
+    pub const REPORT_WINDOW_MAX_US: u64 = 6;
+    /// VT-d fault records the guest read.
+    pub const REPORT_FAULTS_SEEN: u64 = 7;
+
+    /// The counter name (after `iommu.guest.`) of REPORT key `key`.
+    pub fn report_key(key: u64) -> Option<&'static str> {
+        const NAMES: [&str; 8] = [
+            "maps",
+            "unmaps",
+            "map_cycles",
+            "unmap_cycles",
+            "reuse_hits",
+            "stale_max",
+            "window_max_us",
+            "faults_seen",
+        ];
+        NAMES.get(usize::try_from(key).ok()?).copied()
+    }
 }
 
 /// Kernel command-line switches that keep Linux off the instructions KVM's emulator lacks on a
@@ -99,6 +132,11 @@ pub enum VmmError {
     },
     #[error(transparent)]
     Seccomp(#[from] lucid_seccomp::SeccompError),
+    #[error("cannot start the vIOMMU's sidecore thread")]
+    IommuThread {
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// A VM configuration this version cannot build.
@@ -134,6 +172,10 @@ pub struct Vm {
     console: Arc<ConsoleOut>,
     /// Set when the VM's threads confine themselves (`VmConfig::seccomp`).
     seccomp: Option<Seccomp>,
+    /// The vIOMMU (`VmConfig::iommu`).
+    iommu: Option<crate::iommu::Iommu>,
+    /// The GSI router, when the VM has PCI devices or a vIOMMU.
+    router: Option<Arc<lucid_hv::GsiRouter>>,
 }
 
 /// The VM's PCI bus and its virtio devices.
@@ -174,13 +216,32 @@ impl Vm {
             stats.probe("kvm.vm", Box::new(move || s.read()));
         }
 
+        // MSI routes, and the vIOMMU before any device: transports ask the DMA path whether
+        // addresses are translated when they are built.
+        let router = (!config.pci.is_empty() || config.iommu.is_some())
+            .then(|| lucid_hv::GsiRouter::new(b.vm().clone()));
+        let iommu = match (config.iommu, &router) {
+            (Some(cfg), Some(router)) => Some(crate::iommu::Iommu::build(
+                cfg,
+                b.vm(),
+                b.memory(),
+                &dma,
+                router,
+                &hooks,
+                &stats,
+                &seccomp,
+            )?),
+            _ => None,
+        };
+
         // Devices: the platform's, then virtio devices on PCI (only when there are any).
         let platform = platform_devices(&config, b.vm(), &hooks, &lifecycle, &stats, &seccomp)?;
-        let pci = match config.pci.is_empty() {
-            true => None,
-            false => Some(attach_pci(&config, &b, &dma, &hooks, &stats)?),
+        let pci = match (&router, config.pci.is_empty()) {
+            (Some(router), false) => Some(attach_pci(&config, &b, router, &dma, &hooks, &stats)?),
+            _ => None,
         };
         let tsc_khz = add_hypercalls(&hooks, b.backend());
+        crate::iommu::add_report_hypercall(&hooks, &stats);
 
         // The kernel, its command line and the boot tables.
         let image = match &config.kernel {
@@ -189,12 +250,21 @@ impl Vm {
                 KernelImage::from_bytes(Path::new(&format!("<built-in {name}>")), bytes.to_vec())?
             }
         };
-        let cmdline = kernel_cmdline(&config.cmdline, image.is_linux(), b.backend());
+        let mut cmdline = kernel_cmdline(&config.cmdline, image.is_linux(), b.backend());
+        if iommu.is_some() && image.is_linux() {
+            cmdline = crate::iommu::linux_cmdline(cmdline);
+        }
         log::debug!("kernel command line: {cmdline:?}");
         let mut acpi = AcpiConfig::new(config.vcpus);
         if pci.is_some() {
             let last_bus = ((layout::PCI_ECAM_SIZE >> 20) - 1).min(255) as u8;
             acpi.pci_ecam = Some((layout::PCI_ECAM_START, 0, last_bus));
+        }
+        if iommu.is_some() {
+            acpi.dmar = Some(lucid_boot::DmarUnit {
+                base: lucid_iommu::VTD_BASE,
+                pages: (lucid_iommu::VTD_SIZE >> 12) as u32,
+            });
         }
         let setup = b.load_kernel(&KernelLoad {
             image: &image,
@@ -250,6 +320,8 @@ impl Vm {
             pci,
             console: platform.console,
             seccomp,
+            iommu,
+            router,
         })
     }
 
@@ -287,6 +359,9 @@ impl Vm {
         let stop = self.lifecycle.wait();
         for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+        if let Some(iommu) = &mut self.iommu {
+            iommu.stop();
         }
         let wall = self.started.map(|s| s.elapsed()).unwrap_or_default();
         // What a stalled reader left in the buffer counts as dropped once the VM is gone.
@@ -340,6 +415,15 @@ impl Vm {
     pub fn pci(&self) -> Option<&PciBus> {
         self.pci.as_ref()
     }
+    /// The vIOMMU, when the VM has one (`VmConfig::iommu`).
+    pub fn iommu(&self) -> Option<&Arc<lucid_iommu::Vtd>> {
+        self.iommu.as_ref().map(|i| &i.vtd)
+    }
+    /// The GSI router (MSI routes, interrupt remapping), when the VM has PCI devices or a
+    /// vIOMMU.
+    pub fn gsi_router(&self) -> Option<&Arc<lucid_hv::GsiRouter>> {
+        self.router.as_ref()
+    }
     /// Asks the VM to stop, as SIGTERM would.
     pub fn stop(&self, reason: StopReason) {
         self.lifecycle.stop(reason)
@@ -357,6 +441,8 @@ impl Drop for Vm {
                 let _ = t.join();
             }
         }
+        // The sidecore stops before the devices whose DMA it translates go.
+        self.iommu = None;
         self.pci = None;
     }
 }
@@ -453,6 +539,7 @@ fn add_hypercalls(hooks: &ExitHooks, backend: Backend) -> Arc<AtomicU64> {
 fn attach_pci(
     config: &VmConfig,
     b: &VmBuilder,
+    router: &Arc<lucid_hv::GsiRouter>,
     dma: &Arc<DmaPath>,
     hooks: &Arc<ExitHooks>,
     stats: &Arc<StatsRegistry>,
@@ -464,7 +551,7 @@ fn attach_pci(
         lucid_hv::posted_interrupts_available,
         || lucid_probe::cpuid_intercepted(b.kvm()).unwrap_or(false),
     );
-    let router = lucid_hv::GsiRouter::new(b.vm().clone());
+    let router = router.clone();
     let root = lucid_pci::PciRoot::new(
         hooks.mmio.clone(),
         hooks.pio.clone(),

@@ -88,6 +88,10 @@ struct RunArgs {
     /// backend=tap:IFNAME|echo|sink[,mac=52:54:00:12:34:56][,rung=..][,coalesce=N:USEC][,poll_us=N]
     #[arg(long = "net", value_name = "OPTS")]
     net: Vec<String>,
+    /// An emulated Intel VT-d IOMMU (DMA translation and interrupt remapping):
+    /// vtd[,mode=samecore|sidecore][,pin=all|map|deferred]
+    #[arg(long, value_name = "OPTS")]
+    iommu: Option<String>,
     /// Run without the per-thread seccomp filters (see docs/security.md).
     #[arg(long)]
     no_seccomp: bool,
@@ -157,6 +161,11 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
     for (i, n) in args.net.iter().enumerate() {
         config.pci.push(lucid_vmm::parse_net(n, i)?);
     }
+    config.iommu = args
+        .iommu
+        .as_deref()
+        .map(lucid_vmm::parse_iommu)
+        .transpose()?;
 
     // Checked before the run, not after it: a typo in the path should not cost a whole run.
     let stats_file = match &args.stats_json {

@@ -280,10 +280,35 @@ fn bad_options_are_clear_errors() {
         &["run", "--serial", "tcp:1234"],
         &["run", "--backing", "floppy"],
         &["run", "--guest", "no-such-guest"],
+        &["run", "--iommu", "amd"],
+        &["run", "--iommu", "vtd,mode=fast"],
+        &["run", "--iommu", "vtd,pin=never"],
+        &["run", "--iommu", "vtd,colour=red"],
     ] {
         let o = lucid(args, LIMIT);
         assert_eq!(o.status, Some(1), "{args:?}: {}", o.stderr);
         assert!(!o.stderr.contains("panicked"), "{args:?}: {}", o.stderr);
+    }
+}
+
+/// `--iommu`: the register window traps in samecore mode; in sidecore mode its first page is
+/// memory, and the sidecore thread runs confined to its seccomp role.
+#[test]
+fn iommu_modes_from_the_command_line() {
+    for (mode, exits, confined) in [("samecore", 100, 0), ("sidecore", 0, 1)] {
+        let iommu = format!("vtd,mode={mode},pin=map");
+        let o = guest(
+            "mmio-ping",
+            &[
+                "--iommu",
+                &iommu,
+                "--cmdline",
+                "count=100 addr=0xfed90000 op=read",
+            ],
+        );
+        assert_eq!(o.status, Some(1), "{mode}: {}", o.stderr);
+        assert_eq!(o.counter("vcpu0.exit.mmio_read"), exits, "{mode}");
+        assert_eq!(o.counter("seccomp.confined.iommu"), confined, "{mode}");
     }
 }
 

@@ -81,6 +81,29 @@ fn a_forbidden_call_from_each_role_ends_only_its_vm_and_is_reported() {
     }
 }
 
+/// The vIOMMU's sidecore thread confines itself to role `iommu`: a forbidden call there ends the
+/// VM and names the thread.
+#[test]
+fn a_forbidden_call_from_the_iommu_sidecore_is_reported() {
+    let img = disk("iommu-bad");
+    let o = blk_run(
+        &img,
+        &[("LUCID_SECCOMP_SELFTEST", "iommu")],
+        &["--iommu", "vtd,mode=sidecore"],
+    );
+    assert!(!o.timed_out, "Lucid hung after the violation");
+    assert_eq!(o.status, Some(VIOLATION), "{}", o.stderr);
+    let report = line(&o.stderr, "lucid: seccomp: thread ", "iommu");
+    assert!(
+        report.starts_with(
+            "lucid: seccomp: thread lucid-vtd-sc (role iommu) made a forbidden system call: \
+             socket (41)"
+        ),
+        "{report}"
+    );
+    std::fs::remove_file(img).unwrap();
+}
+
 #[test]
 fn no_seccomp_turns_the_filters_off() {
     let img = disk("off");
