@@ -30,12 +30,16 @@ pub enum BenchCmd {
     },
     /// The exit ladder: every rung on block and network workloads, against QEMU and native.
     Io(crate::bench_io::IoArgs),
+    /// The vIOMMU: no IOMMU vs samecore and sidecore VT-d emulation, each with the guest's
+    /// mapping strategies (the paper's Table 1), plus map cost, risk bounds and pinning.
+    Iommu(crate::bench_iommu::IommuArgs),
 }
 
 pub fn run(cmd: BenchCmd) -> Result<ExitCode, String> {
     match cmd {
         BenchCmd::Exits { json, count, runs } => exits(json, count, runs.max(1)),
         BenchCmd::Io(args) => crate::bench_io::run(args),
+        BenchCmd::Iommu(args) => crate::bench_iommu::run(args),
     }
 }
 

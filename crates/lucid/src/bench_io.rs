@@ -41,22 +41,22 @@ pub struct IoArgs {
 
 /// What the guest does and against which device.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Device {
+pub(crate) enum Device {
     /// virtio-blk on a disk image of `DISK_MIB`.
     Block,
     /// virtio-net with the echo back-end, frames of `size` bytes.
     Net { size: usize },
 }
 
-struct Workload {
-    name: &'static str,
-    guest: &'static str,
+pub(crate) struct Workload {
+    pub name: &'static str,
+    pub guest: &'static str,
     /// Guest command line without `count` and `mode`.
-    args: &'static str,
-    device: Device,
+    pub args: &'static str,
+    pub device: Device,
 }
 
-const WORKLOADS: &[Workload] = &[
+pub(crate) const WORKLOADS: &[Workload] = &[
     Workload {
         name: "blk-randread-4k-qd1",
         guest: "virtio-blk",
@@ -93,7 +93,7 @@ impl Workload {
     }
 
     /// The key of the guest's rate.
-    fn rate_key(&self) -> &'static str {
+    pub fn rate_key(&self) -> &'static str {
         match self.device {
             Device::Block => "ops_per_s",
             Device::Net { .. } => "pps",
@@ -103,13 +103,13 @@ impl Workload {
 
 /// How the guest waits for completions.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum GuestMode {
+pub(crate) enum GuestMode {
     Irq,
     Poll,
 }
 
 impl GuestMode {
-    fn arg(self) -> &'static str {
+    pub fn arg(self) -> &'static str {
         match self {
             GuestMode::Irq => "irq",
             GuestMode::Poll => "poll",
@@ -118,11 +118,11 @@ impl GuestMode {
 }
 
 /// One column of the table: a rung with its options, and how the guest waits.
-struct RungSetup {
-    label: &'static str,
-    rung: Rung,
-    coalescing: Coalescing,
-    guest: GuestMode,
+pub(crate) struct RungSetup {
+    pub label: &'static str,
+    pub rung: Rung,
+    pub coalescing: Coalescing,
+    pub guest: GuestMode,
 }
 
 const NO_COALESCING: Coalescing = Coalescing {
@@ -130,7 +130,7 @@ const NO_COALESCING: Coalescing = Coalescing {
     max_delay_us: 0,
 };
 
-const RUNGS: &[RungSetup] = &[
+pub(crate) const RUNGS: &[RungSetup] = &[
     RungSetup {
         label: "L0",
         rung: Rung::L0,
@@ -176,8 +176,8 @@ const DISK_MIB: u64 = 64;
 
 /// What the guest's result line says.
 #[derive(Clone, Copy, Debug, PartialEq)]
-struct GuestResult {
-    ops_per_s: f64,
+pub(crate) struct GuestResult {
+    pub ops_per_s: f64,
     irqs: f64,
     kicks: f64,
 }
@@ -185,7 +185,7 @@ struct GuestResult {
 impl GuestResult {
     /// From the line starting with the workload's prefix; `None` when there is none or it has
     /// no rate.
-    fn parse(w: &Workload, out: &str) -> Option<GuestResult> {
+    pub fn parse(w: &Workload, out: &str) -> Option<GuestResult> {
         let line = out.lines().find(|l| l.starts_with(w.result_prefix()))?;
         let field = |key: &str| {
             line.split_whitespace()
@@ -200,7 +200,7 @@ impl GuestResult {
     }
 }
 
-fn guest_path(name: &str, dir: &Path) -> Result<PathBuf, String> {
+pub(crate) fn guest_path(name: &str, dir: &Path) -> Result<PathBuf, String> {
     let p = dir.join(format!("{name}.elf"));
     std::fs::write(
         &p,
@@ -211,7 +211,7 @@ fn guest_path(name: &str, dir: &Path) -> Result<PathBuf, String> {
 }
 
 /// The device of workload `w` on rung `r`.
-fn device_config(w: &Workload, r: &RungSetup, disk: &Path) -> PciDeviceConfig {
+pub(crate) fn device_config(w: &Workload, r: &RungSetup, disk: &Path) -> PciDeviceConfig {
     let kind = match w.device {
         Device::Block => PciDeviceKind::Block(BlockConfig {
             path: disk.to_path_buf(),
@@ -635,11 +635,9 @@ fn svg_plot(results: &[WorkloadResult]) -> String {
     s
 }
 
-pub fn run(args: IoArgs) -> Result<ExitCode, String> {
-    let dir = std::env::temp_dir().join(format!("lucid-bench-io-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+/// A disk image of `DISK_MIB` with data in it (the page cache holds it for every reader alike).
+pub(crate) fn make_disk(dir: &Path) -> Result<PathBuf, String> {
     let disk = dir.join("disk.img");
-    // A disk with data in it (the page cache holds it for every reader alike).
     let block: Vec<u8> = (0..1 << 20)
         .map(|i: u32| (i.wrapping_mul(2654435761) >> 24) as u8)
         .collect();
@@ -648,6 +646,13 @@ pub fn run(args: IoArgs) -> Result<ExitCode, String> {
         data.extend_from_slice(&block);
     }
     std::fs::write(&disk, &data).map_err(|e| e.to_string())?;
+    Ok(disk)
+}
+
+pub fn run(args: IoArgs) -> Result<ExitCode, String> {
+    let dir = std::env::temp_dir().join(format!("lucid-bench-io-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let disk = make_disk(&dir)?;
     let mut results = Vec::new();
     for w in WORKLOADS {
         let kernel = guest_path(w.guest, &dir)?;

@@ -4,6 +4,7 @@
 
 mod bench;
 mod bench_io;
+mod bench_iommu;
 mod logger;
 
 use std::path::PathBuf;
