@@ -194,7 +194,10 @@ fn spawn_sidecore(
 /// deliver to the wrong vCPU or vector: QEMU refuses `intremap=on` with `kernel-irqchip=on` for
 /// the same reason. DMA remapping is unaffected; MSIs are then not remapped for Linux.
 pub(crate) fn linux_cmdline(cmdline: String) -> String {
-    if cmdline.split_whitespace().any(|w| w.starts_with("intremap=")) {
+    if cmdline
+        .split_whitespace()
+        .any(|w| w.starts_with("intremap="))
+    {
         return cmdline;
     }
     log::info!(
@@ -227,7 +230,10 @@ mod tests {
 
     #[test]
     fn linux_gets_intremap_off_unless_the_user_chose() {
-        assert_eq!(linux_cmdline("console=ttyS0".into()), "console=ttyS0 intremap=off");
+        assert_eq!(
+            linux_cmdline("console=ttyS0".into()),
+            "console=ttyS0 intremap=off"
+        );
         assert_eq!(linux_cmdline(String::new()), "intremap=off");
         let mine = "console=ttyS0 intremap=on".to_string();
         assert_eq!(linux_cmdline(mine.clone()), mine);

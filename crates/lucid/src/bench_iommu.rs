@@ -16,11 +16,10 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use lucid_iommu::{EmulationMode, PinPolicy, VtdConfig};
-use lucid_pci::Rung;
 use lucid_vmm::{KernelSource, SerialOutput, Vm, VmConfig};
 use serde_json::{json, Value};
 
-use crate::bench_io::{self, GuestMode, GuestResult, RungSetup, Workload, WORKLOADS};
+use crate::bench_io::{self, GuestResult, RungSetup, Workload, WORKLOADS};
 
 #[derive(clap::Args)]
 pub struct IommuArgs {
@@ -181,15 +180,23 @@ fn lucid_run(
 /// One cell of the table: the best of the runs, or why every run failed.
 type Cell = Result<Figures, String>;
 
+/// One row: (workload, rung label) and a cell per setup.
+type Row = ((&'static str, &'static str), Vec<(Setup, Cell)>);
+
 struct Table {
     /// (workload, rung label) -> setup label -> cell
-    rows: Vec<((&'static str, &'static str), Vec<(Setup, Cell)>)>,
+    rows: Vec<Row>,
     guest_ram_pages: u64,
 }
 
 impl Table {
     fn over_off(row: &[(Setup, Cell)], s: &Setup) -> Option<f64> {
-        let off = row.iter().find(|(x, _)| x.mode.is_none())?.1.as_ref().ok()?;
+        let off = row
+            .iter()
+            .find(|(x, _)| x.mode.is_none())?
+            .1
+            .as_ref()
+            .ok()?;
         let this = row.iter().find(|(x, _)| x == s)?.1.as_ref().ok()?;
         (off.ops_per_s > 0.0).then(|| this.ops_per_s / off.ops_per_s)
     }
@@ -511,7 +518,8 @@ mod tests {
 
     #[test]
     fn a_failed_cell_leaves_the_goal_unknown() {
-        let mut row: Vec<(Setup, Cell)> = setups().into_iter().map(|s| (s, fig(1.0, 0, 0))).collect();
+        let mut row: Vec<(Setup, Cell)> =
+            setups().into_iter().map(|s| (s, fig(1.0, 0, 0))).collect();
         row[1].1 = Err("boom".into());
         let t = Table {
             rows: vec![(("a", "L1"), row)],
