@@ -94,6 +94,13 @@ impl GsiRouter {
         Ok(())
     }
 
+    /// `KVM_SIGNAL_MSI` for `msg` as written by requester `source` (bus << 8 | devfn), for
+    /// devices without an irqfd. Contract stub: lane E's version routes it through the remapper.
+    pub fn signal_msi(&self, source: u16, msg: MsiMessage) -> Result<(), HvError> {
+        let _ = source;
+        self.vm.signal_msi(msg.address, msg.data)
+    }
+
     /// Drops `gsi`'s route (it stays allocated).
     pub fn clear(&self, gsi: u32) -> Result<(), HvError> {
         let mut t = self.table.lock().unwrap_or_else(|e| e.into_inner());
