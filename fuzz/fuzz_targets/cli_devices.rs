@@ -1,12 +1,12 @@
-//! The CLI's device option strings (`--blk`, `--net`): any string gets a config or an error, an
-//! accepted config written back as an option string parses to the same config, and an accepted
-//! MAC address is made of hex digits.
+//! The CLI's device option strings (`--blk`, `--net`, `--device`): any string gets a config or an
+//! error, an accepted config written back as an option string parses to the same config, and an
+//! accepted MAC address is made of hex digits.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use lucid_pci::Rung;
 use lucid_virtio::net::NetBackend;
-use lucid_vmm::{parse_blk, parse_net, PciDeviceConfig, PciDeviceKind};
+use lucid_vmm::{parse_blk, parse_device, parse_net, PciDeviceConfig, PciDeviceKind};
 
 fn rung(r: Rung) -> &'static str {
     match r {
@@ -70,5 +70,9 @@ fuzz_target!(|s: &str| {
                 "accepted MAC {mac:?}"
             );
         }
+    }
+    if let Ok(d) = parse_device(s) {
+        assert_eq!(parse_device(d.name()), Ok(d), "a written-back --device parses");
+        assert!(s.starts_with(d.name()), "accepted --device {s:?}");
     }
 });

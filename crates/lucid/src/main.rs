@@ -88,6 +88,10 @@ struct RunArgs {
     /// backend=tap:IFNAME|echo|sink[,mac=52:54:00:12:34:56][,rung=..][,coalesce=N:USEC][,poll_us=N]
     #[arg(long = "net", value_name = "OPTS")]
     net: Vec<String>,
+    /// Another PCI device, in the slots after the virtio devices (repeatable): edu (QEMU's
+    /// edu DMA test device, PCI 1234:11e8; at most one)
+    #[arg(long = "device", value_name = "NAME")]
+    device: Vec<String>,
     /// Run without the per-thread seccomp filters (see docs/security.md).
     #[arg(long)]
     no_seccomp: bool,
@@ -156,6 +160,9 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
     }
     for (i, n) in args.net.iter().enumerate() {
         config.pci.push(lucid_vmm::parse_net(n, i)?);
+    }
+    for d in &args.device {
+        config.platform_pci.push(lucid_vmm::parse_device(d)?);
     }
 
     // Checked before the run, not after it: a typo in the path should not cost a whole run.
