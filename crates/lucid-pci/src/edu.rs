@@ -103,6 +103,10 @@ pub trait IrqSink: Send + Sync {
 
 /// Interrupts into KVM: MSIs by [`GsiRouter::signal_msi`], INTx as a level on an IOAPIC pin
 /// (`KVM_IRQ_LINE`), held until the driver acknowledges.
+///
+/// KVM keeps one userspace level per pin, which irqfd pulses share: on a pin shared with a
+/// virtio device in INTx mode (a ninth PCI device and up share pins), that device's pulse would
+/// lower the edu's level until its next raise.
 pub struct KvmIrq {
     vm: Vm,
     router: Arc<GsiRouter>,
