@@ -459,7 +459,7 @@ impl PciDevice for EduDevice {
             self.update_intx_line();
         }
         let (ctrl, ctrl_len) = self.msi.control_range();
-        // With MSI on, the function must not assert INTx (PCI 3.0, 6.8.1.3).
+        // With MSI on, the function must not assert INTx (PCI 3.0, 6.8.3.3), as QEMU does.
         if touches(offset, len, ctrl, ctrl_len) && self.msi.enabled(&self.cfg) {
             self.set_intx_level(false);
         }
@@ -736,6 +736,13 @@ mod tests {
         t.w32(reg::IRQ_RAISE, 1);
         assert_eq!(t.msis().len(), 2);
         assert_eq!(t.counter("edu.irqs_dropped"), 1);
+        // MSI off again: the next raise goes out on INTx.
+        let o = t.edu.msi.offset();
+        t.cfg_write(o + 2, &0u16.to_le_bytes());
+        assert!(!t.edu.intx_asserted(), "nothing until the next raise");
+        t.w32(reg::IRQ_RAISE, 2);
+        assert!(t.edu.intx_asserted());
+        assert_eq!(t.msis().len(), 2);
     }
 
     #[test]
