@@ -5,6 +5,22 @@
 #define DMA_BASE_DEFAULT 0x800000	/* 8 MiB: above the image and per-CPU area */
 
 static u64 dma_next, dma_limit;
+int virtio_iommu;
+
+int virtio_iommu_setup(u16 sid)
+{
+	const char *m = param_str("iommu", "none");
+	if (!strcmp(m, "none"))
+		return 0;
+	if (strcmp(m, "vtd")) {
+		printf("virtio: iommu must be vtd or none\n");
+		return -1;
+	}
+	if (iommu_dma_setup_for(sid))
+		return -1;
+	virtio_iommu = 1;
+	return 0;
+}
 
 void *dma_alloc(u64 size, u64 align)
 {
@@ -133,6 +149,12 @@ int virtio_init(struct virtio_dev *v, u64 want)
 		vc_write8(v, VC_STATUS, VIRTIO_S_FAILED);
 		return -1;
 	}
+	if (virtio_iommu && !(f & (1ull << VIRTIO_F_ACCESS_PLATFORM))) {
+		printf("virtio: iommu=vtd but the device does not offer ACCESS_PLATFORM (QEMU: "
+		       "iommu_platform=on)\n");
+		vc_write8(v, VC_STATUS, VIRTIO_S_FAILED);
+		return -1;
+	}
 	want |= (1ull << VIRTIO_F_VERSION_1) | (1ull << VIRTIO_F_ACCESS_PLATFORM);
 	v->features = f & want;
 	vc_write32(v, VC_GFSELECT, 0);
@@ -191,13 +213,20 @@ int virtio_setup_queue(struct virtio_dev *v, int qi, u16 qsize, int poll)
 		q->desc[i].next = i + 1 < size ? i + 1 : 0;
 	q->free_head = 0;
 	q->num_free = size;
+	/* rings: mapped once, for the life of the queue (the used ring both ways:
+	 * devices read back its flags) */
+	q->desc_iova = vmap(q->desc, 16ul * size, DMA_TO_DEVICE);
+	q->avail_iova = vmap(q->avail, 6 + 2ul * size, DMA_TO_DEVICE);
+	q->used_iova = vmap((void *)q->used, 6 + 8ul * size, DMA_BIDIR);
+	if (!q->desc_iova || !q->avail_iova || !q->used_iova)
+		return -1;
 	vc_write16(v, VC_Q_SIZE, size);
-	vc_write32(v, VC_Q_DESCLO, (u64)q->desc);
-	vc_write32(v, VC_Q_DESCHI, (u64)q->desc >> 32);
-	vc_write32(v, VC_Q_AVAILLO, (u64)q->avail);
-	vc_write32(v, VC_Q_AVAILHI, (u64)q->avail >> 32);
-	vc_write32(v, VC_Q_USEDLO, (u64)q->used);
-	vc_write32(v, VC_Q_USEDHI, (u64)q->used >> 32);
+	vc_write32(v, VC_Q_DESCLO, q->desc_iova);
+	vc_write32(v, VC_Q_DESCHI, q->desc_iova >> 32);
+	vc_write32(v, VC_Q_AVAILLO, q->avail_iova);
+	vc_write32(v, VC_Q_AVAILHI, q->avail_iova >> 32);
+	vc_write32(v, VC_Q_USEDLO, q->used_iova);
+	vc_write32(v, VC_Q_USEDHI, q->used_iova >> 32);
 
 	q->msix_entry = VIRTIO_MSI_NO_VECTOR;
 	q->vector = -1;
