@@ -175,7 +175,8 @@ static int wait_used(void)
 		} else {
 			if (vq_arm(q))
 				return 0;
-			irq_wait(timeout_tsc);
+			/* iommu=vtd: wake at least every ms to apply the time limits */
+			irq_wait(virtio_iommu ? iommu_poll_tsc() : timeout_tsc);
 		}
 		if (rdtsc() - t0 > timeout_tsc)
 			return -1;

@@ -66,8 +66,13 @@ static void iova_free(u64 pg, u32 n)
 
 /* ---- time ---- */
 static u64 tsc_ms;		/* TSC ticks per ms */
-#define LIMIT_MS	10
+#define LIMIT_US	9000		/* 10 ms less 1 ms of slack for the check and the flush */
 #define DEFER_MAX	250
+
+u64 iommu_poll_tsc(void)
+{
+	return tsc_ms;
+}
 
 static void window(u64 t_unmap)
 {
@@ -288,7 +293,7 @@ static void teardown_evict(int all)
 	int evicted[64], k = 0;
 	while (list_head != NIL) {
 		struct rec *e = &recs[list_head];
-		if (!all && (u64)list_len <= quota && now - e->t_unmap < LIMIT_MS * tsc_ms)
+		if (!all && (u64)list_len <= quota && now - e->t_unmap < LIMIT_US * tsc_ms / 1000)
 			break;
 		int r = list_head;
 		list_del(r);
@@ -323,13 +328,13 @@ void iommu_dma_poll(void)
 		break;
 	case IOMMU_DEFERRED:
 		if (pend_tail - pend_head >= DEFER_MAX ||
-		    (pend_head != pend_tail && rdtsc() - pend[pend_head % NPEND].t >= LIMIT_MS * tsc_ms))
+		    (pend_head != pend_tail && rdtsc() - pend[pend_head % NPEND].t >= LIMIT_US * tsc_ms / 1000))
 			deferred_flush();
 		break;
 	case IOMMU_TEARDOWN256:
 	case IOMMU_TEARDOWN4096:
 		if (list_head != NIL &&
-		    ((u64)list_len > quota || rdtsc() - recs[list_head].t_unmap >= LIMIT_MS * tsc_ms))
+		    ((u64)list_len > quota || rdtsc() - recs[list_head].t_unmap >= LIMIT_US * tsc_ms / 1000))
 			teardown_evict(0);
 		break;
 	}

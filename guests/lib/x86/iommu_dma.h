@@ -13,12 +13,15 @@
  *                 be reused) only once that wait completed
  *   deferred      clear the PTE; flush the IOTLB once 250 unmaps are
  *                 pending or 10 ms after the oldest (checked on every
- *                 map/unmap, by TSC)
+ *                 map/unmap and by waiting drivers every ms, by TSC)
  *   teardown256 / teardown4096
  *                 optimistic teardown: an unmapped mapping stays live for
  *                 reuse up to 10 ms, at most 256 / 4096 idle ones in a
  *                 FIFO; limits checked on every map/unmap; eviction clears
  *                 the PTE and invalidates (waiting)
+ * The 10 ms limits are checked with 1 ms of slack (acting from 9 ms on), so
+ * that the window, which ends when the invalidation completed, stays within
+ * 10 ms while the driver keeps calling in (maps, unmaps, iommu_dma_poll()).
  * Every map with Caching Mode of fresh PTEs invalidates them and waits
  * (the emulation learns about maps only that way); reuse hits need none.
  * Counters: maps, unmaps, cycles spent in each, reuse hits, stale mappings
@@ -64,6 +67,8 @@ u64 iommu_map(u64 phys, u64 len, int dir);
 void iommu_unmap(u64 iova, u64 len);
 /* apply the deferred / teardown / async limits now (also done on every map/unmap) */
 void iommu_dma_poll(void);
+/* TSC ticks between limit checks a waiting driver should allow (1 ms) */
+u64 iommu_poll_tsc(void);
 /* finish everything pending: invalidate what is stale (end of a run) */
 void iommu_dma_drain(void);
 /* read leftover fault records into faults_seen, print
