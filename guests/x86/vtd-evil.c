@@ -78,7 +78,7 @@ static int qi_drain(void)
 	vtd.iq[2 * h] = VTD_QI_WAIT | (1ul << 5) | ((u64)seq << 32);
 	vtd.iq[2 * h + 1] = (u64)vtd.wait_status;
 	barrier();
-	vtd.iq_tail = (h + 1) & 255;
+	vtd.iq_tail = vtd.iq_kicked = (h + 1) & 255;
 	vtd_write64(VTD_IQT, (u64)vtd.iq_tail << 4);
 	return vtd_qi_wait(seq);
 }

@@ -152,7 +152,7 @@ int vtd_qi_enable(u32 qs)
 		memset(vtd.iq, 0, 4096ul << qs);
 	if (!vtd.wait_status)
 		vtd.wait_status = dma_alloc(64, 64);
-	vtd.iq_tail = 0;
+	vtd.iq_tail = vtd.iq_kicked = 0;
 	iq_head_cache = 0;
 	vtd_write64(VTD_IQT, 0);
 	vtd_write64(VTD_IQA, (u64)vtd.iq | qs);	/* 128-bit descriptors (DW = 0) */
@@ -164,10 +164,21 @@ int vtd_qi_disable(void)
 	return vtd_gcmd(VTD_GCMD_QIE, 0);
 }
 
-int vtd_qi_submit(u64 lo, u64 hi)
+/* tell the unit about every appended descriptor (one IQT write) */
+static void qi_kick(void)
+{
+	if (vtd.iq_kicked == vtd.iq_tail)
+		return;
+	barrier();			/* descriptors before the tail (x86: stores in order) */
+	vtd_write64(VTD_IQT, (u64)vtd.iq_tail << 4);
+	vtd.iq_kicked = vtd.iq_tail;
+}
+
+int vtd_qi_append(u64 lo, u64 hi)
 {
 	u32 next = (vtd.iq_tail + 1) & (vtd.iq_n - 1);
 	if (next == iq_head_cache) {	/* looks full: ask the unit where it is */
+		qi_kick();
 		u64 t0 = rdtsc();
 		while ((iq_head_cache = (vtd_read64(VTD_IQH) >> 4) & (vtd.iq_n - 1)) == next) {
 			if ((vtd_read32(VTD_FSTS) & VTD_FSTS_IQE) || rdtsc() - t0 > timeout_ticks()) {
@@ -180,10 +191,15 @@ int vtd_qi_submit(u64 lo, u64 hi)
 	vtd.iq[2 * vtd.iq_tail] = lo;
 	vtd.iq[2 * vtd.iq_tail + 1] = hi;
 	vtd.iq_tail = next;
-	barrier();			/* descriptor before the tail (x86: stores in order) */
-	vtd_write64(VTD_IQT, (u64)next << 4);
 	vtd.qi_submitted++;
 	return 0;
+}
+
+int vtd_qi_submit(u64 lo, u64 hi)
+{
+	int r = vtd_qi_append(lo, hi);
+	qi_kick();
+	return r;
 }
 
 u32 vtd_qi_post_wait(void)
@@ -250,7 +266,7 @@ static void iotlb_reg(u32 g, u16 did, u64 iva)
 void vtd_inv_context_global(void)
 {
 	if (qi_on())
-		vtd_qi_submit(VTD_QI_CC | (1 << 4), 0);
+		vtd_qi_append(VTD_QI_CC | (1 << 4), 0);
 	else
 		ccmd(1, 0, 0);
 }
@@ -258,7 +274,7 @@ void vtd_inv_context_global(void)
 void vtd_inv_context_device(u16 did, u16 sid)
 {
 	if (qi_on())
-		vtd_qi_submit(VTD_QI_CC | (3 << 4) | ((u64)did << 16) | ((u64)sid << 32), 0);
+		vtd_qi_append(VTD_QI_CC | (3 << 4) | ((u64)did << 16) | ((u64)sid << 32), 0);
 	else
 		ccmd(3, did, sid);
 }
@@ -266,7 +282,7 @@ void vtd_inv_context_device(u16 did, u16 sid)
 void vtd_inv_iotlb_global(void)
 {
 	if (qi_on())
-		vtd_qi_submit(VTD_QI_IOTLB | (1 << 4), 0);
+		vtd_qi_append(VTD_QI_IOTLB | (1 << 4), 0);
 	else
 		iotlb_reg(1, 0, 0);
 }
@@ -274,7 +290,7 @@ void vtd_inv_iotlb_global(void)
 void vtd_inv_iotlb_domain(u16 did)
 {
 	if (qi_on())
-		vtd_qi_submit(VTD_QI_IOTLB | (2 << 4) | ((u64)did << 16), 0);
+		vtd_qi_append(VTD_QI_IOTLB | (2 << 4) | ((u64)did << 16), 0);
 	else
 		iotlb_reg(2, did, 0);
 }
@@ -286,19 +302,19 @@ void vtd_inv_iotlb_pages(u16 did, u64 iova, u32 am)
 		return;
 	}
 	if (qi_on())
-		vtd_qi_submit(VTD_QI_IOTLB | (3 << 4) | ((u64)did << 16), (iova & ~0xfffUL) | am);
+		vtd_qi_append(VTD_QI_IOTLB | (3 << 4) | ((u64)did << 16), (iova & ~0xfffUL) | am);
 	else
 		iotlb_reg(3, did, (iova & ~0xfffUL) | am);
 }
 
 void vtd_inv_iec_global(void)
 {
-	vtd_qi_submit(VTD_QI_IEC, 0);
+	vtd_qi_append(VTD_QI_IEC, 0);
 }
 
 void vtd_inv_iec_index(u32 index)
 {
-	vtd_qi_submit(VTD_QI_IEC | (1 << 4) | ((u64)index << 32), 0);
+	vtd_qi_append(VTD_QI_IEC | (1 << 4) | ((u64)index << 32), 0);
 }
 
 /* ---- domains and page tables ---- */

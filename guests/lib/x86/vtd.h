@@ -148,6 +148,7 @@ struct vtd {
 	/* queued invalidation */
 	u64 *iq;		/* 2 words per 128-bit descriptor */
 	u32 iq_n, iq_tail;	/* entries, next free index */
+	u32 iq_kicked;		/* tail last written to IQT */
 	volatile u32 *wait_status;	/* status word written by wait descriptors */
 	u32 wait_seq;		/* last sequence number posted */
 	u64 qi_submitted, qi_waits, qi_timeouts;
@@ -181,6 +182,8 @@ int vtd_qi_enable(u32 qs);
 int vtd_qi_disable(void);
 /* append a raw descriptor and move IQT (waits while the queue is full) */
 int vtd_qi_submit(u64 lo, u64 hi);
+/* append without moving IQT: the next submit or wait tells the unit */
+int vtd_qi_append(u64 lo, u64 hi);
 /* post a wait descriptor that writes a new sequence number; returns it */
 u32 vtd_qi_post_wait(void);
 /* 1 once the wait descriptor with this sequence number completed */
@@ -191,8 +194,10 @@ int vtd_qi_wait(u32 seq);
 int vtd_qi_sync(void);
 
 /* invalidations: by QI when it is on, else through CCMD / the IOTLB
- * registers; none of these wait (pair with vtd_qi_sync), except the
- * register-based ones which wait for their own completion */
+ * registers. Queued ones are only appended: the wait that must follow
+ * (vtd_qi_post_wait / vtd_qi_sync) moves IQT once for all of them, one
+ * register write (one exit when trapped) per batch. Register-based ones
+ * wait for their own completion. */
 void vtd_inv_context_global(void);
 void vtd_inv_context_device(u16 did, u16 sid);
 void vtd_inv_iotlb_global(void);
