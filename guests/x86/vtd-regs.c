@@ -7,7 +7,8 @@
  * Params: reads=10000 (loop length), loop=both|page0|frcd|none (page0: GSTS;
  * frcd: the first fault-recording register's high half, at CAP.FRO),
  * settle_ms=100 (how long a read-only register may take to read back its
- * value after a write: a sidecore re-asserts it).
+ * value after a write: a sidecore re-asserts it), ro=VER,CAP,ECAP,GSTS,IQH
+ * (the read-only registers written).
  *
  * Prints "vtd-regs <NAME>=<value>" per register, "vtd-regs check <what>:
  * ok|BAD ...", "vtd-regs loop reg=.. off=.. page=P reads=N tsc_per_read=T
@@ -80,6 +81,21 @@ static s64 ro_survives(u32 off, int size, u64 v, u64 settle)
 	}
 }
 
+/* name is one of the comma-separated words of list */
+static int in_list(const char *list, const char *name)
+{
+	size_t n = strlen(name);
+	while (*list) {
+		if (!strncmp(list, name, n) && (list[n] == ',' || !list[n]))
+			return 1;
+		while (*list && *list != ',')
+			list++;
+		if (*list == ',')
+			list++;
+	}
+	return 0;
+}
+
 static void loop(const char *name, u32 off, u64 n)
 {
 	u64 t0 = rdtsc();
@@ -140,7 +156,10 @@ int main(void)
 		{ "ECAP", VTD_ECAP, 8, vtd.ecap }, { "GSTS", VTD_GSTS, 4, gsts },
 		{ "IQH", VTD_IQH, 8, iqh },
 	};
+	const char *ro_list = param_str("ro", "VER,CAP,ECAP,GSTS,IQH");
 	for (u32 i = 0; i < ARRAY_SIZE(ro); i++) {
+		if (!in_list(ro_list, ro[i].n))
+			continue;
 		s64 us = ro_survives(ro[i].off, ro[i].size, ro[i].v, settle);
 		char what[32];
 		snprintf(what, sizeof(what), "read-only-%s", ro[i].n);
