@@ -31,6 +31,34 @@ static void unmap(u64 iova, u64 len)
 		iommu_unmap(iova, len);
 }
 
+/* edu_dma_wait, applying the mapping strategy's time limits meanwhile */
+static int dma_wait(u64 timeout_ms)
+{
+	u64 t0 = rdtsc(), lim = timeout_ms * (tsc_khz() ? tsc_khz() : 3000000);
+	while (edu_read(&edu, EDU_DMA_CMD) & EDU_DMA_START) {
+		if (rdtsc() - t0 > lim)
+			return -1;
+		if (use_iommu)
+			iommu_dma_poll();
+		cpu_relax();
+	}
+	return 0;
+}
+
+/* irq_wait, applying the strategy's time limits meanwhile */
+static int wait_irq(u64 ticks)
+{
+	u64 t0 = rdtsc();
+	for (;;) {
+		int v = irq_take();
+		if (v >= 0 || rdtsc() - t0 > ticks)
+			return v;
+		if (use_iommu)
+			iommu_dma_poll();
+		cpu_relax();
+	}
+}
+
 int main(void)
 {
 	u64 len = param_u64("len", 4032), rounds = param_u64("rounds", 1);
@@ -65,14 +93,14 @@ int main(void)
 		}
 		u64 a = map(src, len, DMA_TO_DEVICE);
 		edu_dma_start(&edu, a, 0, len, 0, 0);
-		if (edu_dma_wait(&edu, timeout)) {
+		if (dma_wait(timeout)) {
 			printf("edu: DMA to the device timed out\n");
 			dma_ok = 0;
 		}
 		unmap(a, len);
 		u64 b = map(dst, len, DMA_FROM_DEVICE);
 		edu_dma_start(&edu, b, 0, len, 1, 0);
-		if (edu_dma_wait(&edu, timeout)) {
+		if (dma_wait(timeout)) {
 			printf("edu: DMA to RAM timed out\n");
 			dma_ok = 0;
 		}
@@ -106,7 +134,7 @@ int main(void)
 		irq_enable();
 		edu_msi_set(&edu, addr, data);
 		edu_write(&edu, EDU_IRQ_RAISE, 0x1234);
-		int v = irq_wait(tt);
+		int v = wait_irq(tt);
 		u32 st = edu_read(&edu, EDU_IRQ_STATUS);
 		edu_write(&edu, EDU_IRQ_ACK, st);
 		irq_ok = v == vector && st == 0x1234 && edu_read(&edu, EDU_IRQ_STATUS) == 0;
@@ -115,8 +143,8 @@ int main(void)
 
 		u64 a = map(src, 64, DMA_TO_DEVICE);
 		edu_dma_start(&edu, a, 0, 64, 0, 1);
-		v = irq_wait(tt);
-		edu_dma_wait(&edu, timeout);
+		v = wait_irq(tt);
+		dma_wait(timeout);
 		unmap(a, 64);
 		st = edu_read(&edu, EDU_IRQ_STATUS);
 		edu_write(&edu, EDU_IRQ_ACK, st);
