@@ -176,7 +176,7 @@ static int wait_used(void)
 			if (vq_arm(q))
 				return 0;
 			/* iommu=vtd: wake at least every ms to apply the time limits */
-			irq_wait(virtio_iommu ? iommu_poll_tsc() : timeout_tsc);
+			irq_wait(virtio_iommu && iommu_poll_tsc() ? iommu_poll_tsc() : timeout_tsc);
 		}
 		if (rdtsc() - t0 > timeout_tsc)
 			return -1;

@@ -174,7 +174,7 @@ static int wait_any(struct virtq *a, struct virtq *b)
 			if (r)
 				return 0;
 			/* iommu=vtd: wake at least every ms to apply the time limits */
-			irq_wait(virtio_iommu ? iommu_poll_tsc() : timeout_tsc);
+			irq_wait(virtio_iommu && iommu_poll_tsc() ? iommu_poll_tsc() : timeout_tsc);
 		} else {
 			cpu_relax();
 		}

@@ -298,4 +298,27 @@ fn virtio_net_through_the_vtd() {
             &["packets=300", "mismatches=0", "faults_seen=0"],
         );
     }
+    // interrupt remapping: without EVENT_IDX every tx and rx completion interrupts, through
+    // an IRTE each
+    let append = "op=rr count=100 iommu=vtd ir=1 event_idx=0";
+    let r = qemu(
+        "virtio-net",
+        append,
+        true,
+        &[
+            "-netdev",
+            &netdev,
+            "-device",
+            "virtio-net-pci,netdev=n0,disable-legacy=on,iommu_platform=on",
+        ],
+    );
+    expect(
+        &r,
+        append,
+        &[
+            "MSI-X entries in remappable format",
+            "packets=100",
+            "irqs=200 mismatches=0",
+        ],
+    );
 }

@@ -71,7 +71,9 @@ static u64 tsc_ms;		/* TSC ticks per ms */
 
 u64 iommu_poll_tsc(void)
 {
-	return tsc_ms;
+	int timed = iommu_strategy == IOMMU_ASYNC || iommu_strategy == IOMMU_DEFERRED ||
+		    iommu_strategy == IOMMU_TEARDOWN256 || iommu_strategy == IOMMU_TEARDOWN4096;
+	return timed ? tsc_ms : 0;
 }
 
 static void window(u64 t_unmap)

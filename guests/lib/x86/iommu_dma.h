@@ -67,7 +67,8 @@ u64 iommu_map(u64 phys, u64 len, int dir);
 void iommu_unmap(u64 iova, u64 len);
 /* apply the deferred / teardown / async limits now (also done on every map/unmap) */
 void iommu_dma_poll(void);
-/* TSC ticks between limit checks a waiting driver should allow (1 ms) */
+/* TSC ticks between limit checks a waiting driver should allow: 1 ms for
+ * async, deferred and teardown, 0 (no need to wake) for strict and shared */
 u64 iommu_poll_tsc(void);
 /* finish everything pending: invalidate what is stale (end of a run) */
 void iommu_dma_drain(void);

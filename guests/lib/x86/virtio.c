@@ -5,7 +5,7 @@
 #define DMA_BASE_DEFAULT 0x800000	/* 8 MiB: above the image and per-CPU area */
 
 static u64 dma_next, dma_limit;
-int virtio_iommu;
+int virtio_iommu, virtio_ir;
 
 int virtio_iommu_setup(u16 sid)
 {
@@ -19,7 +19,33 @@ int virtio_iommu_setup(u16 sid)
 	if (iommu_dma_setup_for(sid))
 		return -1;
 	virtio_iommu = 1;
+	if (param_u64("ir", 0)) {	/* MSI-X through IRTEs */
+		if (vtd_ir_enable(256, 0))
+			return -1;
+		virtio_ir = 1;
+		printf("virtio: interrupt remapping on: MSI-X entries in remappable format\n");
+	}
 	return 0;
+}
+
+/* program MSI-X entry e of v: compatibility format, or with ir=1 an IRTE
+ * (next free index, source id checked) and the remappable format */
+static void msix_set(struct virtio_dev *v, int e, u8 vector)
+{
+	static u32 next_irte = 16;
+	if (!virtio_ir || next_irte >= vtd.irt_n) {
+		pci_msix_set(&v->pci, e, v->apic_id, vector);
+		return;
+	}
+	u32 idx = next_irte++;
+	vtd_irte_set(idx, vector, v->apic_id, v->pci.bdf);
+	u64 addr;
+	u32 data;
+	vtd_msi_remappable(idx, &addr, &data);
+	u64 ent = v->pci.msix_table + 16 * e;
+	mmio_write32(ent + 0, addr);
+	mmio_write32(ent + 4, addr >> 32);
+	mmio_write32(ent + 8, data);
 }
 
 void *dma_alloc(u64 size, u64 align)
@@ -232,7 +258,7 @@ int virtio_setup_queue(struct virtio_dev *v, int qi, u16 qsize, int poll)
 	q->vector = -1;
 	if (!poll && v->msix && qi + 1 < v->pci.msix_size && VIRTIO_IRQ_BASE + qi + 1 < 0xff) {
 		u16 e = qi + 1;
-		pci_msix_set(&v->pci, e, v->apic_id, VIRTIO_IRQ_BASE + e);
+		msix_set(v, e, VIRTIO_IRQ_BASE + e);
 		pci_msix_mask(&v->pci, e, 0);
 		vc_write16(v, VC_Q_MSIX, e);
 		if (vc_read16(v, VC_Q_MSIX) == e) {

@@ -142,6 +142,9 @@ struct virtio_dev {
  * vmap() is the identity and vunmap() does nothing.
  */
 extern int virtio_iommu;
+/* ir=1 with iommu=vtd: interrupt remapping on, queue MSI-X entries go
+ * through IRTEs (index 16 up, source id checked) in remappable format */
+extern int virtio_ir;
 static inline u64 vmap(const void *p, u64 len, int dir)
 {
 	return virtio_iommu ? iommu_map((u64)p, len, dir) : (u64)p;
