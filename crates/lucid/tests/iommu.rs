@@ -76,9 +76,11 @@ fn edu_dma_outside_the_mappings_is_blocked_recorded_and_signalled() {
         let cases = num(&o.stdout, "iommu cases=", "cases");
         assert!(cases >= 6, "{mode}: {w}");
         assert_eq!(num(&o.stdout, "iommu cases=", "passed"), cases, "{w}");
+        // Blocked: four DMAs (never mapped, after unmap, read-only, write-only) and the MSI
+        // through a missing IRTE; the three blocked writes left their target page untouched.
         let blocked = num(&o.stdout, "iommu cases=", "blocked");
-        assert!(blocked >= 4, "{mode}: {w}");
-        assert_eq!(num(&o.stdout, "iommu cases=", "untouched"), blocked, "{w}");
+        assert!(blocked >= 5, "{mode}: {w}");
+        assert!(num(&o.stdout, "iommu cases=", "untouched") >= 3, "{w}");
         assert_eq!(
             field(&o.stdout, "iommu cases=", "ir_fault"),
             Some("recorded"),
@@ -86,9 +88,9 @@ fn edu_dma_outside_the_mappings_is_blocked_recorded_and_signalled() {
         );
         // Lucid's side: the blocked DMAs and the IR fault were recorded by the unit, and
         // the edu's transfers failed without a byte moved.
-        assert!(o.counter("iommu.faults.dma") >= blocked, "{mode}: {w}");
+        assert!(o.counter("iommu.faults.dma") >= 4, "{mode}: {w}");
         assert!(o.counter("iommu.faults.ir") >= 1, "{mode}: {w}");
-        assert!(o.counter("edu.dma_errors") >= blocked, "{mode}: {w}");
+        assert!(o.counter("edu.dma_errors") >= 4, "{mode}: {w}");
     }
 }
 
