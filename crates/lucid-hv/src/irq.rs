@@ -27,6 +27,13 @@ pub struct MsiMessage {
     pub data: u32,
 }
 
+/// Interrupt remapping seam: an IOMMU that rewrites (or blocks) the MSIs devices write.
+pub trait MsiRemapper: Send + Sync {
+    /// The message KVM should deliver for `msg` as written by requester `source`
+    /// (bus << 8 | devfn); None blocks it (the remapper records its own fault).
+    fn remap(&self, source: u16, msg: MsiMessage) -> Option<MsiMessage>;
+}
+
 struct Table {
     /// GSI -> its MSI route; a GSI handed out but without a route is present with `None`.
     msi: BTreeMap<u32, Option<MsiMessage>>,

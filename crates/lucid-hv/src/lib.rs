@@ -12,7 +12,7 @@ mod vm;
 use std::sync::Arc;
 
 pub use host::{detect_backend, posted_interrupts_available, Backend, KvmOpenError};
-pub use irq::{GsiRouter, MsiMessage};
+pub use irq::{GsiRouter, MsiMessage, MsiRemapper};
 pub use kvm_bindings;
 pub use kvm_ioctls::Kvm;
 pub use kvm_stats::KvmStats;
