@@ -73,6 +73,15 @@ pub trait DmaTranslator: Send + Sync {
         len: u64,
         access: Access,
     ) -> Result<(u64, u64), DmaError>;
+
+    /// Brackets one device access (translate + copy). The pin policy must not unpin a page
+    /// translated inside a bracket until that bracket ends. Default: no tracking.
+    fn access_begin(&self) -> u64 {
+        0
+    }
+
+    /// Ends the bracket `access_begin` returned `_token` for.
+    fn access_end(&self, _token: u64) {}
 }
 
 /// Sees every completed DMA access, by guest-physical range (the Swap Mapper's hook).
