@@ -33,7 +33,7 @@ impl ContextCache {
 
     pub fn get(&self, sid: u16) -> Option<Context> {
         let v = self.entries[usize::from(sid)].load(Ordering::Acquire);
-        (v & VALID != 0).then(|| Context {
+        (v & VALID != 0).then_some(Context {
             did: v as u16,
             levels: if v & (1 << 62) != 0 { 4 } else { 3 },
             slpt: ((v >> 16) & ((1 << 36) - 1)) << 12,

@@ -371,7 +371,7 @@ impl Vtd {
     pub fn read(&self, offset: u64, data: &mut [u8]) {
         data.fill(0);
         let n = data.len() as u64;
-        if !(n == 4 || n == 8) || offset % n != 0 || offset.saturating_add(n) > VTD_SIZE {
+        if !(n == 4 || n == 8) || !offset.is_multiple_of(n) || offset.saturating_add(n) > VTD_SIZE {
             return;
         }
         if let (Some(p), true) = (self.sc_page(), offset < 0x1000) {
@@ -392,7 +392,7 @@ impl Vtd {
     /// See [`Vtd::read`]. An 8-byte write is the low then the high dword.
     pub fn write(&self, offset: u64, data: &[u8]) {
         let n = data.len() as u64;
-        if !(n == 4 || n == 8) || offset % n != 0 || offset.saturating_add(n) > VTD_SIZE {
+        if !(n == 4 || n == 8) || !offset.is_multiple_of(n) || offset.saturating_add(n) > VTD_SIZE {
             return;
         }
         let dword = |i: usize| {
@@ -580,11 +580,9 @@ impl Vtd {
             }
             IQA => set_lo(&mut st.iqa, v & !0xff8),
             0x94 => set_hi(&mut st.iqa, v),
-            ICS => {
-                if v & ICS_IWC != 0 {
-                    st.ics &= !ICS_IWC;
-                    st.iectl &= !CTL_IP;
-                }
+            ICS if v & ICS_IWC != 0 => {
+                st.ics &= !ICS_IWC;
+                st.iectl &= !CTL_IP;
             }
             IECTL => {
                 st.iectl = (st.iectl & CTL_IP) | (v & CTL_IM);
@@ -598,12 +596,13 @@ impl Vtd {
             IEUADDR => st.ieuaddr = v,
             IRTA => set_lo(&mut st.irta, v & !0x7f0),
             0xbc => set_hi(&mut st.irta, v),
-            o if (FRCD..FRCD + 16 * NFR as u64).contains(&o) => {
-                // Only F (bit 127, write 1 to clear) is writable.
-                if o % 16 == 12 && v & (1 << 31) != 0 {
-                    st.frcd[((o - FRCD) / 16) as usize][1] &= !FRCD_F;
-                    self.fault_ip_check(st);
-                }
+            // Only F (bit 127, write 1 to clear) is writable in a fault record.
+            o if (FRCD..FRCD + 16 * NFR as u64).contains(&o)
+                && o % 16 == 12
+                && v & (1 << 31) != 0 =>
+            {
+                st.frcd[((o - FRCD) / 16) as usize][1] &= !FRCD_F;
+                self.fault_ip_check(st);
             }
             IVA => set_lo(&mut st.iva, v & !0xf80),
             0x1104 => set_hi(&mut st.iva, v),
@@ -895,7 +894,7 @@ impl Vtd {
         st.scan_budget = false;
         for bus in 0..256u64 {
             let root = st.rta + bus * 16;
-            if tables::read_u64(&self.mem, root).map_or(true, |r| r & 1 == 0) {
+            if tables::read_u64(&self.mem, root).is_none_or(|r| r & 1 == 0) {
                 continue;
             }
             for devfn in 0..256u16 {
@@ -911,7 +910,11 @@ impl Vtd {
     /// invalidation and drops those that no longer translate.
     fn rewalk(&self, st: &mut State, did: Option<u16>) {
         let keys: Vec<(u16, u64)> = match did {
-            Some(d) => st.shadow.range((d, 0)..=(d, u64::MAX)).map(|(k, _)| *k).collect(),
+            Some(d) => st
+                .shadow
+                .range((d, 0)..=(d, u64::MAX))
+                .map(|(k, _)| *k)
+                .collect(),
             None => st.shadow.keys().copied().collect(),
         };
         let mut ctxs: HashMap<u16, Option<Context>> = HashMap::new();
@@ -1059,9 +1062,7 @@ impl Vtd {
         &self,
         st: &mut State,
         fx: &mut Fx,
-        dev: DeviceId,
-        iova: u64,
-        access: Access,
+        (dev, iova, access): (DeviceId, u64, Access),
         reason: u8,
         fpd: bool,
     ) -> DmaError {
@@ -1110,17 +1111,17 @@ impl Vtd {
                     st.domains.insert(c.did, Some(c));
                     c
                 }
-                Err(f) => return Err(self.dma_fault(st, fx, dev, iova, access, f.reason, f.fpd)),
+                Err(f) => return Err(self.dma_fault(st, fx, (dev, iova, access), f.reason, f.fpd)),
             },
         };
         let page = iova >> 12;
         let leaf = match self.iotlb.lookup(ctx.did, page) {
             Some(l) => l,
             None => match tables::walk(&self.mem, ctx.slpt, ctx.levels, iova) {
-                Err(r) => return Err(self.dma_fault(st, fx, dev, iova, access, r, ctx.fpd)),
+                Err(r) => return Err(self.dma_fault(st, fx, (dev, iova, access), r, ctx.fpd)),
                 Ok(None) => {
                     let r = perm_reason(access);
-                    return Err(self.dma_fault(st, fx, dev, iova, access, r, ctx.fpd));
+                    return Err(self.dma_fault(st, fx, (dev, iova, access), r, ctx.fpd));
                 }
                 Ok(Some(l)) => {
                     self.fill(st, ctx.did, page, l);
@@ -1130,7 +1131,7 @@ impl Vtd {
         };
         if !permits(&leaf, access) {
             let r = perm_reason(access);
-            return Err(self.dma_fault(st, fx, dev, iova, access, r, ctx.fpd));
+            return Err(self.dma_fault(st, fx, (dev, iova, access), r, ctx.fpd));
         }
         Ok(span(&leaf, iova, len))
     }

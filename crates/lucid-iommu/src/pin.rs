@@ -162,6 +162,9 @@ struct PageRef {
     held: bool,
     /// The pinner accepted the pin (so an unpin is owed).
     pinned: bool,
+    /// How many times the references dropped to zero: a queued release is for the latest
+    /// drop only (an earlier one's grace period does not cover accesses made since).
+    drops: u64,
 }
 
 /// Deferred-unpin limits.
@@ -180,8 +183,8 @@ pub struct Released {
 #[derive(Default)]
 pub struct PinBook {
     pages: HashMap<u64, PageRef>,
-    next: Vec<(u64, Instant)>,
-    drain: Vec<(u64, Instant)>,
+    next: Vec<(u64, Instant, u64)>,
+    drain: Vec<(u64, Instant, u64)>,
     deferred: Vec<u64>,
     deferred_since: Option<Instant>,
     /// Pages this book holds pinned (logical: counted even if the pinner refused).
@@ -221,7 +224,8 @@ impl PinBook {
         };
         e.refs = e.refs.saturating_sub(1);
         if e.refs == 0 {
-            self.next.push((gpa, since));
+            e.drops += 1;
+            self.next.push((gpa, since, e.drops));
         }
     }
 
@@ -241,9 +245,9 @@ impl PinBook {
             if !br.old_drained() {
                 break;
             }
-            for (gpa, since) in std::mem::take(&mut self.drain) {
+            for (gpa, since, drop) in std::mem::take(&mut self.drain) {
                 out.window = out.window.max(now.saturating_duration_since(since));
-                self.retire(cx, gpa, now);
+                self.retire(cx, gpa, drop, now);
             }
             if self.next.is_empty() {
                 break;
@@ -251,18 +255,20 @@ impl PinBook {
             self.drain = std::mem::take(&mut self.next);
             br.flip();
         }
-        br.waiting
-            .store(!self.next.is_empty() || !self.drain.is_empty(), Ordering::SeqCst);
+        br.waiting.store(
+            !self.next.is_empty() || !self.drain.is_empty(),
+            Ordering::SeqCst,
+        );
         self.flush_deferred(cx, now, false);
         out
     }
 
     /// The page's grace period is over: unpin it now or queue the unpin.
-    fn retire(&mut self, cx: &PinCtx, gpa: u64, now: Instant) {
+    fn retire(&mut self, cx: &PinCtx, gpa: u64, drop: u64, now: Instant) {
         let Some(e) = self.pages.get(&gpa) else {
             return;
         };
-        if e.refs != 0 {
+        if e.refs != 0 || e.drops != drop {
             return;
         }
         if !cx.per_page {
@@ -306,11 +312,6 @@ impl PinBook {
             }
         }
         self.deferred_since = None;
-    }
-
-    #[cfg(test)]
-    pub fn is_pinned(&self, gpa: u64) -> bool {
-        self.pages.get(&gpa).is_some_and(|e| e.held)
     }
 }
 

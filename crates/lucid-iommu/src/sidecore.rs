@@ -230,19 +230,10 @@ impl Vtd {
     /// Lock-free: does the page hold a guest write not yet taken in?
     fn sc_dirty(&self, p: *mut u8) -> bool {
         let w = &self.sc_watch;
-        [
-            GCMD,
-            IQT,
-            FSTS,
-            FECTL,
-            ICS,
-            IECTL,
-            CCMD,
-            CCMD + 4,
-        ]
-        .iter()
-        .enumerate()
-        .any(|(i, &off)| p32(p, off).load(Ordering::Acquire) != w[i].load(Ordering::Relaxed))
+        [GCMD, IQT, FSTS, FECTL, ICS, IECTL, CCMD, CCMD + 4]
+            .iter()
+            .enumerate()
+            .any(|(i, &off)| p32(p, off).load(Ordering::Acquire) != w[i].load(Ordering::Relaxed))
     }
 
     /// The sidecore thread body: polls until `stop`, backs off when idle, counts polls,

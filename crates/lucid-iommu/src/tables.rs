@@ -119,7 +119,7 @@ const SL_IGNORED: u64 = 0xbff0_0000_0000_0000;
 /// present (R=W=0), which the caller reports as a read or write fault.
 pub fn walk(mem: &GuestMemoryMmap, slpt: u64, levels: u8, iova: u64) -> Result<Option<Leaf>, u8> {
     let width = 12 + 9 * u32::from(levels);
-    if levels < 3 || levels > 4 || iova >> width != 0 {
+    if !(3..=4).contains(&levels) || iova >> width != 0 {
         return Err(FR_ADDR_WIDTH);
     }
     let mut table = slpt;
