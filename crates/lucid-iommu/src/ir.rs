@@ -96,7 +96,7 @@ impl Vtd {
         if f.2 {
             return;
         }
-        self.with_state(|st, fx| {
+        self.with_state_cb(false, |st, fx| {
             self.record_fault(st, fx, source, u64::from(f.1) << 48, f.0, false)
         });
     }

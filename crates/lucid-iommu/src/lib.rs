@@ -67,6 +67,23 @@
 //! entry cache), so an interrupt-entry-cache invalidation only has to tell the VMM to re-route:
 //! the [`Vtd::on_ir_change`] callbacks run after IEC invalidations, SIRTP and IRE/CFI changes.
 //!
+//! # Counters (stats registry, under `iommu.`)
+//!
+//! `maps`, `unmaps` (see above); `inv.context`, `inv.iotlb_global`, `inv.iotlb_domain`,
+//! `inv.iotlb_page`, `inv.iec`, `inv.wait` (invalidations carried out, by register or queue);
+//! `iotlb.hits` (translations served lock-free from the caches), `iotlb.misses` (slow path:
+//! walk, or fault); `faults.dma`, `faults.ir` (every fault, recorded or not: FPD, PFO);
+//! `pinned.current`, `pinned.peak` (pages); `stale.current`, `stale.max`, `window_max_us`
+//! (see above); `sidecore.polls`, `sidecore.busy_polls`, `sidecore.cpu_ns`.
+//!
+//! # Limits
+//!
+//! The requester id is the low 16 bits of the `DeviceId`. While translation is off, DMA is
+//! untranslated and nothing is pinned per page (a VFIO-backed unit would map all RAM then).
+//! Page-selective invalidations walk at most 2^MAMV = 512 pages. The shadow of known mappings
+//! holds at most 2^20 entries. The register-based invalidations work while the queue is on
+//! (the spec leaves that undefined).
+//!
 //! # Samecore and sidecore
 //!
 //! Samecore: both pages trap and every access runs [`Vtd::read`]/[`Vtd::write`] on the vCPU
@@ -84,7 +101,7 @@ mod tables;
 mod tests;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -273,6 +290,8 @@ pub struct Vtd {
     /// for the sidecore's lock-free idle check.
     sc_watch: [AtomicU32; 8],
     ir_cbs: Mutex<Vec<Box<dyn Fn() + Send + Sync>>>,
+    /// An IR change whose callbacks have not run yet.
+    ir_pending: AtomicBool,
     c: Counters,
 }
 
@@ -361,6 +380,7 @@ impl Vtd {
             shared: AtomicPtr::new(std::ptr::null_mut()),
             sc_watch: Default::default(),
             ir_cbs: Mutex::new(Vec::new()),
+            ir_pending: AtomicBool::new(false),
             c,
         })
     }
@@ -426,6 +446,13 @@ impl Vtd {
     /// as grace periods allow and the counters are updated. MSIs and IR callbacks run after
     /// the lock is dropped.
     fn with_state<R>(&self, f: impl FnOnce(&mut State, &mut Fx) -> R) -> R {
+        self.with_state_cb(true, f)
+    }
+
+    /// As `with_state`; with `callbacks` false, IR-change callbacks are left pending for the
+    /// next operation (used inside `remap`, whose caller may hold the GSI router's lock that
+    /// the callback takes).
+    fn with_state_cb<R>(&self, callbacks: bool, f: impl FnOnce(&mut State, &mut Fx) -> R) -> R {
         let mut fx = Fx::default();
         let r = {
             let mut st = lock(&self.st);
@@ -444,6 +471,9 @@ impl Vtd {
             self.msi.send(a, d);
         }
         if fx.ir_changed {
+            self.ir_pending.store(true, Ordering::SeqCst);
+        }
+        if callbacks && self.ir_pending.swap(false, Ordering::SeqCst) {
             for cb in lock(&self.ir_cbs).iter() {
                 cb();
             }
@@ -1195,7 +1225,11 @@ impl DmaTranslator for Vtd {
             }
         }
         self.c.misses.inc();
-        self.with_state(|st, fx| self.translate_slow(st, fx, dev, iova, len, access))
+        // No IR callbacks from a device thread (it may hold locks the VMM's re-routing takes);
+        // the next register operation or sidecore poll runs them.
+        self.with_state_cb(false, |st, fx| {
+            self.translate_slow(st, fx, dev, iova, len, access)
+        })
     }
 
     fn access_begin(&self) -> u64 {
@@ -1204,7 +1238,7 @@ impl DmaTranslator for Vtd {
 
     fn access_end(&self, token: u64) {
         if self.br.end(token) {
-            self.with_state(|_, _| {});
+            self.with_state_cb(false, |_, _| {});
         }
     }
 }
