@@ -1084,19 +1084,15 @@ fn iotlb_hit_cost() {
 
 // ---- sidecore ----
 
-/// The guest's view of the shared page: atomics on the same memory the unit polls.
-struct Page(Box<[u64; 512]>);
-impl Page {
-    fn new() -> Page {
-        Page(Box::new([0; 512]))
-    }
-    fn ptr(&mut self) -> *mut u8 {
-        self.0.as_mut_ptr().cast()
-    }
+/// The shared page for sidecore tests, leaked: the unit and its thread may outlive a failed
+/// test's stack frame.
+fn shared_page() -> *mut u8 {
+    Box::leak(Box::new([0u64; 512])).as_mut_ptr().cast()
 }
+
 #[derive(Clone, Copy)]
 struct GuestView(*mut u8);
-// SAFETY: the page outlives the threads using it (joined before it drops).
+// SAFETY: the page is leaked (`shared_page`), so it outlives every thread using it.
 unsafe impl Send for GuestView {}
 impl GuestView {
     fn r32(&self, off: u64) -> u32 {
@@ -1120,14 +1116,14 @@ impl GuestView {
     }
 }
 
-fn sidecore_env() -> (Env, Page, Arc<AtomicBool>, std::thread::JoinHandle<()>) {
+fn sidecore_env() -> (Env, *mut u8, Arc<AtomicBool>, std::thread::JoinHandle<()>) {
     let e = Env::new(VtdConfig {
         mode: EmulationMode::Sidecore,
         pin: PinPolicy::Map,
     });
-    let mut page = Page::new();
-    // SAFETY: the page lives until after the sidecore thread is joined and the unit dropped.
-    unsafe { e.vtd.attach_shared_page(page.ptr()) };
+    let page = shared_page();
+    // SAFETY: the page is leaked, so it outlives the unit and the sidecore thread.
+    unsafe { e.vtd.attach_shared_page(page) };
     let stop = Arc::new(AtomicBool::new(false));
     let (v, s) = (e.vtd.clone(), stop.clone());
     let h = std::thread::spawn(move || v.run_sidecore(&s));
@@ -1136,8 +1132,8 @@ fn sidecore_env() -> (Env, Page, Arc<AtomicBool>, std::thread::JoinHandle<()>) {
 
 #[test]
 fn sidecore_serves_a_guest_through_shared_memory() {
-    let (e, mut page, stop, h) = sidecore_env();
-    let g = GuestView(page.ptr());
+    let (e, page, stop, h) = sidecore_env();
+    let g = GuestView(page);
     assert_eq!(g.r32(VER), 0x10);
     assert_eq!(g.r64(CAP), CAP_VALUE);
     let t = e.ctx(0x0008, 1, 3);
@@ -1180,6 +1176,8 @@ fn sidecore_serves_a_guest_through_shared_memory() {
     g.wait("IQH", |g| g.r64(IQH) == 2 << 4);
     g.wait("IWC", |g| g.r32(ICS) & ICS_IWC != 0);
     assert_eq!(e.dma(0x0008, 0x1000, Access::Read), Ok(DATA + 0x1000));
+    // The MSI goes out just after the status is published (outside the unit's lock).
+    g.wait("IE MSI", |_| e.msi.0.lock().unwrap().len() == 1);
     assert_eq!(e.msi.take(), vec![(u64::from(IE_ADDR), IE_DATA)]);
     // Write-1-to-clear of exactly the set bit is seen (the published value carries the mark).
     g.w32(ICS, ICS_IWC);
@@ -1189,6 +1187,7 @@ fn sidecore_serves_a_guest_through_shared_memory() {
     e.put(IQ + 40, 0);
     g.w64(IQT, 3 << 4);
     g.wait("IQE", |g| g.r32(FSTS) & FS_IQE != 0);
+    g.wait("FE MSI", |_| e.msi.0.lock().unwrap().len() == 1);
     assert_eq!(e.msi.take(), vec![(u64::from(FE_ADDR), FE_DATA)]);
     let w = wait_desc(7, STATUS, true, false);
     e.put(IQ + 32, w.0);
@@ -1212,16 +1211,14 @@ fn sidecore_serves_a_guest_through_shared_memory() {
     assert!(e.counter("sidecore.polls") > 0);
     assert!(e.counter("sidecore.busy_polls") > 0);
     assert!(e.counter("sidecore.cpu_ns") > 0);
-    drop(e);
-    drop(page);
 }
 
 /// The guest writes RTADDR and then GCMD.SRTP back to back; the unit must latch the RTADDR
 /// written before the command it acts on, never an older one.
 #[test]
 fn sidecore_srtp_latches_the_rtaddr_written_before_it() {
-    let (e, mut page, stop, h) = sidecore_env();
-    let g = GuestView(page.ptr());
+    let (e, page, stop, h) = sidecore_env();
+    let g = GuestView(page);
     // Two root tables: A maps IOVA 0x1000 of device 8 to DATA, B to DATA + 0x1000.
     let (rta_a, rta_b) = (RTA, 0x60000);
     let ta = e.ctx(0x0008, 1, 3);
@@ -1247,8 +1244,6 @@ fn sidecore_srtp_latches_the_rtaddr_written_before_it() {
     }
     stop.store(true, Ordering::SeqCst);
     h.join().unwrap();
-    drop(e);
-    drop(page);
 }
 
 /// Device threads translate and copy inside access brackets while the guest maps, unmaps and
