@@ -1,7 +1,7 @@
 //! Interrupt remapping (VT-d spec chapter 5, xAPIC destinations): remappable-format MSIs are
 //! looked up in the interrupt-remapping table latched by GCMD.SIRTP, validated, and rewritten
 //! into the compatibility-format message KVM delivers. Faults 0x20-0x26 are recorded in the
-//! fault-recording registers with the interrupt index in FI[63:48].
+//! fault-recording registers with the interrupt index in FI bits 63:48.
 
 use std::sync::atomic::Ordering;
 
@@ -27,7 +27,7 @@ pub const FR_IR_COMPAT: u8 = 0x25;
 pub const FR_IR_SID: u8 = 0x26;
 
 /// Low qword reserved bits of an IRTE in xAPIC mode: 14:12, IM (15, posted), 31:24,
-/// DST[7:0] (39:32) and DST[31:16] (63:48).
+/// DST bits 7:0 (39:32) and DST bits 31:16 (63:48).
 const IRTE_LO_RSVD: u64 = 0x7000 | 0x8000 | 0xff00_0000 | 0xff << 32 | 0xffff << 48;
 
 /// A lookup failure: reason, interrupt index, and whether the IRTE asked for no recording.

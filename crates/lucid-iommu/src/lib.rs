@@ -62,7 +62,7 @@
 //! (address bit 4) selects an IRTE (handle plus subhandle when SHV) in the table IRTA named at
 //! the last GCMD.SIRTP; the IRTE is validated (present, reserved bits, delivery mode, SVT/SQ/SID
 //! source check) and turned into the message KVM delivers. Faults 0x20-0x26 are recorded like
-//! DMA faults with the interrupt index in FI[63:48]. Compatibility-format MSIs pass while IRE is
+//! DMA faults with the interrupt index in FI bits 63:48. Compatibility-format MSIs pass while IRE is
 //! off or GSTS.CFIS is set, and fault with 0x25 otherwise. IRTEs are read at every remap (no
 //! entry cache), so an interrupt-entry-cache invalidation only has to tell the VMM to re-route:
 //! the [`Vtd::on_ir_change`] callbacks run after IEC invalidations, SIRTP and IRE/CFI changes.
@@ -1031,7 +1031,7 @@ impl Vtd {
         match lo & 0xfff {
             // Context-cache invalidate.
             t if t & 0xfcf == 0x1 => {
-                if lo >> 50 != 0 || hi != 0 {
+                if lo >> 50 != 0 || lo & 0xf000 != 0 || hi != 0 {
                     return false;
                 }
                 self.ctx_inv(
@@ -1044,7 +1044,7 @@ impl Vtd {
             }
             // IOTLB invalidate (DR, DW accepted and ignored: nothing is buffered).
             t if t & 0xf0f == 0x2 => {
-                if lo >> 32 != 0 || hi & 0xf80 != 0 {
+                if lo >> 32 != 0 || lo & 0xf000 != 0 || hi & 0xf80 != 0 {
                     return false;
                 }
                 self.iotlb_inv(st, g, (lo >> 16) as u16, hi & !0xfff, hi & 0x3f)
