@@ -1306,3 +1306,44 @@ fn concurrent_devices_never_use_an_unpinned_page() {
     let v = e.pins.violations.lock().unwrap();
     assert!(v.is_empty(), "{v:?}");
 }
+
+/// Sidecore: a masked fault event shows as FECTL.IP in the page and the MSI goes out when the
+/// guest unmasks; an IR change noticed by the poll runs the VMM's callback.
+#[test]
+fn sidecore_fault_event_mask_and_ir_callback() {
+    let (e, page, stop, h) = sidecore_env();
+    let g = GuestView(page);
+    let changes = Arc::new(AtomicUsize::new(0));
+    let c2 = changes.clone();
+    e.vtd.on_ir_change(Box::new(move || {
+        c2.fetch_add(1, Ordering::SeqCst);
+    }));
+    e.ctx(0x0008, 1, 3);
+    g.w32(FEADDR, FE_ADDR);
+    g.w32(FEDATA, FE_DATA);
+    g.w32(FECTL, CTL_IM);
+    g.w64(RTADDR, RTA);
+    g.w32(GCMD, G_SRTP);
+    g.wait("RTPS", |g| g.r32(GSTS) & G_SRTP != 0);
+    g.w32(GCMD, G_TE);
+    g.wait("TES", |g| g.r32(GSTS) & G_TE != 0);
+    g.wait("IM seen", |g| {
+        g.r32(FECTL) == CTL_IM && g.r32(GCMD) == SC_GCMD_CONSUMED
+    });
+    assert!(e.dma(0x0008, 0x1000, Access::Write).is_err());
+    assert_eq!(g.r32(FECTL), CTL_IM | CTL_IP);
+    assert!(e.msi.take().is_empty());
+    g.w32(FECTL, 0);
+    g.wait("IP clear", |g| g.r32(FECTL) == 0);
+    g.wait("FE MSI", |_| e.msi.0.lock().unwrap().len() == 1);
+    assert_eq!(e.msi.take(), vec![(u64::from(FE_ADDR), FE_DATA)]);
+    // IR enable through the page: the callback runs from the polling thread.
+    g.w64(IRTA, IRT | 7);
+    g.w32(GCMD, G_TE | G_SIRTP);
+    g.wait("IRTPS", |g| g.r32(GSTS) & G_SIRTP != 0);
+    g.w32(GCMD, G_TE | G_IRE);
+    g.wait("IRES", |g| g.r32(GSTS) & G_IRE != 0);
+    g.wait("callbacks", |_| changes.load(Ordering::SeqCst) >= 2);
+    stop.store(true, Ordering::SeqCst);
+    h.join().unwrap();
+}
