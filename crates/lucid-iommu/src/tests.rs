@@ -1347,3 +1347,63 @@ fn sidecore_fault_event_mask_and_ir_callback() {
     stop.store(true, Ordering::SeqCst);
     h.join().unwrap();
 }
+
+/// Sidecore: garbage written into the shared page (and the trapping page) while the polling
+/// thread runs and devices translate: nothing panics, the thread keeps polling and stops.
+#[test]
+fn sidecore_garbage_never_panics() {
+    let (e, page, stop, h) = sidecore_env();
+    let g = GuestView(page);
+    let mut rng = Rng(0xfeed_f00d);
+    for _ in 0..2000 {
+        let a = rng.below(0x40000) & !7;
+        e.put(
+            a,
+            if rng.chance(50) {
+                rng.next()
+            } else {
+                rng.below(0x40000) | 1
+            },
+        );
+    }
+    let deadline = Instant::now() + Duration::from_millis(400);
+    while Instant::now() < deadline {
+        match rng.below(4) {
+            0 | 1 => {
+                let off = if rng.chance(60) {
+                    [
+                        GCMD,
+                        CCMD,
+                        CCMD + 4,
+                        IQT,
+                        FSTS,
+                        FECTL,
+                        ICS,
+                        IECTL,
+                        RTADDR,
+                        IQA,
+                        IRTA,
+                    ][rng.below(11) as usize]
+                } else {
+                    rng.below(0x1000) & !3
+                };
+                g.w32(off, rng.next() as u32);
+            }
+            2 => {
+                let v = rng.next();
+                e.vtd
+                    .write(0x1000 + (rng.below(0x1000) & !3), &v.to_le_bytes()[..4]);
+            }
+            _ => {
+                let t = e.vtd.access_begin();
+                let _ = e
+                    .vtd
+                    .translate(rng.below(64) as u32, rng.next(), 64, Access::Write);
+                e.vtd.access_end(t);
+            }
+        }
+    }
+    stop.store(true, Ordering::SeqCst);
+    h.join().unwrap();
+    assert!(e.counter("sidecore.busy_polls") > 0);
+}
