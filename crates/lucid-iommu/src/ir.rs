@@ -93,6 +93,11 @@ impl Vtd {
 
     fn ir_fault(&self, source: u16, f: IrFault) {
         self.c.faults_ir.inc();
+        log::debug!(
+            "vtd: interrupt-remapping fault {:#x}: source {source:#x} index {}",
+            f.0,
+            f.1
+        );
         if f.2 {
             return;
         }

@@ -1097,6 +1097,7 @@ impl Vtd {
         fpd: bool,
     ) -> DmaError {
         self.c.faults_dma.inc();
+        log::debug!("vtd: DMA fault {reason:#x}: device {dev:#x} {access:?} at IOVA {iova:#x}");
         if !fpd {
             self.record_fault(
                 st,
