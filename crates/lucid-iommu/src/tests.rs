@@ -1238,6 +1238,11 @@ fn sidecore_srtp_latches_the_rtaddr_written_before_it() {
             (rta_b, DATA + 0x1000)
         };
         g.w64(RTADDR, rta);
+        // A varying gap, so that a poller that snapshots RTADDR before it looks at GCMD
+        // would sometimes take the old value with the new command.
+        for _ in 0..(i % 64) * 8 {
+            std::hint::spin_loop();
+        }
         g.w32(GCMD, G_TE | G_SRTP);
         g.wait("GCMD consumed", |g| g.r32(GCMD) == SC_GCMD_CONSUMED);
         assert_eq!(e.dma(0x0008, 0x1000, Access::Read), Ok(want), "round {i}");
