@@ -82,7 +82,11 @@
 //! untranslated and nothing is pinned per page (a VFIO-backed unit would map all RAM then).
 //! Page-selective invalidations walk at most 2^MAMV = 512 pages. The shadow of known mappings
 //! holds at most 2^20 entries. The register-based invalidations work while the queue is on
-//! (the spec leaves that undefined).
+//! (the spec leaves that undefined). Bits the unit has no mode for are ignored: RTADDR.TTM
+//! (legacy root table always), IQA.DW (128-bit descriptors always), IRTA.EIME (xAPIC always).
+//! A wait descriptor completes once the descriptors before it are carried out; it does not
+//! wait for device accesses that translated before them (they keep their pages pinned and are
+//! counted as stale until they end).
 //!
 //! # Samecore and sidecore
 //!
