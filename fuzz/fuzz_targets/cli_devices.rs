@@ -1,4 +1,4 @@
-//! The CLI's device option strings (`--blk`, `--net`, `--iommu`): any string gets a config or an
+//! The CLI's device option strings (`--blk`, `--net`, `--iommu`, `--device`): any string gets a config or an
 //! error, an accepted config written back as an option string parses to the same config, and an
 //! accepted MAC address is made of hex digits.
 #![no_main]
@@ -7,7 +7,7 @@ use libfuzzer_sys::fuzz_target;
 use lucid_pci::Rung;
 use lucid_virtio::net::NetBackend;
 use lucid_vmm::lucid_iommu::{EmulationMode, PinPolicy, VtdConfig};
-use lucid_vmm::{parse_blk, parse_iommu, parse_net, PciDeviceConfig, PciDeviceKind};
+use lucid_vmm::{parse_blk, parse_device, parse_iommu, parse_net, PciDeviceConfig, PciDeviceKind};
 
 fn rung(r: Rung) -> &'static str {
     match r {
@@ -89,5 +89,15 @@ fuzz_target!(|s: &str| {
                 "accepted MAC {mac:?}"
             );
         }
+    }
+    if let Ok(d) = parse_device(s) {
+        assert_eq!(
+            parse_device(d.name()),
+            Ok(d),
+            "a written-back --device parses"
+        );
+        // Empty pieces are skipped, as in --blk and --net: the name is the first other one.
+        let name = s.split(',').find(|p| !p.is_empty());
+        assert_eq!(name, Some(d.name()), "accepted --device {s:?}");
     }
 });

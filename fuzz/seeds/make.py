@@ -59,6 +59,34 @@ msix += [ecam(2, 0x20, write=True, val=0xffffffff), ecam(2, 0x24, write=True, va
 save("pci_config", "msix-ecam", msix)
 
 
+# edu: kind 0 = CF8 write, 1 = port, 2 = ECAM, 3 = BAR 0 at addr, 4 = translator on (val odd) / off.
+def edu_reg(off, val=None, size=4):
+    return acc(3, size=size, write=val is not None, addr=off, val=val or 0)
+
+
+def edu_dma(src, dst, count, cmd):
+    return [edu_reg(0x80, src, 8), edu_reg(0x88, dst, 8), edu_reg(0x90, count, 8),
+            edu_reg(0x98, cmd | 1, 8), edu_reg(0x98, size=8)]
+
+
+edu = [ecam(1, 0), ecam(1, 0x10, write=True, val=0xffffffff), ecam(1, 0x10),
+       ecam(1, 0x10, write=True, val=0xc0000000), ecam(1, 0x04, size=2, write=True, val=0x0006)]
+edu += [edu_reg(0x00), edu_reg(0x04, 0x12345678), edu_reg(0x04), edu_reg(0x20, 0x80),
+        edu_reg(0x08, 12), edu_reg(0x20), edu_reg(0x08), edu_reg(0x24), edu_reg(0x64, 1)]
+edu += [edu_reg(0x60, 0x30), edu_reg(0x64, 0x10), ecam(1, 0x04, size=2, write=True, val=0x0406),
+        ecam(1, 0x04, size=2, write=True, val=0x0006), edu_reg(0x64, 0x20)]
+edu += edu_dma(0x1000, 0x40000, 0x100, 4) + edu_dma(0x40010, 0x2ff0, 0x40, 2 | 4)
+edu += edu_dma(0x1000, 0x40fff, 2, 0) + edu_dma(0x40000, 0x1000_3000, 8, 2)
+save("edu", "intx-dma-factorial", edu)
+msi = [ecam(1, 0x10, write=True, val=0xc0000000), ecam(1, 0x04, size=2, write=True, val=0x0006),
+       ecam(1, 0x34, size=1), ecam(1, 0x40), ecam(1, 0x44, write=True, val=0xfee00000),
+       ecam(1, 0x48, write=True, val=0), ecam(1, 0x4c, size=2, write=True, val=0x41),
+       ecam(1, 0x42, size=2, write=True, val=0x0001), edu_reg(0x60, 1), edu_reg(0x64, 1)]
+msi += [acc(4, val=1)] + edu_dma(0x10_1000, 0x40000, 0x20, 4) + edu_dma(0x40000, 0x1f_fff0, 0x20, 6)
+msi += edu_dma(0x5000, 0x40000, 8, 4) + [acc(4, val=0), ecam(1, 0x04, size=2, write=True, val=0x0002)]
+msi += edu_dma(0x1000, 0x40000, 8, 4) + [edu_reg(0x98, 5, 2), edu_reg(0x81, 1, 4), edu_reg(0xffffc)]
+save("edu", "msi-iommu-garbage", msi)
+
 # virtio_pci: kind 0 = CF8 write, 1 = port,
 # 2 = ECAM (bus 0), 3 = BAR sel at addr, 4 = the device raises queue sel's interrupt.
 def common(off, val=None, size=4):

@@ -10,7 +10,9 @@
  * long between reaping tx completions and looking for the reply, as a vCPU
  * preempted there would: the reply then overtakes its tx completion),
  * reap_late=0 (rr: 1 looks for each reply before reaping its request's tx
- * completion, so that every reply overtakes it).
+ * completion, so that every reply overtakes it), iommu=vtd (every buffer
+ * mapped through the VT-d per frame, strategy= as for virtio-blk; prints an
+ * "iommu-dma ..." line after the result; exit 1 if the unit recorded faults).
  *
  * Frames: dst, src = our MAC, ethertype 0x88b5 (local experimental), then
  * u32 sequence number, u32 0x4c554349 ('LUCI'), then bytes derived from the
@@ -66,6 +68,25 @@ static void parse_mac(const char *s, u8 *m)
 }
 
 static u16 *rxhead2buf;
+static u64 *rx_iova, *tx_iova;	/* iommu=vtd: the mapping of each descriptor's buffer */
+
+/* done with descriptor id: unmap its buffer (iommu=vtd) and free it */
+static void rx_free(int id)
+{
+	vunmap(rx_iova[id], BUF_SIZE);
+	vq_free_chain(rxq, id);
+}
+
+static void tx_free(int id)
+{
+	vunmap(tx_iova[id], BUF_SIZE);
+	vq_free_chain(txq, id);
+}
+
+static u64 tx_map(int head)
+{
+	return tx_iova[head] = vmap(txbuf[head], BUF_SIZE, DMA_TO_DEVICE);
+}
 
 static void post_rx_buf(u16 b)
 {
@@ -73,7 +94,7 @@ static void post_rx_buf(u16 b)
 	if (head < 0)
 		return;
 	rxhead2buf[head] = b;
-	rxq->desc[head].addr = (u64)rxbuf[b];
+	rxq->desc[head].addr = rx_iova[head] = vmap(rxbuf[b], BUF_SIZE, DMA_FROM_DEVICE);
 	rxq->desc[head].len = BUF_SIZE;
 	rxq->desc[head].flags = VRING_DESC_F_WRITE;
 	vq_push(rxq, head);
@@ -145,12 +166,15 @@ static int wait_any(struct virtq *a, struct virtq *b)
 	for (;;) {
 		if ((a && vq_has_used(a)) || (b && vq_has_used(b)))
 			return 0;
+		if (virtio_iommu)	/* deferred / teardown time limits while idle */
+			iommu_dma_poll();
 		int irq = (a && !a->poll) || (b && !b->poll);
 		if (irq) {
 			int r = (a && vq_arm(a)) | (b && vq_arm(b));
 			if (r)
 				return 0;
-			irq_wait(timeout_tsc);
+			/* iommu=vtd: wake at least every ms to apply the time limits */
+			irq_wait(virtio_iommu && iommu_poll_tsc() ? iommu_poll_tsc() : timeout_tsc);
 		} else {
 			cpu_relax();
 		}
@@ -192,11 +216,22 @@ static int reap_tx(void)
 			printf("virtio-net: bogus tx used id %d\n", id);
 			exit(1);
 		}
-		vq_free_chain(txq, id);
+		tx_free(id);
 		inflight--;
 		n++;
 	}
 	return n;
+}
+
+/* iommu=vtd: finish pending invalidations, print the iommu-dma line;
+ * 1 when the unit recorded faults */
+static int iommu_done(void)
+{
+	if (!virtio_iommu)
+		return 0;
+	iommu_dma_drain();
+	iommu_dma_report();
+	return iommu_stats.faults_seen != 0;
 }
 
 /* ---- op=ping: ARP resolution and ICMP echo over IPv4 ---- */
@@ -238,7 +273,7 @@ static int send_frame(const u8 *f, u64 len)
 	for (;;) {
 		int id;
 		while ((id = vq_pop(txq, NULL)) >= 0) {
-			vq_free_chain(txq, id);
+			tx_free(id);
 			ping_inflight--;
 		}
 		head = vq_alloc_chain(txq, 1);
@@ -250,7 +285,7 @@ static int send_frame(const u8 *f, u64 len)
 	}
 	memset(txbuf[head], 0, NET_HDR);
 	memcpy(txbuf[head] + NET_HDR, f, len);
-	txq->desc[head].addr = (u64)txbuf[head];
+	txq->desc[head].addr = tx_map(head);
 	txq->desc[head].len = NET_HDR + len;
 	txq->desc[head].flags = 0;
 	vq_push(txq, head);
@@ -302,7 +337,7 @@ static int recv_frame(u8 *out, u64 max)
 		if (id >= rxq->size)
 			return -1;
 		u16 bi = rxhead2buf[id];
-		vq_free_chain(rxq, id);
+		rx_free(id);
 		u64 flen = len >= NET_HDR ? len - NET_HDR : 0;
 		if (flen > max)
 			flen = max;
@@ -411,7 +446,7 @@ static int do_ping(u64 count, u64 size, char *b)
 	printf("virtio-net detail: mode=%s event_idx=%d lost=%lu received=%lu other=%lu status=%#x\n",
 	       txq->poll ? "poll" : "irq", txq->event_idx, lost, received, other,
 	       virtio_status(&dev));
-	return lost || mismatches ? 1 : 0;
+	return lost || mismatches || iommu_done() ? 1 : 0;
 }
 
 int main(void)
@@ -440,6 +475,8 @@ int main(void)
 
 	if (virtio_probe(&dev, VIRTIO_DEV_NET, param_u64("dev", 0)))
 		return 2;
+	if (virtio_iommu_setup(dev.pci.bdf))
+		return 2;
 	u64 want = 1ull << VIRTIO_NET_F_MAC;
 	if (param_u64("event_idx", 1))
 		want |= 1ull << VIRTIO_F_EVENT_IDX;
@@ -467,6 +504,8 @@ int main(void)
 		nrx = 1;
 	rxbuf = dma_alloc(8ul * nrx, 64);
 	rxhead2buf = dma_alloc(2ul * rxq->size, 64);
+	rx_iova = dma_alloc(8ul * rxq->size, 64);
+	tx_iova = dma_alloc(8ul * txq->size, 64);
 	for (int i = 0; i < nrx; i++)
 		rxbuf[i] = dma_alloc(BUF_SIZE, 4096);
 	txbuf = dma_alloc(8ul * txq->size, 64);
@@ -507,7 +546,7 @@ int main(void)
 			memset(txbuf[head], 0, NET_HDR);
 			build(txbuf[head] + NET_HDR, sent, size);
 			work_tsc += rdtsc() - w0;
-			txq->desc[head].addr = (u64)txbuf[head];
+			txq->desc[head].addr = tx_map(head);
 			txq->desc[head].len = NET_HDR + size;
 			txq->desc[head].flags = 0;
 			vq_push(txq, head);
@@ -524,7 +563,7 @@ int main(void)
 			u32 len;
 			int id, nr = 0;
 			while ((id = vq_pop(rxq, &len)) >= 0) {
-				vq_free_chain(rxq, id);
+				rx_free(id);
 				post_rx_buf(rxhead2buf[id]);
 				received++;
 				nr++;
@@ -581,7 +620,7 @@ int main(void)
 		u16 bi = rxhead2buf[id];
 		u8 *f = rxbuf[bi] + NET_HDR;
 		u64 flen = len >= NET_HDR ? len - NET_HDR : 0;
-		vq_free_chain(rxq, id);
+		rx_free(id);
 		received++;
 		if (flen < 14 || f[12] != (ETHERTYPE >> 8) || f[13] != (ETHERTYPE & 0xff)) {
 			other++;
@@ -617,5 +656,5 @@ int main(void)
 	       txq->poll ? "poll" : "irq", txq->event_idx, txq->kicks, rxq->kicks,
 	       txq->kicks_suppressed + rxq->kicks_suppressed, received, other, overtaken,
 	       work_tsc, virtio_status(&dev));
-	return rc || mismatches ? 1 : 0;
+	return rc || mismatches || iommu_done() ? 1 : 0;
 }

@@ -45,6 +45,10 @@ guests!(
     "acpi-pm",
     "cpl0-insns",
     "kvm-hypercall",
+    "edu",
+    "iommu",
+    "vtd-regs",
+    "vtd-evil",
 );
 
 /// Guests that boot through multiboot (32-bit ELF) rather than the PVH note.

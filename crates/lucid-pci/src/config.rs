@@ -30,10 +30,13 @@ pub const COMMAND_BUS_MASTER: u16 = 1 << 2;
 pub const COMMAND_INTX_DISABLE: u16 = 1 << 10;
 /// Command bits a guest may change: I/O, memory, bus master, parity, SERR, INTx disable.
 const COMMAND_WRITABLE: u16 = 0x0547;
+/// INTx asserted by the function (read-only; set whatever INTx disable says).
+pub const STATUS_INTERRUPT: u16 = 1 << 3;
 pub const STATUS_CAP_LIST: u16 = 1 << 4;
 /// Status error bits, write-1-to-clear.
 const STATUS_W1C: u16 = 0xf900;
 
+pub const CAP_ID_MSI: u8 = 0x05;
 pub const CAP_ID_VENDOR: u8 = 0x09;
 pub const CAP_ID_MSIX: u8 = 0x11;
 /// Where the first capability goes.

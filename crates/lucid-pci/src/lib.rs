@@ -5,14 +5,18 @@
 //!
 //! The VMM builds a [`PciRoot`] over its MMIO and PIO buses, calls [`PciRoot::register`], then
 //! for each device builds a [`VirtioPciDevice`] and attaches it with [`PciRoot::add_device`].
+//! Besides virtio, [`edu`] is QEMU's `edu` DMA test device (with plain [`msi`]).
 
 pub mod config;
+pub mod edu;
 pub mod ladder;
+pub mod msi;
 pub mod msix;
 pub mod root;
 pub mod virtio;
 
 pub use config::{Bar, BarKind, ConfigSpace, PciIds};
+pub use edu::EduDevice;
 pub use ladder::{HostCaps, Rung, RungPlan};
 pub use msix::{Interrupts, MsiPath, MsixTable};
 pub use root::{PciAddress, PciDevice, PciRoot, PciWindows};
@@ -94,6 +98,8 @@ pub enum CapProblem {
     MaskLength { mask: usize, body: usize },
     #[error("no room left in configuration space (next free offset {offset:#x})")]
     NoRoom { offset: usize },
+    #[error("{vectors} MSI vectors: 1, 2, 4, 8, 16 or 32")]
+    Vectors { vectors: u8 },
 }
 
 /// Builds the virtio-pci transport for `device` and attaches it to `root`; returns its address
@@ -113,5 +119,24 @@ pub fn attach_virtio(
     let name = device.name().to_string();
     let dev = virtio::shared(VirtioPciDevice::new(device, env, opts)?);
     let addr = root.add_device(&name, dev.clone())?;
+    Ok((addr, dev))
+}
+
+/// Builds QEMU's `edu` device on the VM's DMA path and interrupts (INTx on `intx_gsi`, which
+/// must be the GSI the platform routes the slot it lands in to) and attaches it to `root`.
+pub fn attach_edu(
+    root: &PciRoot,
+    env: &TransportEnv,
+    intx_gsi: Option<u32>,
+) -> Result<(PciAddress, std::sync::Arc<std::sync::Mutex<EduDevice>>), PciError> {
+    let irq = edu::KvmIrq::new(env.vm.clone(), env.router.clone(), intx_gsi);
+    let dev = EduDevice::new(
+        env.dma.clone(),
+        std::sync::Arc::new(irq),
+        intx_gsi,
+        &env.stats,
+    )?;
+    let dev = std::sync::Arc::new(std::sync::Mutex::new(dev));
+    let addr = root.add_device("edu", dev.clone())?;
     Ok((addr, dev))
 }

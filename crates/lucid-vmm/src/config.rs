@@ -38,6 +38,23 @@ impl PciDeviceConfig {
     }
 }
 
+/// A device on the PCI bus that is not virtio (`--device`). They take the slots after the virtio
+/// devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlatformPciDevice {
+    /// QEMU's `edu` DMA test device (PCI 1234:11e8), counters under `edu.`.
+    Edu,
+}
+
+impl PlatformPciDevice {
+    /// Its name on the command line and in the log.
+    pub fn name(self) -> &'static str {
+        match self {
+            PlatformPciDevice::Edu => "edu",
+        }
+    }
+}
+
 /// The kernel to boot: a file, or a probe guest built into the binary.
 #[derive(Clone, Debug)]
 pub enum KernelSource {
@@ -60,8 +77,10 @@ pub struct VmConfig {
     /// Let SIGINT/SIGTERM stop the VM (the CLI sets this; a library user may not want it).
     pub handle_signals: bool,
     /// virtio devices on PCI (bus 0, slots from 1 in this order; named blk0.., net0..). With
-    /// none, the VM has no PCI bus at all.
+    /// none of these and no `platform_pci`, the VM has no PCI bus at all.
     pub pci: Vec<PciDeviceConfig>,
+    /// Other PCI devices, in the slots after the virtio devices, in this order.
+    pub platform_pci: Vec<PlatformPciDevice>,
     /// Confine Lucid's threads with a seccomp filter per role (docs/security.md).
     pub seccomp: bool,
     /// An emulated Intel VT-d (`--iommu vtd`): every device's DMA and MSIs go through it.
@@ -81,6 +100,7 @@ impl VmConfig {
             backing: Backing::Anonymous,
             handle_signals: false,
             pci: Vec::new(),
+            platform_pci: Vec::new(),
             seccomp: true,
             iommu: None,
         }
@@ -94,7 +114,7 @@ pub const MAX_MEM_MIB: u64 = 1 << 20;
 /// Smallest RAM that holds the boot structures below 1 MiB plus a kernel.
 pub const MIN_MEM_MIB: u64 = 2;
 
-/// A `--blk` or `--net` option string Lucid cannot use, saying which part and why.
+/// A `--blk`, `--net` or `--device` option string Lucid cannot use, saying which part and why.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub enum DeviceOptionError {
     #[error("{opt} {input:?}: {pair:?} is not KEY=VALUE")]
@@ -122,6 +142,28 @@ pub enum DeviceOptionError {
         input: String,
         what: &'static str,
     },
+    #[error("--device {name:?}: no such device (devices: edu)")]
+    UnknownDevice { name: String },
+    #[error("--device {device}: takes no options, got {pair:?}")]
+    NoOptions { device: &'static str, pair: String },
+}
+
+/// Parses `--device NAME[,KEY=VALUE..]`. The one device today is `edu`, which takes no options.
+/// Never panics, whatever the input (a fuzz target calls it).
+pub fn parse_device(s: &str) -> Result<PlatformPciDevice, DeviceOptionError> {
+    let mut parts = s.split(',').filter(|p| !p.is_empty());
+    let name = parts.next().unwrap_or_default();
+    let device = match name {
+        "edu" => PlatformPciDevice::Edu,
+        _ => return Err(DeviceOptionError::UnknownDevice { name: name.into() }),
+    };
+    if let Some(pair) = parts.next() {
+        return Err(DeviceOptionError::NoOptions {
+            device: device.name(),
+            pair: pair.into(),
+        });
+    }
+    Ok(device)
 }
 
 /// Parses `--blk path=FILE[,ro=on|off][,bs=512|4096][,id=STR][,rung=L0..L4|L4p]
@@ -463,6 +505,30 @@ mod tests {
         }
     }
 
+    #[test]
+    fn device_options() {
+        assert_eq!(parse_device("edu"), Ok(PlatformPciDevice::Edu));
+        assert_eq!(parse_device("edu,"), Ok(PlatformPciDevice::Edu));
+        assert_eq!(
+            parse_device("edu,dma_mask=1"),
+            Err(DeviceOptionError::NoOptions {
+                device: "edu",
+                pair: "dma_mask=1".into()
+            })
+        );
+        for bad in ["", ",", "EDU", "edu2", "virtio-blk", "=edu", "edu=1"] {
+            assert!(
+                matches!(
+                    parse_device(bad),
+                    Err(DeviceOptionError::UnknownDevice { .. })
+                ),
+                "{bad}"
+            );
+        }
+        let msg = parse_device("ed").unwrap_err().to_string();
+        assert_eq!(msg, "--device \"ed\": no such device (devices: edu)");
+    }
+
     /// Option soup from the pieces the parsers look for (and bytes they do not expect): every
     /// string gets a clean Ok or Err, never a panic. The fuzz target does the same at scale.
     #[test]
@@ -477,6 +543,7 @@ mod tests {
             "poll_us",
             "backend",
             "mac",
+            "edu",
             "=",
             ",",
             ":",
@@ -514,6 +581,7 @@ mod tests {
             accepted += parse_blk(&s).is_ok() as u32;
             accepted += parse_net(&s, (x % 300) as usize).is_ok() as u32;
             accepted += parse_iommu(&s).is_ok() as u32;
+            accepted += parse_device(&s).is_ok() as u32;
         }
         assert!(accepted > 0, "the soup holds some valid strings");
     }

@@ -15,8 +15,8 @@ mod vm;
 
 pub use builder::{KernelLoad, VmBuilder};
 pub use config::{
-    parse_blk, parse_iommu, parse_net, DeviceOptionError, KernelSource, PciDeviceConfig,
-    PciDeviceKind, VmConfig, MAX_MEM_MIB, MAX_VCPUS,
+    parse_blk, parse_device, parse_iommu, parse_net, DeviceOptionError, KernelSource,
+    PciDeviceConfig, PciDeviceKind, PlatformPciDevice, VmConfig, MAX_MEM_MIB, MAX_VCPUS,
 };
 pub use emulate::Emulator;
 pub use hooks::{ExitHooks, HypercallHook, MsrHook};

@@ -109,6 +109,22 @@ impl RunReport {
             .collect()
     }
 
+    /// What the edu device did, when there is one and a guest drove it.
+    fn edu_line(&self) -> Option<String> {
+        let c = |n: &str| self.counters.get(&format!("edu.{n}")).copied();
+        let (reads, writes) = (c("dma_reads")?, c("dma_writes")?);
+        let (errors, refused) = (c("dma_errors")?, c("dma_refused")?);
+        let (irqs, factorials) = (c("irqs")?, c("factorials")?);
+        if reads + writes + errors + refused + irqs + factorials == 0 {
+            return None;
+        }
+        Some(format!(
+            "edu: {reads} DMA reads and {writes} writes ({} bytes), {errors} failed, {refused} \
+             refused (outside its buffer); {irqs} interrupts; {factorials} factorials",
+            c("dma_bytes")?
+        ))
+    }
+
     pub fn stop_text(&self) -> String {
         match &self.stop {
             StopReason::DebugExit(v) => format!("guest wrote {v:#x} to the debug-exit port"),
@@ -162,6 +178,9 @@ impl RunReport {
                 exits as f64 / r,
                 d.irqs as f64 / r
             );
+        }
+        if let Some(line) = self.edu_line() {
+            let _ = writeln!(s, "{line}");
         }
         let emulated = self.emulated_by_mnemonic();
         if !emulated.is_empty() {
@@ -265,6 +284,40 @@ mod tests {
         assert!(s.contains("completed by Lucid: int3 3, xgetbv 1"), "{s}");
         assert!(
             s.contains("serial console: 10 bytes of guest output dropped"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn summary_says_what_edu_did_only_when_driven() {
+        let mk = |vals: [u64; 7]| {
+            let names = [
+                "dma_reads",
+                "dma_writes",
+                "dma_bytes",
+                "dma_errors",
+                "dma_refused",
+                "irqs",
+                "factorials",
+            ];
+            RunReport {
+                stop: StopReason::Shutdown,
+                wall: Duration::from_secs(1),
+                vcpus: 1,
+                counters: names
+                    .iter()
+                    .zip(vals)
+                    .map(|(n, v)| (format!("edu.{n}"), v))
+                    .collect(),
+            }
+        };
+        assert!(!mk([0; 7]).summary().contains("edu:"));
+        let s = mk([2, 1, 12288, 1, 0, 3, 4]).summary();
+        assert!(
+            s.contains(
+                "edu: 2 DMA reads and 1 writes (12288 bytes), 1 failed, 0 refused (outside its \
+                 buffer); 3 interrupts; 4 factorials"
+            ),
             "{s}"
         );
     }

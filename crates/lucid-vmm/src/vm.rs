@@ -22,7 +22,9 @@ use lucid_stats::StatsRegistry;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::builder::{KernelLoad, VmBuilder};
-use crate::config::{KernelSource, VmConfig, MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB};
+use crate::config::{
+    KernelSource, PlatformPciDevice, VmConfig, MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB,
+};
 use crate::emulate::Emulator;
 use crate::hooks::ExitHooks;
 use crate::report::RunReport;
@@ -148,6 +150,8 @@ pub enum ConfigError {
     Memory(u64),
     #[error("the kernel command line contains a NUL byte at offset {0}")]
     CmdlineNul(usize),
+    #[error("--device edu given {0} times: a VM has one edu device at most")]
+    EduCount(usize),
 }
 
 /// A built VM.
@@ -178,17 +182,26 @@ pub struct Vm {
     router: Option<Arc<lucid_hv::GsiRouter>>,
 }
 
-/// The VM's PCI bus and its virtio devices.
+/// The VM's PCI bus and its devices.
 pub struct PciBus {
     pub root: Arc<lucid_pci::PciRoot>,
     pub router: Arc<lucid_hv::GsiRouter>,
-    /// (name, address, transport) in attach order.
+    /// (name, address, transport) of the virtio devices, in attach order.
     pub devices: Vec<(
         String,
         lucid_pci::PciAddress,
         Arc<Mutex<lucid_pci::VirtioPciDevice>>,
     )>,
+    /// The other devices, in the slots after the virtio ones.
+    pub platform: Vec<PlatformFunction>,
 }
+
+/// (name, address, function) of a PCI device that is not virtio.
+pub type PlatformFunction = (
+    String,
+    lucid_pci::PciAddress,
+    Arc<Mutex<dyn lucid_pci::PciDevice>>,
+);
 
 impl Vm {
     /// Builds the VM `config` describes, stage by stage ([`VmBuilder`]), ready to [`Vm::start`].
@@ -218,8 +231,9 @@ impl Vm {
 
         // MSI routes, and the vIOMMU before any device: transports ask the DMA path whether
         // addresses are translated when they are built.
-        let router = (!config.pci.is_empty() || config.iommu.is_some())
-            .then(|| lucid_hv::GsiRouter::new(b.vm().clone()));
+        let has_pci = !config.pci.is_empty() || !config.platform_pci.is_empty();
+        let router =
+            (has_pci || config.iommu.is_some()).then(|| lucid_hv::GsiRouter::new(b.vm().clone()));
         let iommu = match (config.iommu, &router) {
             (Some(cfg), Some(router)) => Some(crate::iommu::Iommu::build(
                 cfg,
@@ -234,10 +248,11 @@ impl Vm {
             _ => None,
         };
 
-        // Devices: the platform's, then virtio devices on PCI (only when there are any).
+        // Devices: the platform's, then PCI (only when there are PCI devices): virtio devices,
+        // then the others (`--device`).
         let platform = platform_devices(&config, b.vm(), &hooks, &lifecycle, &stats, &seccomp)?;
-        let pci = match (&router, config.pci.is_empty()) {
-            (Some(router), false) => Some(attach_pci(&config, &b, router, &dma, &hooks, &stats)?),
+        let pci = match (&router, has_pci) {
+            (Some(router), true) => Some(attach_pci(&config, &b, router, &dma, &hooks, &stats)?),
             _ => None,
         };
         let tsc_khz = add_hypercalls(&hooks, b.backend());
@@ -634,10 +649,31 @@ fn attach_pci(
         );
         devices.push((name, addr, dev));
     }
+    // The other devices, in the next slots; INTx by the same rule.
+    let mut platform = Vec::new();
+    for &d in &config.platform_pci {
+        let slot = u8::try_from(devices.len() + platform.len() + 1).unwrap_or(u8::MAX);
+        let intx_gsi = layout::pci_intx_gsi(slot, 0);
+        let attached = match d {
+            PlatformPciDevice::Edu => lucid_pci::attach_edu(&root, &env, Some(intx_gsi))
+                .map(|(a, dev)| (a, dev as Arc<Mutex<dyn lucid_pci::PciDevice>>)),
+        };
+        let (addr, dev) = attached.map_err(|source| VmmError::PciAttach {
+            device: d.name().into(),
+            source,
+        })?;
+        debug_assert_eq!(addr.slot, slot, "INTx GSI assumes the next slot");
+        log::info!(
+            "{}: PCI {addr}, interrupts by MSI or INTx on GSI {intx_gsi}",
+            d.name()
+        );
+        platform.push((d.name().to_string(), addr, dev));
+    }
     Ok(PciBus {
         root,
         router,
         devices,
+        platform,
     })
 }
 
@@ -665,6 +701,15 @@ fn check_config(c: &VmConfig) -> Result<(), ConfigError> {
     }
     if let Some(offset) = c.cmdline.find('\0') {
         return Err(ConfigError::CmdlineNul(offset));
+    }
+    // Its counters (edu.*) are one set.
+    let edus = c
+        .platform_pci
+        .iter()
+        .filter(|d| **d == PlatformPciDevice::Edu)
+        .count();
+    if edus > 1 {
+        return Err(ConfigError::EduCount(edus));
     }
     Ok(())
 }
@@ -848,6 +893,10 @@ mod tests {
         c.cmdline = "a\0b".into();
         assert_eq!(check_config(&c), Err(ConfigError::CmdlineNul(1)));
         c.cmdline = "ok".into();
+        assert_eq!(check_config(&c), Ok(()));
+        c.platform_pci = vec![PlatformPciDevice::Edu; 2];
+        assert_eq!(check_config(&c), Err(ConfigError::EduCount(2)));
+        c.platform_pci.pop();
         assert_eq!(check_config(&c), Ok(()));
     }
 }

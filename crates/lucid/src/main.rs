@@ -93,6 +93,10 @@ struct RunArgs {
     /// vtd[,mode=samecore|sidecore][,pin=all|map|deferred]
     #[arg(long, value_name = "OPTS")]
     iommu: Option<String>,
+    /// Another PCI device, in the slots after the virtio devices (repeatable): edu (QEMU's
+    /// edu DMA test device, PCI 1234:11e8; at most one)
+    #[arg(long = "device", value_name = "NAME")]
+    device: Vec<String>,
     /// Run without the per-thread seccomp filters (see docs/security.md).
     #[arg(long)]
     no_seccomp: bool,
@@ -167,6 +171,9 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
         .as_deref()
         .map(lucid_vmm::parse_iommu)
         .transpose()?;
+    for d in &args.device {
+        config.platform_pci.push(lucid_vmm::parse_device(d)?);
+    }
 
     // Checked before the run, not after it: a typo in the path should not cost a whole run.
     let stats_file = match &args.stats_json {

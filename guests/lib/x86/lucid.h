@@ -24,6 +24,18 @@
 #define LUCID_HC_DISCOVER    0          /* returns LUCID_MAGIC */
 #define LUCID_HC_TSC_KHZ     1          /* returns the TSC frequency in kHz */
 #define LUCID_HC_BACKEND     2          /* returns a LUCID_BACKEND_* value */
+#define LUCID_HC_REPORT      3          /* rdi = LUCID_REPORT_* key, rsi = value; returns 0 */
+
+/* LUCID_HC_REPORT keys: guest-side iommu_dma figures, kept by Lucid as
+ * counters `iommu.guest.<name>` (the name after LUCID_REPORT_, lower case) */
+#define LUCID_REPORT_MAPS          0
+#define LUCID_REPORT_UNMAPS        1
+#define LUCID_REPORT_MAP_CYCLES    2    /* rdtsc cycles spent in map, summed */
+#define LUCID_REPORT_UNMAP_CYCLES  3
+#define LUCID_REPORT_REUSE_HITS    4    /* maps served by an existing mapping */
+#define LUCID_REPORT_STALE_MAX     5    /* most mappings logically unmapped but reachable */
+#define LUCID_REPORT_WINDOW_MAX_US 6    /* longest logical unmap -> invalidation complete */
+#define LUCID_REPORT_FAULTS_SEEN   7    /* VT-d fault records the guest read */
 
 #define LUCID_MAGIC          0x4C554349 /* 'LUCI' */
 

@@ -357,3 +357,21 @@ int pci_msix_pending(struct pci_dev *d, int entry)
 		return 0;
 	return (mmio_read32(d->msix_pba + 4 * (entry / 32)) >> (entry % 32)) & 1;
 }
+
+int pci_msi_set(struct pci_dev *d, u8 cap, u64 addr, u32 data)
+{
+	if (!cap)
+		return -1;
+	u16 ctl = pci_cfg_read16(d->bdf, cap + 2);
+	pci_cfg_write16(d->bdf, cap + 2, ctl & ~1u);	/* off while reprogramming */
+	pci_cfg_write32(d->bdf, cap + 4, (u32)addr);
+	if (ctl & 0x80) {				/* 64-bit address capable */
+		pci_cfg_write32(d->bdf, cap + 8, addr >> 32);
+		pci_cfg_write16(d->bdf, cap + 12, data);
+	} else {
+		pci_cfg_write16(d->bdf, cap + 8, data);
+	}
+	ctl &= ~0x70u;					/* one vector (MME = 0) */
+	pci_cfg_write16(d->bdf, cap + 2, ctl | 1);
+	return 0;
+}

@@ -93,5 +93,8 @@ void pci_msix_mask(struct pci_dev *d, int entry, int masked);
 void pci_msix_ctrl(struct pci_dev *d, u16 set, u16 clear);
 /* pending bit of entry in the PBA */
 int pci_msix_pending(struct pci_dev *d, int entry);
+/* plain MSI through the capability at cap: program address/data (one
+ * vector) and enable it; -1 if cap is 0 */
+int pci_msi_set(struct pci_dev *d, u8 cap, u64 addr, u32 data);
 
 #endif

@@ -5,6 +5,48 @@
 #define DMA_BASE_DEFAULT 0x800000	/* 8 MiB: above the image and per-CPU area */
 
 static u64 dma_next, dma_limit;
+int virtio_iommu, virtio_ir;
+
+int virtio_iommu_setup(u16 sid)
+{
+	const char *m = param_str("iommu", "none");
+	if (!strcmp(m, "none"))
+		return 0;
+	if (strcmp(m, "vtd")) {
+		printf("virtio: iommu must be vtd or none\n");
+		return -1;
+	}
+	if (iommu_dma_setup_for(sid))
+		return -1;
+	virtio_iommu = 1;
+	if (param_u64("ir", 0)) {	/* MSI-X through IRTEs */
+		if (vtd_ir_enable(256, 0))
+			return -1;
+		virtio_ir = 1;
+		printf("virtio: interrupt remapping on: MSI-X entries in remappable format\n");
+	}
+	return 0;
+}
+
+/* program MSI-X entry e of v: compatibility format, or with ir=1 an IRTE
+ * (next free index, source id checked) and the remappable format */
+static void msix_set(struct virtio_dev *v, int e, u8 vector)
+{
+	static u32 next_irte = 16;
+	if (!virtio_ir || next_irte >= vtd.irt_n) {
+		pci_msix_set(&v->pci, e, v->apic_id, vector);
+		return;
+	}
+	u32 idx = next_irte++;
+	vtd_irte_set(idx, vector, v->apic_id, v->pci.bdf);
+	u64 addr;
+	u32 data;
+	vtd_msi_remappable(idx, &addr, &data);
+	u64 ent = v->pci.msix_table + 16 * e;
+	mmio_write32(ent + 0, addr);
+	mmio_write32(ent + 4, addr >> 32);
+	mmio_write32(ent + 8, data);
+}
 
 void *dma_alloc(u64 size, u64 align)
 {
@@ -133,6 +175,12 @@ int virtio_init(struct virtio_dev *v, u64 want)
 		vc_write8(v, VC_STATUS, VIRTIO_S_FAILED);
 		return -1;
 	}
+	if (virtio_iommu && !(f & (1ull << VIRTIO_F_ACCESS_PLATFORM))) {
+		printf("virtio: iommu=vtd but the device does not offer ACCESS_PLATFORM (QEMU: "
+		       "iommu_platform=on)\n");
+		vc_write8(v, VC_STATUS, VIRTIO_S_FAILED);
+		return -1;
+	}
 	want |= (1ull << VIRTIO_F_VERSION_1) | (1ull << VIRTIO_F_ACCESS_PLATFORM);
 	v->features = f & want;
 	vc_write32(v, VC_GFSELECT, 0);
@@ -191,19 +239,26 @@ int virtio_setup_queue(struct virtio_dev *v, int qi, u16 qsize, int poll)
 		q->desc[i].next = i + 1 < size ? i + 1 : 0;
 	q->free_head = 0;
 	q->num_free = size;
+	/* rings: mapped once, for the life of the queue (the used ring both ways:
+	 * devices read back its flags) */
+	q->desc_iova = vmap(q->desc, 16ul * size, DMA_TO_DEVICE);
+	q->avail_iova = vmap(q->avail, 6 + 2ul * size, DMA_TO_DEVICE);
+	q->used_iova = vmap((void *)q->used, 6 + 8ul * size, DMA_BIDIR);
+	if (!q->desc_iova || !q->avail_iova || !q->used_iova)
+		return -1;
 	vc_write16(v, VC_Q_SIZE, size);
-	vc_write32(v, VC_Q_DESCLO, (u64)q->desc);
-	vc_write32(v, VC_Q_DESCHI, (u64)q->desc >> 32);
-	vc_write32(v, VC_Q_AVAILLO, (u64)q->avail);
-	vc_write32(v, VC_Q_AVAILHI, (u64)q->avail >> 32);
-	vc_write32(v, VC_Q_USEDLO, (u64)q->used);
-	vc_write32(v, VC_Q_USEDHI, (u64)q->used >> 32);
+	vc_write32(v, VC_Q_DESCLO, q->desc_iova);
+	vc_write32(v, VC_Q_DESCHI, q->desc_iova >> 32);
+	vc_write32(v, VC_Q_AVAILLO, q->avail_iova);
+	vc_write32(v, VC_Q_AVAILHI, q->avail_iova >> 32);
+	vc_write32(v, VC_Q_USEDLO, q->used_iova);
+	vc_write32(v, VC_Q_USEDHI, q->used_iova >> 32);
 
 	q->msix_entry = VIRTIO_MSI_NO_VECTOR;
 	q->vector = -1;
 	if (!poll && v->msix && qi + 1 < v->pci.msix_size && VIRTIO_IRQ_BASE + qi + 1 < 0xff) {
 		u16 e = qi + 1;
-		pci_msix_set(&v->pci, e, v->apic_id, VIRTIO_IRQ_BASE + e);
+		msix_set(v, e, VIRTIO_IRQ_BASE + e);
 		pci_msix_mask(&v->pci, e, 0);
 		vc_write16(v, VC_Q_MSIX, e);
 		if (vc_read16(v, VC_Q_MSIX) == e) {

@@ -16,6 +16,7 @@
 
 #include "types.h"
 #include "pci.h"
+#include "iommu_dma.h"
 
 #define VIRTIO_VENDOR		0x1af4
 #define VIRTIO_DEV_NET		0x1041
@@ -119,6 +120,7 @@ struct virtq {
 	u16 last_used;
 	int event_idx, poll;
 	u64 kicks, kicks_suppressed;
+	u64 desc_iova, avail_iova, used_iova;	/* bus addresses given to the device */
 };
 
 struct virtio_dev {
@@ -131,6 +133,30 @@ struct virtio_dev {
 	struct virtq *q;		/* num_queues entries once set up */
 	int msix;			/* MSI-X usable */
 };
+
+/*
+ * DMA through the VT-d (the guests' `iommu=vtd`): set by the guest after
+ * iommu_dma_setup_for(); virtio_init then requires ACCESS_PLATFORM, the
+ * rings are mapped once in virtio_setup_queue, and drivers map every
+ * buffer with vmap() and unmap it with vunmap() on completion. When 0
+ * vmap() is the identity and vunmap() does nothing.
+ */
+extern int virtio_iommu;
+/* ir=1 with iommu=vtd: interrupt remapping on, queue MSI-X entries go
+ * through IRTEs (index 16 up, source id checked) in remappable format */
+extern int virtio_ir;
+static inline u64 vmap(const void *p, u64 len, int dir)
+{
+	return virtio_iommu ? iommu_map((u64)p, len, dir) : (u64)p;
+}
+static inline void vunmap(u64 iova, u64 len)
+{
+	if (virtio_iommu)
+		iommu_unmap(iova, len);
+}
+/* iommu=vtd on the command line: set up the unit and strategy= for the
+ * device at sid and set virtio_iommu; 0 when not asked or done, -1 error */
+int virtio_iommu_setup(u16 sid);
 
 /* bump allocator: zeroed, aligned memory in guest RAM (from 8 MiB by
  * default, param `dma_base`). Exits the guest (code 2) when RAM runs out. */
