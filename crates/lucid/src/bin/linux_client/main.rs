@@ -5,7 +5,7 @@
 //! CI test `crates/lucid/tests/linux.rs`; prints, last, one line:
 //!
 //! `linux-client: init=yes|no rootfs=ok|fail disk2=ok|fail net=ok|fail|skipped
-//! userspace=ok|fail|skipped seconds=N` (on one line)
+//! [iommu=ok|fail] userspace=ok|fail|skipped seconds=N` (on one line; `iommu=` with `--iommu`)
 //!
 //! and with `--json FILE` a report with every milestone's time and the counts behind each check,
 //! and for a skipped part its reason, typed (`net_skip`, `userspace_skip`) and in words.
@@ -15,6 +15,10 @@
 //! (`<dev>.irq.irqfd` + `<dev>.irq.msi_signal` > 0, `<dev>.irq.intx` = 0), so a driver that
 //! fell back to INTx through the DSDT's `_PRT` fails it; and Linux enumerated one PCI function
 //! per device (`pci 0000:00:..: [1af4:1042]` for each disk, `[1af4:1041]` for the NIC).
+//!
+//! With `--iommu SPEC` (passed to `lucid run --iommu SPEC`) every device sits behind Lucid's
+//! VT-d: the boot adds the DMAR and intel-iommu milestones, and the `iommu` check wants them all,
+//! no DMA or interrupt fault and translations counted; the report has every `iommu.*` counter.
 //!
 //! On a host whose KVM is PVM (see shared/PLATFORM.md) no guest system call works, so the checks
 //! of the first boot need none: the kernel mounts the root filesystem and loads `/sbin/init` (a
