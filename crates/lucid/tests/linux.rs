@@ -263,7 +263,7 @@ fn small_linux_on(rung: &str, iommu: Option<&str>) {
     let tag = iommu.map_or(String::new(), |s| {
         let words: Vec<_> = s
             .split(',')
-            .map(|w| w.split('=').last().unwrap_or(w))
+            .map(|w| w.rsplit('=').next().unwrap_or(w))
             .collect();
         format!("-{}", words.join("-"))
     });

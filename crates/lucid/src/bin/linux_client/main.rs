@@ -1403,4 +1403,25 @@ mod tests {
         assert_eq!(j["net_skip"], "no-tap");
         assert_eq!(j["userspace_skip"], Value::Null);
     }
+
+    #[test]
+    fn iommu_counters_are_taken_whole_and_nest_back() {
+        let stats = json!({ "counters": { "iommu": {
+            "inv": { "wait": 834, "iotlb_page": 824 },
+            "maps": 629,
+            "sidecore": { "cpu_ns": { "total": 5 } },
+        } } });
+        let mut counters = Vec::new();
+        leaf_counters(&stats["counters"]["iommu"], "iommu", &mut counters);
+        assert_eq!(counters.len(), 4);
+        let r = Report {
+            counters,
+            ..Report::default()
+        };
+        let j = r.to_json();
+        assert_eq!(counter(&j, "iommu.inv.wait"), 834);
+        assert_eq!(counter(&j, "iommu.inv.iotlb_page"), 824);
+        assert_eq!(counter(&j, "iommu.maps"), 629);
+        assert_eq!(counter(&j, "iommu.sidecore.cpu_ns"), 5);
+    }
 }
