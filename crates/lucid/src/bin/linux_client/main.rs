@@ -5,7 +5,7 @@
 //! CI test `crates/lucid/tests/linux.rs`; prints, last, one line:
 //!
 //! `linux-client: init=yes|no rootfs=ok|fail disk2=ok|fail net=ok|fail|skipped
-//! userspace=ok|fail|skipped seconds=N` (on one line)
+//! [iommu=ok|fail] userspace=ok|fail|skipped seconds=N` (on one line; `iommu=` with `--iommu`)
 //!
 //! and with `--json FILE` a report with every milestone's time and the counts behind each check,
 //! and for a skipped part its reason, typed (`net_skip`, `userspace_skip`) and in words.
@@ -15,6 +15,10 @@
 //! (`<dev>.irq.irqfd` + `<dev>.irq.msi_signal` > 0, `<dev>.irq.intx` = 0), so a driver that
 //! fell back to INTx through the DSDT's `_PRT` fails it; and Linux enumerated one PCI function
 //! per device (`pci 0000:00:..: [1af4:1042]` for each disk, `[1af4:1041]` for the NIC).
+//!
+//! With `--iommu SPEC` (passed to `lucid run --iommu SPEC`) every device sits behind Lucid's
+//! VT-d: the boot adds the DMAR and intel-iommu milestones, and the `iommu` check wants them all,
+//! no DMA or interrupt fault and translations counted; the report has every `iommu.*` counter.
 //!
 //! On a host whose KVM is PVM (see shared/PLATFORM.md) no guest system call works, so the checks
 //! of the first boot need none: the kernel mounts the root filesystem and loads `/sbin/init` (a
@@ -61,12 +65,14 @@ enum When {
     Always,
     /// The boot has a NIC.
     Net,
+    /// The boot has a vIOMMU (`--iommu`).
+    Iommu,
 }
 
 /// The first boot's milestones, in boot order. A technique that gives Linux something new to
-/// drive adds its line here (with a `When` for its device), and its check in `Checks`:
-/// the vIOMMU's DMAR table (`DMAR: Host address width`, then `DMAR: IOMMU enabled` from
-/// intel-iommu), a balloon device (`virtio_balloon`, bound by Linux's virtio_balloon).
+/// drive adds its line here (with a `When` for its device), and its check in `first_boot`:
+/// the vIOMMU's DMAR table and intel-iommu taking the unit (below), a balloon device
+/// (`virtio_balloon`, bound by Linux's virtio_balloon).
 const MILESTONES: &[Milestone] = &[
     m("Linux version", "Linux version", When::Always),
     m("Lucid's ACPI tables", "ACPI: XSDT", When::Always),
@@ -74,6 +80,29 @@ const MILESTONES: &[Milestone] = &[
         "PCI root bridge",
         "PCI host bridge to bus 0000:00",
         When::Always,
+    ),
+    // With `--iommu vtd`: Linux parses Lucid's DMAR (one DRHD at the contract's base, host
+    // address width 48), intel-iommu sets the unit up with queued invalidation, and its init
+    // ends with the banner, after which every PCI device's DMA goes through the unit.
+    m(
+        "DMAR: host address width 48",
+        "DMAR: Host address width 48",
+        When::Iommu,
+    ),
+    m(
+        "DMAR: DRHD at 0xfed90000",
+        "DMAR: DRHD base: 0x000000fed90000",
+        When::Iommu,
+    ),
+    m(
+        "DMAR: queued invalidation",
+        "DMAR: dmar0: Using Queued invalidation",
+        When::Iommu,
+    ),
+    m(
+        "intel-iommu enabled",
+        "DMAR: Intel(R) Virtualization Technology for Directed I/O",
+        When::Iommu,
     ),
     m("virtio_blk vda", "virtio_blk virtio0: [vda]", When::Always),
     m("GPT of vdb read", " vdb: vdb1 vdb2 vdb3", When::Always),
@@ -104,6 +133,8 @@ struct Args {
     log: Option<PathBuf>,
     userspace: Tristate,
     net: Tristate,
+    /// `--iommu SPEC`: passed to `lucid run --iommu SPEC`.
+    iommu: Option<String>,
     extra: Vec<String>,
 }
 
@@ -118,7 +149,7 @@ fn usage() -> ! {
     eprintln!(
         "usage: lucid-linux-client [--kernel VMLINUX] [--lucid PATH] [--rung L0|L1|L2|L3|L4|L4p] \
          [--timeout SECS] [--json FILE] [--log FILE] [--userspace auto|yes|no] \
-         [--net auto|yes|no] [-- extra lucid run args]"
+         [--net auto|yes|no] [--iommu vtd[,mode=..][,pin=..]] [-- extra lucid run args]"
     );
     std::process::exit(2)
 }
@@ -141,6 +172,7 @@ fn parse_args() -> Args {
         log: None,
         userspace: Tristate::Auto,
         net: Tristate::Auto,
+        iommu: None,
         extra: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
@@ -163,6 +195,7 @@ fn parse_args() -> Args {
             "--log" => a.log = it.next().map(PathBuf::from),
             "--userspace" => a.userspace = tri(it.next()),
             "--net" => a.net = tri(it.next()),
+            "--iommu" => a.iommu = Some(it.next().unwrap_or_else(|| usage())),
             "--" => a.extra = it.by_ref().collect(),
             _ => usage(),
         }
@@ -173,7 +206,14 @@ fn parse_args() -> Args {
 fn main() {
     let args = parse_args();
     let start = Instant::now();
-    let mut report = Report::default();
+    let mut report = Report {
+        iommu: if args.iommu.is_some() {
+            Status::Fail
+        } else {
+            Status::Skipped
+        },
+        ..Report::default()
+    };
     let code = match run(&args, &mut report) {
         Ok(()) => i32::from(!report.passed()),
         Err(e) => {
@@ -202,6 +242,9 @@ struct Report {
     rootfs: Status,
     disk2: Status,
     net: Status,
+    /// With `--iommu`: `Ok` when Linux parsed the DMAR and intel-iommu took the unit with no DMA
+    /// fault; `Skipped` without a vIOMMU.
+    iommu: Status,
     net_skip: Option<Skip>,
     icmp_sent: u64,
     icmp_replies: u64,
@@ -289,14 +332,25 @@ impl Report {
     fn passed(&self) -> bool {
         self.error.is_none()
             && self.init
-            && [self.rootfs, self.disk2, self.net, self.userspace]
-                .iter()
-                .all(|s| *s != Status::Fail)
+            && [
+                self.rootfs,
+                self.disk2,
+                self.net,
+                self.iommu,
+                self.userspace,
+            ]
+            .iter()
+            .all(|s| *s != Status::Fail)
     }
 
     fn line(&self) -> String {
+        // `iommu=` only for a boot with a vIOMMU, so the line without one keeps its form.
+        let iommu = match self.iommu {
+            Status::Skipped => String::new(),
+            s => format!(" iommu={}", s.word()),
+        };
         format!(
-            "linux-client: init={} rootfs={} disk2={} net={} userspace={} seconds={}",
+            "linux-client: init={} rootfs={} disk2={} net={}{iommu} userspace={} seconds={}",
             if self.init { "yes" } else { "no" },
             self.rootfs.word(),
             self.disk2.word(),
@@ -330,6 +384,7 @@ impl Report {
             "rootfs": self.rootfs.word(),
             "disk2": self.disk2.word(),
             "net": self.net.word(),
+            "iommu": self.iommu.word(),
             "net_skip": self.net_skip.as_ref().map(|s| s.kind.word()),
             "net_skipped_because": self.net_skip.as_ref().map(|s| &s.why),
             "icmp": { "sent": self.icmp_sent, "replies": self.icmp_replies, "rtt_ms": self.icmp_rtt_ms },
@@ -832,7 +887,8 @@ fn tail(lines: &[Line], n: usize) -> Vec<String> {
 }
 
 /// `lucid run` arguments: the kernel, 128 MiB, `disks` (path, read-only) in order as vda, vdb,
-/// .., a NIC on the tap when `net`, every device on the rung asked for, then the user's extras.
+/// .., a NIC on the tap when `net`, every device on the rung asked for, the vIOMMU when asked
+/// for, then the user's extras.
 fn run_args(
     args: &Args,
     initrd: Option<&Path>,
@@ -855,6 +911,9 @@ fn run_args(
     }
     if net {
         run.extend(["--net".into(), format!("backend=tap:{TAP},rung={rung}")]);
+    }
+    if let Some(spec) = &args.iommu {
+        run.extend(["--iommu".into(), spec.clone()]);
     }
     run.extend(["--cmdline".into(), cmdline]);
     run.extend(args.extra.iter().cloned());
@@ -933,9 +992,14 @@ fn first_boot(
     }
 
     let has_net = ns.is_some();
+    let has_iommu = args.iommu.is_some();
     report.milestones = MILESTONES
         .iter()
-        .filter(|m| m.when == When::Always || has_net)
+        .filter(|m| match m.when {
+            When::Always => true,
+            When::Net => has_net,
+            When::Iommu => has_iommu,
+        })
         .map(|m| (m.name.to_string(), first(&lines, m.needle)))
         .collect();
     report.init = first(&lines, init_line).is_some();
@@ -971,6 +1035,12 @@ fn first_boot(
     for name in names {
         let v = c(&name);
         report.counters.push((name, v));
+    }
+    if has_iommu {
+        // Every counter the unit registered (`iommu.*`), whatever the model counts.
+        if let Some(s) = &stats {
+            leaf_counters(&s["counters"]["iommu"], "iommu", &mut report.counters);
+        }
     }
     // Every interrupt of the device went out as an MSI-X message (irqfd on L1-L4, signal_msi
     // on L0), and at least one did: its driver enabled MSI-X and did not fall back to INTx.
@@ -1025,10 +1095,44 @@ fn first_boot(
                 && msix_only("net0"),
         );
     }
+    if has_iommu {
+        // intel-iommu took the unit (each DMAR milestone), and no DMA or interrupt request was
+        // refused: neither the model's fault counters nor Linux's fault handler saw one.
+        let iommu_lines = MILESTONES
+            .iter()
+            .filter(|m| m.when == When::Iommu)
+            .all(|m| first(&lines, m.needle).is_some());
+        let linux_saw_fault = lines.iter().any(|l| {
+            l.text.contains("DMAR: DRHD: handling fault") || l.text.contains("DMAR: [DMA")
+        });
+        report.iommu = Status::from(
+            iommu_lines
+                && !linux_saw_fault
+                && c("iommu.faults.dma") == 0
+                && c("iommu.faults.ir") == 0
+                && c("iommu.iotlb.misses") > 0,
+        );
+    }
     report.lucid_exit = code;
     report.lucid_stderr = stderr;
     report.console_tail = tail(&lines, 25);
     Ok(())
+}
+
+/// Flattens the numeric leaves of a stats JSON subtree into dotted names under `prefix`.
+fn leaf_counters(v: &Value, prefix: &str, out: &mut Vec<(String, u64)>) {
+    match v {
+        Value::Object(m) => {
+            for (k, v) in m {
+                leaf_counters(v, &format!("{prefix}.{k}"), out);
+            }
+        }
+        v => {
+            if let Some(n) = v.as_u64() {
+                out.push((prefix.to_string(), n));
+            }
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1262,6 +1366,7 @@ mod tests {
             rootfs: Status::Ok,
             disk2: Status::Fail,
             net: Status::Skipped,
+            iommu: Status::Skipped,
             userspace: Status::Skipped,
             seconds: 131.4,
             ..Report::default()
@@ -1272,6 +1377,13 @@ mod tests {
              seconds=131"
         );
         assert!(!r.passed(), "a failed GPT check fails the run");
+        let r = Report {
+            iommu: Status::Ok,
+            ..r
+        };
+        assert!(r
+            .line()
+            .contains(" net=skipped iommu=ok userspace=skipped "));
     }
 
     #[test]
@@ -1290,5 +1402,26 @@ mod tests {
         assert_eq!(counter(&j, "blk1.requests"), 0);
         assert_eq!(j["net_skip"], "no-tap");
         assert_eq!(j["userspace_skip"], Value::Null);
+    }
+
+    #[test]
+    fn iommu_counters_are_taken_whole_and_nest_back() {
+        let stats = json!({ "counters": { "iommu": {
+            "inv": { "wait": 834, "iotlb_page": 824 },
+            "maps": 629,
+            "sidecore": { "cpu_ns": { "total": 5 } },
+        } } });
+        let mut counters = Vec::new();
+        leaf_counters(&stats["counters"]["iommu"], "iommu", &mut counters);
+        assert_eq!(counters.len(), 4);
+        let r = Report {
+            counters,
+            ..Report::default()
+        };
+        let j = r.to_json();
+        assert_eq!(counter(&j, "iommu.inv.wait"), 834);
+        assert_eq!(counter(&j, "iommu.inv.iotlb_page"), 824);
+        assert_eq!(counter(&j, "iommu.maps"), 629);
+        assert_eq!(counter(&j, "iommu.sidecore.cpu_ns"), 5);
     }
 }
