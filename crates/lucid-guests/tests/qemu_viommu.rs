@@ -33,34 +33,17 @@ fn have_qemu() -> bool {
 /// Caching Mode) when `vtd`, and `devices` (extra QEMU arguments).
 fn qemu(name: &str, append: &str, vtd: bool, devices: &[&str]) -> Run {
     let elf = lucid_guests::build_dir().join(format!("{name}.elf"));
-    let mut cmd = Command::new("qemu-system-x86_64");
-    cmd.args([
-        "-enable-kvm",
+    let machine = [
         "-M",
         "q35,kernel-irqchip=split",
         "-bios",
         "/usr/share/qemu/qboot.rom",
-        "-m",
-        "256",
-        "-nodefaults",
-        "-no-user-config",
-        "-nographic",
-        "-no-reboot",
-        "-serial",
-        "stdio",
-        "-monitor",
-        "none",
-        "-display",
-        "none",
-        "-device",
-        "isa-debug-exit,iobase=0xf4,iosize=4",
-    ]);
+    ];
+    let mut cmd = lucid_guests::qemu_command(&machine, &elf, append);
     if vtd {
         cmd.args(["-device", "intel-iommu,intremap=on,caching-mode=on"]);
     }
     cmd.args(devices)
-        .args(["-append", append, "-kernel"])
-        .arg(elf)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
