@@ -41,17 +41,7 @@ static u64 rng(void)
 
 static int skipped(const char *name)
 {
-	const char *s = param_str("skip", "");
-	size_t n = strlen(name);
-	while (*s) {
-		if (!strncmp(s, name, n) && (s[n] == ',' || s[n] == 0))
-			return 1;
-		while (*s && *s != ',')
-			s++;
-		if (*s == ',')
-			s++;
-	}
-	return 0;
+	return list_has(param_str("skip", ""), name);
 }
 
 static void sync_gcmd(void)
