@@ -83,6 +83,24 @@ pub const QEMU_MICROVM: &[&str] = &["-M", "microvm,x-option-roms=off,rtc=off,isa
 /// boots in a fraction of a second.
 pub const QEMU_Q35: &[&str] = &["-M", "q35", "-bios", "/usr/share/qemu/qboot.rom"];
 
+/// For tests that compare with QEMU: whether `qemu-system-x86_64` runs. Outside CI a missing
+/// QEMU skips the test (this says so on stdout); in CI (`CI` set) it is a failure.
+pub fn qemu_installed() -> bool {
+    if Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .output()
+        .is_ok()
+    {
+        return true;
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "qemu-system-x86_64 missing in CI (scripts/deps.sh --test installs it)"
+    );
+    println!("skipped: qemu-system-x86_64 is not installed");
+    false
+}
+
 /// QEMU running a probe guest: one vCPU, 256 MiB, serial on stdout, the debug-exit port, no
 /// default devices. `machine` is the `-M` option and its value (plus `-bios` for q35). The
 /// default CPU model: `-cpu host` aborts on this host (MSR 0x10a). Standard input and error are

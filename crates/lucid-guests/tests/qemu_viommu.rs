@@ -3,7 +3,7 @@
 //! `qemu-system-x86_64` is not installed (outside CI).
 
 use std::io::Read;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 /// One finished QEMU run: exit status (None when killed at the time limit) and the console.
@@ -11,22 +11,6 @@ struct Run {
     status: Option<i32>,
     stdout: String,
     stderr: String,
-}
-
-fn have_qemu() -> bool {
-    if Command::new("qemu-system-x86_64")
-        .arg("--version")
-        .output()
-        .is_ok()
-    {
-        return true;
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "qemu-system-x86_64 missing in CI (scripts/deps.sh --test installs it)"
-    );
-    println!("skipped: qemu-system-x86_64 is not installed");
-    false
 }
 
 /// Boots guest `name` on q35 + qboot with the split irqchip, QEMU's VT-d (interrupt remapping,
@@ -114,7 +98,7 @@ fn field(out: &str, prefix: &str, name: &str) -> u64 {
 
 #[test]
 fn edu_works_without_and_through_the_vtd() {
-    if !have_qemu() {
+    if !lucid_guests::qemu_installed() {
         return;
     }
     let want = ["liveness=ok factorial=ok dma=ok irq=ok dma_irq=ok"];
@@ -134,7 +118,7 @@ fn edu_works_without_and_through_the_vtd() {
 /// only outside Lucid.
 #[test]
 fn iommu_guest_isolation_cases_pass() {
-    if !have_qemu() {
+    if !lucid_guests::qemu_installed() {
         return;
     }
     let r = qemu("iommu", "", true, &["-device", "edu"]);
@@ -152,7 +136,7 @@ fn iommu_guest_isolation_cases_pass() {
 
 #[test]
 fn vtd_registers_are_sane_and_read_only_ones_hold() {
-    if !have_qemu() {
+    if !lucid_guests::qemu_installed() {
         return;
     }
     let r = qemu("vtd-regs", "reads=200", true, &[]);
@@ -171,7 +155,7 @@ fn vtd_registers_are_sane_and_read_only_ones_hold() {
 
 #[test]
 fn the_unit_recovers_from_a_hostile_driver() {
-    if !have_qemu() {
+    if !lucid_guests::qemu_installed() {
         return;
     }
     let r = qemu("vtd-evil", "", true, &["-device", "edu"]);
@@ -192,7 +176,7 @@ fn the_unit_recovers_from_a_hostile_driver() {
 /// paper's stale-mapping bounds (strict 0, deferred <= 250, teardown <= quota).
 #[test]
 fn virtio_blk_through_the_vtd_with_every_strategy() {
-    if !have_qemu() {
+    if !lucid_guests::qemu_installed() {
         return;
     }
     let img = std::env::temp_dir().join(format!("lucid-viommu-{}.img", std::process::id()));
@@ -253,7 +237,7 @@ fn virtio_blk_through_the_vtd_with_every_strategy() {
 
 #[test]
 fn virtio_net_through_the_vtd() {
-    if !have_qemu() {
+    if !lucid_guests::qemu_installed() {
         return;
     }
     // a UDP socket netdev sending to its own address echoes every frame

@@ -417,16 +417,7 @@ fn assert_prints(o: &common::Outcome, needles: &[&str]) {
 /// Runs `kernel` under QEMU with `machine` and the debug-exit device; `None` when QEMU is not
 /// installed (which CI does not allow).
 fn qemu(machine: &[&str], kernel: &std::path::Path, append: &str) -> Option<common::Outcome> {
-    if std::process::Command::new("qemu-system-x86_64")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "qemu-system-x86_64 missing in CI (scripts/deps.sh --test installs it)"
-        );
-        println!("skipped: qemu-system-x86_64 is not installed");
+    if !lucid_guests::qemu_installed() {
         return None;
     }
     let cmd = lucid_guests::qemu_command(machine, kernel, append);
