@@ -136,6 +136,17 @@ pub fn qemu_command(machine: &[&str], kernel: &Path, append: &str) -> Command {
 
 pub use lucid_guests::{QEMU_MICROVM, QEMU_Q35};
 
+/// The start of a benchmark's SVG plot: a `w` x `h` canvas on white, text at `font_size`, and
+/// `title` across the top. The caller draws the rest and closes the `<svg>`.
+pub fn svg_start(w: f64, h: f64, font_size: u32, title: &str) -> String {
+    format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" \
+         font-family=\"sans-serif\" font-size=\"{font_size}\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"10\" y=\"18\" font-size=\"14\">{title}</text>\n"
+    )
+}
+
 fn qemu_cmd(kernel: &Path, append: &str) -> Command {
     qemu_command(QEMU_MICROVM, kernel, append)
 }

@@ -558,15 +558,12 @@ impl WorkloadResult {
 
 fn svg_plot(results: &[WorkloadResult]) -> String {
     let (w, h) = (900.0, 520.0);
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">"#
-    );
-    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="10" y="18" font-size="14">lucid bench io: ops/s (bars, left axis, log) and userspace exits per I/O (dots, right axis) per rung</text>"#
+    let mut s = crate::bench::svg_start(
+        w,
+        h,
+        11,
+        "lucid bench io: ops/s (bars, left axis, log) and userspace exits per I/O (dots, right \
+         axis) per rung",
     );
     let panel_w = (w - 60.0) / results.len().max(1) as f64;
     let (top, bottom) = (40.0, h - 90.0);

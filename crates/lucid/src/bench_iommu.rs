@@ -321,15 +321,12 @@ impl Table {
         let setups = setups();
         let panel_h = 150.0;
         let (w, h) = (960.0, 50.0 + panel_h * self.rows.len() as f64 + 40.0);
-        let mut s = String::new();
-        let _ = writeln!(
-            s,
-            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="10">"#
-        );
-        let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-        let _ = writeln!(
-            s,
-            r#"<text x="10" y="18" font-size="14">lucid bench iommu: ops/s as a fraction of no IOMMU (1.0 = off), samecore (blue) and sidecore (orange)</text>"#
+        let mut s = crate::bench::svg_start(
+            w,
+            h,
+            10,
+            "lucid bench iommu: ops/s as a fraction of no IOMMU (1.0 = off), samecore (blue) and \
+             sidecore (orange)",
         );
         let bar_w = (w - 200.0) / setups.len() as f64;
         for (i, ((wl, rung), row)) in self.rows.iter().enumerate() {
