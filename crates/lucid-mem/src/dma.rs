@@ -588,6 +588,11 @@ mod tests {
     use crate::{Backing, GuestRam};
     use std::sync::Mutex;
 
+    /// `GuestMemory::check_range` of `dm` at `addr`.
+    fn can(dm: &DeviceMemory, addr: u64, len: usize, perm: Permissions) -> bool {
+        GuestMemory::check_range(dm, GuestAddress(addr), len, perm)
+    }
+
     /// Maps IOVA page N to guest page N+1, 4 KiB at a time; page 7 faults.
     struct ShiftByOnePage;
     impl DmaTranslator for ShiftByOnePage {
@@ -752,18 +757,8 @@ mod tests {
             ram.memory().read_obj::<u16>(GuestAddress(0x2000)).unwrap(),
             0xabcd
         );
-        assert!(GuestMemory::check_range(
-            &dm,
-            GuestAddress(0xff000),
-            0x1000,
-            Permissions::Write
-        ));
-        assert!(!GuestMemory::check_range(
-            &dm,
-            GuestAddress(0xff000),
-            0x1001,
-            Permissions::Read
-        ));
+        assert!(can(&dm, 0xff000, 0x1000, Permissions::Write));
+        assert!(!can(&dm, 0xff000, 0x1001, Permissions::Read));
         assert!(dm.read_obj::<u64>(GuestAddress(1 << 20)).is_err());
     }
 
@@ -832,18 +827,8 @@ mod tests {
             ram.memory().read_obj::<u16>(GuestAddress(0x30010)).unwrap(),
             0x1234
         );
-        assert!(GuestMemory::check_range(
-            &dm,
-            GuestAddress(0x102000),
-            0x1000,
-            Permissions::Read
-        ));
-        assert!(!GuestMemory::check_range(
-            &dm,
-            GuestAddress(0x102000),
-            0x1000,
-            Permissions::Write
-        ));
+        assert!(can(&dm, 0x102000, 0x1000, Permissions::Read));
+        assert!(!can(&dm, 0x102000, 0x1000, Permissions::Write));
         // Unmapped IOVA (inside guest RAM's physical range: no identity fallback), and a
         // mapping onto non-RAM.
         assert!(dm.read_obj::<u32>(GuestAddress(0x1000)).is_err());
