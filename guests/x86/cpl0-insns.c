@@ -85,19 +85,8 @@ static void print_fault(void)
 static int wanted(const char *group)
 {
 	const char *run = param_str("run", "all");
-	size_t n = strlen(group);
 
-	if (!strcmp(run, "all"))
-		return 1;
-	for (const char *p = run; *p;) {
-		if (!strncmp(p, group, n) && (p[n] == ',' || p[n] == 0))
-			return 1;
-		while (*p && *p != ',')
-			p++;
-		if (*p == ',')
-			p++;
-	}
-	return 0;
+	return !strcmp(run, "all") || list_has(run, group);
 }
 
 /* ---- cpuid: what the guest sees at CPL0 (emulated) and at CPL3 ---- */

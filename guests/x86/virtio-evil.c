@@ -132,17 +132,7 @@ static const char *canary_ok(const u8 *p, u64 n)
 /* is case c in the comma-separated `skip=` list? */
 static int skipped(const char *c)
 {
-	const char *l = param_str("skip", "");
-	size_t n = strlen(c);
-	while (*l) {
-		const char *e = l;
-		while (*e && *e != ',')
-			e++;
-		if ((size_t)(e - l) == n && !strncmp(l, c, n))
-			return 1;
-		l = *e ? e + 1 : e;
-	}
-	return 0;
+	return list_has(param_str("skip", ""), c);
 }
 
 static void report(const char *c, const char *what)

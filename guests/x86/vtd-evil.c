@@ -41,17 +41,7 @@ static u64 rng(void)
 
 static int skipped(const char *name)
 {
-	const char *s = param_str("skip", "");
-	size_t n = strlen(name);
-	while (*s) {
-		if (!strncmp(s, name, n) && (s[n] == ',' || s[n] == 0))
-			return 1;
-		while (*s && *s != ',')
-			s++;
-		if (*s == ',')
-			s++;
-	}
-	return 0;
+	return list_has(param_str("skip", ""), name);
 }
 
 static void sync_gcmd(void)
@@ -388,6 +378,27 @@ static void case_qi(void)
 	qi_bad("wait-interrupt", VTD_QI_WAIT | (1 << 4), 0);
 }
 
+/* Raises the edu's interrupt as a remappable MSI through IRTE `index` and describes in `b` what
+ * came of it: delivered or blocked, and the fault records the unit made. */
+static const char *edu_irq_through(u32 index, char *b, size_t size)
+{
+	u64 a;
+	u32 d;
+	vtd_msi_remappable(index, &a, &d);
+	edu_msi_set(&edu, a, d);
+	while (irq_take() >= 0)
+		;
+	edu_write(&edu, EDU_IRQ_RAISE, 1);
+	int v = irq_wait(tt / 10);
+	edu_write(&edu, EDU_IRQ_ACK, 1);
+	struct vtd_fault f[4];
+	int n = vtd_read_faults(f, 4);
+	snprintf(b, size, "interrupt %s, %d records%s%s", v < 0 ? "blocked" : "delivered", n,
+		 n ? ", reason " : "", n ? vtd_fault_name(f[0].reason) : "");
+	edu_msi_disable(&edu);
+	return b;
+}
+
 static void case_ir(void)
 {
 	if (!VTD_ECAP_IR(vtd.ecap) || !VTD_ECAP_QI(vtd.ecap)) {
@@ -420,23 +431,8 @@ static void case_ir(void)
 		}
 		const char *what = "no edu: entry written, no MSI sent";
 		char b[128];
-		if (have_edu) {
-			u64 a;
-			u32 d;
-			vtd_msi_remappable(c[i].index, &a, &d);
-			edu_msi_set(&edu, a, d);
-			while (irq_take() >= 0)
-				;
-			edu_write(&edu, EDU_IRQ_RAISE, 1);
-			int v = irq_wait(tt / 10);
-			edu_write(&edu, EDU_IRQ_ACK, 1);
-			struct vtd_fault f[4];
-			int n = vtd_read_faults(f, 4);
-			snprintf(b, sizeof(b), "interrupt %s, %d records%s%s", v < 0 ? "blocked" : "delivered",
-				 n, n ? ", reason " : "", n ? vtd_fault_name(f[0].reason) : "");
-			what = b;
-			edu_msi_disable(&edu);
-		}
+		if (have_edu)
+			what = edu_irq_through(c[i].index, b, sizeof(b));
 		done("evil: %s: %s", c[i].name, what);
 	}
 	if (!skipped("irta-outside-ram")) {
@@ -445,21 +441,8 @@ static void case_ir(void)
 		int r = vtd_gcmd(VTD_GCMD_SIRTP, 1) | vtd_gcmd(VTD_GCMD_IRE, 1);
 		const char *what = "no edu";
 		char b[96];
-		if (have_edu && !r) {
-			u64 a;
-			u32 d;
-			vtd_msi_remappable(1, &a, &d);
-			edu_msi_set(&edu, a, d);
-			edu_write(&edu, EDU_IRQ_RAISE, 1);
-			int v = irq_wait(tt / 10);
-			edu_write(&edu, EDU_IRQ_ACK, 1);
-			struct vtd_fault f[4];
-			int n = vtd_read_faults(f, 4);
-			snprintf(b, sizeof(b), "interrupt %s, %d records%s%s", v < 0 ? "blocked" : "delivered",
-				 n, n ? ", reason " : "", n ? vtd_fault_name(f[0].reason) : "");
-			what = b;
-			edu_msi_disable(&edu);
-		}
+		if (have_edu && !r)
+			what = edu_irq_through(1, b, sizeof(b));
 		done("evil: irta-outside-ram: ire %s, %s", r ? "refused" : "on", what);
 	}
 }

@@ -82,20 +82,6 @@ static s64 ro_survives(u32 off, int size, u64 v, u64 settle)
 }
 
 /* name is one of the comma-separated words of list */
-static int in_list(const char *list, const char *name)
-{
-	size_t n = strlen(name);
-	while (*list) {
-		if (!strncmp(list, name, n) && (list[n] == ',' || !list[n]))
-			return 1;
-		while (*list && *list != ',')
-			list++;
-		if (*list == ',')
-			list++;
-	}
-	return 0;
-}
-
 static void loop(const char *name, u32 off, u64 n)
 {
 	u64 t0 = rdtsc();
@@ -158,7 +144,7 @@ int main(void)
 	};
 	const char *ro_list = param_str("ro", "VER,CAP,ECAP,GSTS,IQH");
 	for (u32 i = 0; i < ARRAY_SIZE(ro); i++) {
-		if (!in_list(ro_list, ro[i].n))
+		if (!list_has(ro_list, ro[i].n))
 			continue;
 		s64 us = ro_survives(ro[i].off, ro[i].size, ro[i].v, settle);
 		char what[32];

@@ -7,7 +7,8 @@
 //! Parameters come from the kernel command line (`count=100 port=0x80`).
 //! See `guests/README.md` for the ABI and each guest's parameters and output.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 macro_rules! guests {
     ($($name:literal),* $(,)?) => {
@@ -74,6 +75,59 @@ pub fn compute_host_path() -> PathBuf {
 /// Directory holding the built guest ELF files (`<name>.elf`).
 pub fn build_dir() -> PathBuf {
     PathBuf::from(concat!(env!("OUT_DIR"), "/guests"))
+}
+
+/// QEMU's microvm without option ROMs: boots a PVH ELF directly (~0.1 s).
+pub const QEMU_MICROVM: &[&str] = &["-M", "microvm,x-option-roms=off,rtc=off,isa-serial=on"];
+/// q35 with qboot: port 0xCF8 configuration works, QEMU's ACPI tables (ICH9 PM at 0x600), and it
+/// boots in a fraction of a second.
+pub const QEMU_Q35: &[&str] = &["-M", "q35", "-bios", "/usr/share/qemu/qboot.rom"];
+
+/// For tests that compare with QEMU: whether `qemu-system-x86_64` runs. Outside CI a missing
+/// QEMU skips the test (this says so on stdout); in CI (`CI` set) it is a failure.
+pub fn qemu_installed() -> bool {
+    if Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .output()
+        .is_ok()
+    {
+        return true;
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "qemu-system-x86_64 missing in CI (scripts/deps.sh --test installs it)"
+    );
+    println!("skipped: qemu-system-x86_64 is not installed");
+    false
+}
+
+/// QEMU running a probe guest: one vCPU, 256 MiB, serial on stdout, the debug-exit port, no
+/// default devices. `machine` is the `-M` option and its value (plus `-bios` for q35). The
+/// default CPU model: `-cpu host` aborts on this host (MSR 0x10a). Standard input and error are
+/// the caller's to set.
+pub fn qemu_command(machine: &[&str], kernel: &Path, append: &str) -> Command {
+    let mut c = Command::new("qemu-system-x86_64");
+    c.args(machine).args([
+        "-enable-kvm",
+        "-m",
+        "256",
+        "-smp",
+        "1",
+        "-nodefaults",
+        "-no-user-config",
+        "-nographic",
+        "-no-reboot",
+        "-serial",
+        "stdio",
+        "-monitor",
+        "none",
+        "-display",
+        "none",
+        "-device",
+        "isa-debug-exit,iobase=0xf4,iosize=4",
+    ]);
+    c.arg("-kernel").arg(kernel).args(["-append", append]);
+    c
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! `qemu-system-x86_64` is not installed (outside CI).
 
 use std::io::Read;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 /// One finished QEMU run: exit status (None when killed at the time limit) and the console.
@@ -13,54 +13,21 @@ struct Run {
     stderr: String,
 }
 
-fn have_qemu() -> bool {
-    if Command::new("qemu-system-x86_64")
-        .arg("--version")
-        .output()
-        .is_ok()
-    {
-        return true;
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "qemu-system-x86_64 missing in CI (scripts/deps.sh --test installs it)"
-    );
-    println!("skipped: qemu-system-x86_64 is not installed");
-    false
-}
-
 /// Boots guest `name` on q35 + qboot with the split irqchip, QEMU's VT-d (interrupt remapping,
 /// Caching Mode) when `vtd`, and `devices` (extra QEMU arguments).
 fn qemu(name: &str, append: &str, vtd: bool, devices: &[&str]) -> Run {
     let elf = lucid_guests::build_dir().join(format!("{name}.elf"));
-    let mut cmd = Command::new("qemu-system-x86_64");
-    cmd.args([
-        "-enable-kvm",
+    let machine = [
         "-M",
         "q35,kernel-irqchip=split",
         "-bios",
         "/usr/share/qemu/qboot.rom",
-        "-m",
-        "256",
-        "-nodefaults",
-        "-no-user-config",
-        "-nographic",
-        "-no-reboot",
-        "-serial",
-        "stdio",
-        "-monitor",
-        "none",
-        "-display",
-        "none",
-        "-device",
-        "isa-debug-exit,iobase=0xf4,iosize=4",
-    ]);
+    ];
+    let mut cmd = lucid_guests::qemu_command(&machine, &elf, append);
     if vtd {
         cmd.args(["-device", "intel-iommu,intremap=on,caching-mode=on"]);
     }
     cmd.args(devices)
-        .args(["-append", append, "-kernel"])
-        .arg(elf)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -131,7 +98,7 @@ fn field(out: &str, prefix: &str, name: &str) -> u64 {
 
 #[test]
 fn edu_works_without_and_through_the_vtd() {
-    if !have_qemu() {
+    if !lucid_guests::qemu_installed() {
         return;
     }
     let want = ["liveness=ok factorial=ok dma=ok irq=ok dma_irq=ok"];
@@ -151,7 +118,7 @@ fn edu_works_without_and_through_the_vtd() {
 /// only outside Lucid.
 #[test]
 fn iommu_guest_isolation_cases_pass() {
-    if !have_qemu() {
+    if !lucid_guests::qemu_installed() {
         return;
     }
     let r = qemu("iommu", "", true, &["-device", "edu"]);
@@ -169,7 +136,7 @@ fn iommu_guest_isolation_cases_pass() {
 
 #[test]
 fn vtd_registers_are_sane_and_read_only_ones_hold() {
-    if !have_qemu() {
+    if !lucid_guests::qemu_installed() {
         return;
     }
     let r = qemu("vtd-regs", "reads=200", true, &[]);
@@ -188,7 +155,7 @@ fn vtd_registers_are_sane_and_read_only_ones_hold() {
 
 #[test]
 fn the_unit_recovers_from_a_hostile_driver() {
-    if !have_qemu() {
+    if !lucid_guests::qemu_installed() {
         return;
     }
     let r = qemu("vtd-evil", "", true, &["-device", "edu"]);
@@ -209,7 +176,7 @@ fn the_unit_recovers_from_a_hostile_driver() {
 /// paper's stale-mapping bounds (strict 0, deferred <= 250, teardown <= quota).
 #[test]
 fn virtio_blk_through_the_vtd_with_every_strategy() {
-    if !have_qemu() {
+    if !lucid_guests::qemu_installed() {
         return;
     }
     let img = std::env::temp_dir().join(format!("lucid-viommu-{}.img", std::process::id()));
@@ -270,7 +237,7 @@ fn virtio_blk_through_the_vtd_with_every_strategy() {
 
 #[test]
 fn virtio_net_through_the_vtd() {
-    if !have_qemu() {
+    if !lucid_guests::qemu_installed() {
         return;
     }
     // a UDP socket netdev sending to its own address echoes every frame

@@ -359,12 +359,17 @@ mod tests {
         assert!(d.iter().all(|e| e.type_ == KVM_IRQ_ROUTING_IRQCHIP));
     }
 
-    #[test]
-    fn msi_routes_allocate_update_and_release() {
-        let kvm = crate::open_kvm().expect("KVM");
-        let vm = Vm::new(kvm).unwrap();
+    /// A VM with an irqchip (so the default routes exist) and its router.
+    fn vm_and_router() -> (Vm, Arc<GsiRouter>) {
+        let vm = Vm::new(crate::open_kvm().expect("KVM")).unwrap();
         vm.create_irqchip_and_pit().unwrap();
         let r = GsiRouter::new(vm.clone());
+        (vm, r)
+    }
+
+    #[test]
+    fn msi_routes_allocate_update_and_release() {
+        let (vm, r) = vm_and_router();
         let a = r.allocate().unwrap();
         let b = r.allocate().unwrap();
         assert_eq!((a, b), (24, 25));
@@ -426,10 +431,7 @@ mod tests {
 
     #[test]
     fn remapper_installs_remapped_routes_and_blocks() {
-        let kvm = crate::open_kvm().expect("KVM");
-        let vm = Vm::new(kvm).unwrap();
-        vm.create_irqchip_and_pit().unwrap();
-        let r = GsiRouter::new(vm.clone());
+        let (_vm, r) = vm_and_router();
         let a = r.allocate().unwrap();
         let b = r.allocate().unwrap();
         let m = MsiMessage {

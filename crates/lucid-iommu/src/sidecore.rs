@@ -46,20 +46,33 @@ use crate::pin::lock;
 use crate::regs::*;
 use crate::{EmulationMode, Fx, State, Vtd};
 
+/// The sidecore's register page: 4096 bytes, 8-byte aligned, that stay mapped while the value
+/// (or a copy) is used. `attach_shared_page` makes the unit's from its caller's promise.
+#[derive(Clone, Copy)]
+pub(crate) struct SharedPage(*mut u8);
+
+impl SharedPage {
+    /// # Safety
+    /// `p` points to 4096 bytes, 8-byte aligned, mapped for as long as the value is used.
+    pub(crate) unsafe fn new(p: *mut u8) -> Self {
+        SharedPage(p)
+    }
+}
+
 /// The shared page's dword at `off`.
-pub(crate) fn p32<'a>(p: *mut u8, off: u64) -> &'a AtomicU32 {
+pub(crate) fn p32<'a>(p: SharedPage, off: u64) -> &'a AtomicU32 {
     let off = (off & 0xffc) as usize;
-    // SAFETY: `p` is the page given to `attach_shared_page`, whose contract is 4096 mapped
-    // bytes for the unit's lifetime; `off` is 4-byte aligned and below 4096; the guest's
-    // accesses to the same memory are plain stores and loads, which the atomic tolerates.
-    unsafe { AtomicU32::from_ptr(p.add(off).cast::<u32>()) }
+    // SAFETY: `SharedPage::new`'s caller promised 4096 mapped, 8-byte aligned bytes; `off` is
+    // 4-byte aligned and below 4096; the guest's accesses to the same memory are plain stores
+    // and loads, which the atomic tolerates.
+    unsafe { AtomicU32::from_ptr(p.0.add(off).cast::<u32>()) }
 }
 
 /// The shared page's qword at `off` (8-byte aligned register).
-pub(crate) fn p64<'a>(p: *mut u8, off: u64) -> &'a AtomicU64 {
+pub(crate) fn p64<'a>(p: SharedPage, off: u64) -> &'a AtomicU64 {
     let off = (off & 0xff8) as usize;
-    // SAFETY: as in `p32`; page-aligned base, 8-byte aligned offset below 4096.
-    unsafe { AtomicU64::from_ptr(p.add(off).cast::<u64>()) }
+    // SAFETY: as in `p32`; 8-byte aligned base and offset, below 4096.
+    unsafe { AtomicU64::from_ptr(p.0.add(off).cast::<u64>()) }
 }
 
 fn cas32(a: &AtomicU32, base: &mut u32, want: u32) {
@@ -95,27 +108,30 @@ const SPIN_POLLS: u32 = 4096;
 const MAX_SLEEP_US: u64 = 64;
 
 impl Vtd {
-    pub(crate) fn sc_page(&self) -> Option<*mut u8> {
+    pub(crate) fn sc_page(&self) -> Option<SharedPage> {
         if self.cfg.mode != EmulationMode::Sidecore {
             return None;
         }
         let p = self.shared.load(Ordering::Acquire);
-        (!p.is_null()).then_some(p)
+        // `shared` holds only the page `attach_shared_page` was given (or null).
+        (!p.is_null()).then_some(SharedPage(p))
     }
 
-    /// Sidecore: page 0 is shared memory the guest writes without exits. SAFETY contract:
-    /// `page` points to 4096 bytes (page-aligned) mapped for the Vtd's lifetime. The page is
+    /// Sidecore: page 0 is shared memory the guest writes without exits. The page is
     /// initialized with the registers' current values. Ignored in samecore mode.
     ///
     /// # Safety
-    /// See above: the unit reads and writes `page` until it is dropped.
+    /// `page` points to 4096 bytes (page-aligned) that stay mapped for the Vtd's lifetime: the
+    /// unit reads and writes them until it is dropped.
     pub unsafe fn attach_shared_page(&self, page: *mut u8) {
         if self.cfg.mode != EmulationMode::Sidecore || page.is_null() {
             return;
         }
+        // SAFETY: this function's own contract.
+        let shared = unsafe { SharedPage::new(page) };
         let mut st = lock(&self.st);
         for off in (0..0x1000).step_by(4) {
-            p32(page, off).store(self.read32(&st, off), Ordering::Relaxed);
+            p32(shared, off).store(self.read32(&st, off), Ordering::Relaxed);
         }
         st.sc.gcmd = 0;
         st.sc.ccmd = st.ccmd;
@@ -125,11 +141,11 @@ impl Vtd {
         st.sc.ics = st.ics;
         st.sc.iectl = st.iectl;
         self.shared.store(page, Ordering::SeqCst);
-        self.sc_publish(&mut st, page);
+        self.sc_publish(&mut st, shared);
     }
 
     /// Takes in the guest's writes to the polled registers (state lock held).
-    pub(crate) fn sc_sync(&self, st: &mut State, fx: &mut Fx, p: *mut u8) {
+    pub(crate) fn sc_sync(&self, st: &mut State, fx: &mut Fx, p: SharedPage) {
         // GCMD first: the value registers a command commits are read after this load.
         let gcmd = p32(p, GCMD).load(Ordering::Acquire);
         let ccmd = p64(p, CCMD).load(Ordering::Acquire);
@@ -178,7 +194,7 @@ impl Vtd {
     }
 
     /// Publishes the status registers into the page (state lock held).
-    pub(crate) fn sc_publish(&self, st: &mut State, p: *mut u8) {
+    pub(crate) fn sc_publish(&self, st: &mut State, p: SharedPage) {
         cas32(p32(p, GCMD), &mut st.sc.gcmd, SC_GCMD_CONSUMED);
         let want = st.ccmd;
         if want != st.sc.ccmd
@@ -228,7 +244,7 @@ impl Vtd {
     }
 
     /// Lock-free: does the page hold a guest write not yet taken in?
-    fn sc_dirty(&self, p: *mut u8) -> bool {
+    fn sc_dirty(&self, p: SharedPage) -> bool {
         let w = &self.sc_watch;
         [GCMD, IQT, FSTS, FECTL, ICS, IECTL, CCMD, CCMD + 4]
             .iter()

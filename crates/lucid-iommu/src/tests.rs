@@ -1091,10 +1091,14 @@ fn shared_page() -> *mut u8 {
 }
 
 #[derive(Clone, Copy)]
-struct GuestView(*mut u8);
+struct GuestView(sidecore::SharedPage);
 // SAFETY: the page is leaked (`shared_page`), so it outlives every thread using it.
 unsafe impl Send for GuestView {}
 impl GuestView {
+    fn new(page: *mut u8) -> Self {
+        // SAFETY: `page` comes from `shared_page`: 4096 bytes of u64s, leaked.
+        GuestView(unsafe { sidecore::SharedPage::new(page) })
+    }
     fn r32(&self, off: u64) -> u32 {
         sidecore::p32(self.0, off).load(Ordering::Acquire)
     }
@@ -1133,7 +1137,7 @@ fn sidecore_env() -> (Env, *mut u8, Arc<AtomicBool>, std::thread::JoinHandle<()>
 #[test]
 fn sidecore_serves_a_guest_through_shared_memory() {
     let (e, page, stop, h) = sidecore_env();
-    let g = GuestView(page);
+    let g = GuestView::new(page);
     assert_eq!(g.r32(VER), 0x10);
     assert_eq!(g.r64(CAP), CAP_VALUE);
     let t = e.ctx(0x0008, 1, 3);
@@ -1218,7 +1222,7 @@ fn sidecore_serves_a_guest_through_shared_memory() {
 #[test]
 fn sidecore_srtp_latches_the_rtaddr_written_before_it() {
     let (e, page, stop, h) = sidecore_env();
-    let g = GuestView(page);
+    let g = GuestView::new(page);
     // Two root tables: A maps IOVA 0x1000 of device 8 to DATA, B to DATA + 0x1000.
     let (rta_a, rta_b) = (RTA, 0x60000);
     let ta = e.ctx(0x0008, 1, 3);
@@ -1317,7 +1321,7 @@ fn concurrent_devices_never_use_an_unpinned_page() {
 #[test]
 fn sidecore_fault_event_mask_and_ir_callback() {
     let (e, page, stop, h) = sidecore_env();
-    let g = GuestView(page);
+    let g = GuestView::new(page);
     let changes = Arc::new(AtomicUsize::new(0));
     let c2 = changes.clone();
     e.vtd.on_ir_change(Box::new(move || {
@@ -1358,7 +1362,7 @@ fn sidecore_fault_event_mask_and_ir_callback() {
 #[test]
 fn sidecore_garbage_never_panics() {
     let (e, page, stop, h) = sidecore_env();
-    let g = GuestView(page);
+    let g = GuestView::new(page);
     let mut rng = Rng(0xfeed_f00d);
     for _ in 0..2000 {
         let a = rng.below(0x40000) & !7;

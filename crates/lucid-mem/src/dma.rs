@@ -134,7 +134,7 @@ struct DmaCounters {
 pub struct DmaPath {
     mem: GuestMemoryMmap,
     translator: RwLock<Option<Arc<dyn DmaTranslator>>>,
-    /// Mirrors `translator.is_some()`: the rings' fast path is this one load.
+    /// Mirrors `translator.is_some()`: without a translator, data and rings pay this one load.
     translating: AtomicBool,
     observers: RwLock<Vec<Arc<dyn DmaObserver>>>,
     /// Devices whose bus mastering is off (PCI command register): their DMA fails.
@@ -184,7 +184,13 @@ impl DmaPath {
         }
     }
 
+    /// The translator, if one is installed: one atomic load and no lock while there is none
+    /// (every data access and ring access asks).
+    #[inline]
     fn translator(&self) -> Option<Arc<dyn DmaTranslator>> {
+        if !self.has_translator() {
+            return None;
+        }
         self.translator
             .read()
             .unwrap_or_else(|e| e.into_inner())
@@ -313,9 +319,9 @@ impl DmaPath {
 ///
 /// Without a translator an access costs one atomic load, then guest RAM's own slices; hot code
 /// that wants exactly the `GuestMemoryMmap` code (the virtio worker) calls `physical_memory()`,
-/// which gives guest RAM only while no translator is installed. With one, `get_slices` translates the range piece by piece (splitting wherever the
-/// translator's contiguous length ends), asks for the access's permission, and yields slices of
-/// the underlying guest RAM; a translation fault ends the iteration with
+/// which gives guest RAM only while no translator is installed. With one, `get_slices`
+/// translates the range piece by piece (splitting wherever the translator's contiguous length
+/// ends), asks for the access's permission, and yields slices of the underlying guest RAM; a translation fault ends the iteration with
 /// `GuestMemoryError::InvalidGuestAddress(iova)` and counts in `dma.errors`.
 ///
 /// Access bracket: one `get_slices` (or `check_range`) call is one bracket. It begins before the
@@ -384,16 +390,6 @@ impl DeviceMemory {
         }
     }
 
-    /// The translator, if one is installed (the slow path).
-    #[inline]
-    fn translator(&self) -> Option<Arc<dyn DmaTranslator>> {
-        if self.dma.translating.load(Ordering::Acquire) {
-            self.dma.translator()
-        } else {
-            None
-        }
-    }
-
     /// Translates `[addr, addr + count)` piece by piece with the permission `perm` asks for,
     /// calling `f(gpa, len)` on each piece; stops at the first fault or `false` from `f`.
     fn translate_range(
@@ -458,7 +454,7 @@ impl GuestMemory for DeviceMemory {
     type Bitmap = ();
 
     fn check_range(&self, addr: GuestAddress, count: usize, access: Permissions) -> bool {
-        let Some(t) = self.translator() else {
+        let Some(t) = self.dma.translator() else {
             return GuestMemoryBackend::check_range(&self.dma.mem, addr, count);
         };
         if addr.0.checked_add(count as u64).is_none() {
@@ -477,7 +473,7 @@ impl GuestMemory for DeviceMemory {
         count: usize,
         access: Permissions,
     ) -> GuestMemoryResult<impl GuestMemorySliceIterator<'a, BS<'a, Self::Bitmap>>> {
-        if self.dma.translating.load(Ordering::Acquire) {
+        if self.dma.has_translator() {
             return Ok(self.translated_slices(addr, count, access));
         }
         Ok(DeviceSlices {
@@ -591,6 +587,11 @@ mod tests {
     use super::*;
     use crate::{Backing, GuestRam};
     use std::sync::Mutex;
+
+    /// `GuestMemory::check_range` of `dm` at `addr`.
+    fn can(dm: &DeviceMemory, addr: u64, len: usize, perm: Permissions) -> bool {
+        GuestMemory::check_range(dm, GuestAddress(addr), len, perm)
+    }
 
     /// Maps IOVA page N to guest page N+1, 4 KiB at a time; page 7 faults.
     struct ShiftByOnePage;
@@ -756,18 +757,8 @@ mod tests {
             ram.memory().read_obj::<u16>(GuestAddress(0x2000)).unwrap(),
             0xabcd
         );
-        assert!(GuestMemory::check_range(
-            &dm,
-            GuestAddress(0xff000),
-            0x1000,
-            Permissions::Write
-        ));
-        assert!(!GuestMemory::check_range(
-            &dm,
-            GuestAddress(0xff000),
-            0x1001,
-            Permissions::Read
-        ));
+        assert!(can(&dm, 0xff000, 0x1000, Permissions::Write));
+        assert!(!can(&dm, 0xff000, 0x1001, Permissions::Read));
         assert!(dm.read_obj::<u64>(GuestAddress(1 << 20)).is_err());
     }
 
@@ -836,18 +827,8 @@ mod tests {
             ram.memory().read_obj::<u16>(GuestAddress(0x30010)).unwrap(),
             0x1234
         );
-        assert!(GuestMemory::check_range(
-            &dm,
-            GuestAddress(0x102000),
-            0x1000,
-            Permissions::Read
-        ));
-        assert!(!GuestMemory::check_range(
-            &dm,
-            GuestAddress(0x102000),
-            0x1000,
-            Permissions::Write
-        ));
+        assert!(can(&dm, 0x102000, 0x1000, Permissions::Read));
+        assert!(!can(&dm, 0x102000, 0x1000, Permissions::Write));
         // Unmapped IOVA (inside guest RAM's physical range: no identity fallback), and a
         // mapping onto non-RAM.
         assert!(dm.read_obj::<u32>(GuestAddress(0x1000)).is_err());

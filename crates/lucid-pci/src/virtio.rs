@@ -186,8 +186,8 @@ pub enum ActivationError {
         source: virtio_queue::Error,
     },
     #[error(
-        "queue {queue}: rings outside guest memory or not mapped for the device (descriptors {desc:#x}, driver area \
-         {driver:#x}, device area {device:#x}, size {size})"
+        "queue {queue}: rings outside guest memory or not mapped for the device (descriptors \
+         {desc:#x}, driver area {driver:#x}, device area {device:#x}, size {size})"
     )]
     RingsOutsideMemory {
         queue: u16,
@@ -664,8 +664,6 @@ impl VirtioPciDevice {
         }
         let ctx = ActivateContext {
             mem,
-            dma: self.env.dma.clone(),
-            dev_id: self.rid as u32,
             queues,
             interrupt: self.irq.clone(),
             features: self.driver_features,

@@ -2,105 +2,67 @@
 //! through ports 0xCF8/0xCFC, registers through BAR 0 on the MMIO bus, DMA into a real guest RAM,
 //! MSIs into a real KVM vCPU's local APIC. Needs /dev/kvm.
 
+mod platform;
+
 use std::sync::{Arc, Mutex};
 
-use lucid_devices::Bus;
-use lucid_hv::{GsiRouter, Vcpu, Vm};
-use lucid_mem::{Backing, DmaPath, GuestRam};
+use lucid_hv::Vcpu;
 use lucid_pci::config::{BAR0, COMMAND, COMMAND_BUS_MASTER, COMMAND_MEMORY};
 use lucid_pci::edu::{reg, DMA_BUF_ADDR, DMA_CMD_IRQ, DMA_CMD_START, DMA_CMD_TO_RAM, EDU_IDENT};
-use lucid_pci::{attach_edu, EduDevice, HostCaps, PciRoot, PciWindows, TransportEnv};
-use lucid_stats::StatsRegistry;
+use lucid_pci::{attach_edu, EduDevice};
+use platform::MMIO_WINDOW;
 use vm_memory::{Bytes, GuestAddress};
 
-const MMIO_WINDOW: std::ops::Range<u64> = 0xc000_0000..0xd000_0000;
-const ECAM: u64 = 0xe000_0000;
-const RAM: u64 = 16 << 20;
 const INTX_GSI: u32 = 16;
 
+/// The shared host with one vCPU and the edu device.
 struct Host {
-    pio: Arc<Bus>,
-    mmio: Arc<Bus>,
-    env: TransportEnv,
+    p: platform::Host,
     vcpu: Vcpu,
     slot: u8,
     edu: Arc<Mutex<EduDevice>>,
-    _root: Arc<PciRoot>,
-    _ram: GuestRam,
 }
 
 /// A VM with one vCPU whose local APIC accepts interrupts, and the edu device in slot 1.
 fn host() -> Host {
-    let kvm = lucid_hv::open_kvm().expect("KVM");
-    let vm = Vm::new(kvm).unwrap();
-    vm.create_irqchip_and_pit().unwrap();
-    let vcpu = vm.create_vcpu(0).unwrap();
+    let p = platform::host();
+    let vcpu = p.vm.create_vcpu(0).unwrap();
     // Software-enable the APIC (spurious vector register bit 8) so that it accepts MSIs.
     let mut lapic = vcpu.get_lapic().unwrap();
     lapic.regs[0xf1] |= 1;
     vcpu.set_lapic(&lapic).unwrap();
-    let stats = StatsRegistry::new();
-    let ram = GuestRam::new(&[(0, RAM)], Backing::Anonymous).unwrap();
-    let dma = DmaPath::new(ram.memory().clone(), &stats);
-    let (mmio, pio) = (Arc::new(Bus::new()), Arc::new(Bus::new()));
-    let root = PciRoot::new(
-        mmio.clone(),
-        pio.clone(),
-        PciWindows {
-            mmio: MMIO_WINDOW,
-            io: 0xc000..0x1_0000,
-            ecam: (ECAM, 0x1000_0000),
-        },
-        &stats,
-    );
-    root.register().unwrap();
-    let env = TransportEnv {
-        vm: vm.clone(),
-        router: GsiRouter::new(vm.clone()),
-        mem: ram.memory().clone(),
-        dma,
-        stats,
-        host: HostCaps::default(),
-    };
-    let (addr, edu) = attach_edu(&root, &env, Some(INTX_GSI)).unwrap();
+    let (addr, edu) = attach_edu(&p.root, &p.env, Some(INTX_GSI)).unwrap();
     Host {
-        pio,
-        mmio,
-        env,
+        p,
         vcpu,
         slot: addr.slot,
         edu,
-        _root: root,
-        _ram: ram,
     }
 }
 
 impl Host {
     fn cf8(&self, reg: u32) -> u32 {
-        let a = 0x8000_0000 | (self.slot as u32) << 11 | (reg & 0xfc);
-        assert!(self.pio.write(0xcf8, &a.to_le_bytes()));
-        let mut d = [0; 4];
-        assert!(self.pio.read(0xcfc, &mut d));
-        u32::from_le_bytes(d)
+        self.p.cf8(self.slot, reg)
     }
     fn cf8_write(&self, reg: u32, v: u32) {
-        let a = 0x8000_0000 | (self.slot as u32) << 11 | (reg & 0xfc);
-        assert!(self.pio.write(0xcf8, &a.to_le_bytes()));
-        assert!(self.pio.write(0xcfc, &v.to_le_bytes()));
+        self.p.cf8_write(self.slot, reg, v)
     }
     fn bar0(&self) -> u64 {
         (self.cf8(BAR0 as u32) & !0xf) as u64
     }
     fn r(&self, off: u64, len: usize) -> u64 {
         let mut d = [0u8; 8];
-        assert!(self.mmio.read(self.bar0() + off, &mut d[..len]));
+        assert!(self.p.mmio.read(self.bar0() + off, &mut d[..len]));
         u64::from_le_bytes(d)
     }
     fn w(&self, off: u64, len: usize, v: u64) {
-        assert!(self.mmio.write(self.bar0() + off, &v.to_le_bytes()[..len]));
+        assert!(self
+            .p
+            .mmio
+            .write(self.bar0() + off, &v.to_le_bytes()[..len]));
     }
     fn counter(&self, name: &str) -> u64 {
-        self.env.stats.snapshot().get(name).copied().unwrap_or(0)
+        self.p.counter(name)
     }
     fn msi_cap(&self) -> u32 {
         let mut p = self.cf8(0x34) & 0xfc;
@@ -160,7 +122,7 @@ fn dma_factorial_and_interrupts_through_bar0() {
     let h = host();
     let cmd = COMMAND_MEMORY | COMMAND_BUS_MASTER;
     h.cf8_write(COMMAND as u32, cmd as u32);
-    let mem = h.env.mem.clone();
+    let mem = h.p.env.mem.clone();
     let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 13 + 5) as u8).collect();
     mem.write_slice(&pattern, GuestAddress(0x10_0000)).unwrap();
 
@@ -245,9 +207,9 @@ fn bad_offsets_sizes_and_config_writes_are_harmless() {
         };
         let v = next();
         if r & (1 << 20) != 0 {
-            let _ = h.mmio.write(base + off, &v.to_le_bytes()[..len]);
+            let _ = h.p.mmio.write(base + off, &v.to_le_bytes()[..len]);
         } else {
-            let _ = h.mmio.read(base + off, &mut [0u8; 8][..len]);
+            let _ = h.p.mmio.read(base + off, &mut [0u8; 8][..len]);
         }
         if r.is_multiple_of(97) {
             // Config garbage everywhere but the BAR and command (so that the BAR stays put).

@@ -2,12 +2,12 @@
 //! cycles through ports 0xCF8/0xCFC and ECAM on the VMM's buses, BAR accesses on the MMIO bus.
 //! A dummy virtio device stands in for blk/net. Needs /dev/kvm (for irqfds, routes and MSIs).
 
+mod platform;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use lucid_devices::Bus;
-use lucid_hv::{GsiRouter, Vm};
-use lucid_mem::{Backing, DmaPath, GuestRam};
 use lucid_pci::config::{BAR0, COMMAND, COMMAND_MEMORY};
 use lucid_pci::virtio::{
     common, status, MSIX_BAR, NOTIFY_MULTIPLIER, NOTIFY_OFFSET, NO_VECTOR, VIRTIO_BAR,
@@ -15,16 +15,12 @@ use lucid_pci::virtio::{
 use lucid_pci::virtio::{ActivationError, QueueField};
 use lucid_pci::Rung;
 use lucid_pci::{
-    attach_virtio, HostCaps, MsiPath, PciRoot, PciWindows, TransportEnv, TransportOptions,
-    VirtioPciDevice,
+    attach_virtio, HostCaps, MsiPath, PciRoot, PciWindows, TransportOptions, VirtioPciDevice,
 };
 use lucid_stats::StatsRegistry;
 use lucid_virtio::features::{VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
 use lucid_virtio::{ActivateContext, ActivateError, Notify, VirtioDevice, VirtioInterrupt};
-
-const MMIO_WINDOW: std::ops::Range<u64> = 0xc000_0000..0xd000_0000;
-const ECAM: u64 = 0xe000_0000;
-const RAM: u64 = 16 << 20;
+use platform::{host, Host, ECAM, MMIO_WINDOW, RAM};
 
 /// (queue index, size) of each queue, features, notify mode.
 type Activation = (Vec<(u16, u16)>, u64, Notify);
@@ -90,52 +86,6 @@ impl VirtioDevice for Dummy {
     }
 }
 
-struct Host {
-    vm: Vm,
-    mmio: Arc<Bus>,
-    pio: Arc<Bus>,
-    root: Arc<PciRoot>,
-    env: TransportEnv,
-    _ram: GuestRam,
-}
-
-fn host() -> Host {
-    let kvm = lucid_hv::open_kvm().expect("KVM");
-    let vm = Vm::new(kvm).unwrap();
-    vm.create_irqchip_and_pit().unwrap();
-    let stats = StatsRegistry::new();
-    let ram = GuestRam::new(&[(0, RAM)], Backing::Anonymous).unwrap();
-    let dma = DmaPath::new(ram.memory().clone(), &stats);
-    let (mmio, pio) = (Arc::new(Bus::new()), Arc::new(Bus::new()));
-    let root = PciRoot::new(
-        mmio.clone(),
-        pio.clone(),
-        PciWindows {
-            mmio: MMIO_WINDOW,
-            io: 0xc000..0x1_0000,
-            ecam: (ECAM, 0x1000_0000),
-        },
-        &stats,
-    );
-    root.register().unwrap();
-    let env = TransportEnv {
-        vm: vm.clone(),
-        router: GsiRouter::new(vm.clone()),
-        mem: ram.memory().clone(),
-        dma,
-        stats,
-        host: HostCaps::default(),
-    };
-    Host {
-        vm,
-        mmio,
-        pio,
-        root,
-        env,
-        _ram: ram,
-    }
-}
-
 fn dummy(name: &str, queues: usize) -> (Box<Dummy>, Arc<Seen>) {
     let seen = Arc::new(Seen::default());
     (
@@ -168,18 +118,6 @@ impl Host {
         let (addr, dev) = attach_virtio(&self.root, d, self.env.clone(), opts(rung)).unwrap();
         (addr.slot, seen, dev)
     }
-    fn cf8(&self, slot: u8, reg: u32) -> u32 {
-        let a = 0x8000_0000 | (slot as u32) << 11 | (reg & 0xfc);
-        assert!(self.pio.write(0xcf8, &a.to_le_bytes()));
-        let mut d = [0; 4];
-        assert!(self.pio.read(0xcfc, &mut d));
-        u32::from_le_bytes(d)
-    }
-    fn cf8_write(&self, slot: u8, reg: u32, v: u32) {
-        let a = 0x8000_0000 | (slot as u32) << 11 | (reg & 0xfc);
-        assert!(self.pio.write(0xcf8, &a.to_le_bytes()));
-        assert!(self.pio.write(0xcfc, &v.to_le_bytes()));
-    }
     fn ecam(&self, slot: u8, reg: u64) -> u32 {
         let mut d = [0; 4];
         assert!(self.mmio.read(ECAM + ((slot as u64) << 15) + reg, &mut d));
@@ -210,9 +148,6 @@ impl Host {
     }
     fn w(&self, addr: u64, len: usize, v: u64) -> bool {
         self.mmio.write(addr, &v.to_le_bytes()[..len])
-    }
-    fn counter(&self, name: &str) -> u64 {
-        self.env.stats.snapshot().get(name).copied().unwrap_or(0)
     }
 }
 

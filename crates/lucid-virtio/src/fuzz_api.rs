@@ -147,8 +147,6 @@ pub fn virtqueue(data: &[u8]) -> BTreeMap<String, u64> {
     }
     let ctx = ActivateContext {
         mem: dma.device_memory(DEV_ID),
-        dma,
-        dev_id: DEV_ID,
         queues,
         interrupt: irqs.clone(),
         features: dev.features()

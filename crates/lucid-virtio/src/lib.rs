@@ -29,7 +29,7 @@
 
 use std::sync::Arc;
 
-use lucid_mem::{DeviceId, DeviceMemory, DmaPath};
+use lucid_mem::DeviceMemory;
 use lucid_stats::StatsRegistry;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -90,12 +90,9 @@ pub trait VirtioInterrupt: Send + Sync {
 
 /// Everything a device gets when the driver sets DRIVER_OK.
 pub struct ActivateContext {
-    /// Ring memory for virtio-queue, in the device's address space (IOVAs when the DMA path has
-    /// a translator): `dma.device_memory(dev_id)`.
+    /// The device's view of memory (IOVAs when the DMA path has a translator): the rings, for
+    /// virtio-queue, and through `mem.dma()` with requester `mem.device()` the buffer data.
     pub mem: DeviceMemory,
-    /// Buffer data goes through the one DMA path, with this requester ID.
-    pub dma: Arc<DmaPath>,
-    pub dev_id: DeviceId,
     /// One per queue the driver enabled, with its kick eventfd.
     pub queues: Vec<(u16, virtio_queue::Queue, EventFd)>,
     pub interrupt: Arc<dyn VirtioInterrupt>,

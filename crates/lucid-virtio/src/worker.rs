@@ -546,9 +546,9 @@ impl Io {
             Notify::Poll { idle_sleep_us } => (true, idle_sleep_us),
         };
         let io = Io {
+            dma: ctx.mem.dma().clone(),
+            dev_id: ctx.mem.device(),
             mem: ctx.mem,
-            dma: ctx.dma,
-            dev_id: ctx.dev_id,
             c: Counters::new(&ctx.stats, name),
             name: name.to_string(),
             queues,

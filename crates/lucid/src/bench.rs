@@ -126,41 +126,26 @@ fn floor_run(kernel: &Path, count: u64) -> Result<f64, String> {
     parse_tsc_per_exit(&text).ok_or(format!("floor run printed no tsc_per_exit: {text}"))
 }
 
-/// QEMU running a probe guest the way the benchmarks compare with: one vCPU, 256 MiB, serial on
-/// stdout, the debug-exit port, no default devices. `machine` is the `-M` value (plus `-bios` for
-/// q35). The default CPU model: `-cpu host` aborts on this host (MSR 0x10a).
+/// QEMU as the benchmarks compare with ([`lucid_guests::qemu_command`]), its standard error
+/// discarded.
 pub fn qemu_command(machine: &[&str], kernel: &Path, append: &str) -> Command {
-    let mut c = Command::new("qemu-system-x86_64");
-    c.args(machine).args([
-        "-enable-kvm",
-        "-m",
-        "256",
-        "-smp",
-        "1",
-        "-nodefaults",
-        "-no-user-config",
-        "-nographic",
-        "-no-reboot",
-        "-serial",
-        "stdio",
-        "-monitor",
-        "none",
-        "-display",
-        "none",
-        "-device",
-        "isa-debug-exit,iobase=0xf4,iosize=4",
-    ]);
-    c.arg("-kernel")
-        .arg(kernel)
-        .args(["-append", append])
-        .stdin(Stdio::null())
-        .stderr(Stdio::null());
+    let mut c = lucid_guests::qemu_command(machine, kernel, append);
+    c.stdin(Stdio::null()).stderr(Stdio::null());
     c
 }
 
-pub const QEMU_MICROVM: &[&str] = &["-M", "microvm,x-option-roms=off,rtc=off,isa-serial=on"];
-/// q35 with qboot: port 0xCF8 configuration works, and it boots in a fraction of a second.
-pub const QEMU_Q35: &[&str] = &["-M", "q35", "-bios", "/usr/share/qemu/qboot.rom"];
+pub use lucid_guests::{QEMU_MICROVM, QEMU_Q35};
+
+/// The start of a benchmark's SVG plot: a `w` x `h` canvas on white, text at `font_size`, and
+/// `title` across the top. The caller draws the rest and closes the `<svg>`.
+pub fn svg_start(w: f64, h: f64, font_size: u32, title: &str) -> String {
+    format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" \
+         font-family=\"sans-serif\" font-size=\"{font_size}\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"10\" y=\"18\" font-size=\"14\">{title}</text>\n"
+    )
+}
 
 fn qemu_cmd(kernel: &Path, append: &str) -> Command {
     qemu_command(QEMU_MICROVM, kernel, append)

@@ -239,6 +239,42 @@ struct LucidRun {
     irqs: u64,
 }
 
+/// Runs workload `w` (`count` operations) on rung `r` under Lucid with the VM `c` describes
+/// (its kernel, and whatever else the caller sets: `c.cmdline` holds extra guest arguments, put
+/// after the workload's), its disk `disk` and its console in `dir`. The guest's result and
+/// Lucid's report; `label` follows the rung in errors.
+pub(crate) fn run_guest(
+    w: &Workload,
+    r: &RungSetup,
+    disk: &Path,
+    count: u64,
+    dir: &Path,
+    mut c: VmConfig,
+    label: &str,
+) -> Result<(GuestResult, lucid_vmm::RunReport), String> {
+    let serial = dir.join("serial.txt");
+    c.cmdline = format!(
+        "{} mode={} count={count}{}",
+        w.args,
+        r.guest.arg(),
+        c.cmdline
+    );
+    c.serial = SerialOutput::File(serial.clone());
+    c.pci.push(device_config(w, r, disk));
+    let report = Vm::run(c).map_err(|e| lucid_vmm::error_chain(&e))?;
+    let out = std::fs::read_to_string(&serial).unwrap_or_default();
+    if report.stop != lucid_vmm::StopReason::DebugExit(0) {
+        return Err(format!(
+            "{} on {}{label}: {} — guest said: {out}",
+            w.name,
+            r.label,
+            report.stop_text()
+        ));
+    }
+    let guest = GuestResult::parse(w, &out).ok_or(format!("no {} in: {out}", w.rate_key()))?;
+    Ok((guest, report))
+}
+
 fn lucid_run(
     w: &Workload,
     r: &RungSetup,
@@ -247,22 +283,8 @@ fn lucid_run(
     count: u64,
     dir: &Path,
 ) -> Result<LucidRun, String> {
-    let serial = dir.join("serial.txt");
-    let mut c = VmConfig::new(KernelSource::File(kernel.into()));
-    c.cmdline = format!("{} mode={} count={count}", w.args, r.guest.arg());
-    c.serial = SerialOutput::File(serial.clone());
-    c.pci.push(device_config(w, r, disk));
-    let report = Vm::run(c).map_err(|e| lucid_vmm::error_chain(&e))?;
-    let out = std::fs::read_to_string(&serial).unwrap_or_default();
-    if report.stop != lucid_vmm::StopReason::DebugExit(0) {
-        return Err(format!(
-            "{} on {}: {} — guest said: {out}",
-            w.name,
-            r.label,
-            report.stop_text()
-        ));
-    }
-    let guest = GuestResult::parse(w, &out).ok_or(format!("no {} in: {out}", w.rate_key()))?;
+    let c = VmConfig::new(KernelSource::File(kernel.into()));
+    let (guest, report) = run_guest(w, r, disk, count, dir, c, "")?;
     Ok(LucidRun {
         guest,
         user_exits: report.total_exits(),
@@ -536,15 +558,12 @@ impl WorkloadResult {
 
 fn svg_plot(results: &[WorkloadResult]) -> String {
     let (w, h) = (900.0, 520.0);
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">"#
-    );
-    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="10" y="18" font-size="14">lucid bench io: ops/s (bars, left axis, log) and userspace exits per I/O (dots, right axis) per rung</text>"#
+    let mut s = crate::bench::svg_start(
+        w,
+        h,
+        11,
+        "lucid bench io: ops/s (bars, left axis, log) and userspace exits per I/O (dots, right \
+         axis) per rung",
     );
     let panel_w = (w - 60.0) / results.len().max(1) as f64;
     let (top, bottom) = (40.0, h - 90.0);

@@ -16,10 +16,10 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use lucid_iommu::{EmulationMode, PinPolicy, VtdConfig};
-use lucid_vmm::{KernelSource, SerialOutput, Vm, VmConfig};
+use lucid_vmm::{KernelSource, VmConfig};
 use serde_json::{json, Value};
 
-use crate::bench_io::{self, GuestResult, RungSetup, Workload, WORKLOADS};
+use crate::bench_io::{self, RungSetup, Workload, WORKLOADS};
 
 #[derive(clap::Args)]
 pub struct IommuArgs {
@@ -130,31 +130,16 @@ fn lucid_run(
     count: u64,
     dir: &Path,
 ) -> Result<Figures, String> {
-    let serial = dir.join("serial.txt");
     let mut c = VmConfig::new(KernelSource::File(kernel.into()));
-    let iommu = match s.mode {
-        None => String::new(),
-        Some(_) => format!(" iommu=vtd strategy={}", s.strategy),
-    };
-    c.cmdline = format!("{} mode={} count={count}{iommu}", w.args, r.guest.arg());
-    c.serial = SerialOutput::File(serial.clone());
-    c.pci.push(bench_io::device_config(w, r, disk));
+    if s.mode.is_some() {
+        c.cmdline = format!(" iommu=vtd strategy={}", s.strategy);
+    }
     c.iommu = s.mode.map(|mode| VtdConfig {
         mode,
         pin: PinPolicy::Map,
     });
-    let report = Vm::run(c).map_err(|e| lucid_vmm::error_chain(&e))?;
-    let out = std::fs::read_to_string(&serial).unwrap_or_default();
-    if report.stop != lucid_vmm::StopReason::DebugExit(0) {
-        return Err(format!(
-            "{} on {} {}: {} — guest said: {out}",
-            w.name,
-            r.label,
-            s.label(),
-            report.stop_text()
-        ));
-    }
-    let guest = GuestResult::parse(w, &out).ok_or(format!("no {} in: {out}", w.rate_key()))?;
+    let label = format!(" {}", s.label());
+    let (guest, report) = bench_io::run_guest(w, r, disk, count, dir, c, &label)?;
     let k = &report.counters;
     let maps = counter(k, "iommu.guest.maps");
     let unmaps = counter(k, "iommu.guest.unmaps");
@@ -336,15 +321,12 @@ impl Table {
         let setups = setups();
         let panel_h = 150.0;
         let (w, h) = (960.0, 50.0 + panel_h * self.rows.len() as f64 + 40.0);
-        let mut s = String::new();
-        let _ = writeln!(
-            s,
-            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="10">"#
-        );
-        let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-        let _ = writeln!(
-            s,
-            r#"<text x="10" y="18" font-size="14">lucid bench iommu: ops/s as a fraction of no IOMMU (1.0 = off), samecore (blue) and sidecore (orange)</text>"#
+        let mut s = crate::bench::svg_start(
+            w,
+            h,
+            10,
+            "lucid bench iommu: ops/s as a fraction of no IOMMU (1.0 = off), samecore (blue) and \
+             sidecore (orange)",
         );
         let bar_w = (w - 200.0) / setups.len() as f64;
         for (i, ((wl, rung), row)) in self.rows.iter().enumerate() {

@@ -149,3 +149,28 @@ pub fn guest_file(name: &str) -> PathBuf {
     std::fs::write(&path, lucid_guests::get(name).expect("built-in guest")).unwrap();
     path
 }
+
+/// A sparse disk image of `mib` MiB in the temporary directory, named after `tag`.
+pub fn disk(tag: &str, mib: u64) -> PathBuf {
+    let p = tmp(&format!("{tag}.img"));
+    std::fs::File::create(&p)
+        .unwrap()
+        .set_len(mib << 20)
+        .unwrap();
+    p
+}
+
+/// A turn for tests that run polling threads (sidecore, the L4 rungs): two such VMs at once on
+/// a 2-core machine starve each other, so the tests of one binary that take this run in turn.
+pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `key=` of the first line of `out` starting with `prefix`, e.g. `mismatches` of the
+/// `virtio-blk op=` result line.
+pub fn field<'a>(out: &'a str, prefix: &str, key: &str) -> Option<&'a str> {
+    let line = out.lines().find(|l| l.starts_with(prefix))?;
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+}

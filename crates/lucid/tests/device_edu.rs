@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{lucid, tmp};
+use common::{disk, lucid};
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -41,11 +41,7 @@ fn hello_still_runs_with_edu_on_the_bus() {
 
 #[test]
 fn edu_takes_the_slot_after_the_virtio_devices() {
-    let img = tmp("edu-slot.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(1 << 20)
-        .unwrap();
+    let img = disk("edu-slot", 1);
     let blk = format!("path={}", img.display());
     let o = lucid(
         &[

@@ -5,6 +5,7 @@ mod common;
 use std::time::Duration;
 
 use common::{guest_file, lucid, run_cmd, tmp};
+use lucid_guests::{QEMU_MICROVM, QEMU_Q35};
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -415,65 +416,26 @@ fn assert_prints(o: &common::Outcome, needles: &[&str]) {
 
 /// Runs `kernel` under QEMU with `machine` and the debug-exit device; `None` when QEMU is not
 /// installed (which CI does not allow).
-fn qemu(machine: &str, kernel: &std::path::Path, append: &str) -> Option<common::Outcome> {
-    if std::process::Command::new("qemu-system-x86_64")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "qemu-system-x86_64 missing in CI (scripts/deps.sh --test installs it)"
-        );
-        println!("skipped: qemu-system-x86_64 is not installed");
+fn qemu(machine: &[&str], kernel: &std::path::Path, append: &str) -> Option<common::Outcome> {
+    if !lucid_guests::qemu_installed() {
         return None;
     }
-    let mut cmd = std::process::Command::new("qemu-system-x86_64");
-    let mut machine = machine.split_whitespace();
-    cmd.args(["-M", machine.next().expect("a machine")]);
-    cmd.args(machine);
-    cmd.args([
-        "-enable-kvm",
-        "-m",
-        "256",
-        "-nodefaults",
-        "-no-user-config",
-        "-nographic",
-        "-no-reboot",
-        "-serial",
-        "stdio",
-        "-monitor",
-        "none",
-        "-display",
-        "none",
-        "-device",
-        "isa-debug-exit,iobase=0xf4,iosize=4",
-        "-append",
-        append,
-        "-kernel",
-    ])
-    .arg(kernel);
+    let cmd = lucid_guests::qemu_command(machine, kernel, append);
     Some(run_cmd(cmd, LIMIT))
 }
 
-/// QEMU's microvm without option ROMs boots a PVH ELF directly (~0.1 s).
-const MICROVM: &str = "microvm,x-option-roms=off,rtc=off,isa-serial=on";
-/// q35 with qboot (passed to `qemu` as machine plus `-bios`): QEMU's ACPI tables with ICH9 PM at
-/// 0x600, PVH boot in ~0.2 s.
-const Q35_QBOOT: &str = "q35 -bios /usr/share/qemu/qboot.rom";
-
 /// Boots the built-in guest `name` under QEMU's `machine` with `append`: its console must hold
 /// `want` and its exit status be `status`. Nothing when QEMU is not installed (outside CI).
-fn qemu_agrees(name: &str, machine: &str, append: &str, want: &str, status: i32) {
+fn qemu_agrees(name: &str, machine: &[&str], append: &str, want: &str, status: i32) {
     let elf = guest_file(name);
     if let Some(q) = qemu(machine, &elf, append) {
         assert!(
             q.stdout.contains(want),
-            "QEMU {machine}, {name} {append}: {}\n{}",
+            "QEMU {machine:?}, {name} {append}: {}\n{}",
             q.stdout,
             q.stderr
         );
-        assert_eq!(q.status, Some(status), "QEMU {machine}, {name} {append}");
+        assert_eq!(q.status, Some(status), "QEMU {machine:?}, {name} {append}");
     }
     let _ = std::fs::remove_file(elf);
 }
@@ -482,7 +444,7 @@ fn qemu_agrees(name: &str, machine: &str, append: &str, want: &str, status: i32)
 fn the_same_guest_binary_boots_under_qemu() {
     qemu_agrees(
         "hello",
-        MICROVM,
+        QEMU_MICROVM,
         "code=5",
         "hello from the lucid probe kit",
         11,
@@ -498,7 +460,13 @@ fn pvh_elf_with_headers_below_1_mib_boots_as_under_qemu() {
     assert_eq!(o.status, Some(7), "{}", o.stderr);
     // 0xff000 is qboot's BIOS ROM under microvm: QEMU boots the image, but the headers are not
     // in memory there (magic=MISSING).
-    qemu_agrees("pvh-ttext", MICROVM, "code=3", "pvh-ttext: ehdr=0xff000", 7);
+    qemu_agrees(
+        "pvh-ttext",
+        QEMU_MICROVM,
+        "code=3",
+        "pvh-ttext: ehdr=0xff000",
+        7,
+    );
 }
 
 /// A multiboot kernel linked at 4 KiB, with bss over Lucid's usual places for the multiboot
@@ -518,7 +486,7 @@ fn multiboot_kernel_in_low_memory_boots_as_under_qemu() {
     );
     assert!(!o.stdout.contains("OVERLAPS"), "{}", o.stdout);
     assert_eq!(o.status, Some(1), "{}", o.stderr);
-    qemu_agrees("mb-lowmem", "pc", "low=1", "mb-lowmem: ok", 1);
+    qemu_agrees("mb-lowmem", &["-M", "pc"], "low=1", "mb-lowmem: ok", 1);
 }
 
 /// The FADT describes PM1a event/control blocks, a 32-bit PM timer, the SCI and a FACS; the
@@ -556,8 +524,8 @@ fn acpi_pm_timer_ticks_and_s5_powers_off() {
     // QEMU q35 (ICH9 PM at 0x600, a 24-bit timer) agrees with the probe and powers off on S5.
     // The rate is not checked there: the guest's TSC frequency is its own PIT estimate.
     let timer = "reads=100 check_rate=0";
-    qemu_agrees("acpi-pm", Q35_QBOOT, timer, "backwards=0", 1);
-    qemu_agrees("acpi-pm", Q35_QBOOT, "sleep=s5 reads=10", "(S5)", 0);
+    qemu_agrees("acpi-pm", QEMU_Q35, timer, "backwards=0", 1);
+    qemu_agrees("acpi-pm", QEMU_Q35, "sleep=s5 reads=10", "(S5)", 0);
 }
 
 /// A KVM hypercall made at CPL0 the way Linux makes it (`ptp_kvm_init`'s `KVM_HC_CLOCK_PAIRING`,

@@ -7,17 +7,13 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{lucid, tmp, Outcome};
+use common::{disk, lucid, one_at_a_time, tmp, Outcome};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
-/// The polling rungs spin a back-end thread and a guest each; two such tests at once on a 2-core
-/// machine starve each other (one CI run saw a 2 s stall of an L4p echo). The tests here take
-/// turns, as a polling deployment would give each poller its own core.
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    TURN.lock().unwrap_or_else(|e| e.into_inner())
-}
+// The polling rungs spin a back-end thread and a guest each; two such tests at once on a 2-core
+// machine starve each other (one CI run saw a 2 s stall of an L4p echo): the tests here take
+// turns (`one_at_a_time`), as a polling deployment would give each poller its own core.
 
 /// (device option for the rung, guest mode)
 const RUNGS: &[(&str, &str)] = &[
@@ -29,18 +25,8 @@ const RUNGS: &[(&str, &str)] = &[
     ("rung=L1,coalesce=8:50", "irq"),
 ];
 
-fn disk(tag: &str, mib: u64) -> std::path::PathBuf {
-    let p = tmp(&format!("{tag}.img"));
-    let f = std::fs::File::create(&p).unwrap();
-    f.set_len(mib << 20).unwrap();
-    p
-}
-
 fn field(out: &str, prefix: &str, key: &str) -> Option<u64> {
-    let line = out.lines().find(|l| l.starts_with(prefix))?;
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
-        .and_then(|v| v.parse().ok())
+    common::field(out, prefix, key).and_then(|v| v.parse().ok())
 }
 
 fn blk(img: &std::path::Path, dev: &str, cmdline: &str) -> Outcome {

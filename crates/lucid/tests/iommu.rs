@@ -6,29 +6,39 @@
 
 mod common;
 
+use std::path::Path;
 use std::time::Duration;
 
-use common::{lucid, tmp, Outcome};
+use common::{disk, field, lucid, one_at_a_time, Outcome};
 
 const LIMIT: Duration = Duration::from_secs(120);
 const MODES: &[&str] = &["samecore", "sidecore"];
-
-/// Sidecore runs a polling thread, L4 rungs a polling back-end: two such VMs at once on a
-/// 2-core machine starve each other, so the tests here take turns.
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    TURN.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn iommu_opt(mode: &str) -> String {
     format!("vtd,mode={mode},pin=map")
 }
 
-/// `key=` of the first line starting with `prefix`.
-fn field<'a>(out: &'a str, prefix: &str, key: &str) -> Option<&'a str> {
-    let line = out.lines().find(|l| l.starts_with(prefix))?;
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+/// The virtio-blk probe guest on `img` (with the device options `dev`, e.g. `rung=L4`) behind
+/// the VT-d in `mode`, running `cmdline`.
+fn vtd_blk(img: &Path, dev: &str, mode: &str, cmdline: &str) -> Outcome {
+    let mut blk = format!("path={}", img.display());
+    if !dev.is_empty() {
+        blk = format!("{blk},{dev}");
+    }
+    lucid(
+        &[
+            "run",
+            "--guest",
+            "virtio-blk",
+            "--blk",
+            &blk,
+            "--iommu",
+            &iommu_opt(mode),
+            "--cmdline",
+            cmdline,
+        ],
+        LIMIT,
+    )
 }
 
 fn num(out: &str, prefix: &str, key: &str) -> u64 {
@@ -42,13 +52,6 @@ fn why(o: &Outcome) -> String {
         "status {:?} timed_out {}\nstdout:\n{}\nstderr:\n{}",
         o.status, o.timed_out, o.stdout, o.stderr
     )
-}
-
-fn disk(tag: &str, mib: u64) -> std::path::PathBuf {
-    let p = tmp(&format!("{tag}.img"));
-    let f = std::fs::File::create(&p).unwrap();
-    f.set_len(mib << 20).unwrap();
-    p
 }
 
 /// The edu device aims DMA at an IOVA never mapped, at one just unmapped under strict, at a
@@ -102,19 +105,11 @@ fn blk_dma_outside_the_mappings_is_an_io_error() {
     let _turn = one_at_a_time();
     for mode in MODES {
         let img = disk(&format!("iso-{mode}"), 8);
-        let o = lucid(
-            &[
-                "run",
-                "--guest",
-                "virtio-blk",
-                "--blk",
-                &format!("path={}", img.display()),
-                "--iommu",
-                &iommu_opt(mode),
-                "--cmdline",
-                "op=rw count=200 qd=4 verify=1 iommu=vtd strategy=strict isolation=1",
-            ],
-            LIMIT,
+        let o = vtd_blk(
+            &img,
+            "",
+            mode,
+            "op=rw count=200 qd=4 verify=1 iommu=vtd strategy=strict isolation=1",
         );
         let w = why(&o);
         assert_eq!(o.status, Some(1), "{mode}: {w}");
@@ -138,22 +133,14 @@ fn data_is_intact_through_translation_on_every_rung() {
     for mode in MODES {
         for (rung, gmode) in RUNGS {
             let img = disk(&format!("rung-{mode}"), 8);
-            let o = lucid(
-                &[
-                    "run",
-                    "--guest",
-                    "virtio-blk",
-                    "--blk",
-                    &format!("path={},{rung}", img.display()),
-                    "--iommu",
-                    &iommu_opt(mode),
-                    "--cmdline",
-                    &format!(
-                        "op=rw pattern=rand count=300 qd=8 verify=1 mode={gmode} iommu=vtd \
-                         strategy=strict"
-                    ),
-                ],
-                LIMIT,
+            let o = vtd_blk(
+                &img,
+                rung,
+                mode,
+                &format!(
+                    "op=rw pattern=rand count=300 qd=8 verify=1 mode={gmode} iommu=vtd \
+                     strategy=strict"
+                ),
             );
             let w = why(&o);
             assert_eq!(o.status, Some(1), "blk {mode} {rung}: {w}");
@@ -208,22 +195,13 @@ fn risk_bounds_per_strategy() {
     for mode in MODES {
         for &(strategy, stale_bound, window_bound) in bounds {
             let img = disk(&format!("risk-{mode}"), 8);
-            let o = lucid(
-                &[
-                    "run",
-                    "--guest",
-                    "virtio-blk",
-                    "--blk",
-                    &format!("path={}", img.display()),
-                    "--iommu",
-                    &iommu_opt(mode),
-                    "--cmdline",
-                    &format!(
-                        "op=rw pattern=rand count=2000 qd=8 verify=1 iommu=vtd \
-                         strategy={strategy}"
-                    ),
-                ],
-                LIMIT,
+            let o = vtd_blk(
+                &img,
+                "",
+                mode,
+                &format!(
+                    "op=rw pattern=rand count=2000 qd=8 verify=1 iommu=vtd strategy={strategy}"
+                ),
             );
             let w = why(&o);
             let what = format!("{mode} {strategy}");

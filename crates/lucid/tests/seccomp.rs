@@ -9,17 +9,11 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{lucid, run_cmd, tmp, Outcome};
+use common::{disk, lucid, run_cmd, Outcome};
 
 const LIMIT: Duration = Duration::from_secs(120);
 const VIOLATION: i32 = 148;
 const BLK_OPS: &str = "op=rw pattern=rand bs=4096 qd=8 count=200 verify=1 mode=irq";
-
-fn disk(tag: &str) -> std::path::PathBuf {
-    let p = tmp(&format!("{tag}.img"));
-    std::fs::File::create(&p).unwrap().set_len(8 << 20).unwrap();
-    p
-}
 
 /// `lucid run` of the virtio-blk probe guest on `img`, with `env` and `extra` arguments.
 fn blk_run(img: &std::path::Path, env: &[(&str, &str)], extra: &[&str]) -> Outcome {
@@ -57,7 +51,10 @@ fn a_forbidden_call_from_each_role_ends_only_its_vm_and_is_reported() {
         ("main", &["main", "lucid-signals"]),
     ];
     for (role, threads) in roles {
-        let (mine, theirs) = (disk(&format!("{role}-bad")), disk(&format!("{role}-good")));
+        let (mine, theirs) = (
+            disk(&format!("{role}-bad"), 8),
+            disk(&format!("{role}-good"), 8),
+        );
         let neighbour = {
             let theirs = theirs.clone();
             std::thread::spawn(move || blk_run(&theirs, &[], &[]))
@@ -85,7 +82,7 @@ fn a_forbidden_call_from_each_role_ends_only_its_vm_and_is_reported() {
 /// VM and names the thread.
 #[test]
 fn a_forbidden_call_from_the_iommu_sidecore_is_reported() {
-    let img = disk("iommu-bad");
+    let img = disk("iommu-bad", 8);
     let o = blk_run(
         &img,
         &[("LUCID_SECCOMP_SELFTEST", "iommu")],
@@ -106,7 +103,7 @@ fn a_forbidden_call_from_the_iommu_sidecore_is_reported() {
 
 #[test]
 fn no_seccomp_turns_the_filters_off() {
-    let img = disk("off");
+    let img = disk("off", 8);
     let o = blk_run(
         &img,
         &[("LUCID_SECCOMP_SELFTEST", "vcpu")],
@@ -122,7 +119,7 @@ fn no_seccomp_turns_the_filters_off() {
 fn every_thread_confines_itself_back_ends_restarted_after_resets_included() {
     // The hostile guest breaks its rings again and again; each reset and re-activation starts
     // a new back-end thread.
-    let img = disk("evil");
+    let img = disk("evil", 8);
     let o = lucid(
         &[
             "run",

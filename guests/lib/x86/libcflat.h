@@ -38,6 +38,8 @@ const char *boot_cmdline(void);
 u64 param_u64(const char *key, u64 def);
 const char *param_str(const char *key, const char *def);
 int param_present(const char *key);
+/* whether the comma-separated list (a parameter's value, e.g. "a,b,c") names name */
+int list_has(const char *list, const char *name);
 
 /* ---- boot information (copied from hvm_start_info at start) ---- */
 struct memmap_entry {

@@ -65,6 +65,20 @@ const char *param_str(const char *key, const char *def)
 	return *t == '=' ? t + 1 : "";
 }
 
+int list_has(const char *list, const char *name)
+{
+	size_t n = strlen(name);
+	while (*list) {
+		if (!strncmp(list, name, n) && (list[n] == ',' || !list[n]))
+			return 1;
+		while (*list && *list != ',')
+			list++;
+		if (*list == ',')
+			list++;
+	}
+	return 0;
+}
+
 static int parse_u64(const char *s, u64 *out)
 {
 	u64 v = 0;

@@ -108,8 +108,6 @@ impl Guest {
     ) -> ActivateContext {
         ActivateContext {
             mem: self.dma.device_memory(DEV_ID),
-            dma: self.dma.clone(),
-            dev_id: DEV_ID,
             queues,
             interrupt: self.irq.clone(),
             features,
