@@ -125,6 +125,43 @@ impl RunReport {
         ))
     }
 
+    /// What the vIOMMU did, when the VM has one (its counters are registered only then).
+    fn iommu_line(&self) -> Option<String> {
+        let c = |n: &str| self.counters.get(&format!("iommu.{n}")).copied();
+        let hits = c("iotlb.hits")?;
+        let z = |n: &str| c(n).unwrap_or(0);
+        let mut line = format!(
+            "vIOMMU: {} maps, {} unmaps; invalidations: {} context, {}/{}/{} IOTLB \
+             global/domain/page, {} interrupt-entry, {} waits; IOTLB {hits} hits, {} misses; \
+             faults: {} DMA, {} interrupt remapping; pinned peak {} pages; stale max {}, \
+             longest window {} us",
+            z("maps"),
+            z("unmaps"),
+            z("inv.context"),
+            z("inv.iotlb_global"),
+            z("inv.iotlb_domain"),
+            z("inv.iotlb_page"),
+            z("inv.iec"),
+            z("inv.wait"),
+            z("iotlb.misses"),
+            z("faults.dma"),
+            z("faults.ir"),
+            z("pinned.peak"),
+            z("stale.max"),
+            z("window_max_us"),
+        );
+        if z("sidecore.polls") > 0 {
+            let _ = write!(
+                line,
+                "; sidecore: {} polls, {} found work, {:.3} s of CPU",
+                z("sidecore.polls"),
+                z("sidecore.busy_polls"),
+                z("sidecore.cpu_ns") as f64 / 1e9
+            );
+        }
+        Some(line)
+    }
+
     pub fn stop_text(&self) -> String {
         match &self.stop {
             StopReason::DebugExit(v) => format!("guest wrote {v:#x} to the debug-exit port"),
@@ -179,7 +216,7 @@ impl RunReport {
                 d.irqs as f64 / r
             );
         }
-        if let Some(line) = self.edu_line() {
+        for line in [self.edu_line(), self.iommu_line()].into_iter().flatten() {
             let _ = writeln!(s, "{line}");
         }
         let emulated = self.emulated_by_mnemonic();
@@ -286,6 +323,35 @@ mod tests {
             s.contains("serial console: 10 bytes of guest output dropped"),
             "{s}"
         );
+    }
+
+    #[test]
+    fn summary_says_what_the_viommu_did_only_when_there_is_one() {
+        let mut r = RunReport {
+            stop: StopReason::Shutdown,
+            wall: Duration::from_secs(1),
+            vcpus: 1,
+            counters: BTreeMap::new(),
+        };
+        assert!(!r.summary().contains("vIOMMU:"));
+        for (n, v) in [
+            ("iommu.maps", 3),
+            ("iommu.iotlb.hits", 10),
+            ("iommu.iotlb.misses", 2),
+            ("iommu.faults.dma", 1),
+        ] {
+            r.counters.insert(n.into(), v);
+        }
+        let s = r.summary();
+        assert!(s.contains("vIOMMU: 3 maps, 0 unmaps;"), "{s}");
+        assert!(s.contains("IOTLB 10 hits, 2 misses; faults: 1 DMA,"), "{s}");
+        assert!(!s.contains("sidecore"), "{s}");
+        r.counters.insert("iommu.sidecore.polls".into(), 5);
+        r.counters
+            .insert("iommu.sidecore.cpu_ns".into(), 1_500_000_000);
+        assert!(r
+            .summary()
+            .contains("sidecore: 5 polls, 0 found work, 1.500 s of CPU"));
     }
 
     #[test]
