@@ -913,7 +913,13 @@ impl Vtd {
         tables::walk(&self.mem, c.slpt, c.levels, page << 12)
             .ok()
             .flatten()
-            .filter(|l| l.read || l.write)
+            .filter(|l| (l.read || l.write) && self.in_ram(l.gpa))
+    }
+
+    /// Whether the 4 KiB guest page at `gpa` is guest RAM (what a mapping may translate to).
+    fn in_ram(&self, gpa: u64) -> bool {
+        self.mem.address_in_range(GuestAddress(gpa))
+            && self.mem.address_in_range(GuestAddress(gpa | 0xfff))
     }
 
     /// The tables of domain `did`, scanning the root and context tables once per operation if
@@ -1157,6 +1163,18 @@ impl Vtd {
                 Ok(None) => {
                     let r = perm_reason(access);
                     return Err(self.dma_fault(st, fx, (dev, iova, access), r, ctx.fpd));
+                }
+                // A leaf outside guest RAM (an MMIO hole, past the end) is not translated: the
+                // access would end in an unsupported request, which the unit does not record.
+                // Never cached, so nothing outside RAM is pinned or handed out.
+                Ok(Some(l)) if !self.in_ram(l.gpa) => {
+                    return Err(DmaError::Unbacked {
+                        dev,
+                        addr: iova,
+                        len,
+                        gpa: l.gpa | (iova & 0xfff),
+                        access,
+                    });
                 }
                 Ok(Some(l)) => {
                     self.fill(st, ctx.did, page, l);
