@@ -19,7 +19,9 @@
 //!
 //! [`Vtd`] implements `lucid_mem::DmaTranslator`: requester id (low 16 bits of the `DeviceId`)
 //! to context entry (root table latched by GCMD.SRTP), to domain and second-level tables, to the
-//! guest-physical page. While GSTS.TES is clear, DMA is untranslated. Faults use the spec's
+//! guest-physical page. While GSTS.TES is clear, DMA is untranslated. A leaf outside guest RAM
+//! gives `DmaError::Unbacked` and no fault record (hardware would end the access in an
+//! unsupported request); it is not cached, pinned or counted as a map. Faults use the spec's
 //! legacy reason codes (0x1 root not present ... 0xc reserved bit in a paging entry; see
 //! `tables`), are recorded in the fault-recording registers (FRI, PPF, PFO on overflow; not
 //! recorded when the context entry has FPD set) and raise the fault-event MSI through

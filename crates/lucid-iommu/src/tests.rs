@@ -376,8 +376,8 @@ fn walks_3_and_4_levels_2m_pages_and_permissions() {
 }
 
 /// Fuzz regression (the `vtd` target, in its first 2,400 inputs): a leaf pointing outside guest
-/// RAM translated to a guest-physical address outside it (0x9090_0020_1234 for IOVA 0x20_1234),
-/// cached and handed to the pinner. Such a leaf is now `Unbacked`: nothing recorded (hardware
+/// RAM translated to a guest-physical address outside it (minimized: a 2 MiB leaf at
+/// 0x2_0120_0000, IOVA 0x20_1ff8 translated to 0x2_0120_1ff8), cached and handed to the pinner. Such a leaf is now `Unbacked`: nothing recorded (hardware
 /// would end the access in an unsupported request), cached, pinned, or counted as a map.
 #[test]
 fn a_leaf_outside_guest_ram_does_not_translate() {
@@ -386,9 +386,10 @@ fn a_leaf_outside_guest_ram_does_not_translate() {
     e.map(t, 4, 0x1000, 0x9090_0020_1000, true, true);
     e.map(t, 4, 0x2000, RAM, true, true);
     e.map(t, 4, 0x3000, DATA, true, true);
+    e.map2m(t, 4, 0x20_0000, 0x2_0120_0000);
     e.enable();
     for _ in 0..2 {
-        for iova in [0x1234, 0x2000] {
+        for iova in [0x1234, 0x2000, 0x20_1ff8] {
             let r = e.vtd.translate(0x0008, iova, 0x100, Access::Read);
             assert!(
                 matches!(r, Err(DmaError::Unbacked { .. })),
