@@ -275,3 +275,78 @@ def bzimage(payload, init_size, pref=0x100000):
 
 save("boot_bzimage", "setup-header-2.15", [bzimage(b"\xf4" * 256, 0x10000), b"\x01"])
 save("boot_bzimage", "pref-address-high", [bzimage(b"\x90" * 64, 0x400000, pref=0x800000), b"\x00"])
+
+
+# vtd: a header record (pin policy = kind % 3: Map, Deferred, All; `sel` bytes follow, copied to
+# guest RAM at 0), then kind 0 = register access at addr, 1 = translation (sel = requester, val =
+# IOVA, addr = length, write, size >= 4 leaves the bracket open), 2 = MSI remap (sel = source,
+# addr = data, val = address bits 19:0, or the whole address with bit 63), 3 = guest RAM write
+# at addr, 4 = end the oldest open bracket (all with sel odd).
+def vreg(off, val=None, size=4):
+    return acc(0, size=size, write=val is not None, addr=off, val=val or 0)
+
+
+def vmem(gpa, val):
+    return acc(3, size=8, write=True, addr=gpa, val=val)
+
+
+def vdma(rid, iova, length=0x100, write=False, keep=False):
+    return acc(1, size=4 if keep else 1, write=write, sel=rid, addr=length, val=iova)
+
+
+def vmsi(source, address, data, raw=False):
+    return acc(2, sel=source, addr=data, val=address | (1 << 63 if raw else 0))
+
+
+# Root table 0x10000 (bus 0), context table 0x11000: requester 8 in domain 1 with 4-level tables
+# at 0x12000 (IOVA 0x1000 -> 0x200000 read-write, IOVA 2 MiB -> a 2 MiB page at 2 MiB),
+# requester 0x10 in domain 2 with 3-level tables at 0x16000 (IOVA 0x2000 -> 0x300000 read-only).
+vtd_tables = [vmem(0x10000, 0x11000 | 1),
+              vmem(0x11080, 0x12000 | 1), vmem(0x11088, 2 | 1 << 8),
+              vmem(0x12000, 0x13000 | 3), vmem(0x13000, 0x14000 | 3), vmem(0x14000, 0x15000 | 3),
+              vmem(0x15008, 0x200000 | 3), vmem(0x14008, 0x200000 | 0x83),
+              vmem(0x11100, 0x16000 | 1), vmem(0x11108, 1 | 2 << 8),
+              vmem(0x16000, 0x17000 | 3), vmem(0x17000, 0x18000 | 3), vmem(0x18010, 0x300000 | 1)]
+vtd_fault_msi = [vreg(0x40, 0xfee01000), vreg(0x3c, 0x41), vreg(0x38, 0)]
+vtd_on = [vreg(0x20, 0x10000, 8), vreg(0x18, 1 << 30), vreg(0x1c), vreg(0x18, 1 << 31), vreg(0x1c)]
+vt = [acc(0)] + vtd_tables + vtd_fault_msi + [vreg(0x00), vreg(0x08, size=8), vreg(0x10, size=8)]
+vt += vtd_on + [vdma(8, 0x1000), vdma(8, 0x1ff8, write=True, keep=True), vdma(8, 0x201234),
+                vdma(0x10, 0x2010), vdma(0x10, 0x2010, write=True), vdma(8, 0x5000), acc(4)]
+vt += [vreg(0x34), vreg(0x1000, size=8), vreg(0x1008, size=8), vreg(0x100c, 1 << 31), vreg(0x34, 0x7d)]
+vt += [vmem(0x15008, 0), vreg(0x1100, 0x1000, 8), vreg(0x1108, 1 << 63 | 3 << 60 | 1 << 32, 8),
+       vreg(0x1108, size=8), vdma(8, 0x1000), vreg(0x28, 1 << 63 | 1 << 61, 8), vdma(8, 0x201000)]
+vt += [vmsi(8, 0x1000, 0x41), vreg(0x18, 0)]
+save("vtd", "translate-3-and-4-level", vt)
+
+# Queued invalidation: a context-cache and an IOTLB global invalidation and a wait descriptor
+# (status write and completion interrupt) while an access is in flight; then a bad descriptor
+# (IQE), rewritten and resumed.
+qi = [acc(1)] + vtd_tables + vtd_fault_msi + vtd_on
+qi += [vreg(0xa8, 0xfee02000), vreg(0xa4, 0x42), vreg(0xa0, 0),
+       vreg(0x88, 0, 8), vreg(0x90, 0x20000, 8), vreg(0x18, 1 << 31 | 1 << 26), vreg(0x1c)]
+qi += [vdma(8, 0x1010, keep=True), vmem(0x15008, 0x210000 | 3),
+       vmem(0x20000, 1 | 1 << 4), vmem(0x20008, 0),
+       vmem(0x20010, 2 | 1 << 4), vmem(0x20018, 0),
+       vmem(0x20020, 5 | 1 << 4 | 1 << 5 | 0x1234 << 32), vmem(0x20028, 0x38000),
+       vreg(0x88, 3 << 4, 8), vreg(0x80, size=8), vreg(0x9c), vreg(0x34), vdma(8, 0x1010), acc(4)]
+qi += [vmem(0x20030, 0xf), vmem(0x20038, 0), vreg(0x88, 4 << 4, 8), vreg(0x34), vreg(0x80, size=8),
+       vmem(0x20030, 5 | 1 << 5 | 0x99 << 32), vmem(0x20038, 0x38008), vreg(0x34, 1 << 4),
+       vreg(0x80, size=8), vreg(0x9c, 1)]
+save("vtd", "qi-invalidate-wait", qi)
+
+# Interrupt remapping (pin-all policy, the root and context tables in the RAM prefix): IRTA with
+# 16 entries, SIRTP, IRE; an IRTE checked against requester 8 by SID; remaps that pass and fault,
+# then compatibility format allowed by CFI.
+prefix = bytearray(0x1090)
+struct.pack_into("<Q", prefix, 0, 0x1000 | 1)
+struct.pack_into("<QQ", prefix, 0x1080, 0x12000 | 1, 2 | 1 << 8)
+ir = [acc(2, sel=len(prefix)), bytes(prefix)] + vtd_tables[3:8] + vtd_fault_msi
+ir += [vreg(0x20, 0, 8), vreg(0x18, 1 << 30), vreg(0x18, 1 << 31), vdma(8, 0x1000)]
+ir += [vmem(0x30010, 1 | 0x31 << 16 | 1 << 40), vmem(0x30018, 8 | 1 << 18),
+       vreg(0xb8, 0x30000 | 3, 8), vreg(0x18, 1 << 31 | 1 << 24), vreg(0x18, 1 << 31 | 1 << 25),
+       vreg(0x1c), vmsi(8, 0xfee00000 | 1 << 5 | 0x10, 0, raw=True),
+       vmsi(9, 0xfee00000 | 1 << 5 | 0x10, 0, raw=True), vmsi(8, 0x1000, 0x41),
+       vmsi(8, 0xfee00000 | 0x10 | 1 << 3, 1, raw=True), vmsi(8, 0xfee00000 | 20 << 5 | 0x10, 0, raw=True),
+       vreg(0x34), vreg(0x1000, size=8), vreg(0x1008, size=8),
+       vreg(0x18, 1 << 31 | 1 << 25 | 1 << 23), vmsi(8, 0x1000, 0x41)]
+save("vtd", "interrupt-remapping", ir)

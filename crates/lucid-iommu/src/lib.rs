@@ -19,7 +19,9 @@
 //!
 //! [`Vtd`] implements `lucid_mem::DmaTranslator`: requester id (low 16 bits of the `DeviceId`)
 //! to context entry (root table latched by GCMD.SRTP), to domain and second-level tables, to the
-//! guest-physical page. While GSTS.TES is clear, DMA is untranslated. Faults use the spec's
+//! guest-physical page. While GSTS.TES is clear, DMA is untranslated. A leaf outside guest RAM
+//! gives `DmaError::Unbacked` and no fault record (hardware would end the access in an
+//! unsupported request); it is not cached, pinned or counted as a map. Faults use the spec's
 //! legacy reason codes (0x1 root not present ... 0xc reserved bit in a paging entry; see
 //! `tables`), are recorded in the fault-recording registers (FRI, PPF, PFO on overflow; not
 //! recorded when the context entry has FPD set) and raise the fault-event MSI through
@@ -913,7 +915,13 @@ impl Vtd {
         tables::walk(&self.mem, c.slpt, c.levels, page << 12)
             .ok()
             .flatten()
-            .filter(|l| l.read || l.write)
+            .filter(|l| (l.read || l.write) && self.in_ram(l.gpa))
+    }
+
+    /// Whether the 4 KiB guest page at `gpa` is guest RAM (what a mapping may translate to).
+    fn in_ram(&self, gpa: u64) -> bool {
+        self.mem.address_in_range(GuestAddress(gpa))
+            && self.mem.address_in_range(GuestAddress(gpa | 0xfff))
     }
 
     /// The tables of domain `did`, scanning the root and context tables once per operation if
@@ -1157,6 +1165,18 @@ impl Vtd {
                 Ok(None) => {
                     let r = perm_reason(access);
                     return Err(self.dma_fault(st, fx, (dev, iova, access), r, ctx.fpd));
+                }
+                // A leaf outside guest RAM (an MMIO hole, past the end) is not translated: the
+                // access would end in an unsupported request, which the unit does not record.
+                // Never cached, so nothing outside RAM is pinned or handed out.
+                Ok(Some(l)) if !self.in_ram(l.gpa) => {
+                    return Err(DmaError::Unbacked {
+                        dev,
+                        addr: iova,
+                        len,
+                        gpa: l.gpa | (iova & 0xfff),
+                        access,
+                    });
                 }
                 Ok(Some(l)) => {
                     self.fill(st, ctx.did, page, l);

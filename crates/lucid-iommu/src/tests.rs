@@ -375,6 +375,41 @@ fn walks_3_and_4_levels_2m_pages_and_permissions() {
     assert_eq!(e.frcd(3).1 >> 32 & 0xff, 0x6);
 }
 
+/// Fuzz regression (the `vtd` target, in its first 2,400 inputs): a leaf pointing outside guest
+/// RAM translated to a guest-physical address outside it (minimized: a 2 MiB leaf at
+/// 0x2_0120_0000, IOVA 0x20_1ff8 translated to 0x2_0120_1ff8), cached and handed to the pinner. Such a leaf is now `Unbacked`: nothing recorded (hardware
+/// would end the access in an unsupported request), cached, pinned, or counted as a map.
+#[test]
+fn a_leaf_outside_guest_ram_does_not_translate() {
+    let e = Env::new(samecore(PinPolicy::Map));
+    let t = e.ctx(0x0008, 1, 4);
+    e.map(t, 4, 0x1000, 0x9090_0020_1000, true, true);
+    e.map(t, 4, 0x2000, RAM, true, true);
+    e.map(t, 4, 0x3000, DATA, true, true);
+    e.map2m(t, 4, 0x20_0000, 0x2_0120_0000);
+    e.enable();
+    for _ in 0..2 {
+        for iova in [0x1234, 0x2000, 0x20_1ff8] {
+            let r = e.vtd.translate(0x0008, iova, 0x100, Access::Read);
+            assert!(
+                matches!(r, Err(DmaError::Unbacked { .. })),
+                "{iova:#x}: {r:?}"
+            );
+        }
+    }
+    assert_eq!(e.frcd(0).1 & FRCD_F, 0, "no fault recorded");
+    assert!(e.msi.take().is_empty());
+    assert_eq!(e.counter("faults.dma"), 0);
+    assert_eq!(e.counter("pinned.current"), 0);
+    assert_eq!(e.counter("iotlb.hits"), 0, "never cached");
+    // A page invalidation over all three re-walks them: only the page in RAM is a mapping.
+    e.psi(1, 0, 2);
+    assert_eq!(e.counter("maps"), 1);
+    assert_eq!(e.dma(0x0008, 0x3010, Access::Write), Ok(DATA + 0x10));
+    assert!(e.pins.has(DATA) && !e.pins.has(RAM));
+    assert!(e.pins.violations.lock().unwrap().is_empty());
+}
+
 /// Sets up one scenario, makes one DMA from `sid`, and checks the fault record and MSI.
 fn expect_fault(reason: u8, sid: u16, iova: u64, access: Access, setup: impl Fn(&Env)) {
     let e = Env::new(samecore(PinPolicy::Map));
