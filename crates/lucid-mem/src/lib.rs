@@ -9,7 +9,7 @@ mod ram;
 pub use dma::{
     Access, DeviceId, DeviceMemory, DmaError, DmaObserver, DmaPath, DmaTranslator, FaultReason,
 };
-pub use ram::{Backing, GuestRam, MemError, RamRegion};
+pub use ram::{Backing, GuestRam, MemError, PageDiscard, RamRegion};
 pub use vm_memory;
 
 /// The guest memory type used across Lucid.

@@ -62,6 +62,22 @@ pub enum MemError {
     },
 }
 
+/// Gives guest pages back to the host (balloon inflate, free-page reporting): their content is
+/// dropped and they read as zeros on the next access. `GuestRam` does it by mapping fresh
+/// anonymous memory over them; the Swap Mapper supplies its own so that it also forgets pages
+/// it had tied to disk-image blocks (a plain `MADV_DONTNEED` on such a page would bring the
+/// image block back instead of zeros).
+pub trait PageDiscard: Send + Sync {
+    /// Discards the page-aligned range `gpa..gpa+len` (inside one RAM region).
+    fn discard(&self, gpa: u64, len: u64) -> Result<(), MemError>;
+}
+
+impl PageDiscard for GuestRam {
+    fn discard(&self, gpa: u64, len: u64) -> Result<(), MemError> {
+        self.remap(gpa, len, None)
+    }
+}
+
 /// How guest RAM is backed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum Backing {

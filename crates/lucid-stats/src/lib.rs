@@ -6,6 +6,10 @@
 
 #![warn(clippy::print_stdout, clippy::print_stderr)]
 
+mod threads;
+
+pub use threads::{ThreadGuard, ThreadInfo, ThreadRegistry, ThreadRole};
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -113,6 +113,29 @@ pub enum BlockError {
     IdTooLong(String, usize),
 }
 
+/// Takes over the data of virtio-blk requests: the Swap Mapper's hook. It maps image blocks over
+/// the guest pages a read targets instead of copying them, and breaks those mappings before the
+/// image bytes change. Called on the device's worker thread, one request at a time, in order.
+/// Only used while no vIOMMU translates the device's addresses (then `gpa` is the guest-physical
+/// address of the request's buffer).
+pub trait BlockDataHook: Send + Sync {
+    /// A guest read of `len` bytes at image offset `off` into guest-physical `gpa..gpa+len`
+    /// (contiguous in guest memory). `Ok(true)`: the hook placed the data itself. `Ok(false)`:
+    /// the device copies it as usual (the hook may first have prepared the pages, e.g. dropped
+    /// evicted old content so the copy does not fault it in from swap).
+    fn read(&self, file: &File, off: u64, gpa: u64, len: u64) -> std::io::Result<bool>;
+
+    /// Before any change to image bytes `off..off+len` (write, write-zeroes, discard) reaches the
+    /// file: afterwards no guest page may show the new bytes unless the guest reads them again.
+    fn before_change(&self, file: &File, off: u64, len: u64) -> std::io::Result<()>;
+
+    /// After a guest write of `len` bytes from `gpa` to image offset `off` reached the file.
+    fn after_write(&self, _file: &File, _off: u64, _gpa: u64, _len: u64) {}
+
+    /// After a guest flush (fdatasync) completed.
+    fn after_flush(&self, _file: &File) {}
+}
+
 /// A virtio-blk device.
 pub struct Block {
     name: String,
