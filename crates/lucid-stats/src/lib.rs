@@ -41,6 +41,9 @@ pub type Probe = Box<dyn Fn() -> Vec<(String, u64)> + Send + Sync>;
 pub struct StatsRegistry {
     counters: Mutex<BTreeMap<String, Arc<Counter>>>,
     probes: Mutex<Vec<(String, Probe)>>,
+    /// The VM's threads: kept here because everything that counts for a VM already holds its
+    /// registry, so threads register where they start without more plumbing.
+    threads: Arc<ThreadRegistry>,
 }
 
 impl StatsRegistry {
@@ -53,6 +56,11 @@ impl StatsRegistry {
     pub fn counter(&self, name: impl Into<String>) -> Arc<Counter> {
         let mut map = self.counters.lock().unwrap_or_else(|e| e.into_inner());
         map.entry(name.into()).or_default().clone()
+    }
+
+    /// The VM's thread list (vCPUs and device back-ends register themselves when they start).
+    pub fn threads(&self) -> &Arc<ThreadRegistry> {
+        &self.threads
     }
 
     /// Registers a probe whose values are read, under `prefix.`, on every snapshot.

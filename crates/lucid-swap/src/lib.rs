@@ -12,3 +12,40 @@ pub mod balloon_manager;
 pub mod host;
 pub mod limit;
 pub mod mapper;
+
+/// How a VM's guest memory is swapped when its limit is reached.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SwapMode {
+    /// Plain uncooperative host swapping of anonymous guest memory (what every VMM does).
+    #[default]
+    Baseline,
+    /// The Swap Mapper: pages the guest read from its virtio-blk disk stay tied to their image
+    /// blocks, so the host drops them instead of swapping them.
+    Mapper,
+    /// The Mapper plus false-read prevention.
+    Vswapper,
+}
+
+impl std::str::FromStr for SwapMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "baseline" => Ok(SwapMode::Baseline),
+            "mapper" => Ok(SwapMode::Mapper),
+            "vswapper" => Ok(SwapMode::Vswapper),
+            _ => Err(format!(
+                "unknown swap mode {s:?} (modes: baseline, mapper, vswapper)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for SwapMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SwapMode::Baseline => "baseline",
+            SwapMode::Mapper => "mapper",
+            SwapMode::Vswapper => "vswapper",
+        })
+    }
+}

@@ -668,6 +668,7 @@ impl Worker {
         needs_reset: Arc<AtomicBool>,
         backend: impl Backend,
     ) -> Result<Worker, ActivateError> {
+        let threads = ctx.stats.threads().clone();
         let (io, idle_sleep_us) = Io::new(name, ctx, needs_reset)?;
         let poll = io.poll;
         let stop = io.stop.clone();
@@ -684,6 +685,7 @@ impl Worker {
         let thread = std::thread::Builder::new()
             .name(format!("lucid-{name}-io"))
             .spawn(move || {
+                let _registered = threads.register_current(lucid_stats::ThreadRole::Backend);
                 let mut run = Run {
                     io,
                     backend,

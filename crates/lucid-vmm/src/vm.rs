@@ -347,14 +347,16 @@ impl Vm {
         for ctx in self.ctxs.drain(..) {
             let vcpu = ctx.id();
             let (seccomp, lifecycle) = (self.seccomp.clone(), self.lifecycle.clone());
+            let threads = self.stats.threads().clone();
             let t = std::thread::Builder::new()
                 .name(format!("lucid-vcpu{vcpu}"))
-                .spawn(
-                    move || match lucid_seccomp::confine(seccomp.as_ref(), Role::Vcpu) {
+                .spawn(move || {
+                    let _registered = threads.register_current(lucid_stats::ThreadRole::Vcpu(vcpu));
+                    match lucid_seccomp::confine(seccomp.as_ref(), Role::Vcpu) {
                         Ok(()) => ctx.run(),
                         Err(e) => lifecycle.stop(StopReason::error(e)),
-                    },
-                )
+                    }
+                })
                 .map_err(|source| VmmError::Thread { vcpu, source })?;
             self.threads.push(t);
         }

@@ -25,6 +25,13 @@
 #define LUCID_HC_TSC_KHZ     1          /* returns the TSC frequency in kHz */
 #define LUCID_HC_BACKEND     2          /* returns a LUCID_BACKEND_* value */
 #define LUCID_HC_REPORT      3          /* rdi = LUCID_REPORT_* key, rsi = value; returns 0 */
+#define LUCID_HC_PHASE       4          /* rdi = phase number: the guest starts phase rdi (e.g. an
+                                         * iteration); Lucid snapshots its host-side counters per
+                                         * phase (swap.phase.<n>.*); returns 0 */
+#define LUCID_HC_WORK        5          /* rdi = LUCID_WORK_* kind, rsi = amount done since the
+                                         * last call: counters guest.work.<kind>; returns 0 */
+#define LUCID_WORK_ITERATIONS 0         /* compute iterations */
+#define LUCID_WORK_BYTES      1         /* bytes streamed */
 
 /* LUCID_HC_REPORT keys: guest-side iommu_dma figures, kept by Lucid as
  * counters `iommu.guest.<name>` (the name after LUCID_REPORT_, lower case) */
