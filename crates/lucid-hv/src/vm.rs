@@ -250,6 +250,27 @@ impl Vm {
         Ok(true)
     }
 
+    /// Whether KVM lets this VM set its own halt-polling interval (`KVM_CAP_HALT_POLL`, 5.7+).
+    pub fn has_halt_poll(&self) -> bool {
+        self.fd()
+            .check_extension_raw(u64::from(kvm_bindings::KVM_CAP_HALT_POLL))
+            > 0
+    }
+
+    /// How long (ns) a halted vCPU of this VM polls for a wake-up before it sleeps, overriding
+    /// the `halt_poll_ns` module parameter: 0 turns polling off. May be changed while the VM
+    /// runs (the pools do, per policy).
+    pub fn set_halt_poll_ns(&self, ns: u32) -> Result<(), HvError> {
+        let cap = kvm_bindings::kvm_enable_cap {
+            cap: kvm_bindings::KVM_CAP_HALT_POLL,
+            args: [u64::from(ns), 0, 0, 0],
+            ..Default::default()
+        };
+        self.fd()
+            .enable_cap(&cap)
+            .map_err(|e| HvError::Ioctl("KVM_ENABLE_CAP(HALT_POLL)", e))
+    }
+
     /// The raw fd, for capabilities this seam does not wrap yet.
     pub fn fd(&self) -> &VmFd {
         &self.inner.fd

@@ -1,5 +1,5 @@
 //! Lucid's seccomp filters: one per thread role ([`Role::Vcpu`], [`Role::Backend`],
-//! [`Role::Main`], [`Role::Iommu`]), built with seccompiler and installed by each thread on itself once it has
+//! [`Role::Main`], [`Role::Iommu`], [`Role::Monitor`]), built with seccompiler and installed by each thread on itself once it has
 //! opened what it needs. A forbidden call traps into a handler that reports the thread, its role
 //! and the call, and ends the process (the VM) with [`VIOLATION_EXIT_STATUS`]: see
 //! docs/security.md for the lists, the reasons and how to debug a violation.
@@ -23,7 +23,7 @@ use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 pub use report::VIOLATION_EXIT_STATUS;
 
 /// The environment variable that makes a thread of the named role (`vcpu`, `backend`, `main`,
-/// `iommu`)
+/// `iommu`, `monitor`)
 /// call `socket(2)`, which every role forbids, right after it confined itself: how the tests
 /// show that a violation is caught and reported. It does nothing else; with seccomp off the
 /// call succeeds and the socket is closed.
@@ -40,10 +40,19 @@ pub enum Role {
     Main,
     /// `lucid-vtd-sc`: the vIOMMU's sidecore, which polls its shared register page.
     Iommu,
+    /// `lucid-monitor`: the scheduling pools' per-VM monitor, which reads its threads'
+    /// `schedstat`, places them in pools and sets halt polling.
+    Monitor,
 }
 
 impl Role {
-    pub const ALL: [Role; 4] = [Role::Vcpu, Role::Backend, Role::Main, Role::Iommu];
+    pub const ALL: [Role; 5] = [
+        Role::Vcpu,
+        Role::Backend,
+        Role::Main,
+        Role::Iommu,
+        Role::Monitor,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -51,6 +60,7 @@ impl Role {
             Role::Backend => "backend",
             Role::Main => "main",
             Role::Iommu => "iommu",
+            Role::Monitor => "monitor",
         }
     }
 

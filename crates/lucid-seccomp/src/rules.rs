@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 
 use kvm_bindings::{
-    kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_fpu, kvm_interrupt, kvm_ioeventfd,
+    kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_enable_cap, kvm_fpu, kvm_interrupt, kvm_ioeventfd,
     kvm_irq_level, kvm_irq_routing, kvm_irqchip, kvm_irqfd, kvm_lapic_state, kvm_mp_state, kvm_msi,
     kvm_msrs, kvm_pit_state2, kvm_regs, kvm_sregs, kvm_translation, kvm_vcpu_events, kvm_xcrs,
     kvm_xsave, KVMIO,
@@ -56,6 +56,7 @@ ioctl_iow_nr!(KVM_SET_VCPU_EVENTS, KVMIO, 0xa0, kvm_vcpu_events);
 ioctl_ior_nr!(KVM_GET_DEBUGREGS, KVMIO, 0xa1, kvm_debugregs);
 ioctl_iow_nr!(KVM_SET_DEBUGREGS, KVMIO, 0xa2, kvm_debugregs);
 ioctl_io_nr!(KVM_GET_TSC_KHZ, KVMIO, 0xa3);
+ioctl_iow_nr!(KVM_ENABLE_CAP, KVMIO, 0xa3, kvm_enable_cap);
 ioctl_ior_nr!(KVM_GET_XSAVE, KVMIO, 0xa4, kvm_xsave);
 ioctl_iow_nr!(KVM_SET_XSAVE, KVMIO, 0xa5, kvm_xsave);
 ioctl_ior_nr!(KVM_GET_XCRS, KVMIO, 0xa6, kvm_xcrs);
@@ -287,6 +288,9 @@ fn backend(a: &mut Allowed) -> Result<(), BackendError> {
         SYS_recvfrom,
     ]);
     connected_send(a)?;
+    // Its own affinity only (pid 0): a thread that starts in a VM with pools or `--low-noise`
+    // moves itself to its CPUs when it registers (threads started by a vCPU inherit this list).
+    a.when(SYS_sched_setaffinity, vec![rule(vec![arg(0, Op::Eq, 0)?])?]);
     a.ioctls(&backend_ioctls())
 }
 
@@ -355,6 +359,34 @@ fn iommu(a: &mut Allowed) -> Result<(), BackendError> {
     a.ioctls(&[KVM_SIGNAL_MSI(), KVM_SET_GSI_ROUTING()])
 }
 
+/// The pools' monitor: reading the registry (KVM's statistics files), opening procfs files
+/// read-only (each thread's `schedstat` and `status`: the threads come and go, so the files
+/// cannot all be opened before confinement; `O_RDONLY` without `O_CREAT`, so it can read but not
+/// create or change a file), placing threads (affinity, scheduling policy, nice; cgroup `tasks`
+/// files are opened before confinement and written), its JSON file in the pools' state
+/// directory (opened before, rewritten with `pwrite` + `ftruncate`) and halt polling
+/// (`KVM_ENABLE_CAP` on the VM fd).
+fn monitor(a: &mut Allowed) -> Result<(), BackendError> {
+    use libc::*;
+    a.always(&[
+        SYS_pread64,
+        SYS_pwrite64,
+        SYS_ftruncate,
+        SYS_sched_setaffinity,
+        SYS_sched_setscheduler,
+        SYS_sched_setattr,
+        SYS_sched_getattr,
+        SYS_sched_getparam,
+        SYS_sched_getscheduler,
+        SYS_setpriority,
+        SYS_getpriority,
+    ]);
+    // openat(dirfd, path, flags, mode) with no access mode but read and no O_CREAT/O_TRUNC.
+    let read_only = (O_ACCMODE | O_CREAT | O_TRUNC) as u64;
+    a.when(SYS_openat, vec![rule(vec![arg(2, Op::MaskedEq(read_only), 0)?])?]);
+    a.ioctls(&[KVM_ENABLE_CAP(), KVM_CHECK_EXTENSION()])
+}
+
 /// The syscalls `role` may make in process `pid`, whose vCPUs are kicked with `kick_signal`.
 pub(crate) fn allowed(role: Role, pid: u32, kick_signal: i32) -> Result<Allowed, BackendError> {
     let mut a = Allowed::default();
@@ -364,6 +396,7 @@ pub(crate) fn allowed(role: Role, pid: u32, kick_signal: i32) -> Result<Allowed,
         Role::Backend => backend(&mut a)?,
         Role::Main => main_thread(&mut a)?,
         Role::Iommu => iommu(&mut a)?,
+        Role::Monitor => monitor(&mut a)?,
     }
     Ok(a)
 }
@@ -407,7 +440,6 @@ mod tests {
                 "bind",
                 "listen",
                 "open",
-                "openat",
                 "openat2",
                 "ptrace",
                 "mount",
@@ -422,6 +454,8 @@ mod tests {
             ] {
                 assert!(!has(role, bad), "{role} may call {bad}");
             }
+            // Only the monitor opens files, and only read-only (checked below).
+            assert_eq!(has(role, "openat"), role == Role::Monitor, "{role} openat");
             for needed in [
                 "write",
                 "futex",
@@ -450,5 +484,28 @@ mod tests {
             assert!(!has(Role::Iommu, bad), "iommu may call {bad}");
         }
         assert!(has(Role::Iommu, "mlock") && has(Role::Iommu, "sched_yield"));
+        // The monitor places threads but starts none and touches no disk image.
+        for bad in ["clone", "accept4", "eventfd2", "epoll_wait"] {
+            assert!(!has(Role::Monitor, bad), "monitor may call {bad}");
+        }
+        assert!(has(Role::Monitor, "sched_setaffinity") && has(Role::Monitor, "ftruncate"));
+    }
+
+    /// The monitor's `openat` rule lets read-only opens through and nothing that writes or
+    /// creates.
+    #[test]
+    fn the_monitor_opens_read_only() {
+        let mask = (libc::O_ACCMODE | libc::O_CREAT | libc::O_TRUNC) as u64;
+        let ok = |flags: i32| (flags as u64) & mask == 0;
+        assert!(ok(libc::O_RDONLY | libc::O_CLOEXEC));
+        for bad in [
+            libc::O_WRONLY,
+            libc::O_RDWR,
+            libc::O_RDONLY | libc::O_CREAT,
+            libc::O_RDONLY | libc::O_TRUNC,
+            libc::O_TMPFILE | libc::O_RDWR,
+        ] {
+            assert!(!ok(bad), "{bad:#x}");
+        }
     }
 }

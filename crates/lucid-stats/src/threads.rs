@@ -2,7 +2,7 @@
 //! them and the monitor can read their `schedstat`. A thread registers itself (only it knows its
 //! own TID) and is dropped from the list when its guard goes.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 /// What a Lucid thread does, as the pools see it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -25,10 +25,23 @@ pub struct ThreadInfo {
     pub role: ThreadRole,
 }
 
+/// Called on a thread that just registered, on that thread (so it may act on itself: set its
+/// own affinity, join a cgroup), with its entry.
+pub type OnRegister = Arc<dyn Fn(&ThreadInfo) + Send + Sync>;
+
 /// The VM's thread list. One per VM, shared like the stats registry.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct ThreadRegistry {
     threads: Mutex<Vec<ThreadInfo>>,
+    on_register: RwLock<Option<OnRegister>>,
+}
+
+impl std::fmt::Debug for ThreadRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ThreadRegistry")
+            .field("threads", &self.list())
+            .finish_non_exhaustive()
+    }
 }
 
 /// Keeps a thread in the registry; dropping it (when the thread ends) removes the entry.
@@ -52,13 +65,30 @@ impl ThreadRegistry {
             .name()
             .unwrap_or("lucid-unnamed")
             .to_string();
-        let mut list = self.threads.lock().unwrap_or_else(|e| e.into_inner());
-        list.retain(|t| t.tid != tid);
-        list.push(ThreadInfo { tid, name, role });
+        let info = ThreadInfo { tid, name, role };
+        {
+            let mut list = self.threads.lock().unwrap_or_else(|e| e.into_inner());
+            list.retain(|t| t.tid != tid);
+            list.push(info.clone());
+        }
+        let hook = self
+            .on_register
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if let Some(hook) = hook {
+            hook(&info);
+        }
         ThreadGuard {
             registry: self.clone(),
             tid,
         }
+    }
+
+    /// Sets what every thread that registers from now on runs, on itself, right after it
+    /// registered (the scheduling pools place it). Replaces an earlier hook.
+    pub fn set_on_register(&self, hook: Option<OnRegister>) {
+        *self.on_register.write().unwrap_or_else(|e| e.into_inner()) = hook;
     }
 
     /// Every registered thread, in registration order.
@@ -108,5 +138,22 @@ mod tests {
         done_tx.send(()).unwrap();
         t.join().unwrap();
         assert!(reg.list().is_empty());
+    }
+
+    #[test]
+    fn the_hook_runs_on_the_registering_thread() {
+        let reg = ThreadRegistry::new();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s2 = seen.clone();
+        reg.set_on_register(Some(Arc::new(move |t: &ThreadInfo| {
+            // SAFETY: gettid has no arguments and cannot fail.
+            let me = unsafe { libc::gettid() };
+            s2.lock().unwrap().push((t.tid == me, t.role.clone()));
+        })));
+        let r2 = reg.clone();
+        std::thread::spawn(move || drop(r2.register_current(ThreadRole::Vcpu(3))))
+            .join()
+            .unwrap();
+        assert_eq!(*seen.lock().unwrap(), vec![(true, ThreadRole::Vcpu(3))]);
     }
 }
