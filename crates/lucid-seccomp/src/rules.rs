@@ -7,10 +7,10 @@
 use std::collections::BTreeMap;
 
 use kvm_bindings::{
-    kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_enable_cap, kvm_fpu, kvm_interrupt, kvm_ioeventfd,
-    kvm_irq_level, kvm_irq_routing, kvm_irqchip, kvm_irqfd, kvm_lapic_state, kvm_mp_state, kvm_msi,
-    kvm_msrs, kvm_pit_state2, kvm_regs, kvm_sregs, kvm_translation, kvm_vcpu_events, kvm_xcrs,
-    kvm_xsave, KVMIO,
+    kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_enable_cap, kvm_fpu, kvm_interrupt,
+    kvm_ioeventfd, kvm_irq_level, kvm_irq_routing, kvm_irqchip, kvm_irqfd, kvm_lapic_state,
+    kvm_mp_state, kvm_msi, kvm_msrs, kvm_pit_state2, kvm_regs, kvm_sregs, kvm_translation,
+    kvm_vcpu_events, kvm_xcrs, kvm_xsave, KVMIO,
 };
 use libc::c_long;
 use seccompiler::{
@@ -383,7 +383,10 @@ fn monitor(a: &mut Allowed) -> Result<(), BackendError> {
     ]);
     // openat(dirfd, path, flags, mode) with no access mode but read and no O_CREAT/O_TRUNC.
     let read_only = (O_ACCMODE | O_CREAT | O_TRUNC) as u64;
-    a.when(SYS_openat, vec![rule(vec![arg(2, Op::MaskedEq(read_only), 0)?])?]);
+    a.when(
+        SYS_openat,
+        vec![rule(vec![arg(2, Op::MaskedEq(read_only), 0)?])?],
+    );
     a.ioctls(&[KVM_ENABLE_CAP(), KVM_CHECK_EXTENSION()])
 }
 

@@ -85,6 +85,12 @@ pub struct VmConfig {
     pub seccomp: bool,
     /// An emulated Intel VT-d (`--iommu vtd`): every device's DMA and MSIs go through it.
     pub iommu: Option<VtdConfig>,
+    /// The host CPU pool the VM runs in (`--pool`; docs/scheduling.md).
+    pub pool: crate::pools::PoolChoice,
+    /// `--low-noise`: vCPUs pinned one per CPU, everything else elsewhere, no periodic work.
+    pub low_noise: bool,
+    /// The pools' monitor window and classifier settings.
+    pub monitor: crate::pools::MonitorTuning,
 }
 
 impl VmConfig {
@@ -103,6 +109,9 @@ impl VmConfig {
             platform_pci: Vec::new(),
             seccomp: true,
             iommu: None,
+            pool: crate::pools::PoolChoice::Auto,
+            low_noise: false,
+            monitor: crate::pools::MonitorTuning::default(),
         }
     }
 }

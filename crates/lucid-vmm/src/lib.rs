@@ -9,6 +9,7 @@ mod config;
 pub mod emulate;
 pub mod hooks;
 mod iommu;
+mod pools;
 mod report;
 mod vcpu;
 mod vm;
@@ -20,13 +21,14 @@ pub use config::{
 };
 pub use emulate::Emulator;
 pub use hooks::{ExitHooks, HypercallHook, MsrHook};
+pub use pools::{MonitorTuning, PoolChoice, PoolsError};
 pub use report::{error_chain, DeviceCounts, RunReport};
 pub use vcpu::{LoopEnd, VcpuCtx, VcpuError, VcpuFault, VcpuHandle};
 pub use vm::{
     hypercall, ConfigError, PciBus, Vm, VmmError, DEFAULT_LINUX_CMDLINE, PVM_LINUX_CMDLINE,
 };
 
-pub use {lucid_boot, lucid_hv, lucid_iommu};
+pub use {lucid_boot, lucid_hv, lucid_iommu, lucid_pools};
 
 pub use lucid_devices::{BadSerialOption, SerialOutput, StopReason};
 pub use lucid_mem::Backing;

@@ -38,6 +38,11 @@ pub mod hypercall {
     /// rdi = one of the `REPORT_*` keys, rsi = its value: the guest's own figures (its vIOMMU
     /// mappings), kept as counters `iommu.guest.<key name>`; returns 0.
     pub const REPORT: u64 = 3;
+    /// rdi = `WORK_ITERATIONS` or `WORK_BYTES`, rsi = amount done since the last call: the
+    /// guest's progress, added to `guest.work.iterations` / `guest.work.bytes`; returns 0.
+    pub const WORK: u64 = 5;
+    pub const WORK_ITERATIONS: u64 = 0;
+    pub const WORK_BYTES: u64 = 1;
     /// What DISCOVER returns: "LUCI".
     pub const MAGIC: u64 = 0x4C55_4349;
 
@@ -134,6 +139,8 @@ pub enum VmmError {
     },
     #[error(transparent)]
     Seccomp(#[from] lucid_seccomp::SeccompError),
+    #[error(transparent)]
+    Pools(#[from] crate::pools::PoolsError),
     #[error("cannot start the vIOMMU's sidecore thread")]
     IommuThread {
         #[source]
@@ -180,6 +187,8 @@ pub struct Vm {
     iommu: Option<crate::iommu::Iommu>,
     /// The GSI router, when the VM has PCI devices or a vIOMMU.
     router: Option<Arc<lucid_hv::GsiRouter>>,
+    /// The VM's place in the host's CPU pools (`VmConfig::pool`), when it has one.
+    pools: Option<crate::pools::Pools>,
 }
 
 /// The VM's PCI bus and its devices.
@@ -213,6 +222,10 @@ impl Vm {
             false => None,
         };
         let lifecycle = Arc::new(Lifecycle::new());
+        if config.low_noise {
+            // Before any thread starts: they all inherit the non-vCPU CPUs.
+            crate::pools::low_noise(config.vcpus, &config.pool, &stats)?;
+        }
         if config.handle_signals {
             // Before any thread starts, so that every thread inherits the blocked mask.
             watch_stop_signals(lifecycle.clone(), seccomp.clone());
@@ -257,6 +270,7 @@ impl Vm {
         };
         let tsc_khz = add_hypercalls(&hooks, b.backend());
         crate::iommu::add_report_hypercall(&hooks, &stats);
+        crate::pools::add_work_hypercall(&hooks, &stats);
 
         // The kernel, its command line and the boot tables.
         let image = match &config.kernel {
@@ -315,6 +329,19 @@ impl Vm {
             handles.push(handle);
         }
 
+        // The pools, once the KVM VM exists (halt polling) and before any vCPU or back-end
+        // thread starts (they place themselves as they register).
+        let pools = match config.low_noise {
+            true => None,
+            false => crate::pools::Pools::join(
+                &config.pool,
+                config.monitor,
+                b.vm(),
+                &stats,
+                &vm_name(&config.kernel),
+            )?,
+        };
+
         let backend = b.backend();
         let (vm, ram) = b.finish();
         Ok(Vm {
@@ -337,6 +364,7 @@ impl Vm {
             seccomp,
             iommu,
             router,
+            pools,
         })
     }
 
@@ -360,6 +388,9 @@ impl Vm {
                 .map_err(|source| VmmError::Thread { vcpu, source })?;
             self.threads.push(t);
         }
+        if let Some(pools) = &mut self.pools {
+            pools.start_monitor(&self.seccomp)?;
+        }
         Ok(())
     }
 
@@ -374,6 +405,10 @@ impl Vm {
     /// Waits until the VM stops, joins the vCPU threads and reports.
     pub fn wait(mut self) -> RunReport {
         let stop = self.lifecycle.wait();
+        // The monitor's last window, while the vCPU threads are still listed.
+        if let Some(pools) = &mut self.pools {
+            pools.stop();
+        }
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -458,9 +493,21 @@ impl Drop for Vm {
                 let _ = t.join();
             }
         }
+        self.pools = None;
         // The sidecore stops before the devices whose DMA it translates go.
         self.iommu = None;
         self.pci = None;
+    }
+}
+
+/// The VM's name in the pools' state directory: its guest or kernel file name.
+fn vm_name(kernel: &KernelSource) -> String {
+    match kernel {
+        KernelSource::Builtin { name, .. } => name.clone(),
+        KernelSource::File(p) => p
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "kernel".into()),
     }
 }
 

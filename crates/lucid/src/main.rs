@@ -100,6 +100,23 @@ struct RunArgs {
     /// Run without the per-thread seccomp filters (see docs/security.md).
     #[arg(long)]
     no_seccomp: bool,
+    /// The host CPU pool to run in (see `lucid pools`): a pool's name (pinned there), auto
+    /// (the classifier picks and moves the VM; no pools defined means none) or none.
+    #[arg(long, default_value = "auto", value_name = "NAME|auto|none")]
+    pool: String,
+    /// vCPU threads pinned one per CPU (the highest CPUs), everything else on the other CPUs,
+    /// no monitor and no periodic work in Lucid.
+    #[arg(long)]
+    low_noise: bool,
+    /// The pools' monitor window in ms (tests shorten it).
+    #[arg(long, default_value_t = 1000, hide = true)]
+    monitor_window_ms: u64,
+    /// Windows in a row that must agree before the classifier moves the VM.
+    #[arg(long, default_value_t = 5, hide = true)]
+    classify_windows: u32,
+    /// Least time in ms between two moves of the VM.
+    #[arg(long, default_value_t = 10_000, hide = true)]
+    classify_dwell_ms: u64,
 }
 
 /// What the CLI could not do, for its one error line.
@@ -121,6 +138,8 @@ enum CliError {
     },
     #[error(transparent)]
     Vmm(#[from] lucid_vmm::VmmError),
+    #[error(transparent)]
+    Pools(#[from] lucid_vmm::PoolsError),
     #[error(transparent)]
     Probe(#[from] lucid_probe::ProbeError),
     #[error("{0}")]
@@ -174,6 +193,11 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
     for d in &args.device {
         config.platform_pci.push(lucid_vmm::parse_device(d)?);
     }
+    config.pool = args.pool.parse()?;
+    config.low_noise = args.low_noise;
+    config.monitor.window = std::time::Duration::from_millis(args.monitor_window_ms.max(10));
+    config.monitor.classifier.agree = args.classify_windows.max(1);
+    config.monitor.classifier.dwell = std::time::Duration::from_millis(args.classify_dwell_ms);
 
     // Checked before the run, not after it: a typo in the path should not cost a whole run.
     let stats_file = match &args.stats_json {
