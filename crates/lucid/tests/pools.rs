@@ -1,0 +1,480 @@
+//! The scheduling pools end to end on real KVM (default seccomp on): a VM's vCPU and back-end
+//! threads land in its pool (affinity and cpuset cgroup read back while it runs), the monitor's
+//! figures reach `--stats-json`, the classifier moves a CPU-bound VM to the CPU pool while it
+//! runs and the guest finishes its work, and `--low-noise` keeps the vCPU's CPU to itself.
+//!
+//! Pools live in a unique state directory and cgroup root (`LUCID_POOLS_DIR`,
+//! `LUCID_POOLS_CGROUP`), removed at the end. The pools here: `io` = CPU 0 (policy io) and
+//! `cpu` = CPU 1 (policy cpu), on this 2-CPU host.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{disk, one_at_a_time, tmp};
+
+const LIMIT: Duration = Duration::from_secs(180);
+
+/// Two CPUs or more: the tests put pools on CPUs 0 and 1.
+fn two_cpus() -> bool {
+    std::thread::available_parallelism().map_or(0, |n| n.get()) >= 2
+}
+
+/// A pools state directory and (when the host has cpuset v1) a cgroup root with one cpuset
+/// per pool, removed on drop.
+// LEAD: once `lucid pools create` exists, create these through it (the public API) instead.
+struct TestPools {
+    dir: PathBuf,
+    root: String,
+    cgroup: Option<PathBuf>,
+}
+
+impl TestPools {
+    fn new(tag: &str) -> TestPools {
+        let dir = tmp(&format!("pools-{tag}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("pools.json"),
+            r#"{"pools":[{"name":"io","cpus":[0],"policy":"io","backends":false},
+                {"name":"cpu","cpus":[1],"policy":"cpu","backends":false}]}"#,
+        )
+        .unwrap();
+        let root = format!("lucid-test-{}-{tag}", std::process::id());
+        let cgroup = Self::cpusets(&root);
+        TestPools { dir, root, cgroup }
+    }
+
+    /// `/sys/fs/cgroup/cpuset/<root>/{io,cpu}`, or `None` where cpuset v1 is not writable.
+    fn cpusets(root: &str) -> Option<PathBuf> {
+        let base = Path::new("/sys/fs/cgroup/cpuset");
+        let mems = std::fs::read_to_string(base.join("cpuset.mems")).ok()?;
+        let top = base.join(root);
+        std::fs::create_dir(&top).ok()?;
+        let setup = |d: &Path, cpus: &str| {
+            std::fs::write(d.join("cpuset.cpus"), cpus)?;
+            std::fs::write(d.join("cpuset.mems"), mems.trim())
+        };
+        let ok = setup(&top, "0-1").is_ok()
+            && [("io", "0"), ("cpu", "1")].iter().all(|(p, c)| {
+                let d = top.join(p);
+                std::fs::create_dir(&d).is_ok() && setup(&d, c).is_ok()
+            });
+        if !ok {
+            Self::remove_cgroups(&top);
+            return None;
+        }
+        Some(top)
+    }
+
+    fn remove_cgroups(top: &Path) {
+        for p in ["io", "cpu"] {
+            let _ = std::fs::remove_dir(top.join(p));
+        }
+        let _ = std::fs::remove_dir(top);
+    }
+
+    fn command(&self) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_lucid"));
+        c.env("LUCID_POOLS_DIR", &self.dir)
+            .env("LUCID_POOLS_CGROUP", &self.root)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    }
+}
+
+impl Drop for TestPools {
+    fn drop(&mut self) {
+        if let Some(top) = &self.cgroup {
+            Self::remove_cgroups(top);
+            assert!(!top.exists(), "cgroup {} left behind", top.display());
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// One of the VM's threads as /proc shows it.
+#[derive(Debug)]
+struct Task {
+    comm: String,
+    cpus: String,
+    cpuset: String,
+}
+
+fn tasks(pid: u32) -> Vec<Task> {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .map(|t| {
+            let read = |f: &str| std::fs::read_to_string(t.path().join(f)).unwrap_or_default();
+            let status = read("status");
+            let cpus = status
+                .lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                .unwrap_or("")
+                .trim()
+                .to_string();
+            let cpuset = read("cgroup")
+                .lines()
+                .find_map(|l| {
+                    let mut parts = l.splitn(3, ':');
+                    let (_, ctrl, path) = (parts.next()?, parts.next()?, parts.next()?);
+                    ctrl.split(',')
+                        .any(|c| c == "cpuset")
+                        .then(|| path.to_string())
+                })
+                .unwrap_or_default();
+            Task {
+                comm: read("comm").trim().to_string(),
+                cpus,
+                cpuset,
+            }
+        })
+        .collect()
+}
+
+/// Polls `pred` on the VM's threads until it holds (true) or `limit` passes or the VM exits.
+fn until(child: &mut Child, limit: Duration, pred: impl Fn(&[Task]) -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if child.try_wait().ok().flatten().is_some() {
+            return false;
+        }
+        if pred(&tasks(child.id())) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+fn task<'a>(ts: &'a [Task], comm: &str) -> Option<&'a Task> {
+    ts.iter().find(|t| t.comm == comm)
+}
+
+struct Finished {
+    status: Option<i32>,
+    stdout: String,
+    stderr: String,
+    stats: serde_json::Value,
+}
+
+impl Finished {
+    fn counter(&self, path: &str) -> u64 {
+        let mut v = &self.stats["counters"];
+        for part in path.split('.') {
+            v = &v[part];
+        }
+        v.as_u64().or_else(|| v["total"].as_u64()).unwrap_or(0)
+    }
+}
+
+fn finish(mut child: Child, stats: &Path) -> Finished {
+    let start = Instant::now();
+    while child.try_wait().ok().flatten().is_none() {
+        if start.elapsed() > LIMIT {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().expect("wait");
+    let json = std::fs::read_to_string(stats)
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok())
+        .unwrap_or(serde_json::Value::Null);
+    let _ = std::fs::remove_file(stats);
+    Finished {
+        status: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        stats: json,
+    }
+}
+
+fn blk_args<'a>(img: &'a str, stats: &'a str, count: &'a str) -> Vec<String> {
+    [
+        "run",
+        "--guest",
+        "virtio-blk",
+        "--blk",
+        &format!("path={img}"),
+        "--cmdline",
+        &format!("op=rw pattern=rand bs=4096 qd=8 count={count} verify=1"),
+        "--stats-json",
+        stats,
+        "--monitor-window-ms",
+        "200",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+#[test]
+fn a_vm_in_a_named_pool_has_its_vcpu_and_backend_threads_there() {
+    if !two_cpus() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let pools = TestPools::new("named");
+    let img = disk("pools-named", 64);
+    let stats = tmp("pools-named-stats.json");
+    let mut args = blk_args(img.to_str().unwrap(), stats.to_str().unwrap(), "60000");
+    args.extend(["--pool".into(), "cpu".into()]);
+    let mut child = pools.command().args(&args).spawn().expect("spawn lucid");
+    let pid = child.id();
+
+    // Both the vCPU and the back-end (started when the guest activates the disk) land on CPU 1
+    // and, with cgroups, in the pool's cpuset.
+    let want_cpuset = format!("/{}/cpu", pools.root);
+    let cgroups = pools.cgroup.is_some();
+    let placed = |ts: &[Task]| {
+        ["lucid-vcpu0", "lucid-blk0-io"].iter().all(|n| {
+            task(ts, n).is_some_and(|t| t.cpus == "1" && (!cgroups || t.cpuset == want_cpuset))
+        })
+    };
+    let in_pool = until(&mut child, Duration::from_secs(60), placed);
+    let seen = tasks(pid);
+    // The state directory lists the VM, its pool and its threads (from the monitor's first
+    // window on).
+    let json_path = pools.dir.join(format!("vms/{pid}.json"));
+    let listed = |j: &serde_json::Value| {
+        j["threads"]
+            .as_array()
+            .is_some_and(|ts| ts.iter().any(|t| t["name"] == "lucid-blk0-io"))
+    };
+    let mut vm_json = serde_json::Value::Null;
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(20) && !listed(&vm_json) {
+        std::thread::sleep(Duration::from_millis(50));
+        vm_json = std::fs::read_to_string(&json_path)
+            .ok()
+            .and_then(|s| serde_json::from_str(&s).ok())
+            .unwrap_or(serde_json::Value::Null);
+    }
+    let out = finish(child, &stats);
+    assert!(in_pool, "threads not in pool cpu: {seen:?}\n{}", out.stderr);
+    // Threads that are not the VM's vCPUs or back-ends stay where Linux put them.
+    let main = seen
+        .iter()
+        .find(|t| t.comm == "lucid")
+        .expect("main thread");
+    assert_eq!(main.cpus, "0-1", "{seen:?}");
+    assert!(listed(&vm_json), "vms/{pid}.json: {vm_json}");
+    assert_eq!(vm_json["pool"], "cpu");
+    assert_eq!(vm_json["pinned"], true);
+    for name in ["lucid-vcpu0", "lucid-blk0-io"] {
+        assert!(
+            vm_json["threads"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|t| t["name"] == name && t["pool"] == "cpu"),
+            "{vm_json}"
+        );
+    }
+    // Gone (empty: a confined VM cannot unlink) once the VM exits.
+    assert!(std::fs::read_to_string(&json_path)
+        .unwrap_or_default()
+        .is_empty());
+
+    assert_eq!(out.status, Some(1), "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("mismatches=0"),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+    // The monitor's figures are in --stats-json: windows, bytes and kicks of the disk, and
+    // per-thread CPU time and run-queue wait.
+    assert!(out.counter("monitor.windows") >= 2, "{}", out.stats);
+    assert!(
+        out.counter("monitor.bytes") >= 60_000 * 4096 / 2,
+        "{}",
+        out.stats
+    );
+    assert!(out.counter("monitor.kicks") > 0);
+    assert!(out.counter("monitor.vcpu_cpu_ns") > 0);
+    assert!(out.counter("monitor.thread.lucid-blk0-io.cpu_ns") > 0);
+    assert!(out.counter("monitor.kvm.exits") > 0);
+    assert!(out.stats["counters"]["monitor"]
+        .get("guest_to_backend_us_per_mb")
+        .is_some());
+    assert!(out.counter("pools.placements") >= 2);
+    // Pinned by hand: never moved.
+    assert_eq!(out.counter("monitor.moves"), 0);
+    assert_eq!(out.counter("pools.current"), 1);
+    std::fs::remove_file(img).unwrap();
+}
+
+#[test]
+fn the_classifier_moves_a_cpu_bound_vm_to_the_cpu_pool_and_it_keeps_running() {
+    if !two_cpus() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let pools = TestPools::new("auto");
+    let stats = tmp("pools-auto-stats.json");
+    // About 4 s of compute here; short windows so the move comes after about a second.
+    let mut child = pools
+        .command()
+        .args([
+            "run",
+            "--guest",
+            "compute",
+            "--cmdline",
+            "iters=2000000000",
+            "--pool",
+            "auto",
+            "--monitor-window-ms",
+            "200",
+            "--classify-windows",
+            "3",
+            "--classify-dwell-ms",
+            "1000",
+            "--stats-json",
+        ])
+        .arg(&stats)
+        .spawn()
+        .expect("spawn lucid");
+    // Auto starts in the first pool, io (CPU 0)...
+    let in_io = until(&mut child, Duration::from_secs(30), |ts| {
+        task(ts, "lucid-vcpu0").is_some_and(|t| t.cpus == "0")
+    });
+    // ...and the classifier moves the CPU loop to the cpu pool (CPU 1) while it runs.
+    let moved = until(&mut child, Duration::from_secs(60), |ts| {
+        task(ts, "lucid-vcpu0").is_some_and(|t| t.cpus == "1")
+    });
+    let running_after_move = child.try_wait().ok().flatten().is_none();
+    let out = finish(child, &stats);
+    assert!(
+        in_io && moved,
+        "in io {in_io}, moved {moved}: {}",
+        out.stderr
+    );
+    assert!(
+        running_after_move,
+        "the VM ended at the move: {}",
+        out.stderr
+    );
+    // The guest finished its work after the move: all its iterations and its checksum.
+    assert_eq!(out.status, Some(1), "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("compute iters=2000000000"),
+        "{}",
+        out.stdout
+    );
+    assert!(out.stdout.contains("checksum=0x"), "{}", out.stdout);
+    assert_eq!(out.counter("monitor.moves"), 1, "{}", out.stats);
+    assert_eq!(out.counter("pools.current"), 1);
+    // It kept running for a while in its new pool.
+    let wall_ms = (out.stats["wall_s"].as_f64().unwrap_or(0.0) * 1000.0) as u64;
+    assert!(
+        wall_ms > out.counter("monitor.moved_at_ms") + 200,
+        "wall {wall_ms} ms, moved at {} ms",
+        out.counter("monitor.moved_at_ms")
+    );
+    // The cpu policy turns halt polling off where KVM lets a VM choose.
+    if out.stats["counters"]["pools"].get("halt_poll_ns").is_some() {
+        assert_eq!(out.counter("pools.halt_poll_ns"), 0);
+    }
+}
+
+#[test]
+fn low_noise_gives_the_vcpu_its_own_cpu_and_runs_no_monitor() {
+    if !two_cpus() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    // Pools defined on the host do not matter in low-noise mode.
+    let pools = TestPools::new("quiet");
+    let img = disk("pools-quiet", 64);
+    let stats = tmp("pools-quiet-stats.json");
+    let mut args = blk_args(img.to_str().unwrap(), stats.to_str().unwrap(), "60000");
+    args.push("--low-noise".into());
+    let mut child = pools.command().args(&args).spawn().expect("spawn lucid");
+    let pid = child.id();
+    let placed = until(&mut child, Duration::from_secs(60), |ts| {
+        task(ts, "lucid-vcpu0").is_some_and(|t| t.cpus == "1")
+            && task(ts, "lucid-blk0-io").is_some_and(|t| t.cpus == "0")
+    });
+    let seen = tasks(pid);
+    let out = finish(child, &stats);
+    assert!(placed, "{seen:?}\n{}", out.stderr);
+    // Everything of Lucid's but the vCPU is on CPU 0; no monitor thread. KVM's own worker in
+    // the process (`kvm-nx-lpage-recovery`, started by the vCPU's first KVM_RUN) inherits the
+    // vCPU's CPU: Lucid has no point at which to move it without periodic work (it sleeps
+    // unless nx_huge_pages is on).
+    for t in seen.iter().filter(|t| !t.comm.starts_with("kvm-")) {
+        let want = if t.comm == "lucid-vcpu0" { "1" } else { "0" };
+        assert_eq!(t.cpus, want, "{t:?}");
+        assert_ne!(t.comm, "lucid-monitor");
+    }
+    assert_eq!(out.status, Some(1), "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("mismatches=0"), "{}", out.stdout);
+    assert_eq!(out.counter("pools.low_noise"), 1);
+    assert_eq!(out.counter("monitor.windows"), 0);
+    assert!(!pools.dir.join(format!("vms/{pid}.json")).exists());
+    std::fs::remove_file(img).unwrap();
+}
+
+#[test]
+fn bad_pool_choices_are_refused_with_a_clear_error() {
+    let pools = TestPools::new("bad");
+    let run = |extra: &[&str]| {
+        let out = pools
+            .command()
+            .args(["run", "--guest", "hello"])
+            .args(extra)
+            .output()
+            .expect("run lucid");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, err) = run(&["--pool", "nosuch"]);
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains("no such pool") && err.contains("io, cpu"),
+        "{err}"
+    );
+    let (code, err) = run(&["--pool", "../etc"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("expected none, auto or a pool name"), "{err}");
+    let (code, err) = run(&["--low-noise", "--pool", "io"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("exclude each other"), "{err}");
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cpus <= 254 {
+        let (code, err) = run(&["--low-noise", "--vcpus", &cpus.to_string()]);
+        assert_eq!(code, Some(1));
+        assert!(err.contains("use fewer --vcpus"), "{err}");
+    }
+    // No pools at all: auto runs in none, a name is refused.
+    let empty = tmp("pools-none");
+    let out = Command::new(env!("CARGO_BIN_EXE_lucid"))
+        .env("LUCID_POOLS_DIR", &empty)
+        .args(["run", "--guest", "hello", "--pool", "io"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(err.contains("none defined"), "{err}");
+}
+
+#[test]
+fn the_work_hypercall_counts_are_in_the_stats() {
+    // Every VM has the counters (zero until a guest reports).
+    let o = common::lucid(&["run", "--guest", "hello", "--pool", "none"], LIMIT);
+    assert_eq!(o.status, Some(1), "{}", o.stderr);
+    let c = &o.stats.as_ref().expect("stats")["counters"]["guest"]["work"];
+    assert_eq!(c["iterations"], 0);
+    assert_eq!(c["bytes"], 0);
+}
