@@ -805,6 +805,43 @@ pub(crate) fn low_noise(
     Ok(())
 }
 
+/// What in `config` still wakes up on its own in low-noise mode (said once, as warnings): the
+/// polling rungs (L4, L4p) and the vIOMMU's sidecore spin or sleep-poll on the non-vCPU CPUs.
+/// Everything else in Lucid blocks until there is work: the virtio workers on L0-L3 wait in
+/// `epoll_wait(-1)` (their timerfd is armed only for an interrupt-coalescing deadline), the
+/// console writer on a condition variable, the input threads in `read`/`accept`, the signal
+/// thread in `sigwait`, a paused vCPU on a condition variable (a 1 s safety net only while
+/// paused), and statistics are read once, at exit.
+pub(crate) fn low_noise_pollers(config: &crate::config::VmConfig) -> Vec<String> {
+    let mut out = Vec::new();
+    let (mut nblk, mut nnet) = (0, 0);
+    for d in &config.pci {
+        let name = match d.kind {
+            crate::config::PciDeviceKind::Block(_) => {
+                nblk += 1;
+                format!("blk{}", nblk - 1)
+            }
+            crate::config::PciDeviceKind::Net(_) => {
+                nnet += 1;
+                format!("net{}", nnet - 1)
+            }
+        };
+        if let lucid_pci::Rung::L4 { .. } = d.rung {
+            out.push(format!(
+                "{name} on rung {:?} polls its rings (on the non-vCPU CPUs)",
+                d.rung
+            ));
+        }
+    }
+    if config
+        .iommu
+        .is_some_and(|c| c.mode == lucid_iommu::EmulationMode::Sidecore)
+    {
+        out.push("the vIOMMU's sidecore polls its register page (on the non-vCPU CPUs)".into());
+    }
+    out
+}
+
 /// vCPU i on the i-th highest CPU; the rest on the others. `None` without a CPU to spare.
 fn split_low_noise(cpus: &[u32], vcpus: u8) -> Option<(Vec<u32>, Vec<u32>)> {
     let n = usize::from(vcpus);
@@ -902,6 +939,18 @@ mod tests {
         );
         assert_eq!(split_low_noise(&[0, 1], 2), None);
         assert_eq!(split_low_noise(&[0], 1), None);
+    }
+
+    #[test]
+    fn low_noise_names_what_still_polls() {
+        let mut c = crate::config::VmConfig::new(crate::config::KernelSource::File("/k".into()));
+        assert!(low_noise_pollers(&c).is_empty());
+        c.pci.push(crate::config::parse_blk("path=/x").unwrap());
+        c.pci
+            .push(crate::config::parse_blk("path=/y,rung=L4").unwrap());
+        let p = low_noise_pollers(&c);
+        assert_eq!(p.len(), 1);
+        assert!(p[0].starts_with("blk1 on rung L4"), "{p:?}");
     }
 
     #[test]

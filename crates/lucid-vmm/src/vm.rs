@@ -225,6 +225,9 @@ impl Vm {
         if config.low_noise {
             // Before any thread starts: they all inherit the non-vCPU CPUs.
             crate::pools::low_noise(config.vcpus, &config.pool, &stats)?;
+            for p in crate::pools::low_noise_pollers(&config) {
+                log::warn!("--low-noise: {p}");
+            }
         }
         if config.handle_signals {
             // Before any thread starts, so that every thread inherits the blocked mask.
