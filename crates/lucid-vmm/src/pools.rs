@@ -687,6 +687,9 @@ impl Monitor {
                 }
             }
             // Threads that started since (or whose hook could not place them) join now.
+            // LEAD: with lucid_pools::policy, also run the no-op pool's `Admission::poll()` (a
+            // waiting back-end is admitted when a slot frees) and one tick of the io policy's
+            // boost ladder for the VM's threads here, once per window.
             for t in &sample.threads {
                 s.place(&t.info, false);
             }

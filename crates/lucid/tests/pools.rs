@@ -478,3 +478,23 @@ fn the_work_hypercall_counts_are_in_the_stats() {
     assert_eq!(c["iterations"], 0);
     assert_eq!(c["bytes"], 0);
 }
+
+/// The monitor confines itself to seccomp role `monitor`: a forbidden call there ends the VM
+/// and names the thread and role (`LUCID_SECCOMP_SELFTEST=monitor` makes it call `socket`).
+#[test]
+fn the_monitor_thread_is_confined_to_its_seccomp_role() {
+    let pools = TestPools::new("seccomp");
+    let out = pools
+        .command()
+        .env("LUCID_SECCOMP_SELFTEST", "monitor")
+        .args(["run", "--guest", "compute", "--cmdline", "iters=2000000000"])
+        .args(["--pool", "io"])
+        .output()
+        .expect("run lucid");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(148), "{err}");
+    assert!(
+        err.contains("thread lucid-monitor (role monitor) made a forbidden system call: socket"),
+        "{err}"
+    );
+}
