@@ -33,22 +33,27 @@ struct TestPools {
 
 impl TestPools {
     fn new(tag: &str) -> TestPools {
+        Self::with(
+            tag,
+            r#"{"pools":[{"name":"io","cpus":[0],"policy":"io","backends":false},
+                {"name":"cpu","cpus":[1],"policy":"cpu","backends":false}]}"#,
+            &[("io", "0"), ("cpu", "1")],
+        )
+    }
+
+    /// Pools `json` with cpusets `(name, cpus)`.
+    fn with(tag: &str, json: &str, sets: &[(&str, &str)]) -> TestPools {
         let dir = tmp(&format!("pools-{tag}"));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(
-            dir.join("pools.json"),
-            r#"{"pools":[{"name":"io","cpus":[0],"policy":"io","backends":false},
-                {"name":"cpu","cpus":[1],"policy":"cpu","backends":false}]}"#,
-        )
-        .unwrap();
+        std::fs::write(dir.join("pools.json"), json).unwrap();
         let root = format!("lucid-test-{}-{tag}", std::process::id());
-        let cgroup = Self::cpusets(&root);
+        let cgroup = Self::cpusets(&root, sets);
         TestPools { dir, root, cgroup }
     }
 
-    /// `/sys/fs/cgroup/cpuset/<root>/{io,cpu}`, or `None` where cpuset v1 is not writable.
-    fn cpusets(root: &str) -> Option<PathBuf> {
+    /// `/sys/fs/cgroup/cpuset/<root>/<pool>`, or `None` where cpuset v1 is not writable.
+    fn cpusets(root: &str, sets: &[(&str, &str)]) -> Option<PathBuf> {
         let base = Path::new("/sys/fs/cgroup/cpuset");
         let mems = std::fs::read_to_string(base.join("cpuset.mems")).ok()?;
         let top = base.join(root);
@@ -58,7 +63,7 @@ impl TestPools {
             std::fs::write(d.join("cpuset.mems"), mems.trim())
         };
         let ok = setup(&top, "0-1").is_ok()
-            && [("io", "0"), ("cpu", "1")].iter().all(|(p, c)| {
+            && sets.iter().all(|(p, c)| {
                 let d = top.join(p);
                 std::fs::create_dir(&d).is_ok() && setup(&d, c).is_ok()
             });
@@ -70,8 +75,10 @@ impl TestPools {
     }
 
     fn remove_cgroups(top: &Path) {
-        for p in ["io", "cpu"] {
-            let _ = std::fs::remove_dir(top.join(p));
+        if let Ok(dir) = std::fs::read_dir(top) {
+            for d in dir.flatten().filter(|d| d.path().is_dir()) {
+                let _ = std::fs::remove_dir(d.path());
+            }
         }
         let _ = std::fs::remove_dir(top);
     }
@@ -309,6 +316,47 @@ fn a_vm_in_a_named_pool_has_its_vcpu_and_backend_threads_there() {
     assert!(out.counter("pools.placements") >= 2);
     // Pinned by hand: never moved.
     assert_eq!(out.counter("monitor.moves"), 0);
+    assert_eq!(out.counter("pools.current"), 1);
+    std::fs::remove_file(img).unwrap();
+}
+
+/// The research note's P2 layout: a back-ends pool (`backends=on`) on CPU 0 takes the VM's
+/// back-end thread while its vCPU runs in the VM's pool on CPU 1.
+#[test]
+fn back_ends_go_to_the_back_end_pool_and_vcpus_to_the_vms() {
+    if !two_cpus() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let pools = TestPools::with(
+        "backends",
+        r#"{"pools":[{"name":"be","cpus":[0],"policy":"noop","backends":true},
+            {"name":"vms","cpus":[1],"policy":"default"}]}"#,
+        &[("be", "0"), ("vms", "1")],
+    );
+    let img = disk("pools-backends", 64);
+    let stats = tmp("pools-backends-stats.json");
+    let mut args = blk_args(img.to_str().unwrap(), stats.to_str().unwrap(), "60000");
+    args.extend(["--pool".into(), "auto".into()]);
+    let mut child = pools.command().args(&args).spawn().expect("spawn lucid");
+    let pid = child.id();
+    let cgroups = pools.cgroup.is_some();
+    let (be, vms) = (
+        format!("/{}/be", pools.root),
+        format!("/{}/vms", pools.root),
+    );
+    let placed = until(&mut child, Duration::from_secs(60), |ts| {
+        task(ts, "lucid-vcpu0").is_some_and(|t| t.cpus == "1" && (!cgroups || t.cpuset == vms))
+            && task(ts, "lucid-blk0-io")
+                .is_some_and(|t| t.cpus == "0" && (!cgroups || t.cpuset == be))
+    });
+    let seen = tasks(pid);
+    let out = finish(child, &stats);
+    assert!(placed, "{seen:?}\n{}", out.stderr);
+    assert_eq!(out.status, Some(1), "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("mismatches=0"), "{}", out.stdout);
+    // Auto starts in the default-policy pool; a busy-polling disk guest is neither CPU- nor
+    // I/O-bound by the thresholds, so it stays.
     assert_eq!(out.counter("pools.current"), 1);
     std::fs::remove_file(img).unwrap();
 }
