@@ -4,8 +4,10 @@
 //!
 //! Each window gives the VM's CPU demand ((CPU + run-queue wait) / wall, per vCPU), its I/O rate
 //! and its event rate (kicks + interrupts). The three are smoothed (EWMA, α = 0.3) and the
-//! smoothed values get a label: CPU-bound when demand ≥ 0.9 with little I/O, I/O-bound when
-//! demand ≤ 0.6 with I/O above the thresholds, else unknown. The VM moves only after
+//! smoothed values (and the window's own, which must agree) get a label: CPU-bound when demand ≥ 0.9 with little I/O, I/O-bound when
+//! demand ≤ 0.6 with I/O above the thresholds, or whatever the demand when the I/O is heavy
+//! (≥ 10 MB/s or ≥ 5000 events/s: a guest that polls for its completions instead of halting,
+//! as the probe guests do, keeps its demand near 1 however I/O-bound it is), else unknown. The VM moves only after
 //! [`ClassifierConfig::agree`] windows in a row agree on a label other than its current one, and
 //! at least [`ClassifierConfig::dwell`] after its last placement: averages move VMs, spikes do
 //! not (the thesis's §1.4).
@@ -62,6 +64,10 @@ pub struct ClassifierConfig {
     pub io_bytes_per_s: f64,
     /// Event rate (kicks + interrupts per second) that counts as "I/O".
     pub io_events_per_s: f64,
+    /// I/O rate that makes a VM I/O-bound whatever its demand.
+    pub heavy_io_bytes_per_s: f64,
+    /// Event rate that makes a VM I/O-bound whatever its demand.
+    pub heavy_io_events_per_s: f64,
 }
 
 impl Default for ClassifierConfig {
@@ -74,6 +80,8 @@ impl Default for ClassifierConfig {
             io_demand: 0.6,
             io_bytes_per_s: 1e6,
             io_events_per_s: 500.0,
+            heavy_io_bytes_per_s: 10e6,
+            heavy_io_events_per_s: 5000.0,
         }
     }
 }
@@ -156,9 +164,11 @@ impl Classifier {
         let c = &self.cfg;
         let io = o.io_bytes_per_s >= c.io_bytes_per_s || o.events_per_s >= c.io_events_per_s;
         let quiet = o.io_bytes_per_s < c.io_bytes_per_s && o.events_per_s < c.io_events_per_s;
+        let heavy =
+            o.io_bytes_per_s >= c.heavy_io_bytes_per_s || o.events_per_s >= c.heavy_io_events_per_s;
         if o.demand >= c.cpu_demand && quiet {
             Label::CpuBound
-        } else if o.demand <= c.io_demand && io {
+        } else if (o.demand <= c.io_demand && io) || heavy {
             Label::IoBound
         } else {
             Label::Unknown
@@ -184,7 +194,12 @@ impl Classifier {
             },
         };
         self.smoothed = Some(s);
-        let label = self.label_of(&s);
+        // A window agrees on a label when its own figures and the smoothed ones both give it:
+        // the average keeps a burst's trace for a while after the burst, the raw window does not.
+        let label = match (self.label_of(&s), self.label_of(&o)) {
+            (smooth, raw) if smooth == raw => smooth,
+            _ => Label::Unknown,
+        };
         if label == self.last {
             self.streak = self.streak.saturating_add(1);
         } else {
@@ -301,14 +316,34 @@ mod tests {
         let c = Classifier::new(ClassifierConfig::default(), Label::Unknown, s(0));
         let idle = Observation::default();
         assert_eq!(c.label_of(&idle), Label::Unknown);
+        // Busy with some I/O: neither.
         let busy_io = Observation {
             demand: 1.0,
-            io_bytes_per_s: 50e6,
-            events_per_s: 10.0,
+            io_bytes_per_s: 5e6,
+            events_per_s: 600.0,
         };
         assert_eq!(c.label_of(&busy_io), Label::Unknown);
         let mut c = c;
         assert_eq!(feed(&mut c, 1, &[idle; 30]), vec![]);
+    }
+
+    #[test]
+    fn a_guest_that_polls_for_heavy_io_is_io_bound() {
+        let c = Classifier::new(ClassifierConfig::default(), Label::Unknown, s(0));
+        for o in [
+            Observation {
+                demand: 1.0,
+                io_bytes_per_s: 100e6,
+                events_per_s: 50.0,
+            },
+            Observation {
+                demand: 0.95,
+                io_bytes_per_s: 0.0,
+                events_per_s: 8000.0,
+            },
+        ] {
+            assert_eq!(c.label_of(&o), Label::IoBound, "{o:?}");
+        }
     }
 
     #[test]

@@ -434,6 +434,58 @@ fn the_classifier_moves_a_cpu_bound_vm_to_the_cpu_pool_and_it_keeps_running() {
     }
 }
 
+/// An I/O stream (the disk guest, which polls for completions: its demand stays near 1, its
+/// I/O rate makes it I/O-bound) starting in the cpu pool is moved to the io pool while it runs,
+/// back-end and all, and its data stays intact.
+#[test]
+fn the_classifier_moves_an_io_stream_to_the_io_pool() {
+    if !two_cpus() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let pools = TestPools::with(
+        "stream",
+        r#"{"pools":[{"name":"cpu","cpus":[1],"policy":"cpu"},
+            {"name":"io","cpus":[0],"policy":"io"}]}"#,
+        &[("cpu", "1"), ("io", "0")],
+    );
+    let img = disk("pools-stream", 64);
+    let stats = tmp("pools-stream-stats.json");
+    let mut args = blk_args(img.to_str().unwrap(), stats.to_str().unwrap(), "100000");
+    args.extend(
+        [
+            "--pool",
+            "auto",
+            "--classify-windows",
+            "3",
+            "--classify-dwell-ms",
+            "1000",
+        ]
+        .map(String::from),
+    );
+    let mut child = pools.command().args(&args).spawn().expect("spawn lucid");
+    let on = |cpu: &'static str| {
+        move |ts: &[Task]| {
+            ["lucid-vcpu0", "lucid-blk0-io"]
+                .iter()
+                .all(|n| task(ts, n).is_some_and(|t| t.cpus == cpu))
+        }
+    };
+    let in_cpu = until(&mut child, Duration::from_secs(30), on("1"));
+    let moved = until(&mut child, Duration::from_secs(60), on("0"));
+    let out = finish(child, &stats);
+    assert!(
+        in_cpu && moved,
+        "in cpu {in_cpu}, moved {moved}: {}",
+        out.stderr
+    );
+    assert_eq!(out.status, Some(1), "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("mismatches=0"), "{}", out.stdout);
+    assert_eq!(out.counter("monitor.moves"), 1, "{}", out.stats);
+    assert_eq!(out.counter("pools.current"), 1);
+    std::fs::remove_file(img).unwrap();
+}
+
 #[test]
 fn low_noise_gives_the_vcpu_its_own_cpu_and_runs_no_monitor() {
     if !two_cpus() {
