@@ -148,15 +148,18 @@ pub struct Window {
     pub kvm: KvmWindow,
 }
 
-/// The device of a back-end byte counter: `blk0.bytes_read` → `blk0`. The names the devices
-/// register: virtio-blk `bytes_read`/`bytes_written`, virtio-net `tx_bytes`/`rx_bytes`.
-pub fn device_bytes_counter(name: &str) -> Option<&str> {
+/// The device of a back-end byte counter and whether it is the worker's own: `blk0.bytes_read`
+/// → (`blk0`, true). Every virtio worker counts `bytes_read` (from guest buffers) and
+/// `bytes_written` (into them); virtio-net also counts `tx_bytes`/`rx_bytes`, the same bytes,
+/// used only for a device without the worker's counters.
+pub fn device_bytes_counter(name: &str) -> Option<(&str, bool)> {
     let (dev, what) = name.split_once('.')?;
-    let known = matches!(
-        what,
-        "bytes_read" | "bytes_written" | "tx_bytes" | "rx_bytes"
-    );
-    (known && is_device(dev)).then_some(dev)
+    let primary = match what {
+        "bytes_read" | "bytes_written" => true,
+        "tx_bytes" | "rx_bytes" => false,
+        _ => return None,
+    };
+    is_device(dev).then_some((dev, primary))
 }
 
 /// `blk0`, `net1`, ...: a virtio device's counter prefix.
@@ -233,12 +236,21 @@ impl Window {
                 .unwrap_or(0)
                 .saturating_sub(old)
         };
-        let mut device_bytes = BTreeMap::new();
+        // Per device: (worker's counters, the fallback's).
+        let mut both: BTreeMap<String, (Option<u64>, u64)> = BTreeMap::new();
         for name in b.counters.keys() {
-            if let Some(dev) = device_bytes_counter(name) {
-                *device_bytes.entry(dev.to_string()).or_insert(0) += delta(name);
+            if let Some((dev, primary)) = device_bytes_counter(name) {
+                let e = both.entry(dev.to_string()).or_default();
+                match primary {
+                    true => *e.0.get_or_insert(0) += delta(name),
+                    false => e.1 += delta(name),
+                }
             }
         }
+        let device_bytes = both
+            .into_iter()
+            .map(|(dev, (primary, fallback))| (dev, primary.unwrap_or(fallback)))
+            .collect();
         let (ka, kb) = (kvm_window(&a.counters), kvm_window(&b.counters));
         Window {
             wall_ns: b.at_ns.saturating_sub(a.at_ns),
@@ -534,8 +546,14 @@ mod tests {
 
     #[test]
     fn device_counters_are_recognised() {
-        assert_eq!(device_bytes_counter("blk0.bytes_read"), Some("blk0"));
-        assert_eq!(device_bytes_counter("net12.tx_bytes"), Some("net12"));
+        assert_eq!(
+            device_bytes_counter("blk0.bytes_read"),
+            Some(("blk0", true))
+        );
+        assert_eq!(
+            device_bytes_counter("net12.tx_bytes"),
+            Some(("net12", false))
+        );
         assert_eq!(device_bytes_counter("dma.bytes_read"), None);
         assert_eq!(device_bytes_counter("serial.tx_bytes"), None);
         assert_eq!(device_bytes_counter("blk0.irq.intx"), None);
@@ -581,6 +599,9 @@ mod tests {
         b.counters.insert("blk0.bytes_read".into(), 2_000_000);
         b.counters.insert("blk0.bytes_written".into(), 1_000_000);
         b.counters.insert("net0.tx_bytes".into(), 2_000_000);
+        // The same bytes as the worker's counters: not counted twice.
+        b.counters.insert("net1.bytes_read".into(), 0);
+        b.counters.insert("net1.tx_bytes".into(), 7_000_000);
         b.counters.insert("blk0.kicks".into(), 30);
         b.counters.insert("net0.irqs".into(), 70);
         b.counters.insert("kvm.vcpu0.halt_exits".into(), 25);
@@ -590,6 +611,7 @@ mod tests {
         assert_eq!(w.bytes(), 4_000_000);
         assert_eq!(w.device_bytes["blk0"], 2_000_000);
         assert_eq!(w.device_bytes["net0"], 2_000_000);
+        assert_eq!(w.device_bytes["net1"], 0);
         assert_eq!((w.kicks, w.irqs), (20, 70));
         assert_eq!(w.kvm.halt_exits, 20);
         assert_eq!(w.kvm.exits, 0, "kvm.vm.* is not a vCPU's");
