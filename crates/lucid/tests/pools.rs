@@ -104,6 +104,15 @@ impl Drop for TestPools {
     }
 }
 
+/// A temporary file removed when the test ends, passed or not.
+struct Removed(PathBuf);
+
+impl Drop for Removed {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// One of the VM's threads as /proc shows it.
 #[derive(Debug)]
 struct Task {
@@ -230,9 +239,9 @@ fn a_vm_in_a_named_pool_has_its_vcpu_and_backend_threads_there() {
     }
     let _turn = one_at_a_time();
     let pools = TestPools::new("named");
-    let img = disk("pools-named", 64);
+    let img = Removed(disk("pools-named", 64));
     let stats = tmp("pools-named-stats.json");
-    let mut args = blk_args(img.to_str().unwrap(), stats.to_str().unwrap(), "60000");
+    let mut args = blk_args(img.0.to_str().unwrap(), stats.to_str().unwrap(), "60000");
     args.extend(["--pool".into(), "cpu".into()]);
     let mut child = pools.command().args(&args).spawn().expect("spawn lucid");
     let pid = child.id();
@@ -317,7 +326,6 @@ fn a_vm_in_a_named_pool_has_its_vcpu_and_backend_threads_there() {
     // Pinned by hand: never moved.
     assert_eq!(out.counter("monitor.moves"), 0);
     assert_eq!(out.counter("pools.current"), 1);
-    std::fs::remove_file(img).unwrap();
 }
 
 /// The research note's P2 layout: a back-ends pool (`backends=on`) on CPU 0 takes the VM's
@@ -334,9 +342,9 @@ fn back_ends_go_to_the_back_end_pool_and_vcpus_to_the_vms() {
             {"name":"vms","cpus":[1],"policy":"default"}]}"#,
         &[("be", "0"), ("vms", "1")],
     );
-    let img = disk("pools-backends", 64);
+    let img = Removed(disk("pools-backends", 64));
     let stats = tmp("pools-backends-stats.json");
-    let mut args = blk_args(img.to_str().unwrap(), stats.to_str().unwrap(), "60000");
+    let mut args = blk_args(img.0.to_str().unwrap(), stats.to_str().unwrap(), "60000");
     args.extend(["--pool".into(), "auto".into()]);
     let mut child = pools.command().args(&args).spawn().expect("spawn lucid");
     let pid = child.id();
@@ -358,7 +366,6 @@ fn back_ends_go_to_the_back_end_pool_and_vcpus_to_the_vms() {
     // Auto starts in the default-policy pool; a busy-polling disk guest is neither CPU- nor
     // I/O-bound by the thresholds, so it stays.
     assert_eq!(out.counter("pools.current"), 1);
-    std::fs::remove_file(img).unwrap();
 }
 
 #[test]
@@ -449,9 +456,9 @@ fn the_classifier_moves_an_io_stream_to_the_io_pool() {
             {"name":"io","cpus":[0],"policy":"io"}]}"#,
         &[("cpu", "1"), ("io", "0")],
     );
-    let img = disk("pools-stream", 64);
+    let img = Removed(disk("pools-stream", 64));
     let stats = tmp("pools-stream-stats.json");
-    let mut args = blk_args(img.to_str().unwrap(), stats.to_str().unwrap(), "100000");
+    let mut args = blk_args(img.0.to_str().unwrap(), stats.to_str().unwrap(), "100000");
     args.extend(
         [
             "--pool",
@@ -483,7 +490,6 @@ fn the_classifier_moves_an_io_stream_to_the_io_pool() {
     assert!(out.stdout.contains("mismatches=0"), "{}", out.stdout);
     assert_eq!(out.counter("monitor.moves"), 1, "{}", out.stats);
     assert_eq!(out.counter("pools.current"), 1);
-    std::fs::remove_file(img).unwrap();
 }
 
 #[test]
@@ -494,9 +500,9 @@ fn low_noise_gives_the_vcpu_its_own_cpu_and_runs_no_monitor() {
     let _turn = one_at_a_time();
     // Pools defined on the host do not matter in low-noise mode.
     let pools = TestPools::new("quiet");
-    let img = disk("pools-quiet", 64);
+    let img = Removed(disk("pools-quiet", 64));
     let stats = tmp("pools-quiet-stats.json");
-    let mut args = blk_args(img.to_str().unwrap(), stats.to_str().unwrap(), "60000");
+    let mut args = blk_args(img.0.to_str().unwrap(), stats.to_str().unwrap(), "60000");
     args.push("--low-noise".into());
     let mut child = pools.command().args(&args).spawn().expect("spawn lucid");
     let pid = child.id();
@@ -521,7 +527,6 @@ fn low_noise_gives_the_vcpu_its_own_cpu_and_runs_no_monitor() {
     assert_eq!(out.counter("pools.low_noise"), 1);
     assert_eq!(out.counter("monitor.windows"), 0);
     assert!(!pools.dir.join(format!("vms/{pid}.json")).exists());
-    std::fs::remove_file(img).unwrap();
 }
 
 #[test]
