@@ -46,9 +46,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::blk::read_config_bytes;
 use crate::worker::{Backend, Desc, Io, Pop, Served, WorkerSlot};
-use crate::{
-    device_type, features, ActivateContext, ActivateError, VirtioDevice, VirtioInterrupt,
-};
+use crate::{device_type, features, ActivateContext, ActivateError, VirtioDevice, VirtioInterrupt};
 
 /// Feature bits (virtio spec 5.5.3).
 pub mod feature {
@@ -575,6 +573,11 @@ impl BalloonBackend {
                         c.deflated.inc();
                         continue;
                     }
+                    // A page of the run again (a driver repeating itself): discarded already.
+                    if gpa >= run.start && gpa < run.start + run.len {
+                        c.inflated.inc();
+                        continue;
+                    }
                     // Extend the run when the page follows it in the same RAM range.
                     if run.len > 0 && gpa == run.start + run.len && gpa < run.limit {
                         run.len += PAGE_SIZE;
@@ -603,7 +606,11 @@ impl BalloonBackend {
             Ok(()) => counter.add(run.len >> PAGE_SHIFT),
             Err(e) => {
                 self.shared.c.discard_errors.inc();
-                log::debug!("balloon: cannot discard {:#x}+{:#x}: {e}", run.start, run.len);
+                log::debug!(
+                    "balloon: cannot discard {:#x}+{:#x}: {e}",
+                    run.start,
+                    run.len
+                );
             }
         }
     }
@@ -690,7 +697,11 @@ impl BalloonBackend {
             let n = len.min(STATS_MAX.saturating_sub(bytes.len()));
             let at = bytes.len();
             bytes.resize(at + n, 0);
-            if io.dma.read(io.dev_id, d.addr().0, &mut bytes[at..]).is_err() {
+            if io
+                .dma
+                .read(io.dev_id, d.addr().0, &mut bytes[at..])
+                .is_err()
+            {
                 c.bad_stats.inc();
                 bytes.truncate(at);
             }
