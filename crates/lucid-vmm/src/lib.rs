@@ -15,7 +15,7 @@ mod vm;
 
 pub use builder::{KernelLoad, VmBuilder};
 pub use config::{
-    parse_blk, parse_device, parse_iommu, parse_net, DeviceOptionError, KernelSource,
+    parse_balloon, parse_blk, parse_device, parse_iommu, parse_net, DeviceOptionError, KernelSource,
     PciDeviceConfig, PciDeviceKind, PlatformPciDevice, VmConfig, MAX_MEM_MIB, MAX_VCPUS,
 };
 pub use emulate::Emulator;
