@@ -461,8 +461,9 @@ mod tests {
 
     #[test]
     fn balloon_options() {
-        let b = parse_balloon("size=128,deflate_on_oom=on,free_page_reporting=on,stats=on,manager=on")
-            .unwrap();
+        let b =
+            parse_balloon("size=128,deflate_on_oom=on,free_page_reporting=on,stats=on,manager=on")
+                .unwrap();
         assert_eq!(
             b,
             BalloonConfig {
