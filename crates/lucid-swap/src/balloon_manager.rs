@@ -9,6 +9,9 @@
 //! available (with statistics) less `guest_reserve`, and never below `min_guest` of RAM left to
 //! the guest. With room to spare (usage below the limit less twice the headroom) it deflates by
 //! the spare room, at most `max_deflate_step` per period. In between it holds the target.
+//! The thread leaves a target alone for up to [`GUEST_GRACE`] while the guest works towards it
+//! (`actual` differs), the first one (`--balloon size=`) included: changing it under a guest
+//! still inflating only makes the balloon thrash.
 //!
 //! Counters, under `balloon.manager.`: `ticks`, `inflations`, `deflations` (target changes),
 //! `usage_bytes` and `limit_bytes` (gauges: the latest pressure).
@@ -16,10 +19,24 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lucid_stats::{Counter, StatsRegistry};
 use lucid_virtio::balloon::{BalloonControl, PAGE_SIZE};
+
+/// How long the manager waits for the guest to reach a target before changing it again.
+pub const GUEST_GRACE: Duration = Duration::from_secs(2);
+
+/// Whether the manager should leave the target alone: the guest has not reached it yet and
+/// the target was set less than `grace` ago.
+pub fn waiting_for_guest(
+    target_pages: u64,
+    actual_pages: u64,
+    since: Duration,
+    grace: Duration,
+) -> bool {
+    actual_pages != target_pages && since < grace
+}
 
 /// The VM's memory use on the host and what it may use.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -163,8 +180,11 @@ impl BalloonManager {
                     log::error!("balloon manager: cannot confine its thread: {e}");
                     return;
                 }
+                let mut last_change = Instant::now();
                 while !thread_stop.load(Ordering::Acquire) {
-                    tick(&ctl, &*source, &policy, &counters);
+                    if tick(&ctl, &*source, &policy, &counters, last_change.elapsed()) {
+                        last_change = Instant::now();
+                    }
                     std::thread::park_timeout(period);
                 }
             })?;
@@ -194,17 +214,27 @@ impl Drop for BalloonManager {
     }
 }
 
-/// One period: read, decide, set.
+/// One period: read, decide, set. Returns whether it changed the target.
 fn tick(
     ctl: &BalloonControl,
     source: &dyn PressureSource,
     policy: &SizingPolicy,
     c: &ManagerCounters,
-) {
+    since_change: Duration,
+) -> bool {
     c.ticks.inc();
     let pressure = source.pressure();
     c.usage.set(pressure.usage);
     c.limit.set(pressure.limit);
+    ctl.request_stats();
+    if waiting_for_guest(
+        ctl.target_pages(),
+        ctl.actual_pages(),
+        since_change,
+        GUEST_GRACE,
+    ) {
+        return false;
+    }
     let stats = ctl.stats();
     let input = SizingInput {
         pressure,
@@ -231,7 +261,7 @@ fn tick(
         );
         ctl.set_target_pages(next);
     }
-    ctl.request_stats();
+    next != input.target_pages
 }
 
 #[cfg(test)]
@@ -256,6 +286,14 @@ mod tests {
 
     fn mib(pages: u64) -> u64 {
         pages / PAGES_PER_MIB
+    }
+
+    #[test]
+    fn the_guest_gets_time_to_reach_a_target() {
+        let g = GUEST_GRACE;
+        assert!(waiting_for_guest(100, 40, Duration::from_millis(500), g));
+        assert!(!waiting_for_guest(100, 100, Duration::from_millis(500), g));
+        assert!(!waiting_for_guest(100, 40, g, g), "not forever");
     }
 
     #[test]

@@ -4,8 +4,14 @@
 
 static int wait_used(struct balloon *b, struct virtq *q)
 {
-	u64 t0 = rdtsc();
+	u64 t0 = rdtsc(), k = tsc_khz() ? tsc_khz() : 3000000, next = t0 + k;
 	while (!vq_has_used(q)) {
+		/* the status is an MMIO exit: look once a millisecond */
+		if (rdtsc() < next) {
+			cpu_relax();
+			continue;
+		}
+		next = rdtsc() + k;
 		if (virtio_status(&b->dev) & VIRTIO_S_NEEDS_RESET) {
 			printf("balloon: device needs reset (status %#x)\n", virtio_status(&b->dev));
 			return -1;
