@@ -388,7 +388,7 @@ mod tests {
         }
         let usage = (420 * MIB).saturating_sub(target * PAGE_SIZE);
         assert!(
-            usage <= 256 * MIB - 12 * MIB && usage >= 256 * MIB - 27 * MIB,
+            (256 * MIB - 27 * MIB..=256 * MIB - 12 * MIB).contains(&usage),
             "{}",
             usage >> 20
         );

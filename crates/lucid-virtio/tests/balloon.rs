@@ -202,8 +202,8 @@ fn deflate_only_counts_and_discards_nothing() {
 fn garbage_pfns_and_descriptors_are_counted_and_ignored() {
     let mut d = Drv::new(BalloonConfig::default());
     d.fill_page(100, 0x33);
-    let hole = ((40u32 << 20) >> 12) as u32; // 40 MiB: between the regions
-    let beyond = ((64u32 << 20) >> 12) as u32; // the end of RAM
+    let hole = (40u32 << 20) >> 12; // 40 MiB: between the regions
+    let beyond = (64u32 << 20) >> 12; // the end of RAM
     let (good, gl) = d.pfn_buf(&[100]);
     let (bad, bl) = d.pfn_buf(&[hole, beyond, u32::MAX, 0x7fff_ffff]);
     // The last MiB of RAM holds PFNs outside RAM; a descriptor running off its end reads them.
@@ -330,12 +330,12 @@ fn free_page_reports_discard_whole_ram_pages_only() {
         &[
             (1000 << 12, 8 << 12, true),
             (1010 << 12, 4 << 12, false),
-            ((1015 << 12) + 8, 4096, true),  // not page aligned
-            (1016 << 12, 100, true),         // not whole pages
-            (40 << 20, 4096, true),          // the hole
-            ((31 << 20), 2 << 20, true),     // runs into the hole
-            ((15 << 20), 2 << 20, true),     // spans regions 0 and 1: fine
-            (u64::MAX & !0xfff, 4096, true), // wraps
+            ((1015 << 12) + 8, 4096, true), // not page aligned
+            (1016 << 12, 100, true),        // not whole pages
+            (40 << 20, 4096, true),         // the hole
+            ((31 << 20), 2 << 20, true),    // runs into the hole
+            ((15 << 20), 2 << 20, true),    // spans regions 0 and 1: fine
+            (!0xfffu64, 4096, true),        // wraps
         ],
     );
     assert_eq!(used.1, 0);
