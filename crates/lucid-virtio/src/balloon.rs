@@ -493,7 +493,8 @@ struct BalloonBackend {
 struct Run {
     start: u64,
     len: u64,
-    /// The end of the RAM range holding the run: it may not grow past it.
+    /// The RAM range holding the run: it may not grow out of it.
+    base: u64,
     limit: u64,
 }
 
@@ -531,7 +532,7 @@ impl Backend for BalloonBackend {
 }
 
 impl BalloonBackend {
-    /// The RAM range holding guest-physical `gpa`: (start, end).
+    /// The RAM range holding guest-physical `gpa`: (start, end); the run may grow within it.
     fn ram_range(&self, gpa: u64) -> Option<(u64, u64)> {
         let i = self.ram.partition_point(|r| r.0 <= gpa);
         let (start, len) = *self.ram.get(i.checked_sub(1)?)?;
@@ -565,7 +566,7 @@ impl BalloonBackend {
                 for e in buf[..n].chunks_exact(4) {
                     let pfn = u32::from_le_bytes([e[0], e[1], e[2], e[3]]);
                     let gpa = u64::from(pfn) << PAGE_SHIFT;
-                    let Some((_, end)) = self.ram_range(gpa) else {
+                    let Some((start, end)) = self.ram_range(gpa) else {
                         c.bad_pfns.inc();
                         continue;
                     };
@@ -578,14 +579,19 @@ impl BalloonBackend {
                         c.inflated.inc();
                         continue;
                     }
-                    // Extend the run when the page follows it in the same RAM range.
+                    // Extend the run when the page follows or precedes it in the same RAM range
+                    // (drivers hand out pages in either order).
                     if run.len > 0 && gpa == run.start + run.len && gpa < run.limit {
+                        run.len += PAGE_SIZE;
+                    } else if run.len > 0 && gpa + PAGE_SIZE == run.start && gpa >= run.base {
+                        run.start = gpa;
                         run.len += PAGE_SIZE;
                     } else {
                         self.give_back(&run, &c.inflated);
                         run = Run {
                             start: gpa,
                             len: PAGE_SIZE,
+                            base: start,
                             limit: end,
                         };
                     }
@@ -633,13 +639,14 @@ impl BalloonBackend {
             let ok = whole_pages
                 && end.is_some_and(|end| {
                     while at < end {
-                        let Some((_, r_end)) = self.ram_range(at) else {
+                        let Some((r_start, r_end)) = self.ram_range(at) else {
                             return false;
                         };
                         let e = r_end.min(end);
                         pieces.push(Run {
                             start: at,
                             len: e - at,
+                            base: r_start,
                             limit: r_end,
                         });
                         at = e;

@@ -159,10 +159,12 @@ fn inflate_discards_the_pages_in_runs_and_leaves_the_rest() {
     for pfn in 2990..3020 {
         d.fill_page(pfn, 0xa5);
     }
-    // Two runs, a lone page, a repeat, and a run that crosses from region 0 into region 1.
+    // Two runs, a lone page, a repeat, a run that crosses from region 0 into region 1, and
+    // one in descending order (from region 1 down into region 0).
     let mut pfns: Vec<u32> = (3000..3010).collect();
     pfns.extend([3015, 3001]);
     pfns.extend(4094..4098);
+    pfns.extend((4090..4100).rev());
     d.inflate(&pfns);
     assert_eq!(
         d.calls(),
@@ -172,6 +174,8 @@ fn inflate_discards_the_pages_in_runs_and_leaves_the_rest() {
             (3001 << 12, 4096),
             (4094 << 12, 2 << 12),
             (4096 << 12, 2 << 12),
+            (4096 << 12, 4 << 12),
+            (4090 << 12, 6 << 12),
         ]
     );
     for pfn in 3000..3010 {
@@ -181,7 +185,7 @@ fn inflate_discards_the_pages_in_runs_and_leaves_the_rest() {
     for pfn in [2999, 3010, 3014, 3016] {
         assert!(d.page_is(pfn, 0xa5), "pfn {pfn} kept its data");
     }
-    assert_eq!(d.stat("balloon.inflated_pages"), 16);
+    assert_eq!(d.stat("balloon.inflated_pages"), 26);
     assert_eq!(d.stat("balloon.bad_pfns"), 0);
     assert!(wait_for(|| d.irq.q(0) >= 1), "inflate queue interrupt");
 }
