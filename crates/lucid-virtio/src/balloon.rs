@@ -400,7 +400,9 @@ impl VirtioDevice for Balloon {
     }
 
     fn features(&self) -> u64 {
-        self.cfg.features() | features::VIRTIO_F_ACCESS_PLATFORM
+        // Not VIRTIO_F_ACCESS_PLATFORM: PFNs and reported ranges are guest-physical, and Linux's
+        // driver refuses the feature (virtballoon_validate clears it).
+        self.cfg.features()
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {

@@ -69,7 +69,7 @@ impl Drv {
     }
 
     fn activate(&mut self) {
-        let features = self.dev.features() & !lucid_virtio::features::VIRTIO_F_ACCESS_PLATFORM;
+        let features = self.dev.features();
         let n = self.dev.queue_max_sizes().len() as u16;
         let mut qs = Vec::new();
         self.q.clear();
@@ -431,6 +431,8 @@ fn features_queues_and_refusals() {
         f & (VIRTIO_BALLOON_F_MUST_TELL_HOST | VIRTIO_BALLOON_F_FREE_PAGE_HINT),
         0
     );
+    // Linux's driver refuses ACCESS_PLATFORM: offering it would make FEATURES_OK fail.
+    assert_eq!(f & lucid_virtio::features::VIRTIO_F_ACCESS_PLATFORM, 0);
     assert_eq!(d.dev.queue_max_sizes().len(), 4);
     let plain = Balloon::new(
         "b".into(),

@@ -27,6 +27,14 @@ fn rss(pid: u32) -> u64 {
     kib * 1024
 }
 
+/// The number of mappings (VMAs) of process `pid`.
+fn vmas(pid: u32) -> usize {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .unwrap()
+        .lines()
+        .count()
+}
+
 fn counter(stats: &serde_json::Value, path: &str) -> u64 {
     let mut v = &stats["counters"];
     for p in path.split('.') {
@@ -55,15 +63,18 @@ fn the_guest_inflates_to_the_cli_size_and_the_host_gets_the_memory_back() {
     let out = child.stdout.take().unwrap();
     let deadline = Instant::now() + LIMIT;
     let (mut touched, mut inflated) = (None, None);
+    let (mut vmas_touched, mut vmas_inflated) = (0, 0);
     let mut lines = Vec::new();
     for line in BufReader::new(out).lines() {
         let line = line.unwrap();
         // The guest holds a second after each of these lines: the host looks meanwhile.
         if line.starts_with("balloon: touched") {
             touched = Some(rss(pid));
+            vmas_touched = vmas(pid);
         }
         if line.starts_with("balloon: inflated") {
             inflated = Some(rss(pid));
+            vmas_inflated = vmas(pid);
         }
         lines.push(line);
         if Instant::now() > deadline {
@@ -86,6 +97,12 @@ fn the_guest_inflates_to_the_cli_size_and_the_host_gets_the_memory_back() {
         "RSS {} MiB after touching, {} MiB after inflating 128 MiB",
         touched >> 20,
         inflated >> 20
+    );
+    // Discarded pages are mapped over with fresh anonymous memory that merges with its
+    // neighbours: the number of mappings hardly moves.
+    assert!(
+        vmas_inflated <= vmas_touched + 8,
+        "{vmas_touched} mappings before inflating, {vmas_inflated} after"
     );
     let c = |p: &str| counter(&stats, p);
     assert_eq!(c("balloon.inflated_pages"), 128 * 256);
