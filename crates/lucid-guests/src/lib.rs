@@ -50,6 +50,7 @@ guests!(
     "iommu",
     "vtd-regs",
     "vtd-evil",
+    "balloon",
 );
 
 /// Guests that boot through multiboot (32-bit ELF) rather than the PVH note.

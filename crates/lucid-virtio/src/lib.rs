@@ -3,7 +3,8 @@
 //! whether a kick came through a userspace exit or an ioeventfd, nor whether its interrupt goes out
 //! by `KVM_SIGNAL_MSI` or an irqfd: that is the transport's rung of the exit ladder.
 //!
-//! Devices: [`blk::Block`] (raw image file) and [`net::Net`] (tap, echo, sink). Each runs one
+//! Devices: [`blk::Block`] (raw image file), [`net::Net`] (tap, echo, sink) and
+//! [`balloon::Balloon`] (memory given back by the guest). Each runs one
 //! back-end thread, `lucid-<name>-io` (Linux keeps the first 15 bytes of a thread name, so keep
 //! device names to 6 bytes), started by `activate` and joined by `reset`. The thread waits on the
 //! kick eventfds ([`Notify::Kicks`]) or polls the avail rings with the driver's notifications
@@ -35,6 +36,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 pub use virtio_queue;
 
+pub mod balloon;
 pub mod blk;
 pub mod net;
 mod worker;
@@ -54,6 +56,7 @@ pub mod features {
 pub mod device_type {
     pub const NET: u32 = 1;
     pub const BLOCK: u32 = 2;
+    pub const BALLOON: u32 = 5;
 }
 
 /// How a device's back-end thread learns of new requests.

@@ -6,6 +6,7 @@ use lucid_devices::SerialOutput;
 use lucid_iommu::{EmulationMode, PinPolicy, VtdConfig};
 use lucid_mem::Backing;
 use lucid_pci::Rung;
+use lucid_virtio::balloon::BalloonConfig;
 use lucid_virtio::blk::BlockConfig;
 use lucid_virtio::net::NetConfig;
 use lucid_virtio::Coalescing;
@@ -91,6 +92,8 @@ pub struct VmConfig {
     pub low_noise: bool,
     /// The pools' monitor window and classifier settings.
     pub monitor: crate::pools::MonitorTuning,
+    /// A virtio-balloon (`--balloon`), on PCI after the devices of `pci`, named `balloon`.
+    pub balloon: Option<BalloonConfig>,
 }
 
 impl VmConfig {
@@ -112,6 +115,7 @@ impl VmConfig {
             pool: crate::pools::PoolChoice::Auto,
             low_noise: false,
             monitor: crate::pools::MonitorTuning::default(),
+            balloon: None,
         }
     }
 }
@@ -258,6 +262,45 @@ pub fn parse_net(s: &str, index: usize) -> Result<PciDeviceConfig, DeviceOptionE
         what: "backend=tap:IFNAME|echo|sink",
     })?;
     Ok(common.finish(PciDeviceKind::Net(NetConfig { backend, mac })))
+}
+
+/// Parses `--balloon size=MiB[,deflate_on_oom=on][,free_page_reporting=on][,stats=on]
+/// [,manager=on]`: the first target (how much the guest gives back) and the features offered.
+/// Never panics, whatever the input.
+pub fn parse_balloon(s: &str) -> Result<BalloonConfig, DeviceOptionError> {
+    const OPT: &str = "--balloon";
+    let mut cfg = BalloonConfig::default();
+    let mut size = None;
+    for (k, v) in pairs(OPT, s)? {
+        let flag = |key| parse_bool(v).ok_or(bad_value(OPT, key, v, "on or off"));
+        match k {
+            "size" => {
+                size = Some(
+                    v.parse::<u64>()
+                        .ok()
+                        .filter(|&m| m <= MAX_MEM_MIB)
+                        .ok_or(bad_value(OPT, "size", v, "MiB, a decimal number"))?,
+                )
+            }
+            "deflate_on_oom" => cfg.deflate_on_oom = flag("deflate_on_oom")?,
+            "free_page_reporting" => cfg.free_page_reporting = flag("free_page_reporting")?,
+            "stats" => cfg.stats = flag("stats")?,
+            "manager" => cfg.manager = flag("manager")?,
+            _ => {
+                return Err(DeviceOptionError::UnknownKey {
+                    opt: OPT,
+                    key: k.into(),
+                    known: "size, deflate_on_oom, free_page_reporting, stats, manager",
+                })
+            }
+        }
+    }
+    cfg.size_mib = size.ok_or_else(|| DeviceOptionError::Missing {
+        opt: OPT,
+        input: s.into(),
+        what: "size=MiB",
+    })?;
+    Ok(cfg)
 }
 
 /// Parses `--iommu vtd[,mode=samecore|sidecore][,pin=all|map|deferred]` (defaults: samecore,
@@ -424,6 +467,36 @@ mod tests {
     use super::*;
     use lucid_pci::Rung;
     use lucid_virtio::net::NetBackend;
+
+    #[test]
+    fn balloon_options() {
+        let b =
+            parse_balloon("size=128,deflate_on_oom=on,free_page_reporting=on,stats=on,manager=on")
+                .unwrap();
+        assert_eq!(
+            b,
+            BalloonConfig {
+                size_mib: 128,
+                deflate_on_oom: true,
+                free_page_reporting: true,
+                stats: true,
+                manager: true,
+            }
+        );
+        assert_eq!(parse_balloon("size=0").unwrap(), BalloonConfig::default());
+        for bad in [
+            "",
+            "stats=on",
+            "size=-1",
+            "size=1M",
+            "size=99999999999",
+            "size=1,stats=maybe",
+            "size=1,foo=1",
+            "size",
+        ] {
+            assert!(parse_balloon(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn blk_options() {

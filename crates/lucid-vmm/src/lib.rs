@@ -4,6 +4,7 @@
 #![warn(clippy::print_stdout, clippy::print_stderr)]
 
 mod acpi_pm;
+pub mod balloon;
 pub mod builder;
 mod config;
 pub mod emulate;
@@ -16,8 +17,9 @@ mod vm;
 
 pub use builder::{KernelLoad, VmBuilder};
 pub use config::{
-    parse_blk, parse_device, parse_iommu, parse_net, DeviceOptionError, KernelSource,
-    PciDeviceConfig, PciDeviceKind, PlatformPciDevice, VmConfig, MAX_MEM_MIB, MAX_VCPUS,
+    parse_balloon, parse_blk, parse_device, parse_iommu, parse_net, DeviceOptionError,
+    KernelSource, PciDeviceConfig, PciDeviceKind, PlatformPciDevice, VmConfig, MAX_MEM_MIB,
+    MAX_VCPUS,
 };
 pub use emulate::Emulator;
 pub use hooks::{ExitHooks, HypercallHook, MsrHook};

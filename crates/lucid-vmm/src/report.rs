@@ -125,6 +125,36 @@ impl RunReport {
         ))
     }
 
+    /// What the balloon did, when the VM has one (its counters are registered only then).
+    fn balloon_line(&self) -> Option<String> {
+        let c = |n: &str| self.counters.get(&format!("balloon.{n}")).copied();
+        let target = c("target_pages")?;
+        let z = |n: &str| c(n).unwrap_or(0);
+        let mib = |pages: u64| pages as f64 / 256.0;
+        let mut line = format!(
+            "balloon: target {:.1} MiB, holds {:.1} MiB; inflated {:.1} MiB, deflated {:.1} \
+             MiB, free pages reported {:.1} MiB; guest garbage: {} bad PFNs, {} bad \
+             descriptors, {} bad reports",
+            mib(target),
+            mib(z("actual_pages")),
+            mib(z("inflated_pages")),
+            mib(z("deflated_pages")),
+            mib(z("reported_pages")),
+            z("bad_pfns"),
+            z("bad_descriptors"),
+            z("bad_reports"),
+        );
+        if z("manager.ticks") > 0 {
+            let _ = write!(
+                line,
+                "; manager: {} inflations, {} deflations",
+                z("manager.inflations"),
+                z("manager.deflations")
+            );
+        }
+        Some(line)
+    }
+
     /// What the vIOMMU did, when the VM has one (its counters are registered only then).
     fn iommu_line(&self) -> Option<String> {
         let c = |n: &str| self.counters.get(&format!("iommu.{n}")).copied();
@@ -216,7 +246,10 @@ impl RunReport {
                 d.irqs as f64 / r
             );
         }
-        for line in [self.edu_line(), self.iommu_line()].into_iter().flatten() {
+        for line in [self.edu_line(), self.iommu_line(), self.balloon_line()]
+            .into_iter()
+            .flatten()
+        {
             let _ = writeln!(s, "{line}");
         }
         let emulated = self.emulated_by_mnemonic();
@@ -352,6 +385,35 @@ mod tests {
         assert!(r
             .summary()
             .contains("sidecore: 5 polls, 0 found work, 1.500 s of CPU"));
+    }
+
+    #[test]
+    fn summary_says_what_the_balloon_did_only_when_there_is_one() {
+        let mut r = RunReport {
+            stop: StopReason::Shutdown,
+            wall: Duration::from_secs(1),
+            vcpus: 1,
+            counters: Default::default(),
+        };
+        assert!(!r.summary().contains("balloon:"));
+        for (k, v) in [
+            ("balloon.target_pages", 512),
+            ("balloon.actual_pages", 256),
+            ("balloon.inflated_pages", 512),
+            ("balloon.deflated_pages", 256),
+            ("balloon.bad_pfns", 3),
+        ] {
+            r.counters.insert(k.into(), v);
+        }
+        let s = r.summary();
+        assert!(
+            s.contains(
+                "balloon: target 2.0 MiB, holds 1.0 MiB; inflated 2.0 MiB, deflated 1.0 MiB, \
+                 free pages reported 0.0 MiB; guest garbage: 3 bad PFNs, 0 bad descriptors, 0 \
+                 bad reports\n"
+            ),
+            "{s}"
+        );
     }
 
     #[test]

@@ -125,6 +125,10 @@ pub enum VmmError {
         #[source]
         source: lucid_virtio::net::NetError,
     },
+    #[error("cannot create the virtio-balloon")]
+    Balloon(#[source] lucid_virtio::balloon::BalloonError),
+    #[error("cannot start the balloon manager's thread")]
+    BalloonManager(#[source] std::io::Error),
     #[error("{device}: cannot attach it to PCI")]
     PciAttach {
         device: String,
@@ -166,7 +170,7 @@ pub struct Vm {
     config: VmConfig,
     kind: KernelKind,
     vm: lucid_hv::Vm,
-    ram: GuestRam,
+    ram: Arc<GuestRam>,
     dma: Arc<DmaPath>,
     hooks: Arc<ExitHooks>,
     lifecycle: Arc<Lifecycle>,
@@ -189,6 +193,9 @@ pub struct Vm {
     router: Option<Arc<lucid_hv::GsiRouter>>,
     /// The VM's place in the host's CPU pools (`VmConfig::pool`), when it has one.
     pools: Option<crate::pools::Pools>,
+    /// Where the balloon manager reads host pressure (`--balloon ...,manager=on`).
+    pressure: Option<Arc<dyn lucid_swap::balloon_manager::PressureSource>>,
+    balloon_manager: Option<lucid_swap::balloon_manager::BalloonManager>,
 }
 
 /// The VM's PCI bus and its devices.
@@ -203,6 +210,8 @@ pub struct PciBus {
     )>,
     /// The other devices, in the slots after the virtio ones.
     pub platform: Vec<PlatformFunction>,
+    /// The virtio-balloon's control (`VmConfig::balloon`).
+    pub balloon: Option<lucid_virtio::balloon::BalloonControl>,
 }
 
 /// (name, address, function) of a PCI device that is not virtio.
@@ -247,7 +256,8 @@ impl Vm {
 
         // MSI routes, and the vIOMMU before any device: transports ask the DMA path whether
         // addresses are translated when they are built.
-        let has_pci = !config.pci.is_empty() || !config.platform_pci.is_empty();
+        let has_pci =
+            !config.pci.is_empty() || !config.platform_pci.is_empty() || config.balloon.is_some();
         let router =
             (has_pci || config.iommu.is_some()).then(|| lucid_hv::GsiRouter::new(b.vm().clone()));
         let iommu = match (config.iommu, &router) {
@@ -368,6 +378,8 @@ impl Vm {
             iommu,
             router,
             pools,
+            pressure: None,
+            balloon_manager: None,
         })
     }
 
@@ -394,6 +406,47 @@ impl Vm {
         if let Some(pools) = &mut self.pools {
             pools.start_monitor(&self.seccomp)?;
         }
+        self.start_balloon_manager()?;
+        Ok(())
+    }
+
+    /// Sets where the balloon manager reads host pressure (before [`Vm::start`]; the VM's
+    /// memory cgroup once it has one); by default it is this process's resident set against
+    /// what the host has available ([`crate::balloon::ProcessPressure`]).
+    pub fn set_pressure_source(
+        &mut self,
+        source: Arc<dyn lucid_swap::balloon_manager::PressureSource>,
+    ) {
+        self.pressure = Some(source);
+    }
+
+    /// `--balloon ...,manager=on`: starts `lucid-balloonm`, confined as a back-end (it raises
+    /// the balloon's configuration interrupt; it reads its pressure from files opened here).
+    fn start_balloon_manager(&mut self) -> Result<(), VmmError> {
+        use lucid_swap::balloon_manager::{BalloonManager, SizingPolicy};
+        let manage = self.config.balloon.as_ref().is_some_and(|b| b.manager);
+        let Some(ctl) = self.balloon().cloned().filter(|_| manage) else {
+            return Ok(());
+        };
+        let source = match self.pressure.take() {
+            Some(s) => s,
+            None => Arc::new(
+                crate::balloon::ProcessPressure::open(None).map_err(VmmError::BalloonManager)?,
+            ),
+        };
+        let seccomp = self.seccomp.clone();
+        let m = BalloonManager::spawn(
+            ctl,
+            source,
+            SizingPolicy::default(),
+            std::time::Duration::from_millis(200),
+            &self.stats,
+            Box::new(move || {
+                lucid_seccomp::confine(seccomp.as_ref(), Role::Backend).map_err(|e| e.to_string())
+            }),
+        )
+        .map_err(VmmError::BalloonManager)?;
+        self.balloon_manager = Some(m);
         Ok(())
     }
 
@@ -414,6 +467,9 @@ impl Vm {
         }
         for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+        if let Some(m) = self.balloon_manager.take() {
+            m.stop();
         }
         if let Some(iommu) = &mut self.iommu {
             iommu.stop();
@@ -454,8 +510,13 @@ impl Vm {
     pub fn dma(&self) -> &Arc<DmaPath> {
         &self.dma
     }
-    pub fn ram(&self) -> &GuestRam {
+    /// Guest RAM, shared with what gives pages back or remaps them (the balloon).
+    pub fn ram(&self) -> &Arc<GuestRam> {
         &self.ram
+    }
+    /// The virtio-balloon's control, when the VM has one (`VmConfig::balloon`).
+    pub fn balloon(&self) -> Option<&lucid_virtio::balloon::BalloonControl> {
+        self.pci.as_ref().and_then(|p| p.balloon.as_ref())
     }
     pub fn kvm_vm(&self) -> &lucid_hv::Vm {
         &self.vm
@@ -497,6 +558,7 @@ impl Drop for Vm {
             }
         }
         self.pools = None;
+        self.balloon_manager = None;
         // The sidecore stops before the devices whose DMA it translates go.
         self.iommu = None;
         self.pci = None;
@@ -701,6 +763,40 @@ fn attach_pci(
         );
         devices.push((name, addr, dev));
     }
+    // The balloon, after them, by the same rule.
+    let mut balloon = None;
+    if let Some(cfg) = &config.balloon {
+        let ram = b.ram();
+        let ranges: Vec<(u64, u64)> = ram.regions().iter().map(|r| (r.gpa, r.size)).collect();
+        // Pages go back through guest RAM itself (fresh anonymous memory over them).
+        let discard: Arc<dyn lucid_mem::PageDiscard> = ram.clone();
+        let dev = lucid_virtio::balloon::Balloon::new(
+            "balloon".into(),
+            cfg.clone(),
+            &ranges,
+            discard,
+            stats,
+        )
+        .map_err(VmmError::Balloon)?;
+        balloon = Some(dev.control());
+        let slot = devices.len() as u8 + 1;
+        let opts = TransportOptions {
+            intx_gsi: Some(layout::pci_intx_gsi(slot, 0)),
+            ..TransportOptions::default()
+        };
+        let (addr, dev) = lucid_pci::attach_virtio(&root, Box::new(dev), env.clone(), opts)
+            .map_err(|source| VmmError::PciAttach {
+                device: "balloon".into(),
+                source,
+            })?;
+        debug_assert_eq!(addr.slot, slot, "INTx GSI assumes the next slot");
+        log::info!(
+            "balloon: PCI {addr}, target {} MiB, features {:#x}",
+            cfg.size_mib,
+            cfg.features()
+        );
+        devices.push(("balloon".into(), addr, dev));
+    }
     // The other devices, in the next slots; INTx by the same rule.
     let mut platform = Vec::new();
     for &d in &config.platform_pci {
@@ -726,6 +822,7 @@ fn attach_pci(
         router,
         devices,
         platform,
+        balloon,
     })
 }
 

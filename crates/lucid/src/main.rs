@@ -93,6 +93,12 @@ struct RunArgs {
     /// vtd[,mode=samecore|sidecore][,pin=all|map|deferred]
     #[arg(long, value_name = "OPTS")]
     iommu: Option<String>,
+    /// A virtio-balloon on PCI, after the other virtio devices:
+    /// size=MiB[,deflate_on_oom=on][,free_page_reporting=on][,stats=on][,manager=on]
+    /// (size: the first target, how much memory the guest gives back; manager: Lucid sizes the
+    /// balloon from host memory pressure every 200 ms)
+    #[arg(long, value_name = "OPTS")]
+    balloon: Option<String>,
     /// Another PCI device, in the slots after the virtio devices (repeatable): edu (QEMU's
     /// edu DMA test device, PCI 1234:11e8; at most one)
     #[arg(long = "device", value_name = "NAME")]
@@ -198,6 +204,11 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
     config.monitor.window = std::time::Duration::from_millis(args.monitor_window_ms.max(10));
     config.monitor.classifier.agree = args.classify_windows.max(1);
     config.monitor.classifier.dwell = std::time::Duration::from_millis(args.classify_dwell_ms);
+    config.balloon = args
+        .balloon
+        .as_deref()
+        .map(lucid_vmm::parse_balloon)
+        .transpose()?;
 
     // Checked before the run, not after it: a typo in the path should not cost a whole run.
     let stats_file = match &args.stats_json {
