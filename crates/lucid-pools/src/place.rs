@@ -403,7 +403,8 @@ pub struct ReadBack {
     /// RT priority (FIFO/RR), else 0.
     pub priority: u32,
     pub nice: i32,
-    /// The requested slice (`sched_runtime` for SCHED_OTHER/BATCH under EEVDF; 0 = default).
+    /// The slice (`sched_runtime` as sched_getattr reports it: under EEVDF (6.12+) the
+    /// thread's effective slice, the default one unless it asked for its own; 0 before).
     pub slice_ns: u64,
 }
 
