@@ -15,7 +15,9 @@ use lucid_pools::def::{
     create, destroy, Created, DefError, Destroyed, Policy, PoolSet, StateDir, VmRecord, VmThread,
 };
 use lucid_pools::place::{read_back, Backend, PlaceError, Placed, Placer};
-use lucid_pools::policy::{admission_state, Admission, SchedPolicy, IO_SLICE_NS};
+use lucid_pools::policy::{
+    admission_state, apply_boost, Admission, BoostLevel, SchedPolicy, IO_SLICE_NS,
+};
 
 const V1: &str = "/sys/fs/cgroup/cpuset";
 
@@ -177,6 +179,24 @@ fn create_and_destroy_leave_no_leftovers_and_are_idempotent() {
 }
 
 #[test]
+fn create_reuses_a_leftover_cgroup_of_a_crashed_create() {
+    if !have_v1() {
+        eprintln!("skipped: needs root and the cpuset v1 hierarchy");
+        return;
+    }
+    let env = TestEnv::new("leftover");
+    // A create that died after making its cgroups, before writing pools.json.
+    std::fs::create_dir(env.cgroup_root()).unwrap();
+    std::fs::create_dir(env.cgroup_root().join("old")).unwrap();
+    let set = defs(&["name=io,cpus=0,policy=io"]);
+    create(&env.state, &set, Some(Backend::CpusetV1)).unwrap();
+    assert!(!env.cgroup_root().join("old").exists());
+    assert!(env.cgroup_root().join("io").exists());
+    destroy(&env.state, false).unwrap();
+    assert!(!env.cgroup_root().exists());
+}
+
+#[test]
 fn threads_land_where_the_policy_says_cpuset_v1() {
     if !have_v1() {
         eprintln!("skipped: needs root and the cpuset v1 hierarchy");
@@ -205,6 +225,20 @@ fn threads_land_where_the_policy_says_cpuset_v1() {
         (r.slice_ns == IO_SLICE_NS && r.nice == 0) || r.nice == -5,
         "{r:?}"
     );
+
+    // The monitor's wake boost steps the nice down and keeps the class and slice.
+    let Placed::Policy(applied) = placer.place_thread(a.tid, "io").unwrap() else {
+        panic!("io is not a no-op pool")
+    };
+    let io_slice = read_back(a.tid).unwrap().slice_ns;
+    apply_boost(a.tid, &applied, BoostLevel::Boost2).unwrap();
+    let r = read_back(a.tid).unwrap();
+    assert_eq!(
+        (r.policy, r.nice, r.slice_ns),
+        (SchedPolicy::Other, applied.nice - 2, io_slice)
+    );
+    apply_boost(a.tid, &applied, BoostLevel::Under).unwrap();
+    assert_eq!(read_back(a.tid).unwrap().nice, applied.nice);
 
     placer.place_thread(b.tid, "cpu").unwrap();
     let r = read_back(b.tid).unwrap();
