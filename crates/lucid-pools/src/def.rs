@@ -104,12 +104,16 @@ pub struct PoolDef {
     pub policy: Policy,
     #[serde(default)]
     pub backends: bool,
+    /// The EEVDF slice (`sched_runtime`) for threads of a fair-class pool, in µs (100..=100000).
+    /// None: `io` pools take [`crate::policy::default_io_slice_ns`], the others the kernel's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slice_us: Option<u32>,
 }
 
 /// Everything wrong with a definition or with the state directory, said so it can be fixed.
 #[derive(Debug, thiserror::Error)]
 pub enum DefError {
-    #[error("bad pool definition {def:?}: {why} (expected name=NAME,cpus=LIST,policy=noop|io|cpu|default[,backends=on])")]
+    #[error("bad pool definition {def:?}: {why} (expected name=NAME,cpus=LIST,policy=noop|io|cpu|default[,backends=on][,slice_us=N])")]
     Syntax { def: String, why: String },
     #[error(
         "bad pool name {0:?}: use 1-32 characters of a-z A-Z 0-9 _ - (it names a cgroup directory)"
@@ -121,6 +125,8 @@ pub enum DefError {
     BadCpuList(String),
     #[error("pool {0:?} has no CPUs: give cpus=LIST")]
     Empty(String),
+    #[error("pool {pool:?}: slice_us={us} is not allowed: give 100..=100000 µs, and only for io, cpu or default pools (noop threads are SCHED_FIFO)")]
+    BadSlice { pool: String, us: u32 },
     #[error("no pools given: pass at least one --def")]
     NoPools,
     #[error("pool {0:?} is defined twice: pool names must be unique")]
@@ -235,6 +241,7 @@ impl PoolDef {
             why: why.to_string(),
         };
         let (mut name, mut cpus, mut policy, mut backends) = (None, None::<String>, None, None);
+        let mut slice_us = None;
         let mut last_cpus = false;
         for item in def.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let Some((k, v)) = item.split_once('=') else {
@@ -259,6 +266,13 @@ impl PoolDef {
                         _ => return Err(syntax(&format!("backends={v:?}: expected on or off"))),
                     })
                     .is_some(),
+                "slice_us" => {
+                    slice_us
+                        .replace(v.parse::<u32>().map_err(|_| {
+                            syntax(&format!("slice_us={v:?}: expected microseconds"))
+                        })?)
+                        .is_some()
+                }
                 _ => return Err(syntax(&format!("unknown key {k:?}"))),
             };
             if dup {
@@ -273,6 +287,7 @@ impl PoolDef {
             name,
             cpus,
             policy,
+            slice_us,
         })
     }
 
@@ -284,7 +299,21 @@ impl PoolDef {
             format_cpu_list(&self.cpus),
             self.policy,
             if self.backends { ",backends=on" } else { "" }
-        )
+        ) + &self
+            .slice_us
+            .map(|s| format!(",slice_us={s}"))
+            .unwrap_or_default()
+    }
+
+    /// The slice its threads ask for: `slice_us`, else for `io` the short default
+    /// ([`crate::policy::default_io_slice_ns`]); None = the kernel's (and always for `noop`).
+    pub fn slice_ns(&self) -> Option<u64> {
+        match (self.policy, self.slice_us) {
+            (Policy::Noop, _) => None,
+            (_, Some(us)) => Some(u64::from(us) * 1000),
+            (Policy::Io, None) => Some(crate::policy::default_io_slice_ns()),
+            (_, None) => None,
+        }
     }
 }
 
@@ -333,6 +362,14 @@ impl PoolSet {
             p.cpus.dedup();
             if p.cpus.is_empty() {
                 return Err(DefError::Empty(p.name.clone()));
+            }
+            if let Some(us) = p.slice_us {
+                if p.policy == Policy::Noop || !(100..=100_000).contains(&us) {
+                    return Err(DefError::BadSlice {
+                        pool: p.name.clone(),
+                        us,
+                    });
+                }
             }
             if let Some(&cpu) = p.cpus.iter().find(|c| !online.contains(c)) {
                 return Err(DefError::OfflineCpu {
@@ -858,6 +895,19 @@ mod tests {
             PoolDef::parse("name=a,cpus=1,policy=io,color=red"),
             Err(DefError::Syntax { .. })
         ));
+        let p = PoolDef::parse("name=a,cpus=1,policy=io,slice_us=3000").unwrap();
+        assert_eq!(p.slice_ns(), Some(3_000_000));
+        assert_eq!(PoolDef::parse(&p.to_def_string()).unwrap(), p);
+        let dflt = PoolDef::parse("name=a,cpus=1,policy=io")
+            .unwrap()
+            .slice_ns();
+        assert!(dflt.is_some_and(|s| (100_000..=3_000_000).contains(&s)));
+        assert_eq!(
+            PoolDef::parse("name=a,cpus=1,policy=cpu")
+                .unwrap()
+                .slice_ns(),
+            None
+        );
         assert!(matches!(
             PoolDef::parse("name=a,name=b,cpus=1,policy=io"),
             Err(DefError::Syntax { .. })
@@ -899,6 +949,13 @@ mod tests {
             PoolSet::new(vec![], &online),
             Err(DefError::NoPools)
         ));
+        for bad in [
+            "name=a,cpus=0,policy=io,slice_us=5",
+            "name=a,cpus=0,policy=noop,slice_us=1000",
+        ] {
+            let e = PoolSet::new(vec![d(bad)], &online);
+            assert!(matches!(e, Err(DefError::BadSlice { .. })), "{e:?}");
+        }
         let e = PoolSet::new(
             vec![
                 d("name=a,cpus=0,policy=noop"),

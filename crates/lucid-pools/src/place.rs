@@ -508,11 +508,13 @@ impl Placer {
                 // process's domain: the process joins the pools' root first.
                 let tgid = tgid_of(tid)?;
                 let cg = cpuset_cgroup(tgid)?;
-                let rel = root
-                    .file_name()
-                    .map(|n| n.to_string_lossy().to_string())
-                    .unwrap_or_default();
-                if !cg.trim_start_matches('/').starts_with(&rel) {
+                let rel = format!(
+                    "/{}",
+                    root.file_name()
+                        .map(|n| n.to_string_lossy().to_string())
+                        .unwrap_or_default()
+                );
+                if cg != rel && !cg.starts_with(&format!("{rel}/")) {
                     write(&root.join("cgroup.procs"), &tgid.to_string())?;
                 }
                 let threads = dir.join("cgroup.threads");
@@ -554,7 +556,7 @@ impl Placer {
             return Ok(Placed::Noop(adm));
         }
         self.place(tid, pool)?;
-        let applied = policy::apply(tid, def.policy)
+        let applied = policy::apply_slice(tid, def.policy, def.slice_ns())
             .map_err(|e| PlaceError::sched("set the policy of", tid, e))?;
         Ok(Placed::Policy(applied))
     }

@@ -3,7 +3,7 @@
 //! | policy    | kernel setting                                              | halt polling |
 //! |-----------|-------------------------------------------------------------|--------------|
 //! | `noop`    | SCHED_FIFO prio 10, pinned to the one CPU of its slot       | (default)    |
-//! | `io`      | SCHED_OTHER, `sched_runtime` 3 ms (EEVDF slice), else nice -5 | on         |
+//! | `io`      | SCHED_OTHER, short EEVDF slice (`sched_runtime`), else nice -5 | on        |
 //! | `cpu`     | SCHED_BATCH nice 10                                          | off          |
 //! | `default` | SCHED_OTHER nice 0, default slice                            | (default)    |
 //!
@@ -24,8 +24,33 @@ use serde::Serialize;
 use crate::def::{PoolDef, StateDir};
 use crate::place::{set_affinity, PlaceError, Placer};
 
-/// The slice asked for `io` threads (thesis §4.3.1: 30 -> 3 ms).
+/// The longest slice `io` threads ask for by default (thesis §4.3.1: 30 -> 3 ms).
 pub const IO_SLICE_NS: u64 = 3_000_000;
+/// The kernel's floor for `sched_runtime` of fair tasks.
+pub const MIN_SLICE_NS: u64 = 100_000;
+
+/// The kernel's default EEVDF slice on this host: `base_slice_ns` (debugfs, else the 0.7 ms
+/// default) scaled by 1 + log2(min(online CPUs, 8)) as the kernel's default tunable scaling does.
+pub fn host_default_slice_ns() -> u64 {
+    let base = fs::read_to_string("/sys/kernel/debug/sched/base_slice_ns")
+        .ok()
+        .and_then(|s| s.trim().parse().ok());
+    if let Some(b) = base {
+        // debugfs shows the scaled value already.
+        return b;
+    }
+    let n = crate::def::online_cpus().map_or(1, |c| c.len().clamp(1, 8)) as u64;
+    700_000 * (1 + u64::from(n.ilog2()))
+}
+
+/// The slice of `io` threads when the pool gives none: 3 ms as in the thesis, but never more
+/// than half the host's default slice (EEVDF's default is already short, 1.4 ms on 2 CPUs: an
+/// `io` slice must be shorter than what CPU-bound threads get to favour the I/O threads).
+pub fn default_io_slice_ns() -> u64 {
+    IO_SLICE_NS
+        .min(host_default_slice_ns() / 2)
+        .max(MIN_SLICE_NS)
+}
 /// Nice of `io` threads where the kernel has no per-task slice.
 pub const IO_FALLBACK_NICE: i32 = -5;
 /// Nice of `cpu` threads.
@@ -172,10 +197,16 @@ pub struct Applied {
     pub slice_ns: Option<u64>,
 }
 
-/// Applies `policy` to thread `tid` (for `noop` only the FIFO class: admission and the
-/// one-CPU pin are [`Admission`]'s). `io` asks for a 3 ms slice and, when the kernel does not
-/// keep it (before EEVDF's custom slices, 6.12), falls back to nice -5.
+/// Applies `policy` to thread `tid` with the policy's default slice: see [`apply_slice`].
 pub fn apply(tid: i32, policy: Policy) -> io::Result<Applied> {
+    apply_slice(tid, policy, None)
+}
+
+/// Applies `policy` to thread `tid` (for `noop` only the FIFO class: admission and the
+/// one-CPU pin are [`Admission`]'s). `slice_ns` (None: `io` takes [`default_io_slice_ns`],
+/// the others the kernel's) is the EEVDF slice; when the kernel does not keep it (before
+/// custom slices, 6.12) `io` falls back to nice -5 and the others ignore it.
+pub fn apply_slice(tid: i32, policy: Policy, slice_ns: Option<u64>) -> io::Result<Applied> {
     let fair = |policy, nice, runtime_ns| SchedAttr {
         policy,
         nice,
@@ -201,16 +232,17 @@ pub fn apply(tid: i32, policy: Policy) -> io::Result<Applied> {
             })
         }
         Policy::Io => {
-            let slice = set_attr(tid, &fair(SchedPolicy::Other, 0, IO_SLICE_NS))
+            let want = slice_ns.unwrap_or_else(default_io_slice_ns);
+            let slice = set_attr(tid, &fair(SchedPolicy::Other, 0, want))
                 .ok()
                 .and_then(|_| get_attr(tid).ok())
-                .is_some_and(|a| a.runtime_ns == IO_SLICE_NS);
+                .is_some_and(|a| a.runtime_ns == want);
             if slice {
                 return Ok(Applied {
                     policy: SchedPolicy::Other,
                     priority: 0,
                     nice: 0,
-                    slice_ns: Some(IO_SLICE_NS),
+                    slice_ns: Some(want),
                 });
             }
             set_attr(tid, &fair(SchedPolicy::Other, IO_FALLBACK_NICE, 0))?;
@@ -221,21 +253,20 @@ pub fn apply(tid: i32, policy: Policy) -> io::Result<Applied> {
                 slice_ns: None,
             })
         }
-        Policy::Cpu => {
-            set_attr(tid, &fair(SchedPolicy::Batch, CPU_NICE, 0))?;
+        Policy::Cpu | Policy::Default => {
+            let (class, nice) = match policy {
+                Policy::Cpu => (SchedPolicy::Batch, CPU_NICE),
+                _ => (SchedPolicy::Other, 0),
+            };
+            set_attr(tid, &fair(class, nice, slice_ns.unwrap_or(0)))?;
+            let kept = slice_ns.filter(|&s| get_attr(tid).is_ok_and(|a| a.runtime_ns == s));
             Ok(Applied {
-                policy: SchedPolicy::Batch,
+                policy: class,
                 priority: 0,
-                nice: CPU_NICE,
-                slice_ns: None,
+                nice,
+                slice_ns: kept,
             })
         }
-        Policy::Default => reset(tid).map(|_| Applied {
-            policy: SchedPolicy::Other,
-            priority: 0,
-            nice: 0,
-            slice_ns: None,
-        }),
     }
 }
 

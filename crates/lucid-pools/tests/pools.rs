@@ -16,7 +16,8 @@ use lucid_pools::def::{
 };
 use lucid_pools::place::{read_back, Backend, PlaceError, Placed, Placer};
 use lucid_pools::policy::{
-    admission_state, apply_boost, Admission, BoostLevel, SchedPolicy, IO_SLICE_NS,
+    admission_state, apply_boost, default_io_slice_ns, Admission, BoostLevel, SchedPolicy,
+    IO_SLICE_NS,
 };
 
 const V1: &str = "/sys/fs/cgroup/cpuset";
@@ -220,9 +221,14 @@ fn threads_land_where_the_policy_says_cpuset_v1() {
     assert_eq!(r.affinity, vec![0]);
     assert_eq!(r.cgroup, cg("io"));
     assert_eq!(r.policy, SchedPolicy::Other);
-    // Kernel 6.12+ keeps the 3 ms slice; older ones get nice -5 instead.
+    // Kernel 6.12+ keeps the short slice (shorter than the default); older ones get nice -5.
+    let io_slice = default_io_slice_ns();
     assert!(
-        (r.slice_ns == IO_SLICE_NS && r.nice == 0) || r.nice == -5,
+        io_slice <= IO_SLICE_NS && io_slice < default_slice,
+        "{io_slice} {default_slice}"
+    );
+    assert!(
+        (r.slice_ns == io_slice && r.nice == 0) || r.nice == -5,
         "{r:?}"
     );
 
@@ -476,6 +482,7 @@ fn bad_definitions_are_refused_and_change_nothing() {
             cpus: vec![4000],
             policy: Policy::Io,
             backends: false,
+            slice_us: None,
         }],
     };
     let e = create(&env.state, &set, Some(Backend::Affinity)).unwrap_err();

@@ -218,6 +218,7 @@ fn report(state: &StateDir) -> Result<Value, String> {
                 "policy": p.policy.to_string(),
                 "backends": p.backends,
                 "halt_poll_ns": p.policy.halt_poll_ns(),
+                "slice_ns": p.slice_ns(),
                 "cgroup": dir,
                 "cgroup_tasks": tasks,
                 "vms": in_pool,
@@ -330,8 +331,8 @@ fn text(r: &Value) -> String {
     );
     let _ = writeln!(
         o,
-        "{:<12} {:<8} {:<8} {:<9} {:<10} {:>7}  VMS",
-        "POOL", "CPUS", "POLICY", "BACKENDS", "HALT-POLL", "THREADS"
+        "{:<12} {:<8} {:<8} {:<9} {:<10} {:<8} {:>7}  VMS",
+        "POOL", "CPUS", "POLICY", "BACKENDS", "HALT-POLL", "SLICE", "THREADS"
     );
     let empty = Vec::new();
     for p in r["pools"].as_array().unwrap_or(&empty) {
@@ -493,7 +494,8 @@ mod tests {
         let r = json!({
             "dir": "/x", "defined": true, "backend": "cpuset-v1", "cgroup": "/cg",
             "pools": [{"name": "io", "cpu_list": "0", "policy": "io", "backends": false,
-                       "halt_poll_ns": 200000, "vms": [{"pid": 5, "threads": [{}]}]},
+                       "halt_poll_ns": 200000, "slice_ns": 700000,
+                       "vms": [{"pid": 5, "threads": [{}]}]},
                       {"name": "be", "cpu_list": "1", "policy": "noop", "backends": true,
                        "halt_poll_ns": null, "vms": [],
                        "slots": [{"cpu": 1, "holder": {"pid": 5, "tid": 7}}], "waiting": []}],
@@ -507,6 +509,7 @@ mod tests {
         for want in [
             "cpuset-v1",
             "200us",
+            "0.70ms",
             "cpu1: pid 5 tid 7",
             "lucid-vcpu0",
             "slice 3.0ms",
