@@ -346,18 +346,23 @@ fn text(r: &Value) -> String {
             Some(0) => "off".to_string(),
             Some(n) => format!("{}us", n / 1000),
         };
+        let slice = match p["slice_ns"].as_u64() {
+            None => "default".to_string(),
+            Some(n) => format!("{:.2}ms", n as f64 / 1e6),
+        };
+        let backends = match p["backends"] == json!(true) {
+            true => "yes",
+            false => "no",
+        };
         let _ = writeln!(
             o,
-            "{:<12} {:<8} {:<8} {:<9} {:<10} {:>7}  {}",
+            "{:<12} {:<8} {:<8} {:<9} {:<10} {:<8} {:>7}  {}",
             p["name"].as_str().unwrap_or("?"),
             p["cpu_list"].as_str().unwrap_or("?"),
             p["policy"].as_str().unwrap_or("?"),
-            if p["backends"] == json!(true) {
-                "yes"
-            } else {
-                "no"
-            },
+            backends,
             halt,
+            slice,
             threads,
             vms.len()
         );
