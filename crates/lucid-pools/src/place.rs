@@ -485,6 +485,21 @@ impl Placer {
             })
     }
 
+    /// The pool device back-end threads go to (`backends=on`, implied by `noop`), if any.
+    pub fn backend_pool(&self) -> Option<&PoolDef> {
+        self.host.pools.iter().find(|p| p.backends)
+    }
+
+    /// The first pool with `policy` (e.g. where the classifier sends an I/O-bound VM).
+    pub fn pool_with_policy(&self, policy: crate::def::Policy) -> Option<&PoolDef> {
+        self.host.pools.iter().find(|p| p.policy == policy)
+    }
+
+    /// What the kernel says about `tid`: see [`read_back`].
+    pub fn read_back(&self, tid: i32) -> Result<ReadBack, PlaceError> {
+        read_back(tid)
+    }
+
     /// The cgroup directory of a pool (None for the affinity backend).
     pub fn pool_dir(&self, pool: &str) -> Option<PathBuf> {
         self.host.cgroup.as_ref().map(|c| c.join(pool))

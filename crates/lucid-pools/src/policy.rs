@@ -463,6 +463,16 @@ enum AdmState {
     Waiting(Ticket),
 }
 
+/// Where a thread stands in a `noop` pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AdmissionStatus {
+    /// Holds `cpu`: pinned there, SCHED_FIFO.
+    Admitted { cpu: u32 },
+    /// Every slot is taken (or an older waiter is first): left where it was.
+    Waiting,
+}
+
 /// A thread's admission to a `noop` pool: admitted (holding one CPU) or waiting.
 #[derive(Debug)]
 pub struct Admission {
@@ -529,6 +539,12 @@ impl Admission {
     }
     pub fn is_admitted(&self) -> bool {
         matches!(self.state, AdmState::Admitted(_))
+    }
+    pub fn status(&self) -> AdmissionStatus {
+        match &self.state {
+            AdmState::Admitted(s) => AdmissionStatus::Admitted { cpu: s.cpu },
+            AdmState::Waiting(_) => AdmissionStatus::Waiting,
+        }
     }
     /// The CPU held when admitted.
     pub fn cpu(&self) -> Option<u32> {

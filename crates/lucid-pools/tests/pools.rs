@@ -16,8 +16,8 @@ use lucid_pools::def::{
 };
 use lucid_pools::place::{read_back, Backend, PlaceError, Placed, Placer};
 use lucid_pools::policy::{
-    admission_state, apply_boost, default_io_slice_ns, Admission, BoostLevel, SchedPolicy,
-    IO_SLICE_NS,
+    admission_state, apply_boost, default_io_slice_ns, Admission, AdmissionStatus, BoostLevel,
+    SchedPolicy, IO_SLICE_NS,
 };
 
 const V1: &str = "/sys/fs/cgroup/cpuset";
@@ -355,7 +355,8 @@ fn noop_admits_one_per_cpu_and_queues_the_rest() {
         p => panic!("{p:?}"),
     };
     let a1 = noop(&t1);
-    assert!(a1.is_admitted());
+    assert_eq!(a1.status(), AdmissionStatus::Admitted { cpu: 1 });
+    assert_eq!(placer.backend_pool().map(|p| p.name.as_str()), Some("be"));
     assert_eq!(a1.cpu(), Some(1));
     let r = read_back(t1.tid).unwrap();
     assert_eq!((r.policy, r.priority), (SchedPolicy::Fifo, 10));
@@ -367,6 +368,7 @@ fn noop_admits_one_per_cpu_and_queues_the_rest() {
     let mut a2 = noop(&t2);
     let mut a3 = noop(&t3);
     assert!(!a2.is_admitted() && !a3.is_admitted());
+    assert_eq!(a2.status(), AdmissionStatus::Waiting);
     assert_eq!(
         read_back(t2.tid).unwrap(),
         unplaced,
