@@ -602,6 +602,53 @@ mod tests {
         assert!(cpuset_cgroup(tid).unwrap().starts_with('/'));
     }
 
+    /// The v2 write sequence on a stand-in directory (this host's cgroup2 has no cpuset):
+    /// what is written where, not the kernel's answer.
+    #[test]
+    fn v2_layout_and_place_sequence() {
+        let base = std::env::temp_dir().join(format!("lucid-p1-v2-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&base);
+        fs::create_dir_all(&base).unwrap();
+        let root = base.join("pools");
+        let pools = vec![
+            PoolDef::parse("name=be,cpus=1,policy=noop").unwrap(),
+            PoolDef::parse("name=vm,cpus=0,policy=io").unwrap(),
+        ];
+        create_cgroups(Backend::CpusetV2, &root, &pools).unwrap();
+        let rd = |p: &str| fs::read_to_string(root.join(p)).unwrap();
+        assert_eq!(
+            fs::read_to_string(base.join("cgroup.subtree_control")).unwrap(),
+            "+cpuset"
+        );
+        assert_eq!(rd("cpuset.cpus"), "0-1");
+        assert_eq!(rd("cgroup.subtree_control"), "+cpuset");
+        assert_eq!(rd("be/cgroup.type"), "threaded");
+        assert_eq!(rd("be/cpuset.cpus"), "1");
+        assert_eq!(rd("vm/cpuset.cpus"), "0");
+        let placer = Placer {
+            state: StateDir::new(base.join("state"), "pools"),
+            host: HostPools {
+                pools,
+                backend: Backend::CpusetV2,
+                cgroup: Some(root.clone()),
+                created: 0,
+            },
+        };
+        // SAFETY: gettid/getpid have no preconditions.
+        let (tid, pid) = unsafe { (libc::gettid(), libc::getpid()) };
+        let before = affinity(tid).unwrap();
+        placer.place(tid, "vm").unwrap();
+        assert_eq!(
+            rd("cgroup.procs"),
+            pid.to_string(),
+            "the process joins the domain"
+        );
+        assert_eq!(rd("vm/cgroup.threads"), tid.to_string());
+        assert_eq!(affinity(tid).unwrap(), vec![0]);
+        set_affinity(tid, &before).unwrap();
+        fs::remove_dir_all(&base).unwrap();
+    }
+
     #[test]
     fn gone_thread_is_named() {
         assert!(matches!(

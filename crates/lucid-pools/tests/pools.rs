@@ -198,6 +198,42 @@ fn create_reuses_a_leftover_cgroup_of_a_crashed_create() {
 }
 
 #[test]
+fn racing_creates_make_one_set_of_pools() {
+    if !have_v1() {
+        eprintln!("skipped: needs root and the cpuset v1 hierarchy");
+        return;
+    }
+    let env = TestEnv::new("race");
+    let before = env.snapshot();
+    let set = defs(&["name=io,cpus=0,policy=io", "name=cpu,cpus=1,policy=cpu"]);
+    let results: Vec<Created> = (0..4)
+        .map(|_| {
+            let (st, set) = (env.state.clone(), set.clone());
+            std::thread::spawn(move || create(&st, &set, Some(Backend::CpusetV1)).unwrap())
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .collect();
+    let new = results
+        .iter()
+        .filter(|c| matches!(c, Created::New(_)))
+        .count();
+    assert_eq!(new, 1, "{results:?}");
+    assert!(env.cgroup_root().join("io").exists());
+    let (a, b) = (env.state.clone(), env.state.clone());
+    let d1 = std::thread::spawn(move || destroy(&a, false).unwrap());
+    let d2 = std::thread::spawn(move || destroy(&b, false).unwrap());
+    let mut ds = [d1.join().unwrap(), d2.join().unwrap()];
+    ds.sort_by_key(|d| matches!(d, Destroyed::Nothing));
+    assert_eq!(
+        ds,
+        [Destroyed::Removed { evicted_vms: 0 }, Destroyed::Nothing]
+    );
+    assert_eq!(env.snapshot(), before);
+}
+
+#[test]
 fn threads_land_where_the_policy_says_cpuset_v1() {
     if !have_v1() {
         eprintln!("skipped: needs root and the cpuset v1 hierarchy");
@@ -428,6 +464,11 @@ fn noop_slots_are_host_wide_and_survive_a_crashed_holder() {
         ))
         .spawn()
         .unwrap();
+    // A waiter that crashed left its ticket (unlocked, older than anyone): it is skipped.
+    let wait_dir = env.state.slots_dir().join("be.wait");
+    std::fs::create_dir_all(&wait_dir).unwrap();
+    let stale_ticket = wait_dir.join("00000000000000000001-1-1");
+    std::fs::write(&stale_ticket, "").unwrap();
     let t = Parked::spawn();
     let mut adm = None;
     for _ in 0..200 {
@@ -447,6 +488,7 @@ fn noop_slots_are_host_wide_and_survive_a_crashed_holder() {
     other.wait().unwrap();
     assert!(admitted_soon(&mut adm));
     assert_eq!(read_back(t.tid).unwrap().policy, SchedPolicy::Fifo);
+    assert!(!stale_ticket.exists(), "the stale ticket is cleaned");
     adm.release().unwrap();
     destroy(&env.state, false).unwrap();
 }
