@@ -445,6 +445,14 @@ mod tests {
         }
         let base = std::env::temp_dir().join(format!("lucid-p1-cmd-{}", std::process::id()));
         let state = StateDir::new(base.join("state"), "unused");
+        /// Removes the test's directory even when an assertion fails.
+        struct Cleanup(std::path::PathBuf);
+        impl Drop for Cleanup {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+        let _cleanup = Cleanup(base.clone());
         let set = PoolSet::parse_defs(&["name=all,cpus=0,policy=cpu"]).unwrap();
         def::create(&state, &set, Some(Backend::Affinity)).unwrap();
         let placer = place::Placer::open(&state).unwrap().unwrap();
@@ -485,7 +493,7 @@ mod tests {
         h.join().unwrap();
         state.remove_vm(rec.pid);
         def::destroy(&state, false).unwrap();
-        let _ = std::fs::remove_dir_all(&base);
+        assert!(!state.dir.exists());
     }
 
     #[test]
