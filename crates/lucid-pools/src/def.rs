@@ -568,8 +568,10 @@ impl StateDir {
         Ok(DirLock { _file: f })
     }
 
-    /// Every VM file: live ones returned, stale ones (crashed or exited processes, garbage)
-    /// removed when `clean` (else skipped).
+    /// Every VM file: live ones returned; stale ones (emptied at exit, the pid is gone or
+    /// runs another program since: its start time differs; names that are no pid) removed when `clean`
+    /// (else skipped). A live VM's file that does not parse (caught mid-rewrite) is skipped,
+    /// never removed.
     pub fn vms(&self, clean: bool) -> Vec<VmRecord> {
         let mut out = Vec::new();
         let Ok(rd) = fs::read_dir(self.vms_dir()) else {
@@ -579,20 +581,42 @@ impl StateDir {
             let path = e.path();
             let name = e.file_name();
             let name = name.to_string_lossy();
-            // Temporaries of a publisher mid-write are `.<pid>.json.tmp`: leave them.
+            // Temporaries of a writer mid-rename are `.<pid>.json.tmp`: leave them.
             if name.starts_with('.') {
                 continue;
             }
-            let rec = fs::read_to_string(&path)
-                .ok()
-                .and_then(|s| serde_json::from_str::<VmRecord>(&s).ok());
-            match rec {
-                Some(r) if r.is_live() && name == format!("{}.json", r.pid) => out.push(r),
-                _ if clean => {
-                    log::debug!("removing stale VM file {}", path.display());
-                    let _ = fs::remove_file(&path);
+            let pid = name
+                .strip_suffix(".json")
+                .and_then(|p| p.parse::<i32>().ok())
+                .filter(|&p| p > 0);
+            // An empty file is one its publisher emptied at exit (a rewrite never is).
+            let empty = e.metadata().is_ok_and(|m| m.len() == 0);
+            let stale = match pid.and_then(pid_start_time) {
+                _ if empty => true,
+                None => true,
+                Some(started) => {
+                    let parse = || {
+                        fs::read_to_string(&path)
+                            .ok()
+                            .and_then(|s| serde_json::from_str::<VmRecord>(&s).ok())
+                    };
+                    let rec = parse().or_else(|| {
+                        std::thread::sleep(std::time::Duration::from_millis(2));
+                        parse()
+                    });
+                    match rec {
+                        Some(r) if r.pid == pid.unwrap_or(0) && r.start_time == started => {
+                            out.push(r);
+                            false
+                        }
+                        Some(_) => true,
+                        None => false,
+                    }
                 }
-                _ => {}
+            };
+            if stale && clean {
+                log::debug!("removing stale VM file {}", path.display());
+                let _ = fs::remove_file(&path);
             }
         }
         out.sort_by_key(|r| r.pid);
@@ -619,26 +643,57 @@ impl StateDir {
     }
 }
 
-/// Publishes a VM's record and removes it when dropped (VM exit).
+/// Publishes this process's `vms/<pid>.json`. The file is opened once, in [`VmPublisher::new`];
+/// [`VmPublisher::publish`] rewrites it in place (pwrite64 + ftruncate) and drop empties it
+/// (ftruncate), so a thread confined by seccomp without open/rename/unlink can publish. An
+/// emptied or stale file is removed by the next reader ([`StateDir::vms`] with `clean`:
+/// `lucid pools show`, create, destroy); [`VmPublisher::remove`] removes it at once where
+/// unlink is allowed.
+#[derive(Debug)]
 pub struct VmPublisher {
-    state: StateDir,
-    pid: i32,
+    file: fs::File,
+    path: PathBuf,
 }
 
 impl VmPublisher {
-    pub fn new(state: StateDir) -> VmPublisher {
+    pub fn new(state: &StateDir) -> Result<VmPublisher, DefError> {
         // SAFETY: getpid has no preconditions.
         let pid = unsafe { libc::getpid() };
-        VmPublisher { state, pid }
+        let dir = state.vms_dir();
+        fs::create_dir_all(&dir).map_err(|e| DefError::io("create", &dir, e))?;
+        let path = state.vm_file(pid);
+        let file = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .map_err(|e| DefError::io("create", &path, e))?;
+        Ok(VmPublisher { file, path })
     }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Rewrites the file with `rec`.
     pub fn publish(&self, rec: &VmRecord) -> Result<(), DefError> {
-        self.state.write_vm(rec)
+        use std::os::unix::fs::FileExt;
+        let text = serde_json::to_string(rec).expect("JSON of plain values") + "\n";
+        self.file
+            .write_all_at(text.as_bytes(), 0)
+            .and_then(|_| self.file.set_len(text.len() as u64))
+            .map_err(|e| DefError::io("write", &self.path, e))
+    }
+
+    /// Removes the file now (needs unlink: not from a seccomp-confined thread).
+    pub fn remove(self) {
+        let _ = fs::remove_file(&self.path);
     }
 }
 
 impl Drop for VmPublisher {
     fn drop(&mut self) {
-        self.state.remove_vm(self.pid);
+        let _ = self.file.set_len(0);
     }
 }
 

@@ -433,19 +433,90 @@ fn tgid_of(tid: i32) -> Result<i32, PlaceError> {
         .ok_or(PlaceError::NoThread(tid))
 }
 
-/// Places threads into the host's pools. Cheap to clone; one per VM process.
+/// Cgroup files a [`Placer`] writes tids to, opened once so that re-placing threads later
+/// needs no `open` (a seccomp-confined monitor thread can do it with `write`).
+#[derive(Debug, Default)]
+struct Attach {
+    /// Per pool: v1 `tasks`, v2 `cgroup.threads`.
+    pools: std::collections::HashMap<String, fs::File>,
+    /// Where `unplace` sends a thread: v1 the hierarchy's top `tasks`, v2 the pools' root
+    /// `cgroup.threads`.
+    out: Option<fs::File>,
+    /// v2: the pools' root `cgroup.procs` (a process joins the threaded domain there).
+    procs: Option<fs::File>,
+    /// v2: whether this process has joined the domain.
+    joined: std::sync::atomic::AtomicBool,
+    /// The online CPUs when opened (for `unplace`).
+    online: Vec<u32>,
+}
+
+fn open_w(path: &Path) -> Option<fs::File> {
+    match fs::OpenOptions::new().write(true).open(path) {
+        Ok(f) => Some(f),
+        Err(e) => {
+            log::debug!(
+                "cannot open {} now ({e}): will try again when used",
+                path.display()
+            );
+            None
+        }
+    }
+}
+
+/// Writes `tid` to a pre-opened cgroup file, or opens `path` when it could not be opened
+/// earlier (that open then reports the real error).
+fn write_tid(f: Option<&fs::File>, path: &Path, tid: i32) -> Result<(), PlaceError> {
+    use std::io::Write;
+    let r = match f {
+        Some(mut f) => f.write_all(tid.to_string().as_bytes()),
+        None => fs::write(path, tid.to_string()),
+    };
+    r.map_err(|e| match e.raw_os_error() {
+        Some(libc::ESRCH) => PlaceError::NoThread(tid),
+        _ => PlaceError::io("write", path, e),
+    })
+}
+
+/// Places threads into the host's pools. Cheap to clone; one per VM process. Opening it
+/// reads `pools.json` and opens the cgroup files it will write, so after that placing
+/// threads needs only write, sched_setaffinity, sched_setattr and setpriority.
 #[derive(Clone, Debug)]
 pub struct Placer {
     state: StateDir,
     host: HostPools,
+    attach: std::sync::Arc<Attach>,
 }
 
 impl Placer {
     /// The placer for the pools defined in `state`, or None when no pools are defined.
     pub fn open(state: &StateDir) -> Result<Option<Placer>, crate::def::DefError> {
-        Ok(state.load()?.map(|host| Placer {
+        let Some(host) = state.load()? else {
+            return Ok(None);
+        };
+        policy::default_io_slice_ns();
+        let mut attach = Attach {
+            online: online_cpus().unwrap_or_default(),
+            ..Default::default()
+        };
+        if let Some(root) = &host.cgroup {
+            let (file, out) = match host.backend {
+                Backend::CpusetV2 => ("cgroup.threads", root.join("cgroup.threads")),
+                _ => ("tasks", root.parent().expect("under a mount").join("tasks")),
+            };
+            for p in &host.pools {
+                if let Some(f) = open_w(&root.join(&p.name).join(file)) {
+                    attach.pools.insert(p.name.clone(), f);
+                }
+            }
+            attach.out = open_w(&out);
+            if host.backend == Backend::CpusetV2 {
+                attach.procs = open_w(&root.join("cgroup.procs"));
+            }
+        }
+        Ok(Some(Placer {
             state: state.clone(),
             host,
+            attach: std::sync::Arc::new(attach),
         }))
     }
 
@@ -508,35 +579,32 @@ impl Placer {
     /// Moves thread `tid` into `pool`'s CPUs (cgroup and affinity). The policy is applied
     /// separately ([`crate::policy::apply`]) or by [`Placer::place_thread`].
     pub fn place(&self, tid: i32, pool: &str) -> Result<(), PlaceError> {
+        use std::sync::atomic::Ordering;
         let def = self.pool(pool)?;
+        let pre = self.attach.pools.get(pool);
         match (self.host.backend, self.pool_dir(pool)) {
-            (Backend::CpusetV1, Some(dir)) => {
-                let tasks = dir.join("tasks");
-                fs::write(&tasks, tid.to_string()).map_err(|e| match e.raw_os_error() {
-                    Some(libc::ESRCH) => PlaceError::NoThread(tid),
-                    _ => PlaceError::io("write", &tasks, e),
-                })?;
-            }
+            (Backend::CpusetV1, Some(dir)) => write_tid(pre, &dir.join("tasks"), tid)?,
             (Backend::CpusetV2, Some(dir)) => {
                 let root = self.host.cgroup.as_ref().expect("v2 has a cgroup root");
-                // Threads of one process may only spread over the threaded subtree of the
-                // process's domain: the process joins the pools' root first.
-                let tgid = tgid_of(tid)?;
-                let cg = cpuset_cgroup(tgid)?;
-                let rel = format!(
-                    "/{}",
-                    root.file_name()
-                        .map(|n| n.to_string_lossy().to_string())
-                        .unwrap_or_default()
-                );
-                if cg != rel && !cg.starts_with(&format!("{rel}/")) {
-                    write(&root.join("cgroup.procs"), &tgid.to_string())?;
-                }
+                let procs = root.join("cgroup.procs");
                 let threads = dir.join("cgroup.threads");
-                fs::write(&threads, tid.to_string()).map_err(|e| match e.raw_os_error() {
-                    Some(libc::ESRCH) => PlaceError::NoThread(tid),
-                    _ => PlaceError::io("write", &threads, e),
-                })?;
+                // Threads may only spread over the threaded subtree of their process's
+                // domain: this process joins the pools' root once.
+                if !self.attach.joined.swap(true, Ordering::Relaxed) {
+                    // SAFETY: getpid has no preconditions.
+                    let pid = unsafe { libc::getpid() };
+                    write_tid(self.attach.procs.as_ref(), &procs, pid)?;
+                }
+                if let Err(e) = write_tid(pre, &threads, tid) {
+                    // A thread of another process (the CLI, tests): its process joins first.
+                    let tgid = tgid_of(tid)?;
+                    // SAFETY: getpid has no preconditions.
+                    if tgid == unsafe { libc::getpid() } {
+                        return Err(e);
+                    }
+                    write_tid(self.attach.procs.as_ref(), &procs, tgid)?;
+                    write_tid(pre, &threads, tid)?;
+                }
             }
             _ => {}
         }
@@ -545,20 +613,23 @@ impl Placer {
         set_affinity(tid, &def.cpus)
     }
 
-    /// Moves a thread out of every pool: top cgroup, every online CPU, default policy.
+    /// Moves a thread out of every pool: top cgroup (v2: the pools' root, which spans every
+    /// pool CPU), every online CPU, default policy.
     pub fn unplace(&self, tid: i32) -> Result<(), PlaceError> {
         if let Some(root) = &self.host.cgroup {
-            let top = root.parent().expect("cgroup root under a mount");
+            let out = self.attach.out.as_ref();
             match self.host.backend {
-                Backend::CpusetV1 => write(&top.join("tasks"), &tid.to_string())?,
-                // v2: the thread stays in the pools' threaded domain, which spans every
-                // pool CPU; the process leaves it when its last placed thread does.
-                Backend::CpusetV2 => write(&root.join("cgroup.threads"), &tid.to_string())?,
+                Backend::CpusetV1 => write_tid(
+                    out,
+                    &root.parent().expect("under a mount").join("tasks"),
+                    tid,
+                )?,
+                Backend::CpusetV2 => write_tid(out, &root.join("cgroup.threads"), tid)?,
                 Backend::Affinity => {}
             }
         }
         policy::reset(tid).map_err(|e| PlaceError::sched("reset the policy of", tid, e))?;
-        set_affinity(tid, &online_cpus().unwrap_or_default())
+        set_affinity(tid, &self.attach.online)
     }
 
     /// Places `tid` into `pool` and applies the pool's policy. Threads for a `noop` pool go
@@ -633,6 +704,7 @@ mod tests {
                 cgroup: Some(root.clone()),
                 created: 0,
             },
+            attach: Default::default(),
         };
         // SAFETY: gettid/getpid have no preconditions.
         let (tid, pid) = unsafe { (libc::gettid(), libc::getpid()) };

@@ -11,11 +11,12 @@
 //! admits one thread per CPU, host-wide. Slot `slots/<pool>.<cpu>` is held by an exclusive
 //! `flock` for as long as its thread's [`Admission`] lives (the kernel drops it if the process
 //! dies), so no stale state survives a crash. A thread that finds every slot taken leaves its
-//! placement alone and takes a ticket in `slots/<pool>.wait/` (named by time, flocked by its
-//! holder); [`Admission::poll`] admits the oldest live ticket when a slot frees.
+//! placement alone and draws a ticket in `slots/<pool>.queue` (a record it holds an
+//! open-file-description lock on, gone with its holder); [`Admission::poll`] admits the oldest
+//! live ticket when a slot frees.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, Write};
+use std::io;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
@@ -46,10 +47,15 @@ pub fn host_default_slice_ns() -> u64 {
 /// The slice of `io` threads when the pool gives none: 3 ms as in the thesis, but never more
 /// than half the host's default slice (EEVDF's default is already short, 1.4 ms on 2 CPUs: an
 /// `io` slice must be shorter than what CPU-bound threads get to favour the I/O threads).
+/// Computed once per process (a [`Placer`] computes it when opened, so that confined threads
+/// never read the files it comes from).
 pub fn default_io_slice_ns() -> u64 {
-    IO_SLICE_NS
-        .min(host_default_slice_ns() / 2)
-        .max(MIN_SLICE_NS)
+    static SLICE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *SLICE.get_or_init(|| {
+        IO_SLICE_NS
+            .min(host_default_slice_ns() / 2)
+            .max(MIN_SLICE_NS)
+    })
 }
 /// Nice of `io` threads where the kernel has no per-task slice.
 pub const IO_FALLBACK_NICE: i32 = -5;
@@ -407,30 +413,83 @@ fn slot_path(state: &StateDir, pool: &str, cpu: u32) -> PathBuf {
     state.slots_dir().join(format!("{pool}.{cpu}"))
 }
 
-fn wait_dir(state: &StateDir, pool: &str) -> PathBuf {
-    state.slots_dir().join(format!("{pool}.wait"))
+fn queue_path(state: &StateDir, pool: &str) -> PathBuf {
+    state.slots_dir().join(format!("{pool}.queue"))
 }
 
-/// Opens (creating) `path` and takes an exclusive flock without waiting; None if held.
-fn try_lock(path: &Path, create: bool) -> io::Result<Option<File>> {
-    let f = OpenOptions::new()
+/// Waiting list layout: `[0, 8)` the next ticket number (locked while a ticket is drawn),
+/// then one 16-byte record per ticket (pid, tid), write-locked by its waiter.
+const QUEUE_HEADER: u64 = 64;
+const TICKET_LEN: u64 = 16;
+
+fn ticket_start(ticket: u64) -> u64 {
+    QUEUE_HEADER + ticket * TICKET_LEN
+}
+
+fn open_rw(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
         .read(true)
         .write(true)
-        .create(create)
+        .create(true)
         .truncate(false)
-        .open(path)?;
-    // SAFETY: flock on an fd we own.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        return Ok(Some(f));
+        .open(path)
+}
+
+/// An open-file-description lock (`F_OFD_SETLK[W]`) of `kind` (F_WRLCK or F_UNLCK) on
+/// `[start, start+len)` (len 0 = to the end). Returns false when another description holds it.
+fn ofd_lock(f: &File, kind: i32, start: u64, len: u64, wait: bool) -> io::Result<bool> {
+    // SAFETY: a zeroed flock is a valid request once its fields are set below.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = kind as i16;
+    fl.l_whence = libc::SEEK_SET as i16;
+    fl.l_start = start as i64;
+    fl.l_len = len as i64;
+    let cmd = if wait {
+        libc::F_OFD_SETLKW
+    } else {
+        libc::F_OFD_SETLK
+    };
+    // SAFETY: fcntl with a valid struct flock on an fd we own.
+    if unsafe { libc::fcntl(f.as_raw_fd(), cmd, &mut fl) } == 0 {
+        return Ok(true);
     }
     let e = io::Error::last_os_error();
     match e.raw_os_error() {
-        Some(libc::EWOULDBLOCK) => Ok(None),
+        Some(libc::EAGAIN) | Some(libc::EACCES) => Ok(false),
         _ => Err(e),
     }
 }
 
-/// A held no-op CPU slot (released on drop).
+/// The first write lock another description (or process) holds in `[start, start+len)`
+/// (len 0 = to the end): its (start, len).
+fn ofd_first_lock(f: &File, start: u64, len: u64) -> io::Result<Option<(u64, u64)>> {
+    // SAFETY: a zeroed flock is a valid query once its fields are set below.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = libc::F_WRLCK as i16;
+    fl.l_whence = libc::SEEK_SET as i16;
+    fl.l_start = start as i64;
+    fl.l_len = len as i64;
+    // SAFETY: fcntl F_OFD_GETLK with a valid struct flock on an fd we own.
+    if unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((fl.l_type != libc::F_UNLCK as i16).then_some((fl.l_start as u64, fl.l_len as u64)))
+}
+
+/// `flock(LOCK_EX | LOCK_NB)`: false when another description holds it.
+fn try_flock(f: &File) -> io::Result<bool> {
+    // SAFETY: flock on an fd we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EWOULDBLOCK) => Ok(false),
+        _ => Err(e),
+    }
+}
+
+/// A held no-op CPU slot (released on drop, or by the kernel when the process dies).
 #[derive(Debug)]
 pub struct Slot {
     file: File,
@@ -444,23 +503,16 @@ impl Drop for Slot {
     }
 }
 
-/// A waiting thread's ticket (removed on drop).
-#[derive(Debug)]
-struct Ticket {
-    _file: File,
-    path: PathBuf,
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        let _ = fs::remove_file(&self.path);
-    }
-}
-
 #[derive(Debug)]
 enum AdmState {
     Admitted(Slot),
-    Waiting(Ticket),
+    /// Holds the lock on its ticket's record in the pool's queue file, and one open
+    /// description per slot file to try.
+    Waiting {
+        queue: File,
+        ticket: u64,
+        slots: Vec<(u32, File)>,
+    },
 }
 
 /// Where a thread stands in a `noop` pool.
@@ -474,6 +526,11 @@ pub enum AdmissionStatus {
 }
 
 /// A thread's admission to a `noop` pool: admitted (holding one CPU) or waiting.
+///
+/// [`Admission::request`] opens the files it needs; [`Admission::poll`] and drop then use
+/// only those descriptors (flock, fcntl F_OFD_GETLK/F_OFD_SETLK, pwrite64, ftruncate, close)
+/// plus the placement calls (write to a pre-opened cgroup file, sched_setaffinity,
+/// sched_setattr), so a thread confined by seccomp without open/unlink can poll.
 #[derive(Debug)]
 pub struct Admission {
     placer: Placer,
@@ -496,36 +553,75 @@ fn slots_err(path: &Path, e: io::Error) -> PlaceError {
     }
 }
 
+fn read_u64_at(f: &File, off: u64) -> u64 {
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 8];
+    match f.read_exact_at(&mut b, off) {
+        Ok(()) => u64::from_le_bytes(b),
+        Err(_) => 0,
+    }
+}
+
+/// Draws the next ticket and write-locks its record (pid, tid). Tickets restart at 0 when
+/// no live waiter is left, so the file stays small.
+fn draw_ticket(queue: &File, path: &Path, tid: i32) -> Result<u64, PlaceError> {
+    use std::os::unix::fs::FileExt;
+    let err = |e| slots_err(path, e);
+    ofd_lock(queue, libc::F_WRLCK, 0, 8, true).map_err(err)?;
+    let result = (|| {
+        let mut next = match ofd_first_lock(queue, QUEUE_HEADER, 0).map_err(err)? {
+            None => {
+                queue.set_len(QUEUE_HEADER).map_err(err)?;
+                0
+            }
+            Some(_) => read_u64_at(queue, 0),
+        };
+        // A record someone still locks (a writer that did not bump the counter) is skipped.
+        while !ofd_lock(queue, libc::F_WRLCK, ticket_start(next), TICKET_LEN, false).map_err(err)? {
+            next += 1;
+        }
+        // SAFETY: getpid has no preconditions.
+        let pid = unsafe { libc::getpid() };
+        let mut rec = [0u8; TICKET_LEN as usize];
+        rec[..4].copy_from_slice(&pid.to_le_bytes());
+        rec[4..8].copy_from_slice(&tid.to_le_bytes());
+        queue.write_all_at(&rec, ticket_start(next)).map_err(err)?;
+        queue
+            .write_all_at(&(next + 1).to_le_bytes(), 0)
+            .map_err(err)?;
+        Ok(next)
+    })();
+    let _ = ofd_lock(queue, libc::F_UNLCK, 0, 8, false);
+    result
+}
+
 impl Admission {
     /// Queues `tid` for a CPU of `pool` and admits it at once if it is first in line and a
     /// slot is free. A waiting thread is left where it is.
     pub fn request(placer: Placer, tid: i32, pool: &str) -> Result<Admission, PlaceError> {
-        placer.pool(pool)?;
-        let wdir = wait_dir(placer.state(), pool);
-        fs::create_dir_all(&wdir).map_err(|e| slots_err(&wdir, e))?;
-        // SAFETY: getpid has no preconditions.
-        let pid = unsafe { libc::getpid() };
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos();
-        let path = wdir.join(format!("{now:020}-{pid}-{tid}"));
-        let file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(|e| slots_err(&path, e))?;
-        // SAFETY: flock on an fd we own.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let e = io::Error::last_os_error();
-            let _ = fs::remove_file(&path);
-            return Err(slots_err(&path, e));
-        }
+        let def = placer.pool(pool)?.clone();
+        let dir = placer.state().slots_dir();
+        fs::create_dir_all(&dir).map_err(|e| slots_err(&dir, e))?;
+        let slots = def
+            .cpus
+            .iter()
+            .map(|&cpu| {
+                let p = slot_path(placer.state(), pool, cpu);
+                open_rw(&p).map(|f| (cpu, f)).map_err(|e| slots_err(&p, e))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let qp = queue_path(placer.state(), pool);
+        let queue = open_rw(&qp).map_err(|e| slots_err(&qp, e))?;
+        let ticket = draw_ticket(&queue, &qp, tid)?;
         let mut adm = Admission {
             placer,
             tid,
             pool: pool.to_string(),
-            state: AdmState::Waiting(Ticket { _file: file, path }),
+            state: AdmState::Waiting {
+                queue,
+                ticket,
+                slots,
+            },
         };
         adm.poll()?;
         Ok(adm)
@@ -543,62 +639,59 @@ impl Admission {
     pub fn status(&self) -> AdmissionStatus {
         match &self.state {
             AdmState::Admitted(s) => AdmissionStatus::Admitted { cpu: s.cpu },
-            AdmState::Waiting(_) => AdmissionStatus::Waiting,
+            AdmState::Waiting { .. } => AdmissionStatus::Waiting,
         }
     }
     /// The CPU held when admitted.
     pub fn cpu(&self) -> Option<u32> {
         match &self.state {
             AdmState::Admitted(s) => Some(s.cpu),
-            AdmState::Waiting(_) => None,
+            AdmState::Waiting { .. } => None,
         }
     }
 
-    /// Admits the thread if it is the oldest live waiter and a slot is free: pins it to that
-    /// CPU inside the pool and makes it SCHED_FIFO. Returns whether it is admitted.
+    /// Admits the thread if no older live waiter is queued and a slot is free: pins it to
+    /// that CPU inside the pool and makes it SCHED_FIFO. Returns whether it is admitted.
     pub fn poll(&mut self) -> Result<bool, PlaceError> {
-        let AdmState::Waiting(ticket) = &self.state else {
+        use std::os::unix::fs::FileExt;
+        let AdmState::Waiting {
+            queue,
+            ticket,
+            slots,
+        } = &mut self.state
+        else {
             return Ok(true);
         };
-        let state = self.placer.state().clone();
-        let mine = ticket
-            .path
-            .file_name()
-            .map(|n| n.to_string_lossy().to_string())
-            .unwrap_or_default();
-        for older in waiting_tickets(&state, &self.pool) {
-            if older >= mine {
-                break;
-            }
-            // A ticket whose lock is free belongs to a thread that is gone.
-            let p = wait_dir(&state, &self.pool).join(&older);
-            match try_lock(&p, false) {
-                Ok(Some(_stale)) => {
-                    let _ = fs::remove_file(&p);
-                }
-                Ok(None) => return Ok(false),
-                Err(_) => {}
-            }
+        let qp = || queue_path(self.placer.state(), &self.pool);
+        // Waiters that died hold no lock any more: only live ones count.
+        if *ticket > 0
+            && ofd_first_lock(queue, QUEUE_HEADER, *ticket * TICKET_LEN)
+                .map_err(|e| slots_err(&qp(), e))?
+                .is_some()
+        {
+            return Ok(false);
         }
-        let def: PoolDef = self.placer.pool(&self.pool)?.clone();
-        for &cpu in &def.cpus {
-            let p = slot_path(&state, &self.pool, cpu);
-            let Some(mut file) = try_lock(&p, true).map_err(|e| slots_err(&p, e))? else {
-                continue;
-            };
-            // SAFETY: getpid has no preconditions.
-            let pid = unsafe { libc::getpid() };
-            let _ = file.set_len(0);
-            let _ = writeln!(file, "{pid} {}", self.tid);
-            let slot = Slot { file, cpu };
-            self.placer.place(self.tid, &self.pool)?;
-            set_affinity(self.tid, &[cpu])?;
-            apply(self.tid, Policy::Noop)
-                .map_err(|e| PlaceError::sched("set the policy of", self.tid, e))?;
-            self.state = AdmState::Admitted(slot);
-            return Ok(true);
-        }
-        Ok(false)
+        let Some(i) = slots
+            .iter()
+            .map(|(_, f)| try_flock(f))
+            .position(|r| matches!(r, Ok(true)))
+        else {
+            return Ok(false);
+        };
+        let (cpu, file) = slots.swap_remove(i);
+        // SAFETY: getpid has no preconditions.
+        let pid = unsafe { libc::getpid() };
+        let _ = file.set_len(0);
+        let _ = file.write_all_at(format!("{pid} {}\n", self.tid).as_bytes(), 0);
+        let slot = Slot { file, cpu };
+        self.placer.place(self.tid, &self.pool)?;
+        set_affinity(self.tid, &[cpu])?;
+        apply(self.tid, Policy::Noop)
+            .map_err(|e| PlaceError::sched("set the policy of", self.tid, e))?;
+        // Dropping the waiting state closes the queue (its ticket lock goes) and the
+        // other slot descriptors.
+        self.state = AdmState::Admitted(slot);
+        Ok(true)
     }
 
     /// Gives the slot (or the ticket) up and takes the thread out of the pool (default
@@ -606,78 +699,71 @@ impl Admission {
     pub fn release(self) -> Result<(), PlaceError> {
         let r = match self.state {
             AdmState::Admitted(_) => self.placer.unplace(self.tid),
-            AdmState::Waiting(_) => Ok(()),
+            AdmState::Waiting { .. } => Ok(()),
         };
         drop(self.state);
         r
     }
 }
 
-/// Ticket names of a pool's waiting list, oldest first (stale ones included).
-fn waiting_tickets(state: &StateDir, pool: &str) -> Vec<String> {
-    let mut v: Vec<String> = fs::read_dir(wait_dir(state, pool))
-        .map(|rd| {
-            rd.flatten()
-                .map(|e| e.file_name().to_string_lossy().to_string())
-                .collect()
-        })
-        .unwrap_or_default();
-    v.sort();
-    v
-}
-
 /// Who holds a no-op slot, for `lucid pools show`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct SlotInfo {
     pub cpu: u32,
-    /// (pid, tid) of the holder; None when free.
+    /// Whether some process holds the slot's lock.
+    pub held: bool,
+    /// (pid, tid) of the holder as it recorded them (None when free or not recorded).
     pub holder: Option<(i32, i32)>,
 }
 
 /// The slots of a `noop` pool and its live waiters (pid, tid), oldest first.
 pub fn admission_state(state: &StateDir, pool: &PoolDef) -> (Vec<SlotInfo>, Vec<(i32, i32)>) {
+    use std::os::unix::fs::FileExt;
     let slots = pool
         .cpus
         .iter()
         .map(|&cpu| {
             let p = slot_path(state, &pool.name, cpu);
-            let holder = match try_lock(&p, false) {
-                Ok(None) => fs::read_to_string(&p).ok().and_then(|s| {
-                    let mut it = s.split_whitespace().map(|x| x.parse::<i32>());
-                    match (it.next(), it.next()) {
-                        (Some(Ok(a)), Some(Ok(b))) => Some((a, b)),
-                        _ => None,
-                    }
-                }),
-                _ => None,
-            };
-            SlotInfo { cpu, holder }
-        })
-        .collect();
-    let waiters = waiting_tickets(state, &pool.name)
-        .into_iter()
-        .filter(|t| {
-            matches!(
-                try_lock(&wait_dir(state, &pool.name).join(t), false),
-                Ok(None)
-            )
-        })
-        .filter_map(|t| {
-            let mut it = t.split('-').skip(1).map(|x| x.parse::<i32>());
-            match (it.next(), it.next()) {
-                (Some(Ok(a)), Some(Ok(b))) => Some((a, b)),
-                _ => None,
+            let held = File::open(&p)
+                .ok()
+                .filter(|f| matches!(try_flock(f), Ok(false)));
+            let is_held = held.is_some();
+            let holder = held.and_then(|_| {
+                let s = fs::read_to_string(&p).ok()?;
+                let mut it = s.split_whitespace().map(|x| x.parse::<i32>());
+                match (it.next(), it.next()) {
+                    (Some(Ok(a)), Some(Ok(b))) => Some((a, b)),
+                    _ => None,
+                }
+            });
+            SlotInfo {
+                cpu,
+                held: is_held,
+                holder,
             }
         })
         .collect();
+    let mut waiters = Vec::new();
+    if let Ok(q) = File::open(queue_path(state, &pool.name)) {
+        let mut at = QUEUE_HEADER;
+        while let Ok(Some((start, len))) = ofd_first_lock(&q, at, 0) {
+            let mut rec = [0u8; 8];
+            if q.read_exact_at(&mut rec, start).is_ok() {
+                let pid = i32::from_le_bytes(rec[..4].try_into().expect("4 bytes"));
+                let tid = i32::from_le_bytes(rec[4..].try_into().expect("4 bytes"));
+                waiters.push((pid, tid));
+            }
+            at = start + len.max(1);
+        }
+    }
     (slots, waiters)
 }
 
-/// Whether any slot of any pool is held or any ticket is live (destroy refuses then).
+/// Whether any slot of any pool is held or any waiter is live (destroy refuses then).
 pub fn any_admission_live(state: &StateDir, pools: &[PoolDef]) -> bool {
     pools.iter().any(|p| {
         let (slots, waiters) = admission_state(state, p);
-        !waiters.is_empty() || slots.iter().any(|s| s.holder.is_some())
+        !waiters.is_empty() || slots.iter().any(|s| s.held)
     })
 }
 

@@ -133,6 +133,18 @@ fn admitted_soon(a: &mut Admission) -> bool {
     false
 }
 
+/// `destroy` once a just-released slot is seen free (see [`admitted_soon`] for why it may
+/// take a moment in a test process that forks).
+fn destroy_soon(state: &StateDir) -> Destroyed {
+    for _ in 0..200 {
+        match destroy(state, false) {
+            Err(DefError::InUse { .. }) => std::thread::sleep(std::time::Duration::from_millis(10)),
+            r => return r.unwrap(),
+        }
+    }
+    destroy(state, false).unwrap()
+}
+
 fn online() -> Vec<u32> {
     lucid_pools::def::online_cpus().unwrap()
 }
@@ -438,59 +450,206 @@ fn noop_admits_one_per_cpu_and_queues_the_rest() {
     drop(a3);
     placer.unplace(t2.tid).unwrap();
     placer.unplace(t3.tid).unwrap();
-    destroy(&env.state, false).unwrap();
+    destroy_soon(&env.state);
     assert!(!env.state.dir.exists() && !env.cgroup_root().exists());
 }
 
+/// Starts `cmd` (which prints one line once it holds its lock) and waits for that line.
+fn holder(program: &str, args: &[&str]) -> std::process::Child {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(program)
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "locked");
+    child
+}
+
 #[test]
-fn noop_slots_are_host_wide_and_survive_a_crashed_holder() {
-    if !have_v1() || !Path::new("/usr/bin/flock").exists() {
-        eprintln!("skipped: needs root, the cpuset v1 hierarchy and flock(1)");
+fn noop_slots_and_queue_are_host_wide_and_survive_crashed_holders() {
+    let tools = ["/usr/bin/flock", "/usr/bin/python3"];
+    if !have_v1() || tools.iter().any(|t| !Path::new(t).exists()) {
+        eprintln!("skipped: needs root, the cpuset v1 hierarchy, flock(1) and python3");
         return;
     }
     let env = TestEnv::new("xproc");
     let set = defs(&["name=be,cpus=1,policy=noop"]);
     create(&env.state, &set, Some(Backend::CpusetV1)).unwrap();
     let placer = Placer::open(&env.state).unwrap().unwrap();
-    // Another process holds CPU 1's slot (as another Lucid process would).
     std::fs::create_dir_all(env.state.slots_dir()).unwrap();
+    // Another process holds CPU 1's slot (as another Lucid process would): the shell locks
+    // fd 9 and becomes `sleep`, keeping it.
     let slot = env.state.slots_dir().join("be.1");
-    // The shell locks fd 9 and becomes `sleep` keeping it: one process to kill.
-    let mut other = std::process::Command::new("/bin/sh")
-        .arg("-c")
-        .arg(format!(
-            "exec 9>>'{}'; /usr/bin/flock 9; exec sleep 30",
-            slot.display()
-        ))
-        .spawn()
-        .unwrap();
-    // A waiter that crashed left its ticket (unlocked, older than anyone): it is skipped.
-    let wait_dir = env.state.slots_dir().join("be.wait");
-    std::fs::create_dir_all(&wait_dir).unwrap();
-    let stale_ticket = wait_dir.join("00000000000000000001-1-1");
-    std::fs::write(&stale_ticket, "").unwrap();
+    let mut slot_holder = holder(
+        "/bin/sh",
+        &[
+            "-c",
+            &format!(
+                "exec 9>>'{}'; /usr/bin/flock 9; echo locked; exec sleep 30",
+                slot.display()
+            ),
+        ],
+    );
+    // And another process waits in line before us (a POSIX record lock on ticket 0).
+    let queue = env.state.slots_dir().join("be.queue");
+    let mut older_waiter = holder(
+        "/usr/bin/python3",
+        &[
+            "-c",
+            &format!(
+                "import fcntl,os,time\nfd=os.open('{}',os.O_RDWR|os.O_CREAT)\n\
+                 fcntl.lockf(fd,fcntl.LOCK_EX|fcntl.LOCK_NB,16,64)\nprint('locked',flush=True)\n\
+                 time.sleep(30)",
+                queue.display()
+            ),
+        ],
+    );
     let t = Parked::spawn();
-    let mut adm = None;
-    for _ in 0..200 {
-        let a = Admission::request(placer.clone(), t.tid, "be").unwrap();
-        if !a.is_admitted() {
-            adm = Some(a);
-            break;
-        }
-        // flock(1) had not locked yet: give the slot back and retry.
-        a.release().unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-    let mut adm = adm.expect("the other process's slot is seen as held");
-    assert!(!adm.poll().unwrap());
-    // The holder crashes: the kernel drops its lock and the waiter gets the CPU.
-    other.kill().unwrap();
-    other.wait().unwrap();
+    let mut adm = Admission::request(placer.clone(), t.tid, "be").unwrap();
+    assert!(!adm.is_admitted());
+    let be = placer.pool("be").unwrap().clone();
+    let (slots, waiters) = admission_state(&env.state, &be);
+    assert!(slots[0].held, "{slots:?}");
+    assert_eq!(waiters.len(), 2, "{waiters:?}");
+    assert_eq!(waiters[1], (std::process::id() as i32, t.tid));
+    // The slot holder crashes: the kernel drops its lock, but the older waiter goes first.
+    slot_holder.kill().unwrap();
+    slot_holder.wait().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(
+        !adm.poll().unwrap(),
+        "an older live waiter is first in line"
+    );
+    // The older waiter crashes too: its ticket goes with it and we are admitted.
+    older_waiter.kill().unwrap();
+    older_waiter.wait().unwrap();
     assert!(admitted_soon(&mut adm));
     assert_eq!(read_back(t.tid).unwrap().policy, SchedPolicy::Fifo);
-    assert!(!stale_ticket.exists(), "the stale ticket is cleaned");
+    let (_, waiters) = admission_state(&env.state, &be);
+    assert!(waiters.is_empty(), "{waiters:?}");
     adm.release().unwrap();
-    destroy(&env.state, false).unwrap();
+    destroy_soon(&env.state);
+    assert!(!env.state.dir.exists());
+}
+
+/// Confines the calling thread (only it) with a seccomp filter that fails every call that
+/// opens, creates, renames or removes a file or lists a directory with EPERM: what a
+/// Lucid thread under its seccomp role cannot do either.
+fn deny_file_namespace_calls() {
+    let deny: [i64; 13] = [
+        libc::SYS_open,
+        libc::SYS_openat,
+        libc::SYS_openat2,
+        libc::SYS_creat,
+        libc::SYS_unlink,
+        libc::SYS_unlinkat,
+        libc::SYS_rename,
+        libc::SYS_renameat,
+        libc::SYS_renameat2,
+        libc::SYS_mkdir,
+        libc::SYS_mkdirat,
+        libc::SYS_getdents64,
+        libc::SYS_rmdir,
+    ];
+    let n = deny.len();
+    let stmt = |code: u16, k: u32| libc::sock_filter {
+        code,
+        jt: 0,
+        jf: 0,
+        k,
+    };
+    let mut prog = vec![stmt(0x20, 0)]; // ld [nr]
+    for (i, nr) in deny.iter().enumerate() {
+        prog.push(libc::sock_filter {
+            code: 0x15, // jeq #nr
+            jt: (n - i) as u8,
+            jf: 0,
+            k: *nr as u32,
+        });
+    }
+    prog.push(stmt(0x06, 0x7fff_0000)); // ret ALLOW
+    prog.push(stmt(0x06, 0x0005_0000 | libc::EPERM as u32)); // ret ERRNO(EPERM)
+    let fprog = libc::sock_fprog {
+        len: prog.len() as u16,
+        filter: prog.as_mut_ptr(),
+    };
+    // SAFETY: prctl/seccomp on the calling thread with a valid program that outlives the call.
+    unsafe {
+        assert_eq!(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), 0);
+        assert_eq!(
+            libc::syscall(
+                libc::SYS_seccomp,
+                libc::SECCOMP_SET_MODE_FILTER,
+                0,
+                &fprog as *const libc::sock_fprog
+            ),
+            0
+        );
+    }
+}
+
+#[test]
+fn a_confined_thread_can_place_poll_and_publish() {
+    if !have_v1() {
+        eprintln!("skipped: needs root and the cpuset v1 hierarchy");
+        return;
+    }
+    let env = TestEnv::new("confined");
+    let set = defs(&["name=be,cpus=1,policy=noop", "name=vm,cpus=0,policy=io"]);
+    create(&env.state, &set, Some(Backend::CpusetV1)).unwrap();
+    // Opened before confinement, as the VMM does before its threads confine themselves.
+    let placer = Placer::open(&env.state).unwrap().unwrap();
+    let publ = lucid_pools::def::VmPublisher::new(&env.state).unwrap();
+    let (t1, t2, t3) = (Parked::spawn(), Parked::spawn(), Parked::spawn());
+    let a1 = Admission::request(placer.clone(), t1.tid, "be").unwrap();
+    let a2 = Admission::request(placer.clone(), t2.tid, "be").unwrap();
+    assert!(a1.is_admitted() && !a2.is_admitted());
+    let (p, tid3) = (placer.clone(), t3.tid);
+    let mut rec = VmRecord::for_self("confined");
+    let path = publ.path().to_path_buf();
+    let (a2, publ) = std::thread::spawn(move || {
+        let mut a2 = a2;
+        deny_file_namespace_calls();
+        assert!(
+            std::fs::File::open("/proc/self/status").is_err(),
+            "filter works"
+        );
+        p.place_thread(tid3, "vm").unwrap();
+        rec.pool = Some("vm".into());
+        publ.publish(&rec).unwrap();
+        a1.release().unwrap();
+        let mut ok = false;
+        for _ in 0..200 {
+            if a2.poll().unwrap() {
+                ok = true;
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(ok, "admitted once the slot freed");
+        (a2, publ)
+    })
+    .join()
+    .unwrap();
+    let r = read_back(t3.tid).unwrap();
+    assert_eq!((r.affinity, r.policy), (vec![0], SchedPolicy::Other));
+    assert_eq!(r.cgroup, format!("/{}/vm", env.state.cgroup_name));
+    let r = read_back(t2.tid).unwrap();
+    assert_eq!((r.affinity, r.policy), (vec![1], SchedPolicy::Fifo));
+    assert_eq!(read_back(t1.tid).unwrap().policy, SchedPolicy::Other);
+    assert_eq!(env.state.vms(true)[0].pool.as_deref(), Some("vm"));
+    drop(publ);
+    assert_eq!(std::fs::read_to_string(path).unwrap(), "");
+    drop(a2);
+    placer.unplace(t2.tid).unwrap();
+    placer.unplace(t3.tid).unwrap();
+    destroy_soon(&env.state);
+    assert!(!env.state.dir.exists());
 }
 
 #[test]
@@ -608,7 +767,7 @@ fn stale_vm_files_are_ignored_and_cleaned() {
     let mut rec = VmRecord::for_self("dead");
     rec.pid = dead;
     env.state.write_vm(&rec).unwrap();
-    // A pid reused by another process: same pid as us, other start time.
+    // A pid reused by another program: same pid as us, other start time.
     let mut reused = VmRecord::for_self("reused");
     reused.start_time += 1;
     std::fs::write(
@@ -621,19 +780,34 @@ fn stale_vm_files_are_ignored_and_cleaned() {
     assert_eq!(std::fs::read_dir(env.state.vms_dir()).unwrap().count(), 3);
     assert!(env.state.vms(true).is_empty());
     assert_eq!(std::fs::read_dir(env.state.vms_dir()).unwrap().count(), 0);
-    // A live VM is listed; its publisher removes the file at exit.
-    {
-        let publ = lucid_pools::def::VmPublisher::new(env.state.clone());
-        publ.publish(&VmRecord::for_self("live")).unwrap();
-        let vms = env.state.vms(true);
-        assert_eq!(vms.len(), 1);
-        assert_eq!(vms[0].name, "live");
-        assert!(matches!(
-            destroy(&env.state, false),
-            Err(DefError::InUse { .. })
-        ));
-    }
+    // A live VM is listed; a file caught mid-rewrite is skipped, not removed.
+    let publ = lucid_pools::def::VmPublisher::new(&env.state).unwrap();
+    let mut live = VmRecord::for_self("live");
+    live.monitor = serde_json::json!({"window": 1});
+    publ.publish(&live).unwrap();
+    let vms = env.state.vms(true);
+    assert_eq!(vms.len(), 1);
+    assert_eq!(vms[0], live);
+    live.monitor = serde_json::json!({"window": 2});
+    publ.publish(&live).unwrap();
+    assert_eq!(env.state.vms(true)[0].monitor["window"], 2);
+    std::fs::write(publ.path(), "{\"pid\":").unwrap();
     assert!(env.state.vms(true).is_empty());
+    assert!(publ.path().exists(), "a live VM's torn file is kept");
+    publ.publish(&live).unwrap();
+    assert!(matches!(
+        destroy(&env.state, false),
+        Err(DefError::InUse { .. })
+    ));
+    // At exit the file is emptied (no unlink: the VM may be confined by seccomp)...
+    let path = publ.path().to_path_buf();
+    drop(publ);
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "");
+    // ...and removed by the next reader once the pid is gone (here: a dead pid's name).
+    let dead_path = env.state.vm_file(dead);
+    std::fs::rename(&path, &dead_path).unwrap();
+    assert!(env.state.vms(true).is_empty());
+    assert!(!dead_path.exists());
     // Only stale files left: destroy goes ahead and removes them.
     env.state.write_vm(&rec).unwrap();
     destroy(&env.state, false).unwrap();

@@ -229,6 +229,7 @@ fn report(state: &StateDir) -> Result<Value, String> {
                     .iter()
                     .map(|s| json!({
                         "cpu": s.cpu,
+                        "held": s.held,
                         "holder": s.holder.map(|(pid, tid)| json!({"pid": pid, "tid": tid})),
                     }))
                     .collect::<Vec<_>>());
@@ -369,13 +370,16 @@ fn text(r: &Value) -> String {
         if let Some(slots) = p["slots"].as_array() {
             let held: Vec<String> = slots
                 .iter()
-                .map(|s| match s["holder"].is_null() {
-                    true => format!("cpu{}: free", s["cpu"]),
-                    false => format!(
-                        "cpu{}: pid {} tid {}",
-                        s["cpu"], s["holder"]["pid"], s["holder"]["tid"]
-                    ),
-                })
+                .map(
+                    |s| match (s["held"] == json!(true), s["holder"].is_null()) {
+                        (false, _) => format!("cpu{}: free", s["cpu"]),
+                        (true, true) => format!("cpu{}: held", s["cpu"]),
+                        (true, false) => format!(
+                            "cpu{}: pid {} tid {}",
+                            s["cpu"], s["holder"]["pid"], s["holder"]["tid"]
+                        ),
+                    },
+                )
                 .collect();
             let waiting = p["waiting"].as_array().map_or(0, Vec::len);
             let _ = writeln!(
@@ -511,7 +515,8 @@ mod tests {
                        "vms": [{"pid": 5, "threads": [{}]}]},
                       {"name": "be", "cpu_list": "1", "policy": "noop", "backends": true,
                        "halt_poll_ns": null, "vms": [],
-                       "slots": [{"cpu": 1, "holder": {"pid": 5, "tid": 7}}], "waiting": []}],
+                       "slots": [{"cpu": 1, "held": true, "holder": {"pid": 5, "tid": 7}}],
+                       "waiting": []}],
             "vms": [{"pid": 5, "name": "a", "pool": "io",
                      "threads": [{"tid": 6, "name": "lucid-vcpu0", "role": "vcpu0", "pool": "io",
                                   "kernel": {"policy": "SCHED_OTHER", "nice": 0,
