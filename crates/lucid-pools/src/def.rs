@@ -434,6 +434,13 @@ pub struct HostPools {
 }
 
 impl HostPools {
+    /// Whether a pool's cgroup directory is missing (never for the affinity backend).
+    pub fn cgroups_missing(&self) -> bool {
+        self.cgroup
+            .as_ref()
+            .is_some_and(|root| self.pools.iter().any(|p| !root.join(&p.name).is_dir()))
+    }
+
     pub fn set(&self) -> PoolSet {
         PoolSet {
             pools: self.pools.clone(),
@@ -704,12 +711,14 @@ pub enum Created {
     New(HostPools),
     /// The same pools already existed: nothing changed.
     Existing(HostPools),
+    /// The same pools were defined but their cgroups were gone: made again.
+    Repaired(HostPools),
 }
 
 impl Created {
     pub fn host(&self) -> &HostPools {
         match self {
-            Created::New(h) | Created::Existing(h) => h,
+            Created::New(h) | Created::Existing(h) | Created::Repaired(h) => h,
         }
     }
 }
@@ -774,13 +783,14 @@ pub fn create(
         return Err(DefError::BadName(state.cgroup_name.clone()));
     }
     let same = |h: &HostPools| h.pools == set.pools;
-    if let Some(h) = state.load()? {
-        return match same(&h) {
-            true => Ok(Created::Existing(h)),
-            false => Err(DefError::Exists {
+    match state.load()? {
+        Some(h) if same(&h) && !h.cgroups_missing() => return Ok(Created::Existing(h)),
+        Some(h) if !same(&h) => {
+            return Err(DefError::Exists {
                 dir: state.dir.clone(),
-            }),
-        };
+            })
+        }
+        _ => {}
     }
     let (backend, cgroup) = crate::place::detect(&state.cgroup_name, forced)?;
     let made_dirs = create_dirs(&state.dir)?;
@@ -798,6 +808,14 @@ pub fn create(
     };
     // Another `create` may have won the race while we waited for the lock.
     match state.load() {
+        Ok(Some(h)) if same(&h) && h.cgroups_missing() => {
+            // The cgroups went away under pools.json (a reboot with a persistent state dir,
+            // someone's rmdir): make them again.
+            let root = h.cgroup.as_ref().expect("cgroups_missing implies a root");
+            crate::place::remove_leftover_root(h.backend, root)?;
+            crate::place::create_cgroups(h.backend, root, &h.pools)?;
+            return Ok(Created::Repaired(h));
+        }
         Ok(Some(h)) if same(&h) => return Ok(Created::Existing(h)),
         Ok(Some(_)) => {
             return Err(DefError::Exists {

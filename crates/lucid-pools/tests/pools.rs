@@ -180,6 +180,14 @@ fn create_and_destroy_leave_no_leftovers_and_are_idempotent() {
     let placer = Placer::open(&env.state).unwrap().expect("pools defined");
     assert_eq!(placer.backend(), Backend::CpusetV1);
     assert_eq!(placer.pools().len(), 2);
+    // Cgroups lost under pools.json (reboot with a persistent state dir): create repairs.
+    std::fs::remove_dir(root.join("cpu")).unwrap();
+    assert!(matches!(
+        create(&env.state, &set, Some(Backend::CpusetV1)).unwrap(),
+        Created::Repaired(_)
+    ));
+    assert_eq!(cpus("cpu").trim(), "1");
+    assert_eq!(env.snapshot(), mid);
 
     assert_eq!(
         destroy(&env.state, false).unwrap(),

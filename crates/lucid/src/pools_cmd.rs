@@ -121,6 +121,14 @@ fn create(
                 .map(|c| format!(", cgroup {}", c.display()))
                 .unwrap_or_default()
         ),
+        Created::Repaired(h) => println!(
+            "the pools in {} had lost their cgroups: made them again under {}",
+            state.dir.display(),
+            h.cgroup
+                .as_ref()
+                .map(|c| c.display().to_string())
+                .unwrap_or_default()
+        ),
         Created::Existing(_) => println!(
             "the same pools already exist in {}: nothing changed",
             state.dir.display()
