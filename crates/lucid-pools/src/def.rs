@@ -360,6 +360,10 @@ impl PoolSet {
             }
             p.cpus.sort_unstable();
             p.cpus.dedup();
+            // No-op pools exist for back-end threads, whatever the definition said.
+            if p.policy == Policy::Noop {
+                p.backends = true;
+            }
             if p.cpus.is_empty() {
                 return Err(DefError::Empty(p.name.clone()));
             }
@@ -1041,9 +1045,12 @@ mod tests {
 
     #[test]
     fn json_round_trip() {
-        let v = serde_json::json!({"pools":[{"name":"io","cpus":[0],"policy":"io"}]});
+        let v = serde_json::json!({"pools":[{"name":"io","cpus":[0],"policy":"io"},
+                                            {"name":"be","cpus":[1],"policy":"noop"}]});
         let s = PoolSet::from_json(&v.to_string()).unwrap();
         assert_eq!(s.pools[0].policy, Policy::Io);
+        assert!(!s.pools[0].backends);
+        assert!(s.pools[1].backends, "noop pools hold back-ends");
         assert!(
             PoolSet::from_json(r#"{"pools":[{"name":"io","cpus":[0],"policy":"rt"}]}"#).is_err()
         );
