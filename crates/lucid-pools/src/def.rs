@@ -466,20 +466,28 @@ pub struct VmThread {
     pub admission: Option<String>,
 }
 
-/// `vms/<pid>.json`: what a running VM publishes every monitor window.
+/// `vms/<pid>.json`: what a running VM publishes every monitor window. Every field but `pid`
+/// may be missing; fields this struct does not know are kept in `extra` (and shown).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct VmRecord {
     pub pid: i32,
     /// The pid's start time (clock ticks after boot, /proc/<pid>/stat field 22): tells a live
-    /// VM from a reused pid.
+    /// VM from a reused pid. 0 = not recorded (the pid alone decides).
+    #[serde(default)]
     pub start_time: u64,
+    #[serde(default)]
     pub name: String,
     /// The pool of the VM's vCPUs.
+    #[serde(default)]
     pub pool: Option<String>,
+    #[serde(default)]
     pub threads: Vec<VmThread>,
     /// The latest monitor figures (free-form, written by the monitor).
     #[serde(default)]
     pub monitor: serde_json::Value,
+    /// Anything else the VM published (e.g. the classifier's label).
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 impl VmRecord {
@@ -494,12 +502,13 @@ impl VmRecord {
             pool: None,
             threads: Vec::new(),
             monitor: serde_json::Value::Null,
+            extra: serde_json::Map::new(),
         }
     }
 
     /// Whether the process that wrote this record still runs.
     pub fn is_live(&self) -> bool {
-        pid_start_time(self.pid).is_some_and(|t| t == self.start_time)
+        pid_start_time(self.pid).is_some_and(|t| self.start_time == 0 || t == self.start_time)
     }
 }
 
@@ -616,7 +625,10 @@ impl StateDir {
                         parse()
                     });
                     match rec {
-                        Some(r) if r.pid == pid.unwrap_or(0) && r.start_time == started => {
+                        Some(r)
+                            if r.pid == pid.unwrap_or(0)
+                                && (r.start_time == 0 || r.start_time == started) =>
+                        {
                             out.push(r);
                             false
                         }
@@ -1062,6 +1074,19 @@ mod tests {
         assert_eq!(Policy::Io.halt_poll_ns(), Some(IO_HALT_POLL_NS));
         assert_eq!(Policy::Cpu.halt_poll_ns(), Some(0));
         assert_eq!(Policy::Default.halt_poll_ns(), None);
+    }
+
+    #[test]
+    fn vm_records_tolerate_missing_and_extra_fields() {
+        let r: VmRecord = serde_json::from_str(
+            r#"{"pid": 7, "label": "io-bound", "threads": [{"tid": 8, "name": "lucid-vcpu0",
+                "role": "vcpu", "pool": "io"}]}"#,
+        )
+        .unwrap();
+        assert_eq!((r.pid, r.start_time, r.threads[0].tid), (7, 0, 8));
+        assert_eq!(r.extra["label"], "io-bound");
+        let back = serde_json::to_value(&r).unwrap();
+        assert_eq!(back["label"], "io-bound");
     }
 
     #[test]

@@ -258,6 +258,7 @@ fn report(state: &StateDir) -> Result<Value, String> {
                 "pool": v.pool,
                 "threads": v.threads.iter().map(thread_json).collect::<Vec<_>>(),
                 "monitor": v.monitor,
+                "extra": v.extra,
             })
         })
         .collect();
@@ -405,12 +406,18 @@ fn text(r: &Value) -> String {
     }
     let _ = writeln!(o, "VMs:");
     for v in vms {
+        let mut extra = Vec::new();
+        flatten("", &v["extra"], &mut extra);
         let _ = writeln!(
             o,
-            "  pid {} {:?}, pool {}",
+            "  pid {} {:?}, pool {}{}",
             v["pid"],
             v["name"].as_str().unwrap_or(""),
-            v["pool"].as_str().unwrap_or("none")
+            v["pool"].as_str().unwrap_or("none"),
+            match extra.is_empty() {
+                true => String::new(),
+                false => format!(" ({})", extra.join(" ")),
+            }
         );
         for t in v["threads"].as_array().unwrap_or(&empty) {
             let _ = writeln!(
@@ -529,7 +536,8 @@ mod tests {
                      "threads": [{"tid": 6, "name": "lucid-vcpu0", "role": "vcpu0", "pool": "io",
                                   "kernel": {"policy": "SCHED_OTHER", "nice": 0,
                                              "slice_ns": 3000000, "cpus": "0", "cgroup": "/cg/io"}}],
-                     "monitor": {"ms_lost_per_mb": {"guest_to_backend": 0.25}}}]
+                     "monitor": {"ms_lost_per_mb": {"guest_to_backend": 0.25}},
+                     "extra": {"label": "io-bound"}}]
         });
         let t = text(&r);
         for want in [
@@ -540,6 +548,7 @@ mod tests {
             "lucid-vcpu0",
             "slice 3.0ms",
             "ms_lost_per_mb.guest_to_backend=0.250",
+            "(label=io-bound)",
         ] {
             assert!(t.contains(want), "{want:?} missing in\n{t}");
         }
