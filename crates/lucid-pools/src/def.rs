@@ -915,8 +915,15 @@ pub fn destroy(state: &StateDir, force: bool) -> Result<Destroyed, DefError> {
             pids: pids.join(", "),
         });
     }
+    // pools.json goes first: if the directory is read-only nothing has changed yet, and if
+    // the cgroups then cannot be removed it is written back.
+    let pj = state.pools_json();
+    fs::remove_file(&pj).map_err(|e| DefError::io("remove", &pj, e))?;
     if let Some(root) = &host.cgroup {
-        crate::place::remove_cgroups(host.backend, root, &host.pools)?;
+        if let Err(e) = crate::place::remove_cgroups(host.backend, root, &host.pools) {
+            let _ = write_pools_json(state, &host);
+            return Err(e.into());
+        }
     }
     if force {
         // The affinity backend has no cgroup to evict from: reset the threads VMs listed.
@@ -928,10 +935,11 @@ pub fn destroy(state: &StateDir, force: bool) -> Result<Destroyed, DefError> {
     }
     let slots_dir = state.slots_dir();
     if slots_dir.exists() {
-        fs::remove_dir_all(&slots_dir).map_err(|e| DefError::io("remove", &slots_dir, e))?;
+        // The pools are gone already: a slot file left behind is only clutter.
+        if let Err(e) = fs::remove_dir_all(&slots_dir) {
+            log::warn!("cannot remove {}: {e}", slots_dir.display());
+        }
     }
-    let pj = state.pools_json();
-    fs::remove_file(&pj).map_err(|e| DefError::io("remove", &pj, e))?;
     remove_if_empty(state);
     drop(lock);
     Ok(Destroyed::Removed {

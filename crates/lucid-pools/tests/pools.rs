@@ -763,6 +763,97 @@ fn no_permission_is_refused_and_changes_nothing() {
     destroy(&env.state, false).unwrap();
 }
 
+/// Runs `f` on a thread with its own mount namespace in which `dir` is read-only (only that
+/// thread sees it so; the namespace goes with the thread).
+fn with_read_only<T: Send + 'static>(dir: &Path, f: impl FnOnce() -> T + Send + 'static) -> T {
+    use std::ffi::CString;
+    let d = CString::new(dir.as_os_str().to_str().unwrap()).unwrap();
+    std::thread::spawn(move || {
+        let root = CString::new("/").unwrap();
+        // SAFETY: unshare/mount on this thread with valid C strings; the new namespace is
+        // private, so nothing propagates to the host.
+        unsafe {
+            assert_eq!(libc::unshare(libc::CLONE_NEWNS), 0, "unshare");
+            assert_eq!(
+                libc::mount(
+                    std::ptr::null(),
+                    root.as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_REC | libc::MS_PRIVATE,
+                    std::ptr::null()
+                ),
+                0
+            );
+            assert_eq!(
+                libc::mount(
+                    d.as_ptr(),
+                    d.as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_BIND,
+                    std::ptr::null()
+                ),
+                0
+            );
+            assert_eq!(
+                libc::mount(
+                    std::ptr::null(),
+                    d.as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY,
+                    std::ptr::null()
+                ),
+                0
+            );
+        }
+        f()
+    })
+    .join()
+    .unwrap()
+}
+
+#[test]
+fn read_only_state_dir_is_refused_and_changes_nothing() {
+    if !is_root() {
+        eprintln!("skipped: needs root (mount namespace)");
+        return;
+    }
+    let env = TestEnv::new("rofs");
+    let set = defs(&["name=io,cpus=0,policy=io"]);
+    let backend = match have_v1() {
+        true => Backend::CpusetV1,
+        false => Backend::Affinity,
+    };
+    let before = env.snapshot();
+    // No state directory yet, and it cannot be made.
+    let (st, s2) = (env.state.clone(), set.clone());
+    let e = with_read_only(&env.base, move || {
+        create(&st, &s2, Some(backend)).map(|_| ())
+    })
+    .unwrap_err();
+    assert!(matches!(e, DefError::Permission { .. }), "{e}");
+    assert_eq!(env.snapshot(), before);
+    // Pools exist; the directory turns read-only: destroy and publishing are refused (the
+    // cgroups stay too), reading still works.
+    create(&env.state, &set, Some(backend)).unwrap();
+    let mid = env.snapshot();
+    let st = env.state.clone();
+    let (destroyed, published, opened) = with_read_only(&env.base, move || {
+        (
+            destroy(&st, false).map(|_| ()),
+            lucid_pools::def::VmPublisher::new(&st).map(|_| ()),
+            Placer::open(&st).map(|p| p.is_some()),
+        )
+    });
+    let e = destroyed.unwrap_err();
+    assert!(matches!(e, DefError::Permission { .. }), "{e}");
+    let e = published.unwrap_err();
+    assert!(matches!(e, DefError::Permission { .. }), "{e}");
+    assert!(opened.unwrap());
+    assert_eq!(env.snapshot(), mid);
+    destroy(&env.state, false).unwrap();
+    assert_eq!(env.snapshot(), before);
+}
+
 #[test]
 fn stale_vm_files_are_ignored_and_cleaned() {
     let env = TestEnv::new("stale");
