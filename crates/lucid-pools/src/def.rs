@@ -8,15 +8,19 @@
 //! ```text
 //! <dir>/pools.json          the PoolSet, the placement backend and the cgroup root
 //! <dir>/vms/<pid>.json      one per running VM (name, pool, threads, monitor figures)
-//! <dir>/slots/<pool>.<cpu>  no-op admission: flocked by the thread holding that CPU
-//! <dir>/slots/<pool>.wait/  no-op waiting list: one flocked ticket file per waiting thread
+//! <dir>/slots/<pool>.<cpu>  no-op admission: flocked by the process holding that CPU
+//! <dir>/slots/<pool>.queue  no-op waiting list: one record per waiter, held by an OFD lock
 //! ```
 //!
-//! Liveness never relies on a process cleaning up: slot and ticket files are `flock`ed by their
-//! holder (the kernel drops the lock when it dies) and a VM file names its pid and the pid's
-//! start time, so files of crashed processes are recognised as stale, ignored and removed.
-//! `create`/`destroy` take an exclusive `flock` on the directory, are idempotent and undo
-//! everything they did when a step fails.
+//! Liveness never relies on a process cleaning up: slots and waiting-list records are locked
+//! by their holder (the kernel drops the lock when it dies) and a VM file names its pid and the
+//! pid's start time, so files of crashed processes are recognised as stale, ignored and
+//! removed by the next reader. `create`/`destroy` take an exclusive `flock` on the directory,
+//! are idempotent and undo what they did when a step fails.
+//!
+//! Once a VM has opened its [`crate::place::Placer`] and [`VmPublisher`] (before its threads
+//! confine themselves), placing threads, polling admission and publishing need no `open`,
+//! `rename` or `unlink`: see [`crate::policy::Admission`] for the system calls.
 
 use std::collections::BTreeSet;
 use std::fmt;
