@@ -475,7 +475,7 @@ pub struct VmThread {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct VmRecord {
     pub pid: i32,
-    /// The pid's start time (clock ticks after boot, /proc/<pid>/stat field 22): tells a live
+    /// The pid's start time (clock ticks after boot, `/proc/<pid>/stat` field 22): tells a live
     /// VM from a reused pid. 0 = not recorded (the pid alone decides).
     #[serde(default)]
     pub start_time: u64,
@@ -516,7 +516,7 @@ impl VmRecord {
     }
 }
 
-/// A pid's start time (field 22 of /proc/<pid>/stat), or None when it does not exist.
+/// A pid's start time (field 22 of `/proc/<pid>/stat`), or None when it does not exist.
 pub fn pid_start_time(pid: i32) -> Option<u64> {
     let s = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) may hold spaces and parentheses: fields follow the last ')'.

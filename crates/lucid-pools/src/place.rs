@@ -397,7 +397,7 @@ pub fn cpuset_cgroup(tid: i32) -> Result<String, PlaceError> {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ReadBack {
     pub affinity: Vec<u32>,
-    /// The cpuset cgroup path as in /proc/<tid>/cgroup (relative to the hierarchy's mount).
+    /// The cpuset cgroup path as in `/proc/<tid>/cgroup` (relative to the hierarchy's mount).
     pub cgroup: String,
     pub policy: SchedPolicy,
     /// RT priority (FIFO/RR), else 0.
@@ -408,7 +408,7 @@ pub struct ReadBack {
     pub slice_ns: u64,
 }
 
-/// Reads back affinity (sched_getaffinity), cpuset cgroup (/proc/<tid>/cgroup) and
+/// Reads back affinity (sched_getaffinity), cpuset cgroup (`/proc/<tid>/cgroup`) and
 /// policy (sched_getattr) of a thread.
 pub fn read_back(tid: i32) -> Result<ReadBack, PlaceError> {
     let affinity = affinity(tid)?;
