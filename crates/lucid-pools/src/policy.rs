@@ -642,6 +642,12 @@ impl Admission {
             AdmState::Waiting { .. } => AdmissionStatus::Waiting,
         }
     }
+    /// Whether the thread has exited (sched_getattr says ESRCH): drop the admission then to
+    /// free its slot for the next waiter.
+    pub fn thread_exited(&self) -> bool {
+        get_attr(self.tid).is_err_and(|e| e.raw_os_error() == Some(libc::ESRCH))
+    }
+
     /// The CPU held when admitted.
     pub fn cpu(&self) -> Option<u32> {
         match &self.state {

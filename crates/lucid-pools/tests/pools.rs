@@ -455,9 +455,17 @@ fn noop_admits_one_per_cpu_and_queues_the_rest() {
     let (slots, waiters) = admission_state(&env.state, &be);
     assert_eq!(slots[0].holder.map(|h| h.1), Some(t3.tid));
     assert!(waiters.is_empty());
+    // The admitted thread exits: its owner sees it and drops the admission.
+    assert!(!a3.thread_exited());
+    drop(t3);
+    // (join returns when the tid is cleared, a moment before the kernel drops the task)
+    let exited = (0..100).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        a3.thread_exited()
+    });
+    assert!(exited);
     drop(a3);
     placer.unplace(t2.tid).unwrap();
-    placer.unplace(t3.tid).unwrap();
     destroy_soon(&env.state);
     assert!(!env.state.dir.exists() && !env.cgroup_root().exists());
 }
