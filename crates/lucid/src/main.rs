@@ -6,6 +6,7 @@ mod bench;
 mod bench_io;
 mod bench_iommu;
 mod logger;
+mod pools_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -53,6 +54,11 @@ enum Cmd {
     },
     /// List the built-in probe guests (usable with `lucid run --guest NAME`).
     Guests,
+    /// The host's CPU pools (create, show, destroy): see docs/scheduling.md.
+    Pools {
+        #[command(subcommand)]
+        what: pools_cmd::PoolsCmd,
+    },
 }
 
 #[derive(clap::Args)]
@@ -150,6 +156,8 @@ enum CliError {
     Probe(#[from] lucid_probe::ProbeError),
     #[error("{0}")]
     Bench(String),
+    #[error("{0}")]
+    Pools(String),
 }
 
 fn parse_backing(s: &str) -> Result<Backing, CliError> {
@@ -282,6 +290,7 @@ fn main() -> ExitCode {
             })
             .map_err(CliError::from),
         Cmd::Bench { what } => bench::run(what).map_err(CliError::Bench),
+        Cmd::Pools { what } => pools_cmd::run(what).map_err(CliError::Pools),
         Cmd::Guests => {
             for n in lucid_guests::NAMES {
                 println!("{n}");
