@@ -157,7 +157,7 @@ enum CliError {
     #[error("{0}")]
     Bench(String),
     #[error("{0}")]
-    Pools(String),
+    PoolsCmd(String),
 }
 
 fn parse_backing(s: &str) -> Result<Backing, CliError> {
@@ -290,7 +290,7 @@ fn main() -> ExitCode {
             })
             .map_err(CliError::from),
         Cmd::Bench { what } => bench::run(what).map_err(CliError::Bench),
-        Cmd::Pools { what } => pools_cmd::run(what).map_err(CliError::Pools),
+        Cmd::Pools { what } => pools_cmd::run(what).map_err(CliError::PoolsCmd),
         Cmd::Guests => {
             for n in lucid_guests::NAMES {
                 println!("{n}");
