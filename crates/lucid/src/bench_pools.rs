@@ -58,6 +58,9 @@ pub struct PoolsArgs {
     /// Configurations to run (comma-separated: D,P2,P3',PS; P3 = P3′).
     #[arg(long, default_value = "D,P2,P3',PS")]
     configs: String,
+    /// The guests of a point: N I/O + N CPU (both), or N of one kind (io, cpu: Fig. 5.1a).
+    #[arg(long, default_value = "both", value_parser = ["both", "io", "cpu"])]
+    mix: String,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -358,10 +361,12 @@ fn point(
         }
         _ => None,
     };
+    let n_io = if a.mix == "cpu" { 0 } else { n };
+    let n_cpu = if a.mix == "io" { 0 } else { n };
     let share = (a.rate / u64::from(n)).max(1);
     let mut vms = Vec::new();
-    for i in 0..2 * n {
-        let kind = if i < n { Kind::Io } else { Kind::Cpu };
+    for i in 0..n_io + n_cpu {
+        let kind = if i < n_io { Kind::Io } else { Kind::Cpu };
         let tag = format!("{}-{n}-{i}", config.name().replace('\'', "q"));
         let out = tmpfile(&format!("{tag}.out"));
         let stats = tmpfile(&format!("{tag}.json"));
@@ -501,16 +506,17 @@ fn point(
     }
     let link = a.rate as f64 * 0.125; // MB/s
     let per_mb = |ns: u64| (io_mb > 0.0).then(|| ns as f64 / 1e6 / io_mb);
-    let io_vms = n as usize;
+    let io_vms = n_io as usize;
     let monitor_json = if monitor.2 == io_vms && io_mb > 0.0 {
         json!({"guest_to_backend": monitor.0 / io_mb, "backend_to_guest": monitor.1 / io_mb})
     } else {
         Value::Null
     };
+    let if_io = |v: f64| (n_io > 0).then_some(v);
     Ok(json!({
-        "link_utilisation": io_mb_s / link,
-        "io_mb_per_s": io_mb_s,
-        "cpu_passes_per_s": cpu_pass_s,
+        "link_utilisation": if_io(io_mb_s / link),
+        "io_mb_per_s": if_io(io_mb_s),
+        "cpu_passes_per_s": (n_cpu > 0).then_some(cpu_pass_s),
         "ms_per_mb_monitor": monitor_json,
         "ms_per_mb_monitor_missing": monitor.3.first(),
         "ms_per_mb_schedstat": {
@@ -801,6 +807,7 @@ pub fn run(a: PoolsArgs) -> Result<ExitCode, String> {
         "quick": a.quick,
         "seconds": seconds,
         "max_n": max_n,
+        "mix": a.mix,
         "link_mbit": a.rate,
         "placement": if a.manual { "manual" } else { "pools" },
         "features": {"pools": f.pools, "run_pool": f.pool_flag, "run_low_noise": f.low_noise},
@@ -926,4 +933,59 @@ fn kernel_release() -> Option<String> {
     std::fs::read_to_string("/proc/sys/kernel/osrelease")
         .ok()
         .map(|s| s.trim().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn monitor_figures_follow_the_monitors_naming_and_scale() {
+        let c = json!({"monitor": {"ms_lost_per_mb": {
+            "guest_to_backend_us": 11, "backend_to_guest_us": 500}}});
+        assert_eq!(monitor_figures(&c).unwrap(), (0.011, 0.5));
+        let c =
+            json!({"monitor": {"guest_to_backend_ms_per_mb": 2, "backend_to_guest_ms_per_mb": 3}});
+        assert_eq!(monitor_figures(&c).unwrap(), (2.0, 3.0));
+        let e = monitor_figures(&json!({"net0": {}})).unwrap_err();
+        assert!(e.contains("no monitor"), "{e}");
+        let e = monitor_figures(&json!({"monitor": {"windows": 3}})).unwrap_err();
+        assert!(e.contains("windows"), "{e}");
+    }
+
+    #[test]
+    fn manual_placement_matches_the_research_notes_layouts() {
+        let p = |c, k, comm| manual_place(c, k, comm, 2);
+        assert!(p(Config::D, Kind::Io, "lucid-net0-io").is_none());
+        let be = p(Config::P2, Kind::Io, "lucid-net0-io").unwrap();
+        assert_eq!((be.cpus, be.fifo), (Some(vec![1]), Some(10)));
+        let v = p(Config::P2, Kind::Cpu, "lucid-vcpu0").unwrap();
+        assert_eq!((v.cpus, v.fifo, v.batch), (Some(vec![0]), None, false));
+        let v = p(Config::P3, Kind::Io, "lucid-vcpu0").unwrap();
+        assert_eq!((v.cpus, v.nice), (Some(vec![1]), -5));
+        let v = p(Config::P3, Kind::Cpu, "lucid-vcpu0").unwrap();
+        assert_eq!((v.cpus, v.batch, v.nice), (Some(vec![0]), true, 10));
+        let be = p(Config::Ps, Kind::Io, "lucid-net0-io").unwrap();
+        assert_eq!((be.cpus, be.fifo), (None, Some(10)));
+        assert!(p(Config::Ps, Kind::Io, "lucid").is_none());
+        let (defs, io, cpu) = pool_defs(Config::P3, 4).unwrap();
+        assert_eq!(defs[0], "name=io,cpus=3,policy=io,backends=on");
+        assert_eq!(defs[1], "name=cpu,cpus=0-2,policy=cpu");
+        assert_eq!((io, cpu), ("io", "cpu"));
+        assert!(pool_defs(Config::Ps, 2).is_none());
+        assert_eq!(Config::parse("P3′").unwrap(), Config::P3);
+        assert!(Config::parse("P4").is_err());
+    }
+
+    #[test]
+    fn guest_lines_parse() {
+        let out = "stream bytes=10 frames=1 tsc=5 mb_per_s=124.566 kicks=9\n\
+                   noise min_ns=1 median_ns=2 p99_ns=3 max_ns=4 total_ns=10\n\
+                   noise spread_p99=2.000 spread_max=3.000\n";
+        assert_eq!(field(out, "stream bytes", "mb_per_s"), Some(124.566));
+        assert_eq!(field(out, "stream bytes", "nope"), None);
+        let n = noise_json(out).unwrap();
+        assert_eq!(n["total_ns"], 10.0);
+        assert_eq!(n["spread_max"], 3.0);
+    }
 }
