@@ -137,8 +137,8 @@ struct VmRun {
     child: Child,
     out: PathBuf,
     stats: PathBuf,
-    /// Latest schedstat per thread: tid -> (comm, cpu ns, wait ns).
-    threads: BTreeMap<u32, (String, u64, u64)>,
+    /// Latest schedstat per thread: tid -> (comm, cpu ns, wait ns, involuntary switches).
+    threads: BTreeMap<u32, (String, u64, u64, u64)>,
     placed: Vec<u32>,
 }
 
@@ -147,6 +147,18 @@ fn schedstat(pid: u32, tid: u32) -> Option<(u64, u64)> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat")).ok()?;
     let mut it = s.split_whitespace().map(|v| v.parse::<u64>().ok());
     Some((it.next()??, it.next()??))
+}
+
+/// `nonvoluntary_ctxt_switches` of a thread (a no-op pool's back-end should see none).
+fn involuntary(pid: u32, tid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("nonvoluntary_ctxt_switches:"))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .unwrap_or(0)
 }
 
 fn tasks(pid: u32) -> Vec<(u32, String)> {
@@ -429,7 +441,12 @@ fn point(
                     vm.placed.push(tid);
                 }
                 if let Some((cpu, wait)) = schedstat(pid, tid) {
-                    vm.threads.insert(tid, (comm, cpu, wait));
+                    let inv = if is_backend(&comm) {
+                        involuntary(pid, tid)
+                    } else {
+                        0
+                    };
+                    vm.threads.insert(tid, (comm, cpu, wait, inv));
                 }
             }
         }
@@ -452,6 +469,7 @@ fn point(
     // Collect.
     let (mut io_mb_s, mut cpu_pass_s, mut io_mb, mut be_wait, mut vcpu_wait) =
         (0.0, 0.0, 0.0, 0u64, 0u64);
+    let (mut be_involuntary, mut kicks, mut irqs) = (0u64, 0u64, 0u64);
     let mut monitor = (0.0, 0.0, 0usize, Vec::new());
     let mut per_vm = Vec::new();
     for vm in &mut vms {
@@ -479,9 +497,16 @@ fn point(
                     .and_then(|c| c["net0"]["sink"]["bytes"].as_u64())
                     .unwrap_or(0);
                 io_mb += bytes as f64 / 1e6;
-                for (comm, _, wait) in vm.threads.values() {
+                kicks += counters
+                    .and_then(|c| c["net0"]["kicks"].as_u64())
+                    .unwrap_or(0);
+                irqs += counters
+                    .and_then(|c| c["net0"]["irqs"].as_u64())
+                    .unwrap_or(0);
+                for (comm, _, wait, inv) in vm.threads.values() {
                     if is_backend(comm) {
                         be_wait += wait;
+                        be_involuntary += inv;
                     } else if is_vcpu(comm) {
                         vcpu_wait += wait;
                     }
@@ -523,6 +548,9 @@ fn point(
             "guest_to_backend": per_mb(be_wait),
             "backend_to_guest": per_mb(vcpu_wait),
         },
+        "kicks_per_mb": (io_mb > 0.0).then(|| kicks as f64 / io_mb),
+        "irqs_per_mb": (io_mb > 0.0).then(|| irqs as f64 / io_mb),
+        "backend_nonvoluntary_ctxt_switches": if_io(be_involuntary as f64),
         "placement": if manual { "manual" } else if config == Config::D { "default" } else { "pools" },
         "vms": per_vm,
     }))
