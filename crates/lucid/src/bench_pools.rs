@@ -325,6 +325,12 @@ fn pool_defs(config: Config, ncpu: usize) -> Option<(Vec<String>, &'static str, 
         format!("0-{}", last - 1)
     };
     match config {
+        // One default pool over every CPU: D's placement, with the VMM's monitor running.
+        Config::D => Some((
+            vec![format!("name=all,cpus=0-{last},policy=default")],
+            "all",
+            "all",
+        )),
         Config::P2 => Some((
             vec![
                 format!("name=backends,cpus={last},policy=noop,backends=on"),
@@ -361,6 +367,8 @@ fn point(
 ) -> Result<Value, String> {
     let manual = a.manual || config == Config::Ps;
     let pools = match (manual, pool_defs(config, ncpu)) {
+        // D needs no pools; with them its VMs run the monitor.
+        (false, Some(_)) if config == Config::D && !(f.pools && f.pool_flag) => None,
         (false, Some((defs, io_pool, cpu_pool))) => {
             if !f.pools || !f.pool_flag {
                 return Err(format!(
@@ -462,6 +470,7 @@ fn point(
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    let pools_used = pools.is_some();
     drop(pools);
     if let Some(e) = place_errors.first() {
         return Err(format!("{} N={n}: placement: {e}", config.name()));
@@ -551,7 +560,11 @@ fn point(
         "kicks_per_mb": (io_mb > 0.0).then(|| kicks as f64 / io_mb),
         "irqs_per_mb": (io_mb > 0.0).then(|| irqs as f64 / io_mb),
         "backend_nonvoluntary_ctxt_switches": if_io(be_involuntary as f64),
-        "placement": if manual { "manual" } else if config == Config::D { "default" } else { "pools" },
+        "placement": match (manual, &pools_used) {
+            (true, _) => "manual",
+            (false, true) => "pools",
+            (false, false) => "default",
+        },
         "vms": per_vm,
     }))
 }
@@ -566,17 +579,22 @@ fn monitor_figures(counters: &Value) -> Result<(f64, f64), String> {
     let mut flat = BTreeMap::new();
     flatten("", m, &mut flat);
     let find = |dir: &str| {
-        flat.iter()
+        // The whole run's figure before a last window's (`last.*`).
+        let mut keys: Vec<_> = flat
+            .iter()
             .filter(|(k, _)| k.contains(dir) && k.contains("per_mb"))
+            .collect();
+        keys.sort_by_key(|(k, _)| k.starts_with("last."));
+        keys.into_iter()
             .map(|(k, v)| {
-                let scale = if k.contains("_ns") {
-                    1e-6
+                let per = if k.contains("_ns") {
+                    1e6
                 } else if k.contains("_us") || k.contains("milli") || k.contains("x1000") {
-                    1e-3
+                    1e3
                 } else {
                     1.0
                 };
-                v * scale
+                v / per
             })
             .next()
     };
@@ -755,16 +773,25 @@ pub fn run(a: PoolsArgs) -> Result<ExitCode, String> {
     }
 
     // Headline figures at the largest N: the best pool configuration against D.
+    // ms/MB from one source for D and the pools alike: the VMM's monitor where D and a pool
+    // configuration both have it, else the bench's schedstat samples.
+    let g2b_of = |c: &str, src: &str| -> Option<f64> {
+        table.get(c)?.get(&max_n)?[format!("ms_per_mb_{src}")]["guest_to_backend"].as_f64()
+    };
+    let pool_names = ["P2", "P3'", "PS"];
+    let g2b_source = ["monitor", "schedstat"]
+        .into_iter()
+        .find(|src| {
+            g2b_of("D", src).is_some() && pool_names.iter().any(|c| g2b_of(c, src).is_some())
+        })
+        .unwrap_or("schedstat");
     let at = |c: &str, key: &str| -> Option<f64> {
         let p = table.get(c)?.get(&max_n)?;
         match key {
-            "g2b" => p["ms_per_mb_monitor"]["guest_to_backend"]
-                .as_f64()
-                .or(p["ms_per_mb_schedstat"]["guest_to_backend"].as_f64()),
+            "g2b" => g2b_of(c, g2b_source),
             k => p[k].as_f64(),
         }
     };
-    let pool_names = ["P2", "P3'", "PS"];
     let best = |key: &str, lower: bool| {
         pool_names
             .iter()
@@ -848,6 +875,7 @@ pub fn run(a: PoolsArgs) -> Result<ExitCode, String> {
         "configs": configs_json,
         "guest_to_backend_ms_per_mb_pools_over_default": g2b_ratio.map(|x| x.1),
         "guest_to_backend_best_pool_config": g2b_ratio.map(|x| x.0),
+        "guest_to_backend_source": g2b_source,
         "link_utilisation_pools": link_pools.map(|x| x.1),
         "link_utilisation_best_pool_config": link_pools.map(|x| x.0),
         "link_utilisation_default": at("D", "link_utilisation"),
@@ -975,6 +1003,10 @@ mod tests {
         let c =
             json!({"monitor": {"guest_to_backend_ms_per_mb": 2, "backend_to_guest_ms_per_mb": 3}});
         assert_eq!(monitor_figures(&c).unwrap(), (2.0, 3.0));
+        // P2's naming: whole-run figures and the last window's; the whole run's win.
+        let c = json!({"monitor": {"guest_to_backend_us_per_mb": 691, "backend_to_guest_us_per_mb": 9,
+            "last": {"guest_to_backend_us_per_mb": 1, "backend_to_guest_us_per_mb": 1}}});
+        assert_eq!(monitor_figures(&c).unwrap(), (0.691, 0.009));
         let e = monitor_figures(&json!({"net0": {}})).unwrap_err();
         assert!(e.contains("no monitor"), "{e}");
         let e = monitor_figures(&json!({"monitor": {"windows": 3}})).unwrap_err();
@@ -1001,6 +1033,10 @@ mod tests {
         assert_eq!(defs[1], "name=cpu,cpus=0-2,policy=cpu");
         assert_eq!((io, cpu), ("io", "cpu"));
         assert!(pool_defs(Config::Ps, 2).is_none());
+        assert_eq!(
+            pool_defs(Config::D, 2).unwrap().0,
+            ["name=all,cpus=0-1,policy=default"]
+        );
         assert_eq!(Config::parse("P3′").unwrap(), Config::P3);
         assert!(Config::parse("P4").is_err());
     }
