@@ -58,6 +58,10 @@ pub struct PoolsArgs {
     /// Configurations to run (comma-separated: D,P2,P3',PS; P3 = P3′).
     #[arg(long, default_value = "D,P2,P3',PS")]
     configs: String,
+    /// Write an SVG plot (link utilisation, CPU over native, guest → back-end ms/MB against N,
+    /// one line per configuration) to this file.
+    #[arg(long)]
+    plot: Option<PathBuf>,
     /// The guests of a point: N I/O + N CPU (both), or N of one kind (io, cpu: Fig. 5.1a).
     #[arg(long, default_value = "both", value_parser = ["both", "io", "cpu"])]
     mix: String,
@@ -883,6 +887,10 @@ pub fn run(a: PoolsArgs) -> Result<ExitCode, String> {
         "noise": {"native": native_noise, "low_noise": guest_noise.as_ref().ok()},
         "missing": missing,
     });
+    if let Some(path) = &a.plot {
+        std::fs::write(path, svg_plot(&table, max_n, &out))
+            .map_err(|e| format!("--plot {}: {e}", path.display()))?;
+    }
     if a.json {
         println!(
             "{}",
@@ -892,6 +900,114 @@ pub fn run(a: PoolsArgs) -> Result<ExitCode, String> {
         print!("{}", text(&out, &table, max_n));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Reads one figure of a point.
+type Figure = dyn Fn(&Value) -> Option<f64>;
+
+/// Three panels against N, a line per configuration: link utilisation, CPU ÷ native (both
+/// 0-1.2), guest → back-end ms/MB from the bench's schedstat samples (log scale).
+fn svg_plot(table: &BTreeMap<&str, BTreeMap<u32, Value>>, max_n: u32, out: &Value) -> String {
+    let (w, h) = (960.0, 360.0);
+    let title = format!(
+        "lucid bench pools: {} CPUs, link {} Mbit/s, placement {} (x: N I/O + N CPU guests)",
+        out["host"]["cpus"],
+        out["link_mbit"],
+        out["placement"].as_str().unwrap_or("?")
+    );
+    let mut s = crate::bench::svg_start(w, h, 11, &title);
+    let colours = [
+        ("D", "#444"),
+        ("P2", "#4a7fb5"),
+        ("P3'", "#d0542c"),
+        ("PS", "#3a9a4a"),
+    ];
+    let panels: [(&str, &Figure, bool); 3] = [
+        (
+            "link utilisation",
+            &|p: &Value| p["link_utilisation"].as_f64(),
+            false,
+        ),
+        (
+            "CPU / native",
+            &|p: &Value| p["cpu_over_native"].as_f64(),
+            false,
+        ),
+        (
+            "guest -> back-end ms/MB (log)",
+            &|p: &Value| p["ms_per_mb_schedstat"]["guest_to_backend"].as_f64(),
+            true,
+        ),
+    ];
+    let pw = (w - 40.0) / 3.0;
+    let (top, bottom) = (50.0, h - 60.0);
+    for (i, (name, get, log)) in panels.iter().enumerate() {
+        let x0 = 40.0 + i as f64 * pw;
+        let x1 = x0 + pw - 40.0;
+        let xs = |n: u32| x0 + (x1 - x0) * f64::from(n - 1) / f64::from(max_n.max(2) - 1);
+        let (lo, hi) = if *log { (-3.0, 2.0) } else { (0.0, 1.2) };
+        let ys = |v: f64| {
+            let v = if *log { v.max(1e-3).log10() } else { v };
+            bottom - (v.clamp(lo, hi) - lo) / (hi - lo) * (bottom - top)
+        };
+        let _ = writeln!(
+            s,
+            r##"<text x="{x0}" y="{}" font-size="12">{name}</text><line x1="{x0}" x2="{x0}" y1="{top}" y2="{bottom}" stroke="#999"/><line x1="{x0}" x2="{x1}" y1="{bottom}" y2="{bottom}" stroke="#999"/>"##,
+            top - 10.0
+        );
+        let ticks: Vec<f64> = if *log {
+            (-3..=2).map(|e| 10f64.powi(e)).collect()
+        } else {
+            vec![0.0, 0.5, 1.0]
+        };
+        for t in ticks {
+            let y = ys(t);
+            let _ = writeln!(
+                s,
+                r##"<line x1="{x0}" x2="{x1}" y1="{y}" y2="{y}" stroke="#eee"/><text x="{}" y="{}" font-size="9">{t}</text>"##,
+                x0 - 30.0,
+                y + 3.0
+            );
+        }
+        for n in 1..=max_n {
+            let _ = writeln!(
+                s,
+                r#"<text x="{}" y="{}">{n}</text>"#,
+                xs(n) - 3.0,
+                bottom + 14.0
+            );
+        }
+        for (c, colour) in colours {
+            let Some(pts) = table.get(c) else { continue };
+            let line: Vec<String> = (1..=max_n)
+                .filter_map(|n| get(pts.get(&n)?).map(|v| format!("{},{}", xs(n), ys(v))))
+                .collect();
+            if line.is_empty() {
+                continue;
+            }
+            let _ = writeln!(
+                s,
+                r#"<polyline fill="none" stroke="{colour}" stroke-width="2" points="{}"/>"#,
+                line.join(" ")
+            );
+            for p in &line {
+                let (x, y) = p.split_once(',').expect("x,y");
+                let _ = writeln!(s, r#"<circle cx="{x}" cy="{y}" r="3" fill="{colour}"/>"#);
+            }
+        }
+    }
+    for (k, (c, colour)) in colours.iter().enumerate() {
+        let x = 40.0 + k as f64 * 70.0;
+        let _ = writeln!(
+            s,
+            r#"<rect x="{x}" y="{}" width="12" height="12" fill="{colour}"/><text x="{}" y="{}">{c}</text>"#,
+            h - 28.0,
+            x + 16.0,
+            h - 18.0
+        );
+    }
+    s.push_str("</svg>\n");
+    s
 }
 
 fn num(v: &Value) -> String {
