@@ -146,6 +146,18 @@ struct VmRun {
     placed: Vec<u32>,
 }
 
+/// A point that ends early (an error) leaves no VM running and no file behind.
+impl Drop for VmRun {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        let _ = std::fs::remove_file(&self.out);
+        let _ = std::fs::remove_file(&self.stats);
+    }
+}
+
 /// `cpu_ns wait_ns` of a thread from `/proc/<pid>/task/<tid>/schedstat`.
 fn schedstat(pid: u32, tid: u32) -> Option<(u64, u64)> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat")).ok()?;
