@@ -54,7 +54,7 @@ fn main() {
 }
 
 fn check_built(out: &Path) {
-    for name in ["hello.elf", "compute-host"] {
+    for name in ["hello.elf", "compute-host", "noise-host"] {
         let p = out.join(name);
         if !p.exists() {
             panic!("lucid-guests: make did not produce {}", p.display());

@@ -41,7 +41,8 @@ fn unparse(d: &PciDeviceConfig) -> String {
             let backend = match &n.backend {
                 NetBackend::Tap(i) => format!("tap:{i}"),
                 NetBackend::Echo => "echo".into(),
-                NetBackend::Sink => "sink".into(),
+                NetBackend::Sink { rate_mbit: None } => "sink".into(),
+                NetBackend::Sink { rate_mbit: Some(r) } => format!("sink,rate={r}"),
             };
             let m = n.mac;
             format!(

@@ -51,6 +51,9 @@ guests!(
     "vtd-regs",
     "vtd-evil",
     "balloon",
+    "stream",
+    "cpu",
+    "noise",
 );
 
 /// Guests that boot through multiboot (32-bit ELF) rather than the PVH note.
@@ -71,6 +74,12 @@ pub const fn exit_status(code: u32) -> u32 {
 /// which prints the same `checksum=` line as the `compute` guest.
 pub fn compute_host_path() -> PathBuf {
     PathBuf::from(concat!(env!("OUT_DIR"), "/guests/compute-host"))
+}
+
+/// Path of the host twin of the pools workloads (`noise-host [mode=noise|cpu] [cpu=N] ...`):
+/// the `noise` guest's loop and the `cpu` guest's passes run natively, same output lines.
+pub fn noise_host_path() -> PathBuf {
+    PathBuf::from(concat!(env!("OUT_DIR"), "/guests/noise-host"))
 }
 
 /// Directory holding the built guest ELF files (`<name>.elf`).

@@ -106,7 +106,7 @@ pub fn virtqueue(data: &[u8]) -> BTreeMap<String, u64> {
             let backend = if k == 3 {
                 NetBackend::Echo
             } else {
-                NetBackend::Sink
+                NetBackend::Sink { rate_mbit: None }
             };
             let cfg = NetConfig {
                 backend,

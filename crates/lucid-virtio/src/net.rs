@@ -13,7 +13,11 @@
 //! - **echo**: every transmitted frame comes back on rx unchanged (MAC addresses not swapped),
 //!   in order. Up to [`ECHO_BACKLOG`] frames wait for rx buffers; more are dropped and counted in
 //!   `rx_dropped_no_buffers`.
-//! - **sink**: transmitted frames are counted and dropped.
+//! - **sink**: transmitted frames are counted (`<dev>.sink.{bytes,frames}`) and dropped. With a
+//!   rate (`rate_mbit`) the sink is a paced "link": tx chains are consumed behind a token bucket
+//!   (see [`Pacer`]), so a guest that offers more than the rate finds its tx queue full and
+//!   waits, as behind a real NIC; the time frames waited is `<dev>.sink.throttled_ns`. Nothing
+//!   is ever received.
 //!
 //! Chains of the wrong shape (a device-writable descriptor in a tx chain, a read-only one in an
 //! rx chain, a tx chain shorter than the header or longer than [`MAX_FRAME`]) are completed with
@@ -29,6 +33,7 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use lucid_stats::{Counter, StatsRegistry};
 
@@ -65,9 +70,20 @@ pub enum NetBackend {
     Tap(String),
     /// Transmitted frames come back on rx.
     Echo,
-    /// Transmitted frames are dropped.
-    Sink,
+    /// Transmitted frames are counted and dropped; with `rate_mbit` (megabits per second of
+    /// frame bytes, 1 Mbit = 125,000 bytes) no faster than that rate.
+    Sink { rate_mbit: Option<u64> },
 }
+
+/// Largest sink rate accepted (100 Gbit/s): the token arithmetic and the timer resolution are
+/// meant for link-like rates.
+pub const SINK_MAX_RATE_MBIT: u64 = 100_000;
+/// Token-bucket depth of a paced sink: this much of the rate may be sent at once after an idle
+/// spell (1 ms worth), on top of the frame that takes the bucket below zero.
+pub const SINK_BURST: Duration = Duration::from_millis(1);
+/// The window over which a paced sink records the most bytes it moved
+/// (`<dev>.sink.window_max_bytes`): at most `rate × (SINK_WINDOW + SINK_BURST)` plus one frame.
+pub const SINK_WINDOW: Duration = Duration::from_millis(10);
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NetConfig {
@@ -93,6 +109,8 @@ pub enum NetError {
     },
     #[error("bad MAC address {0:02x?}: multicast or all zeros")]
     BadMac([u8; 6]),
+    #[error("sink rate {0} Mbit/s: give 1-{SINK_MAX_RATE_MBIT} (e.g. rate=1000 for 1 Gbit/s)")]
+    SinkRate(u64),
 }
 
 /// A virtio-net device.
@@ -160,6 +178,11 @@ impl Net {
         if cfg.mac[0] & 1 != 0 || cfg.mac == [0; 6] {
             return Err(NetError::BadMac(cfg.mac));
         }
+        if let NetBackend::Sink { rate_mbit: Some(r) } = cfg.backend {
+            if r == 0 || r > SINK_MAX_RATE_MBIT {
+                return Err(NetError::SinkRate(r));
+            }
+        }
         let tap = match &cfg.backend {
             NetBackend::Tap(ifname) => Some(Arc::new(open_tap(ifname)?)),
             _ => None,
@@ -211,7 +234,15 @@ impl VirtioDevice for Net {
         let kind = match (&self.cfg.backend, &self.tap) {
             (NetBackend::Tap(_), Some(t)) => Kind::Tap(t.clone()),
             (NetBackend::Echo, _) => Kind::Echo,
-            _ => Kind::Sink,
+            (NetBackend::Sink { rate_mbit }, _) => Kind::Sink(SinkState {
+                pacer: rate_mbit.map(|r| Pacer::new(r * 125_000, Instant::now())),
+                c: SinkCounters::new(&ctx.stats, &self.name),
+            }),
+            // A tap back-end always has its file (opened in `new`).
+            (NetBackend::Tap(_), None) => Kind::Sink(SinkState {
+                pacer: None,
+                c: SinkCounters::new(&ctx.stats, &self.name),
+            }),
         };
         let backend = NetWorker {
             kind,
@@ -270,7 +301,149 @@ impl NetCounters {
 enum Kind {
     Tap(Arc<File>),
     Echo,
-    Sink,
+    Sink(SinkState),
+}
+
+struct SinkState {
+    /// None: an unpaced sink (frames dropped as fast as they come).
+    pacer: Option<Pacer>,
+    c: SinkCounters,
+}
+
+/// The sink's counters, `<dev>.sink.*`.
+struct SinkCounters {
+    /// Frame bytes consumed (without the virtio header).
+    bytes: Arc<Counter>,
+    frames: Arc<Counter>,
+    /// Time tx chains waited in the queue for tokens, summed over the spells of waiting.
+    throttled_ns: Arc<Counter>,
+    /// Gauges of a paced sink: its rate, the window length and the most bytes moved in one
+    /// window (aligned windows of [`SINK_WINDOW`] on the device's clock).
+    rate_bytes_per_s: Arc<Counter>,
+    window_ns: Arc<Counter>,
+    window_max_bytes: Arc<Counter>,
+    /// Paced sink: token-bucket depth in bytes (the burst allowed after an idle spell).
+    burst_bytes: Arc<Counter>,
+}
+
+impl SinkCounters {
+    fn new(stats: &StatsRegistry, name: &str) -> Self {
+        let c = |n: &str| stats.counter(format!("{name}.sink.{n}"));
+        SinkCounters {
+            bytes: c("bytes"),
+            frames: c("frames"),
+            throttled_ns: c("throttled_ns"),
+            rate_bytes_per_s: c("rate_bytes_per_s"),
+            window_ns: c("window_ns"),
+            window_max_bytes: c("window_max_bytes"),
+            burst_bytes: c("burst_bytes"),
+        }
+    }
+}
+
+const NS_PER_S: i128 = 1_000_000_000;
+
+/// A deficit token bucket: tokens (in bytes × 10⁹, so that a nanosecond of refill at any rate is
+/// exact) grow at the rate up to [`SINK_BURST`]'s worth; a frame may go while the bucket is
+/// above zero and takes its whole length, possibly below zero, so frames of any size pass and
+/// the long-run rate is exact. Pure: the caller passes the time, so it is unit-tested without
+/// sleeping.
+#[derive(Debug, Clone)]
+pub struct Pacer {
+    rate: u64,
+    tokens: i128,
+    cap: i128,
+    last: Instant,
+    epoch: Instant,
+    /// Since when chains have waited for tokens (None: not waiting).
+    held_since: Option<Instant>,
+    window: u64,
+    window_bytes: u64,
+    window_max: u64,
+}
+
+impl Pacer {
+    /// A full bucket for `rate` bytes per second (> 0).
+    pub fn new(rate: u64, now: Instant) -> Pacer {
+        let rate = rate.max(1);
+        let cap = i128::from(rate) * SINK_BURST.as_nanos() as i128;
+        Pacer {
+            rate,
+            tokens: cap,
+            cap,
+            last: now,
+            epoch: now,
+            held_since: None,
+            window: 0,
+            window_bytes: 0,
+            window_max: 0,
+        }
+    }
+
+    /// Bytes per second.
+    pub fn rate(&self) -> u64 {
+        self.rate
+    }
+
+    /// The bucket depth in bytes.
+    pub fn burst_bytes(&self) -> u64 {
+        (self.cap / NS_PER_S) as u64
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let ns = now.saturating_duration_since(self.last).as_nanos() as i128;
+        self.last = self.last.max(now);
+        self.tokens = (self.tokens + ns * i128::from(self.rate)).min(self.cap);
+    }
+
+    /// Whether a frame may go at `now`.
+    pub fn ready(&mut self, now: Instant) -> bool {
+        self.refill(now);
+        self.tokens > 0
+    }
+
+    /// When the bucket is next above zero (now if it is).
+    pub fn ready_at(&self) -> Instant {
+        if self.tokens > 0 {
+            return self.last;
+        }
+        let need = (1 - self.tokens) as u128;
+        let ns = need.div_ceil(u128::from(self.rate));
+        self.last + Duration::from_nanos(ns.min(u128::from(u64::MAX)) as u64)
+    }
+
+    /// Takes `len` bytes for a frame sent at `now`; returns the nanoseconds it waited for tokens
+    /// (since [`Pacer::hold`]), 0 if it did not.
+    pub fn spend(&mut self, len: u64, now: Instant) -> u64 {
+        self.refill(now);
+        self.tokens -= i128::from(len) * NS_PER_S;
+        let w =
+            (now.saturating_duration_since(self.epoch).as_nanos() / SINK_WINDOW.as_nanos()) as u64;
+        if w != self.window {
+            self.window = w;
+            self.window_bytes = 0;
+        }
+        self.window_bytes += len;
+        self.window_max = self.window_max.max(self.window_bytes);
+        self.held_since
+            .take()
+            .map_or(0, |t| now.saturating_duration_since(t).as_nanos() as u64)
+    }
+
+    /// Chains are waiting for tokens from `now` on (kept if already waiting).
+    pub fn hold(&mut self, now: Instant) {
+        self.held_since.get_or_insert(now);
+    }
+
+    /// Chains are waiting: when the worker should look again.
+    pub fn wake_at(&self) -> Option<Instant> {
+        self.held_since.map(|_| self.ready_at())
+    }
+
+    /// The most bytes sent within one aligned [`SINK_WINDOW`].
+    pub fn window_max_bytes(&self) -> u64 {
+        self.window_max
+    }
 }
 
 struct NetWorker {
@@ -333,7 +506,9 @@ enum Delivery {
 
 impl Backend for NetWorker {
     fn process_queue(&mut self, io: &mut Io, qi: usize) -> bool {
-        if Some(qi) == self.tx {
+        if Some(qi) == self.tx && self.paced() {
+            self.paced_tx(io, qi)
+        } else if Some(qi) == self.tx {
             let found = io.serve(qi, &mut |io, descs| self.transmit(io, descs));
             if !self.echo.is_empty() {
                 self.receive(io);
@@ -369,7 +544,21 @@ impl Backend for NetWorker {
         self.receive(io)
     }
 
+    fn wake_at(&self) -> Option<Instant> {
+        match &self.kind {
+            Kind::Sink(SinkState { pacer: Some(p), .. }) => p.wake_at(),
+            _ => None,
+        }
+    }
+
     fn init(&mut self, io: &mut Io) {
+        if let Kind::Sink(s) = &self.kind {
+            if let Some(p) = &s.pacer {
+                s.c.rate_bytes_per_s.set(p.rate());
+                s.c.window_ns.set(SINK_WINDOW.as_nanos() as u64);
+                s.c.burst_bytes.set(p.burst_bytes());
+            }
+        }
         // rx kicks matter only when the device ran out of buffers (it then re-enables them).
         if let Some(rx) = self.rx {
             io.disable_notify(rx);
@@ -378,6 +567,59 @@ impl Backend for NetWorker {
 }
 
 impl NetWorker {
+    fn paced(&self) -> bool {
+        matches!(&self.kind, Kind::Sink(SinkState { pacer: Some(_), .. }))
+    }
+
+    /// A paced sink's tx queue: chains are taken only while the bucket has tokens. When it runs
+    /// dry with chains waiting, guest notifications stay off and the worker comes back at
+    /// [`Pacer::wake_at`] (the chains wait in the ring: the guest sees a busy link).
+    fn paced_tx(&mut self, io: &mut Io, qi: usize) -> bool {
+        let mut found = false;
+        let mut descs = std::mem::take(&mut self.chain.descs);
+        'outer: loop {
+            io.disable_notify(qi);
+            loop {
+                if io.halted() {
+                    break 'outer;
+                }
+                if !io.has_avail(qi) {
+                    break;
+                }
+                let now = Instant::now();
+                let Kind::Sink(SinkState { pacer: Some(p), .. }) = &mut self.kind else {
+                    break 'outer;
+                };
+                if !p.ready(now) {
+                    p.hold(now);
+                    io.end_batch(qi);
+                    self.chain.descs = descs;
+                    return found;
+                }
+                let head = match io.pop(qi, &mut descs) {
+                    Pop::Chain(h) => h,
+                    Pop::Empty => break,
+                    Pop::Fatal => break 'outer,
+                };
+                found = true;
+                match self.transmit(io, &descs) {
+                    Served::Used(len) => io.complete(qi, head, len),
+                    Served::Fatal(f) => {
+                        io.fatal(f);
+                        break 'outer;
+                    }
+                }
+            }
+            io.end_batch(qi);
+            if io.halted() || !io.enable_notify(qi) {
+                break;
+            }
+        }
+        io.end_batch(qi);
+        self.chain.descs = descs;
+        found
+    }
+
     fn transmit(&mut self, io: &Io, descs: &[Desc]) -> Served {
         if descs.iter().any(|d| d.is_write_only()) {
             return self.tx_drop(io, ChainError::WritableTx);
@@ -419,8 +661,15 @@ impl NetWorker {
         io.c.bytes_read.add(len as u64);
         self.c.tx_packets.inc();
         self.c.tx_bytes.add(len as u64);
-        match &self.kind {
-            Kind::Sink => {}
+        match &mut self.kind {
+            Kind::Sink(s) => {
+                s.c.bytes.add(len as u64);
+                s.c.frames.inc();
+                if let Some(p) = &mut s.pacer {
+                    s.c.throttled_ns.add(p.spend(len as u64, Instant::now()));
+                    s.c.window_max_bytes.set(p.window_max_bytes());
+                }
+            }
             Kind::Echo => {
                 let v = echoed.expect("echo gathered into a buffer");
                 if self.rx.is_none() || self.echo.len() >= ECHO_BACKLOG {
@@ -499,7 +748,7 @@ impl NetWorker {
                         break;
                     }
                 },
-                Kind::Sink => break,
+                Kind::Sink(_) => break,
             };
             found = true;
             if let Delivery::NoBuffer = outcome {
@@ -563,5 +812,64 @@ impl Chain {
 fn recycle(spare: &mut Vec<Vec<u8>>, v: Vec<u8>) {
     if spare.len() < SPARE_BUFFERS {
         spare.push(v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sender that sends a 1514-byte frame whenever the bucket allows, on a simulated clock:
+    /// over 10 s it moves the rate's bytes to within a bucket and a frame, and never more than
+    /// that in any window.
+    #[test]
+    fn pacer_long_run_rate_is_exact() {
+        for rate in [125_000u64, 12_500_000, 125_000_000] {
+            let t0 = Instant::now();
+            let mut p = Pacer::new(rate, t0);
+            let (mut now, mut sent) = (t0, 0u64);
+            let end = t0 + Duration::from_secs(10);
+            while now < end {
+                if p.ready(now) {
+                    p.spend(1514, now);
+                    sent += 1514;
+                } else {
+                    p.hold(now);
+                    now = p.wake_at().expect("held");
+                }
+            }
+            let ideal = rate * 10;
+            let slack = p.burst_bytes() + 1514;
+            assert!(
+                sent <= ideal + slack,
+                "rate {rate}: {sent} > {ideal} + {slack}"
+            );
+            assert!(sent + 2 * 1514 >= ideal, "rate {rate}: {sent} < {ideal}");
+            let w = rate as u128 * (SINK_WINDOW + SINK_BURST).as_nanos() / 1_000_000_000;
+            assert!(u128::from(p.window_max_bytes()) <= w + 1514);
+        }
+    }
+
+    #[test]
+    fn pacer_waits_and_reports_waiting_time() {
+        let t0 = Instant::now();
+        let mut p = Pacer::new(1_000_000, t0); // 1 MB/s: 1000-byte bucket
+        assert_eq!(p.burst_bytes(), 1000);
+        assert!(p.ready(t0));
+        assert_eq!(p.spend(3000, t0), 0); // 2000 bytes of debt: 2 ms
+        assert!(!p.ready(t0));
+        assert_eq!(p.wake_at(), None, "nothing held yet");
+        p.hold(t0);
+        let at = p.wake_at().unwrap();
+        assert_eq!(at - t0, Duration::from_nanos(2_000_001));
+        assert!(!p.ready(at - Duration::from_nanos(2)));
+        assert!(p.ready(at));
+        assert_eq!(p.spend(10, at), 2_000_001);
+        assert_eq!(p.wake_at(), None);
+        // Idle time refills only up to the bucket.
+        let later = at + Duration::from_secs(5);
+        assert!(p.ready(later));
+        p.spend(1000, later);
+        assert!(!p.ready(later));
     }
 }

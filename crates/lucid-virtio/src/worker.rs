@@ -603,6 +603,11 @@ pub(crate) trait Backend: Send + 'static {
     }
     /// Called once on the worker thread before the first request.
     fn init(&mut self, _io: &mut Io) {}
+    /// When the back-end wants to be called again without a kick (a paced sink waiting for
+    /// tokens); the worker then calls [`Backend::process_queue`] on every queue.
+    fn wake_at(&self) -> Option<Instant> {
+        None
+    }
 }
 
 /// The running back-end thread of one device.
@@ -802,7 +807,10 @@ impl<B: Backend> Run<B> {
                 return Ok(());
             }
             self.io.flush_idle();
-            let deadline = self.io.next_deadline();
+            let deadline = match (self.io.next_deadline(), self.backend.wake_at()) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
             if deadline != timer_at {
                 match deadline {
                     Some(d) => {
@@ -839,6 +847,9 @@ impl<B: Backend> Run<B> {
                         // Readable: the read does not block.
                         let _ = timer.wait();
                         timer_at = None;
+                        if self.backend.wake_at().is_some_and(|w| w <= Instant::now()) {
+                            self.all_queues();
+                        }
                     }
                     EV_EXTRA => {
                         if !self.io.halted {
@@ -912,6 +923,9 @@ impl<B: Backend> Run<B> {
                 let mut d = Duration::from_micros(u64::from(idle_sleep_us));
                 if let Some(dl) = self.io.next_deadline() {
                     d = d.min(dl.saturating_duration_since(now));
+                }
+                if let Some(w) = self.backend.wake_at() {
+                    d = d.min(w.saturating_duration_since(now));
                 }
                 std::thread::sleep(d);
             } else {

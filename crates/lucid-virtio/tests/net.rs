@@ -319,7 +319,7 @@ fn echo_waits_for_rx_buffers() {
 
 #[test]
 fn sink_counts_and_drops() {
-    let mut d = NetDrv::new(NetBackend::Sink, Notify::Kicks);
+    let mut d = NetDrv::new(NetBackend::Sink { rate_mbit: None }, Notify::Kicks);
     d.post_rx(8);
     let mut total = 0;
     for i in 0..50u64 {
@@ -383,7 +383,7 @@ fn malformed_chains_are_counted_not_fatal() {
 
 #[test]
 fn config_features_and_bad_configs() {
-    let d = NetDrv::new(NetBackend::Sink, Notify::Kicks);
+    let d = NetDrv::new(NetBackend::Sink { rate_mbit: None }, Notify::Kicks);
     let mut mac = [0u8; 6];
     d.dev.read_config(0, &mut mac);
     assert_eq!(mac, MAC);
@@ -403,7 +403,7 @@ fn config_features_and_bad_configs() {
             .unwrap()
     };
     assert!(matches!(
-        e(NetBackend::Sink, [1, 0, 0, 0, 0, 0]),
+        e(NetBackend::Sink { rate_mbit: None }, [1, 0, 0, 0, 0, 0]),
         NetError::BadMac(_)
     ));
     let m = e(NetBackend::Tap("a-name-longer-than-15".into()), MAC).to_string();

@@ -217,8 +217,8 @@ pub fn parse_blk(s: &str) -> Result<PciDeviceConfig, DeviceOptionError> {
     Ok(common.finish(PciDeviceKind::Block(cfg)))
 }
 
-/// Parses `--net backend=tap:IFNAME|echo|sink[,mac=52:54:00:..][,rung=..][,coalesce=N:USEC]
-/// [,poll_us=N]`. `index` picks the default MAC (52:54:00:12:34:56 + index). Never panics,
+/// Parses `--net backend=tap:IFNAME|echo|sink[,rate=MBIT][,mac=52:54:00:..][,rung=..]
+/// [,coalesce=N:USEC][,poll_us=N]` (`rate`: a sink paced to that many Mbit/s, sink only). `index` picks the default MAC (52:54:00:12:34:56 + index). Never panics,
 /// whatever the input (a fuzz target calls it).
 pub fn parse_net(s: &str, index: usize) -> Result<PciDeviceConfig, DeviceOptionError> {
     use lucid_virtio::net::NetBackend;
@@ -233,15 +233,24 @@ pub fn parse_net(s: &str, index: usize) -> Result<PciDeviceConfig, DeviceOptionE
         0x56u8.wrapping_add(index as u8),
     ];
     let mut common = Common::default();
+    let mut rate = None;
     for (k, v) in pairs(OPT, s)? {
         match k {
+            "rate" => {
+                const EXPECTED: &str = "Mbit/s, 1-100000 (e.g. rate=1000 for 1 Gbit/s)";
+                let r: u64 = v.parse().map_err(|_| bad_value(OPT, "rate", v, EXPECTED))?;
+                if r == 0 || r > lucid_virtio::net::SINK_MAX_RATE_MBIT {
+                    return Err(bad_value(OPT, "rate", v, EXPECTED));
+                }
+                rate = Some(r);
+            }
             "backend" => {
                 backend = Some(match v.split_once(':') {
                     Some(("tap", ifname)) if !ifname.is_empty() && ifname.len() < 16 => {
                         NetBackend::Tap(ifname.to_string())
                     }
                     None if v == "echo" => NetBackend::Echo,
-                    None if v == "sink" => NetBackend::Sink,
+                    None if v == "sink" => NetBackend::Sink { rate_mbit: None },
                     _ => {
                         return Err(bad_value(
                             OPT,
@@ -253,14 +262,27 @@ pub fn parse_net(s: &str, index: usize) -> Result<PciDeviceConfig, DeviceOptionE
                 })
             }
             "mac" => mac = parse_mac(v)?,
-            _ => common.set(OPT, k, v, "backend, mac, rung, coalesce, poll_us")?,
+            _ => common.set(OPT, k, v, "backend, rate, mac, rung, coalesce, poll_us")?,
         }
     }
-    let backend = backend.ok_or_else(|| DeviceOptionError::Missing {
+    let mut backend = backend.ok_or_else(|| DeviceOptionError::Missing {
         opt: OPT,
         input: s.into(),
         what: "backend=tap:IFNAME|echo|sink",
     })?;
+    if let Some(r) = rate {
+        match &mut backend {
+            NetBackend::Sink { rate_mbit } => *rate_mbit = Some(r),
+            _ => {
+                return Err(bad_value(
+                    OPT,
+                    "rate",
+                    &format!("{r} with a backend other than sink"),
+                    "rate=MBIT only with backend=sink",
+                ))
+            }
+        }
+    }
     Ok(common.finish(PciDeviceKind::Net(NetConfig { backend, mac })))
 }
 
@@ -546,7 +568,26 @@ mod tests {
             panic!()
         };
         assert_eq!((n.backend, n.mac[5]), (NetBackend::Echo, 0x57));
+        let PciDeviceKind::Net(n) = parse_net("rate=1000,backend=sink", 0).unwrap().kind else {
+            panic!()
+        };
+        assert_eq!(
+            n.backend,
+            NetBackend::Sink {
+                rate_mbit: Some(1000)
+            }
+        );
+        let PciDeviceKind::Net(n) = parse_net("backend=sink", 0).unwrap().kind else {
+            panic!()
+        };
+        assert_eq!(n.backend, NetBackend::Sink { rate_mbit: None });
         for bad in [
+            "backend=sink,rate=0",
+            "backend=sink,rate=-5",
+            "backend=sink,rate=1e3",
+            "backend=sink,rate=100001",
+            "backend=echo,rate=1000",
+            "backend=tap:t0,rate=1000",
             "",
             "backend=tap:",
             "backend=tap:waytoolonginterfacename",
@@ -633,6 +674,7 @@ mod tests {
             "tap",
             "echo",
             "sink",
+            "rate",
             "vtd",
             "mode",
             "pin",

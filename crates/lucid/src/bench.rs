@@ -33,6 +33,9 @@ pub enum BenchCmd {
     /// The vIOMMU: no IOMMU vs samecore and sidecore VT-d emulation, each with the guest's
     /// mapping strategies (the paper's Table 1), plus map cost, risk bounds and pinning.
     Iommu(crate::bench_iommu::IommuArgs),
+    /// Scheduling pools (issue 10): configurations D, P2, P3', PS for N I/O + N CPU guests,
+    /// link utilisation, CPU passes/s, ms lost per MB both ways, the low-noise probe.
+    Pools(crate::bench_pools::PoolsArgs),
 }
 
 pub fn run(cmd: BenchCmd) -> Result<ExitCode, String> {
@@ -40,6 +43,7 @@ pub fn run(cmd: BenchCmd) -> Result<ExitCode, String> {
         BenchCmd::Exits { json, count, runs } => exits(json, count, runs.max(1)),
         BenchCmd::Io(args) => crate::bench_io::run(args),
         BenchCmd::Iommu(args) => crate::bench_iommu::run(args),
+        BenchCmd::Pools(args) => crate::bench_pools::run(args),
     }
 }
 

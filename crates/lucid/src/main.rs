@@ -5,6 +5,7 @@
 mod bench;
 mod bench_io;
 mod bench_iommu;
+mod bench_pools;
 mod logger;
 mod pools_cmd;
 
@@ -92,7 +93,8 @@ struct RunArgs {
     #[arg(long = "blk", value_name = "OPTS")]
     blk: Vec<String>,
     /// A virtio-net NIC on PCI (repeatable):
-    /// backend=tap:IFNAME|echo|sink[,mac=52:54:00:12:34:56][,rung=..][,coalesce=N:USEC][,poll_us=N]
+    /// backend=tap:IFNAME|echo|sink[,rate=MBIT][,mac=52:54:00:12:34:56][,rung=..][,coalesce=N:USEC][,poll_us=N]
+    /// (rate: a sink paced to MBIT Mbit/s, the pools benchmark's link)
     #[arg(long = "net", value_name = "OPTS")]
     net: Vec<String>,
     /// An emulated Intel VT-d IOMMU (DMA translation and interrupt remapping):
