@@ -166,8 +166,8 @@ pub fn parse_device(s: &str) -> Result<PlatformPciDevice, DeviceOptionError> {
     Ok(device)
 }
 
-/// Parses `--blk path=FILE[,ro=on|off][,bs=512|4096][,id=STR][,rung=L0..L4|L4p]
-/// [,coalesce=N:USEC][,poll_us=N]`. Never panics, whatever the input (a fuzz target calls it).
+/// Parses `--blk path=FILE[,ro=on|off][,bs=512|4096][,id=STR][,cache=none|writeback]
+/// [,rung=L0..L4|L4p][,coalesce=N:USEC][,poll_us=N]`. `cache=none` opens the image `O_DIRECT`. Never panics, whatever the input (a fuzz target calls it).
 pub fn parse_blk(s: &str) -> Result<PciDeviceConfig, DeviceOptionError> {
     const OPT: &str = "--blk";
     let mut cfg = BlockConfig {
@@ -175,6 +175,7 @@ pub fn parse_blk(s: &str) -> Result<PciDeviceConfig, DeviceOptionError> {
         read_only: false,
         logical_block_size: 512,
         id: String::new(),
+        direct: false,
     };
     let mut common = Common::default();
     for (k, v) in pairs(OPT, s)? {
@@ -191,7 +192,19 @@ pub fn parse_blk(s: &str) -> Result<PciDeviceConfig, DeviceOptionError> {
             }
             "id" if v.len() > 20 => return Err(bad("id", "at most 20 bytes")),
             "id" => cfg.id = v.to_string(),
-            _ => common.set(OPT, k, v, "path, ro, bs, id, rung, coalesce, poll_us")?,
+            "cache" => {
+                cfg.direct = match v {
+                    "none" | "direct" => true,
+                    "writeback" | "host" => false,
+                    _ => return Err(bad("cache", "none or writeback")),
+                }
+            }
+            _ => common.set(
+                OPT,
+                k,
+                v,
+                "path, ro, bs, id, cache, rung, coalesce, poll_us",
+            )?,
         }
     }
     if cfg.path.as_os_str().is_empty() {
