@@ -19,7 +19,7 @@ use crate::VmmError;
 pub struct VmBuilder {
     kvm: Arc<Kvm>,
     vm: lucid_hv::Vm,
-    ram: GuestRam,
+    ram: Arc<GuestRam>,
     mem_size: u64,
     backend: Backend,
     irqchip: bool,
@@ -47,7 +47,7 @@ impl VmBuilder {
             // Else a KVM hypercall at CPL0 spins in the host kernel forever (docs/linux.md).
             vm.disable_hypercall_patching()?;
         }
-        let ram = GuestRam::new(&layout::ram_regions(mem_size), backing)?;
+        let ram = Arc::new(GuestRam::new(&layout::ram_regions(mem_size), backing)?);
         vm.map_memory(ram.memory())?;
         log::debug!(
             "VM: {} MiB of guest RAM ({:?}), KVM backend {backend}",
@@ -133,6 +133,11 @@ impl VmBuilder {
     pub fn ram(&self) -> &GuestRam {
         &self.ram
     }
+    /// Guest RAM as shared with whoever remaps or discards its pages (the Swap Mapper, the
+    /// balloon).
+    pub fn ram_arc(&self) -> &Arc<GuestRam> {
+        &self.ram
+    }
     pub fn memory(&self) -> &GuestMemoryMmap {
         self.ram.memory()
     }
@@ -144,7 +149,7 @@ impl VmBuilder {
     }
 
     /// The VM and its RAM, for whoever runs it.
-    pub fn finish(self) -> (lucid_hv::Vm, GuestRam) {
+    pub fn finish(self) -> (lucid_hv::Vm, Arc<GuestRam>) {
         (self.vm, self.ram)
     }
 }

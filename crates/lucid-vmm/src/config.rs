@@ -85,6 +85,14 @@ pub struct VmConfig {
     pub seccomp: bool,
     /// An emulated Intel VT-d (`--iommu vtd`): every device's DMA and MSIs go through it.
     pub iommu: Option<VtdConfig>,
+    /// `--memory-limit`: the host memory the VM's process may use (a memory cgroup with host
+    /// swap behind it); the guest still has `mem_mib`.
+    pub memory_limit_mib: Option<u64>,
+    /// `--swap-mode`: how the VM's memory is swapped when it is over its limit.
+    pub swap_mode: lucid_swap::SwapMode,
+    // TODO(lead, S3): `pub balloon: Option<lucid_virtio::balloon::BalloonConfig>` (default None)
+    // goes here once S3's balloon.rs is merged; the VMM then hands the balloon
+    // `VmSwap::page_discard` (swap.rs).
 }
 
 impl VmConfig {
@@ -103,6 +111,8 @@ impl VmConfig {
             platform_pci: Vec::new(),
             seccomp: true,
             iommu: None,
+            memory_limit_mib: None,
+            swap_mode: lucid_swap::SwapMode::Baseline,
         }
     }
 }

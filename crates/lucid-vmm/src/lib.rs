@@ -10,6 +10,7 @@ pub mod emulate;
 pub mod hooks;
 mod iommu;
 mod report;
+pub mod swap;
 mod vcpu;
 mod vm;
 
@@ -30,3 +31,4 @@ pub use {lucid_boot, lucid_hv, lucid_iommu};
 
 pub use lucid_devices::{BadSerialOption, SerialOutput, StopReason};
 pub use lucid_mem::Backing;
+pub use lucid_swap::SwapMode;
