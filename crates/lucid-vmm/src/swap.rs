@@ -577,8 +577,25 @@ struct MapState {
     pages: HashMap<u64, (i32, u64)>,
     /// (image fd, block offset) -> gpa pages mapping it.
     blocks: BTreeMap<(i32, u64), Vec<u64>>,
-    /// Remaps done less those replaced: a bound on the VMAs the mapper added.
-    vmas: u64,
+    /// Live remapped ranges (gpa -> len); a later remap or discard that covers one replaces
+    /// its VMA. Their number bounds the VMAs the mapper added (partial overlaps count twice).
+    runs: BTreeMap<u64, u64>,
+}
+
+impl MapState {
+    /// Drops the runs that `gpa..gpa+len` covers entirely.
+    fn cover(&mut self, gpa: u64, len: u64) {
+        let end = gpa + len;
+        let covered: Vec<u64> = self
+            .runs
+            .range(gpa..end)
+            .filter(|&(&g, &l)| g + l <= end)
+            .map(|(&g, _)| g)
+            .collect();
+        for g in covered {
+            self.runs.remove(&g);
+        }
+    }
 }
 
 impl MapState {
@@ -640,7 +657,7 @@ impl BlockDataHook for LocalMapper {
             return Ok(false);
         };
         let mut st = self.lock();
-        if st.vmas >= self.budget {
+        if st.runs.len() as u64 >= self.budget {
             self.fallbacks.inc();
             return Ok(false);
         }
@@ -662,8 +679,9 @@ impl BlockDataHook for LocalMapper {
             st.pages.insert(g, key);
             st.blocks.entry(key).or_default().push(g);
         }
-        st.vmas += 1;
-        self.vmas.set(st.vmas);
+        st.cover(gpa, len);
+        st.runs.insert(gpa, len);
+        self.vmas.set(st.runs.len() as u64);
         self.mapped_pages.set(st.pages.len() as u64);
         self.runs.inc();
         Ok(true)
@@ -724,6 +742,8 @@ impl PageDiscard for LocalMapper {
             st.forget(g);
             g += PAGE;
         }
+        st.cover(gpa, len);
+        self.vmas.set(st.runs.len() as u64);
         self.mapped_pages.set(st.pages.len() as u64);
         Ok(())
     }
