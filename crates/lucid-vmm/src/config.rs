@@ -456,8 +456,15 @@ mod tests {
         assert!(b.read_only);
         assert_eq!(b.logical_block_size, 4096);
         assert_eq!(b.id, "disk1");
+        assert!(!b.direct, "the page cache by default");
         let d = parse_blk("path=a").unwrap();
         assert_eq!(d.rung, Rung::L1);
+        for (opt, direct) in [("cache=none", true), ("cache=writeback", false)] {
+            let PciDeviceKind::Block(b) = parse_blk(&format!("path=a,{opt}")).unwrap().kind else {
+                panic!()
+            };
+            assert_eq!(b.direct, direct, "{opt}");
+        }
         for bad in [
             "",
             "ro=on",
@@ -469,6 +476,7 @@ mod tests {
             "path=a,colour=red",
             "path",
             "path=a,id=123456789012345678901",
+            "path=a,cache=sometimes",
         ] {
             assert!(parse_blk(bad).is_err(), "{bad}");
         }

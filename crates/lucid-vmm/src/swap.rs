@@ -748,3 +748,141 @@ impl PageDiscard for LocalMapper {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{KernelSource, PciDeviceConfig};
+    use lucid_mem::vm_memory::{Bytes, GuestAddress};
+    use lucid_mem::Backing;
+    use lucid_virtio::blk::BlockConfig;
+
+    fn config_with_disk(mode: SwapMode, bs: u32) -> VmConfig {
+        let mut c = VmConfig::new(KernelSource::Builtin {
+            name: "t".into(),
+            bytes: &[],
+        });
+        c.swap_mode = mode;
+        c.pci
+            .push(PciDeviceConfig::new(PciDeviceKind::Block(BlockConfig {
+                path: "/nonexistent".into(),
+                read_only: false,
+                logical_block_size: bs,
+                id: String::new(),
+                direct: false,
+            })));
+        c
+    }
+
+    #[test]
+    fn mapper_modes_need_4k_blocks_and_baseline_does_not() {
+        assert_eq!(
+            disk_refused_by(&config_with_disk(SwapMode::Mapper, 512)),
+            Some((0, 512))
+        );
+        assert_eq!(
+            disk_refused_by(&config_with_disk(SwapMode::Vswapper, 512)),
+            Some((0, 512))
+        );
+        assert_eq!(
+            disk_refused_by(&config_with_disk(SwapMode::Mapper, 4096)),
+            None
+        );
+        assert_eq!(
+            disk_refused_by(&config_with_disk(SwapMode::Baseline, 512)),
+            None
+        );
+    }
+
+    #[test]
+    fn phases_record_deltas_and_refuse_numbers_out_of_range() {
+        let stats = StatsRegistry::new();
+        let p = Phases {
+            host: Arc::new(HostSampler::open(None).unwrap()),
+            stats: Arc::downgrade(&stats),
+            current: Mutex::new(None),
+            ignored: stats.counter("swap.phase.ignored"),
+        };
+        assert_eq!(p.start(0), 0);
+        assert_eq!(p.start(MAX_PHASES), HYPERCALL_REFUSED);
+        assert_eq!(p.start(u64::MAX), HYPERCALL_REFUSED);
+        assert_eq!(p.start(3), 0);
+        p.close_current();
+        p.close_current();
+        let snap = stats.snapshot();
+        assert_eq!(snap["swap.phase.ignored"], 2);
+        for n in [0, 3] {
+            for k in [
+                "ms",
+                "swap_read_sectors",
+                "swap_write_sectors",
+                "majflt",
+                "vmm_text_faults",
+            ] {
+                assert!(snap.contains_key(&format!("swap.phase.{n}.{k}")), "{n}.{k}");
+            }
+        }
+        assert!(!snap.keys().any(|k| k.starts_with("swap.phase.256")));
+    }
+
+    fn image(tag: &str, data: &[u8]) -> (PathBuf, File) {
+        let p = std::env::temp_dir().join(format!("lucid-s2-{tag}-{}.img", std::process::id()));
+        std::fs::write(&p, data).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&p)
+            .unwrap();
+        (p, f)
+    }
+
+    fn read_guest(ram: &GuestRam, gpa: u64, len: usize) -> Vec<u8> {
+        let mut v = vec![0; len];
+        ram.memory().read_slice(&mut v, GuestAddress(gpa)).unwrap();
+        v
+    }
+
+    /// The consistency gate on the stand-in: a page read from block B, dropped by the host,
+    /// still shows what the guest read after B is overwritten (before_change first).
+    #[test]
+    fn stand_in_mapper_keeps_what_the_guest_read() {
+        let old: Vec<u8> = (0..1 << 20).map(|i| (i * 7 % 251) as u8).collect();
+        let (path, file) = image("gate", &old);
+        let ram = Arc::new(GuestRam::new(&[(0, 4 << 20)], Backing::Anonymous).unwrap());
+        let stats = StatsRegistry::new();
+        let m = new_mapper(ram.clone(), SwapMode::Mapper, &stats);
+        // Unaligned: declined.
+        assert!(!m.read(&file, 512, 0x10000, 4096).unwrap());
+        assert!(!m.read(&file, 4096, 0x10200, 4096).unwrap());
+        // Two blocks at 8 KiB into two guest pages.
+        assert!(m.read(&file, 8192, 0x10000, 8192).unwrap());
+        assert!(read_guest(&ram, 0x10000, 8192) == old[8192..16384]);
+        // The host drops the (clean, file-backed) pages.
+        let host = m.host(0x10000, 8192).unwrap();
+        LocalMapper::madvise(host, 8192, libc::MADV_PAGEOUT).unwrap();
+        // The guest writes new content to the first block.
+        m.before_change(&file, 8192, 4096).unwrap();
+        file.write_all_at(&[0xee; 4096], 8192).unwrap();
+        assert!(read_guest(&ram, 0x10000, 8192) == old[8192..16384]);
+        let snap = stats.snapshot();
+        assert_eq!(snap["swap.mapper.broken"], 1);
+        assert_eq!(snap["swap.mapper.mapped_pages"], 1);
+        assert_eq!(snap["swap.mapper.runs"], 1);
+        assert_eq!(snap["swap.mapper.vmas"], 1);
+        // A device writing into the second page makes it private: forgotten.
+        ram.memory()
+            .write_slice(&[1, 2, 3], GuestAddress(0x11000))
+            .unwrap();
+        m.observe(0, 0x11000, 3, Access::Write);
+        assert_eq!(stats.snapshot()["swap.mapper.mapped_pages"], 0);
+        assert_eq!(read_guest(&ram, 0x11000, 3), [1, 2, 3]);
+        // Discard: zeros, and the run is gone.
+        assert!(m.read(&file, 0, 0x20000, 4096).unwrap());
+        m.discard(0x20000, 4096).unwrap();
+        assert_eq!(read_guest(&ram, 0x20000, 4096), vec![0; 4096]);
+        let snap = stats.snapshot();
+        assert_eq!(snap["swap.mapper.mapped_pages"], 0);
+        assert_eq!(snap["swap.mapper.vmas"], 1);
+        let _ = std::fs::remove_file(path);
+    }
+}
