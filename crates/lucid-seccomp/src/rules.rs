@@ -236,6 +236,9 @@ fn base(a: &mut Allowed, pid: u32, kick_signal: i32) -> Result<(), BackendError>
         SYS_getrandom,
         SYS_getpid,
         SYS_gettid,
+        // Which pages of a mapping are resident: the swap counters sample Lucid's own text
+        // (on the main thread for the report, on a vCPU for a guest phase), the mapper guest RAM.
+        SYS_mincore,
     ]);
     let no_exec = || -> Result<_, BackendError> {
         Ok(vec![rule(vec![arg(
@@ -291,10 +294,8 @@ fn backend(a: &mut Allowed) -> Result<(), BackendError> {
         SYS_fallocate,
         SYS_accept4,
         SYS_recvfrom,
-        // The Swap Mapper on a disk's worker: read-ahead of the blocks it maps, and which pages
-        // of a mapping are resident.
+        // The Swap Mapper on a disk's worker: read-ahead of the blocks it maps.
         SYS_fadvise64,
-        SYS_mincore,
     ]);
     connected_send(a)?;
     a.ioctls(&backend_ioctls())
