@@ -469,6 +469,10 @@ mod tests {
             PAGEMAP_SCAN,
             (3 << 30) | (96 << 16) | ((b'f' as u64) << 8) | 16
         );
+        // The swap counters: pread of files opened before confinement, mincore of the text.
+        for role in [Role::Main, Role::Vcpu] {
+            assert!(has(role, "pread64") && has(role, "mincore"), "{role}");
+        }
         assert!(has(Role::Vcpu, "clone") && !has(Role::Backend, "clone"));
         assert!(!has(Role::Main, "clone3") && !has(Role::Main, "accept4"));
         // The sidecore polls and sleeps: no disk, no sockets, no threads.
