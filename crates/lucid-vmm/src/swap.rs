@@ -9,6 +9,13 @@
 //!
 //! The limit, the host counters and the mapper are lane S1's `lucid_swap::{limit, host, mapper}`;
 //! until they are merged, small local versions stand in for them below (each marked `LEAD:`).
+//! LEAD: when swapping in S1's types, keep the two rules the stand-ins follow, or the default
+//! `--seccomp` kills the VM (exit 148): (1) sampling (`HostCounters::snapshot`/`delta`,
+//! `MemoryLimit::usage`) must `pread` descriptors opened at start, never open by path: it runs
+//! on a vCPU thread (PHASE) and on the confined main thread (the report's probe); (2)
+//! `MemoryLimit`'s drop runs on the confined main thread: it may only `write` to a descriptor
+//! opened at `apply` (the parent's `cgroup.procs`) and must not `rmdir` when
+//! `Seccomp::of_this_thread()` is set; `apply` prunes the empty cgroups of dead pids instead.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
