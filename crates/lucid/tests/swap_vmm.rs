@@ -161,13 +161,14 @@ fn every_swap_mode_runs_under_a_memory_limit_with_phases() {
 /// Under a limit well below what the guest touches, the host swaps (baseline), the data stays
 /// right, and the swap line and `swap.host.*` say so.
 ///
-/// Ignored: on this host (PVM, shadow paging) memcg reclaim does not evict guest pages that KVM
-/// has mapped: the cgroup's memory.stat shows every page on the active anon list
-/// (inactive_anon 0) and the kernel OOM-kills the VM with almost nothing swapped, while a plain
-/// process in the same kind of cgroup swaps, and MADV_PAGEOUT of guest RAM does swap it out.
-/// Run with `--ignored` on a host whose KVM ages guest pages (EPT/NPT with A/D bits).
+/// Ignored: on this host (PVM, shadow paging) a vCPU that faults guest pages in faster than
+/// memcg reclaim evicts them gets the VM OOM-killed (cgroup v1, in the charge of KVM's GUP
+/// fault, with only a few MiB swapped: memory.stat shows the guest pages on the active anon
+/// list, inactive_anon 0). A plain process writing as much under the same limit swaps fine, and
+/// so does an idle VM whose limit is lowered from outside (128 MiB touched, limit cut to 48 MiB:
+/// 87 MiB go to swap). With oom_kill_disable the VM hangs under_oom instead.
 #[test]
-#[ignore = "this host's KVM (PVM) keeps guest pages active: memcg reclaim OOM-kills instead of swapping"]
+#[ignore = "on this host (PVM) a vCPU faulting memory in under a tight memcg limit is OOM-killed instead of swapped"]
 fn a_guest_over_its_limit_is_swapped_and_intact() {
     let _turn = turn();
     if !has_v1_memory() {
