@@ -672,6 +672,7 @@ impl BlkBackend {
         };
         let file = self.file.clone();
         let mut pending: Vec<Region> = Vec::new();
+        // Image offset of the first pending run.
         let mut pending_off = off;
         let mut pos = off;
         for (gpa, len) in guest_runs(regions) {
@@ -681,17 +682,20 @@ impl BlkBackend {
                     .memory()
                     .check_range(GuestAddress(gpa), l, Permissions::ReadWrite)
             });
+            if in_ram && !pending.is_empty() {
+                // Copies land before the hook's next placement: guest memory ends as a plain
+                // copy in descriptor order would leave it, even where buffers overlap.
+                self.copy_in(io, pending_off, &pending)?;
+                pending.clear();
+            }
             let placed = in_ram
                 && hook
                     .read(&file, pos, gpa, len)
                     .map_err(file_err("map", pos))?;
-            if placed {
-                if !pending.is_empty() {
-                    self.copy_in(io, pending_off, &pending)?;
-                    pending.clear();
+            if !placed {
+                if pending.is_empty() {
+                    pending_off = pos;
                 }
-                pending_off = pos + len;
-            } else {
                 pending.push((gpa, len));
             }
             pos += len;

@@ -232,6 +232,23 @@ fn placed_runs_are_not_copied_and_the_rest_is() {
     }
 }
 
+/// Overlapping buffers (a hostile or careless driver): guest memory ends as a plain copy in
+/// descriptor order leaves it, the last run's data on top, placed or copied.
+#[test]
+fn overlapping_buffers_end_as_a_copy_in_order_would_leave_them() {
+    let (img, data) = patterned();
+    let (mut b, rec) = hooked(&img, cfg(&img), true);
+    let other = alloc_page_aligned(&mut b, 4096);
+    let a = alloc_page_aligned(&mut b, 4096);
+    // Runs: `other` (placed), `a` (copied), `a` again (placed, last).
+    let bufs = [(other, 4096, true), (a, 4096, true), (a, 4096, true)];
+    let (s, _) = b.req(VIRTIO_BLK_T_IN, 0, &bufs);
+    assert_eq!(s, VIRTIO_BLK_S_OK);
+    assert_eq!(rec.events().len(), 3);
+    let inv: Vec<u8> = data[8192..12288].iter().map(|b| !b).collect();
+    assert!(b.g.read(a, 4096) == inv, "the last run wins");
+}
+
 #[test]
 fn hook_read_error_fails_the_request() {
     let (img, _) = patterned();
