@@ -86,7 +86,8 @@ pub struct VmConfig {
     /// An emulated Intel VT-d (`--iommu vtd`): every device's DMA and MSIs go through it.
     pub iommu: Option<VtdConfig>,
     /// `--memory-limit`: the host memory the VM's process may use (a memory cgroup with host
-    /// swap behind it); the guest still has `mem_mib`.
+    /// swap behind it); the guest still has `mem_mib`. It moves the whole calling process into
+    /// the cgroup (`lucid/vm-<pid>`) until the `Vm` is dropped.
     pub memory_limit_mib: Option<u64>,
     /// `--swap-mode`: how the VM's memory is swapped when it is over its limit.
     pub swap_mode: lucid_swap::SwapMode,
