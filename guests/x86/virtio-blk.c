@@ -11,7 +11,8 @@
  * iommu=vtd (every buffer mapped through the VT-d, strategy=strict|shared|
  * async|deferred|teardown256|teardown4096; prints an "iommu-dma ..." line;
  * exit 1 if the unit recorded faults), isolation=1 (with iommu=vtd: see
- * isolation() below).
+ * isolation() below), phases=0|1 (1: LUCID_HC_PHASE 0 as the timed run
+ * starts and 1 as the final read-back starts, for Lucid's swap.phase.*).
  *
  * Data: every 512-byte sector written carries a pattern made of its sector
  * number and the seed (word 0 = sector, word 1 = seed, the rest mixed), so
@@ -495,6 +496,9 @@ int main(void)
 		q->kicks = q->kicks_suppressed = 0;
 	}
 
+	int phases = param_u64("phases", 0) && lucid_present();
+	if (phases)
+		lucid_hypercall(LUCID_HC_PHASE, 0, 0, 0);
 	u64 irq0 = this_cpu()->irq_count;
 	u64 t0 = rdtsc();
 	int rc = run(count, op, pat, qd, 0);
@@ -512,6 +516,8 @@ int main(void)
 		u64 nw = 0;
 		for (u64 i = 0; i < nblocks; i++)
 			nw += is_written(i);
+		if (phases)
+			lucid_hypercall(LUCID_HC_PHASE, 1, 0, 0);
 		if (nw)
 			rc = run(nw, 0, 0, qd, 1);
 		printf("virtio-blk readback blocks=%lu\n", nw);

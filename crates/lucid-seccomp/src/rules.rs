@@ -69,6 +69,11 @@ ioctl_ior_nr!(KVM_GET_XSAVE2, KVMIO, 0xcf, kvm_xsave);
 const TUNSETOFFLOAD: u64 = 0x4004_54d0;
 const TUNSETVNETHDRSZ: u64 = 0x4004_54d8;
 
+/// `PAGEMAP_SCAN` (linux/fs.h: `_IOWR('f', 16, struct pm_scan_arg)`, 96 bytes): the Swap Mapper
+/// finds the guest pages the guest has copied-on-write, on the `/proc/self/pagemap` descriptor
+/// it opened before confinement.
+const PAGEMAP_SCAN: u64 = 0xc060_6610;
+
 /// The vCPU's own ioctls, KVM_RUN first (conditions are tried in order). What the exit loop,
 /// the instruction completer and the hypercalls do to the vCPU, plus what a device's
 /// transport does to the VM when the guest programs it (irqfd, ioeventfd, MSI routes, INTx).
@@ -127,6 +132,7 @@ fn backend_ioctls() -> Vec<u64> {
         TUNSETOFFLOAD,
         TUNSETVNETHDRSZ,
         libc::FIONBIO,
+        PAGEMAP_SCAN,
     ]
 }
 
@@ -231,6 +237,9 @@ fn base(a: &mut Allowed, pid: u32, kick_signal: i32) -> Result<(), BackendError>
         SYS_getrandom,
         SYS_getpid,
         SYS_gettid,
+        // Which pages of a mapping are resident: the swap counters sample Lucid's own text
+        // (on the main thread for the report, on a vCPU for a guest phase), the mapper guest RAM.
+        SYS_mincore,
     ]);
     let no_exec = || -> Result<_, BackendError> {
         Ok(vec![rule(vec![arg(
@@ -286,6 +295,8 @@ fn backend(a: &mut Allowed) -> Result<(), BackendError> {
         SYS_fallocate,
         SYS_accept4,
         SYS_recvfrom,
+        // The Swap Mapper on a disk's worker: read-ahead of the blocks it maps.
+        SYS_fadvise64,
     ]);
     connected_send(a)?;
     // Its own affinity only (pid 0): a thread that starts in a VM with pools or `--low-noise`
@@ -480,6 +491,25 @@ mod tests {
             );
         }
         assert!(has(Role::Backend, "pwrite64") && !has(Role::Main, "pwrite64"));
+        // The Swap Mapper on a disk's worker: map (no exec), populate, read ahead.
+        for needed in [
+            "mmap",
+            "madvise",
+            "fadvise64",
+            "mincore",
+            "pread64",
+            "ioctl",
+        ] {
+            assert!(has(Role::Backend, needed), "backend may not call {needed}");
+        }
+        assert_eq!(
+            PAGEMAP_SCAN,
+            (3 << 30) | (96 << 16) | ((b'f' as u64) << 8) | 16
+        );
+        // The swap counters: pread of files opened before confinement, mincore of the text.
+        for role in [Role::Main, Role::Vcpu] {
+            assert!(has(role, "pread64") && has(role, "mincore"), "{role}");
+        }
         assert!(has(Role::Vcpu, "clone") && !has(Role::Backend, "clone"));
         assert!(!has(Role::Main, "clone3") && !has(Role::Main, "accept4"));
         // The sidecore polls and sleeps: no disk, no sockets, no threads.

@@ -12,6 +12,12 @@
 //! and GET_ID) the data, then the status byte, which is the last byte of the last descriptor
 //! (any framing, as `VIRTIO_F_VERSION_1` implies).
 //!
+//! A [`BlockDataHook`] (the Swap Mapper) may take over the data of reads and must hear of every
+//! change to the image before it happens; it is consulted only while no vIOMMU translates the
+//! device's addresses. With [`BlockConfig::direct`] (`cache=none`) the image is opened
+//! `O_DIRECT`: every transfer goes through a 4 KiB-aligned bounce buffer at block-aligned file
+//! offsets, and the host page cache holds no copy of what the guest reads or writes.
+//!
 //! Statuses: `OK`; `IOERR` for a request the device refuses (range past capacity or not aligned
 //! to the logical block size, zero or non-512-multiple length, data in a descriptor of the wrong
 //! direction, a write on a read-only device, a DMA address outside guest memory, a host I/O
@@ -30,6 +36,7 @@ use crate::worker::{
     gather, scatter, split_off, Backend, DataError, Desc, Fault, Io, Region, Served, WorkerSlot,
 };
 use crate::{device_type, features, ActivateContext, ActivateError, VirtioDevice};
+use lucid_mem::vm_memory::{GuestAddress, GuestMemory, Permissions};
 
 /// Feature bits (virtio spec 5.2.3).
 pub mod feature {
@@ -77,6 +84,8 @@ pub const CONFIG_SIZE: usize = 60;
 
 const SECTOR: u64 = 512;
 const BOUNCE_MAX: usize = 1 << 20;
+/// Alignment of the bounce window (`O_DIRECT` wants the buffer aligned to the device's block).
+const BOUNCE_ALIGN: usize = 4096;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockConfig {
@@ -87,6 +96,8 @@ pub struct BlockConfig {
     pub logical_block_size: u32,
     /// Answer to `GET_ID`, at most 20 bytes.
     pub id: String,
+    /// Open the image `O_DIRECT` (`cache=none`): no host page cache for the guest's I/O.
+    pub direct: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -111,6 +122,11 @@ pub enum BlockError {
     BadBlockSize(u32),
     #[error("block id {0:?} is {1} bytes long: at most 20 allowed")]
     IdTooLong(String, usize),
+    #[error(
+        "block image {path}: the file system refuses O_DIRECT (cache=none): {err}; \
+         drop cache=none or put the image on a file system that supports direct I/O (ext4, xfs)"
+    )]
+    DirectRefused { path: PathBuf, err: std::io::Error },
 }
 
 /// Takes over the data of virtio-blk requests: the Swap Mapper's hook. It maps image blocks over
@@ -144,6 +160,7 @@ pub struct Block {
     capacity_sectors: u64,
     config: [u8; CONFIG_SIZE],
     worker: WorkerSlot,
+    hook: Option<Arc<dyn BlockDataHook>>,
 }
 
 impl Block {
@@ -159,15 +176,26 @@ impl Block {
         } else {
             "read-write"
         };
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(!cfg.read_only)
-            .open(&cfg.path)
-            .map_err(|err| BlockError::Open {
-                path: cfg.path.clone(),
-                mode,
-                err,
-            })?;
+        let mut opts = OpenOptions::new();
+        opts.read(true).write(!cfg.read_only);
+        if cfg.direct {
+            use std::os::unix::fs::OpenOptionsExt;
+            opts.custom_flags(libc::O_DIRECT);
+        }
+        let mut file = opts.open(&cfg.path).map_err(|err| {
+            if cfg.direct && err.raw_os_error() == Some(libc::EINVAL) {
+                BlockError::DirectRefused {
+                    path: cfg.path.clone(),
+                    err,
+                }
+            } else {
+                BlockError::Open {
+                    path: cfg.path.clone(),
+                    mode,
+                    err,
+                }
+            }
+        })?;
         let meta = file.metadata().map_err(|err| BlockError::Size {
             path: cfg.path.clone(),
             err,
@@ -199,9 +227,21 @@ impl Block {
             capacity_sectors,
             config: [0; CONFIG_SIZE],
             worker: WorkerSlot::default(),
+            hook: None,
         };
         blk.config = blk.build_config();
         Ok(blk)
+    }
+
+    /// Installs the data hook (the Swap Mapper); it applies from the next activation, so the
+    /// VMM sets it before the driver starts the device.
+    pub fn set_data_hook(&mut self, hook: Arc<dyn BlockDataHook>) {
+        self.hook = Some(hook);
+    }
+
+    /// The logical block size the device offers (512 or 4096).
+    pub fn logical_block_size(&self) -> u32 {
+        self.cfg.logical_block_size
     }
 
     /// Capacity in 512-byte sectors.
@@ -284,6 +324,8 @@ impl VirtioDevice for Block {
             capacity_bytes: self.capacity_sectors * SECTOR,
             lbs: u64::from(self.cfg.logical_block_size),
             read_only: self.cfg.read_only,
+            direct: self.cfg.direct,
+            hook: self.hook.clone(),
             id: self.cfg.id.as_bytes().to_vec(),
             bounce: Vec::new(),
             readable: Vec::new(),
@@ -318,7 +360,11 @@ struct BlkBackend {
     capacity_bytes: u64,
     lbs: u64,
     read_only: bool,
+    /// The image is open `O_DIRECT`: file transfers are block-aligned, from an aligned buffer.
+    direct: bool,
+    hook: Option<Arc<dyn BlockDataHook>>,
     id: Vec<u8>,
+    /// Bounce buffer storage; [`BlkBackend::bounce`] hands out a `BOUNCE_ALIGN`-aligned window.
     bounce: Vec<u8>,
     readable: Vec<Region>,
     writable: Vec<Region>,
@@ -506,6 +552,9 @@ impl BlkBackend {
                         return Err(file_err("fdatasync", 0)(std::io::Error::last_os_error()));
                     }
                 }
+                if let Some(hook) = self.active_hook(io) {
+                    hook.after_flush(&self.file);
+                }
                 Ok(0)
             }
             VIRTIO_BLK_T_GET_ID => {
@@ -560,7 +609,12 @@ impl BlkBackend {
                     let off = self.check_range(sector, len)?;
                     ranges.push((off, len, unmap));
                 }
+                let hook = self.active_hook(io);
                 for (off, len, unmap) in ranges {
+                    if let Some(hook) = &hook {
+                        hook.before_change(&self.file, off, len)
+                            .map_err(file_err("before_change", off))?;
+                    }
                     self.zero(off, len, discard || unmap)?;
                 }
                 Ok(0)
@@ -592,45 +646,119 @@ impl BlkBackend {
         }
     }
 
+    /// A bounce window of `min(len, BOUNCE_MAX)` bytes, `BOUNCE_ALIGN`-aligned (for `O_DIRECT`).
     fn bounce(&mut self, len: u64) -> &mut [u8] {
         let n = (len as usize).min(BOUNCE_MAX);
-        if self.bounce.len() < n {
-            self.bounce.resize(n, 0);
+        if self.bounce.len() < n + BOUNCE_ALIGN {
+            self.bounce.resize(n + BOUNCE_ALIGN, 0);
         }
-        &mut self.bounce[..n]
+        let start = (BOUNCE_ALIGN - self.bounce.as_ptr() as usize % BOUNCE_ALIGN) % BOUNCE_ALIGN;
+        &mut self.bounce[start..start + n]
     }
 
-    fn read_into(&mut self, io: &Io, mut off: u64, regions: &[Region]) -> Result<(), ReqError> {
-        for &(addr, len) in regions {
-            let mut done = 0u64;
-            while done < len {
-                let file = self.file.clone();
-                let buf = self.bounce(len - done);
-                file.read_exact_at(buf, off)
-                    .map_err(file_err("read", off))?;
+    /// The data hook, while device addresses are guest-physical (no vIOMMU translator).
+    fn active_hook(&self, io: &Io) -> Option<Arc<dyn BlockDataHook>> {
+        self.hook
+            .as_ref()
+            .filter(|_| !io.dma.has_translator())
+            .cloned()
+    }
+
+    /// A read of image bytes `off..` into `regions`: the hook (if any) is offered each
+    /// guest-contiguous run inside guest RAM; what it does not place is copied.
+    fn read_into(&mut self, io: &Io, off: u64, regions: &[Region]) -> Result<(), ReqError> {
+        let Some(hook) = self.active_hook(io) else {
+            return self.copy_in(io, off, regions);
+        };
+        let file = self.file.clone();
+        let mut pending: Vec<Region> = Vec::new();
+        // Image offset of the first pending run.
+        let mut pending_off = off;
+        let mut pos = off;
+        for (gpa, len) in guest_runs(regions) {
+            // Outside RAM (or wrapping): the copy reports the bad address.
+            let in_ram = usize::try_from(len).is_ok_and(|l| {
                 io.dma
-                    .write(io.dev_id, addr.wrapping_add(done), buf)
-                    .map_err(DataError::from)?;
-                done += buf.len() as u64;
-                off += buf.len() as u64;
+                    .memory()
+                    .check_range(GuestAddress(gpa), l, Permissions::ReadWrite)
+            });
+            if in_ram && !pending.is_empty() {
+                // Copies land before the hook's next placement: guest memory ends as a plain
+                // copy in descriptor order would leave it, even where buffers overlap.
+                self.copy_in(io, pending_off, &pending)?;
+                pending.clear();
             }
+            let placed = in_ram
+                && hook
+                    .read(&file, pos, gpa, len)
+                    .map_err(file_err("map", pos))?;
+            if !placed {
+                if pending.is_empty() {
+                    pending_off = pos;
+                }
+                pending.push((gpa, len));
+            }
+            pos += len;
+        }
+        if !pending.is_empty() {
+            self.copy_in(io, pending_off, &pending)?;
         }
         Ok(())
     }
 
-    fn write_from(&mut self, io: &Io, mut off: u64, regions: &[Region]) -> Result<(), ReqError> {
-        for &(addr, len) in regions {
-            let mut done = 0u64;
-            while done < len {
-                let file = self.file.clone();
-                let buf = self.bounce(len - done);
-                io.dma
-                    .read(io.dev_id, addr.wrapping_add(done), buf)
-                    .map_err(DataError::from)?;
-                file.write_all_at(buf, off)
-                    .map_err(file_err("write", off))?;
-                done += buf.len() as u64;
-                off += buf.len() as u64;
+    /// Copies image bytes `off..off+total` into `regions` (which hold `total` bytes). With
+    /// `O_DIRECT` the file is read in whole logical blocks around the range.
+    fn copy_in(&mut self, io: &Io, off: u64, regions: &[Region]) -> Result<(), ReqError> {
+        let total: u64 = regions.iter().map(|r| r.1).sum();
+        let align = if self.direct { self.lbs } else { 1 };
+        let file = self.file.clone();
+        let mut cur = (0usize, 0u64);
+        let mut done = 0u64;
+        while done < total {
+            let at = off + done;
+            let skip = at % align;
+            let want = (total - done + skip).min(BOUNCE_MAX as u64);
+            // BOUNCE_MAX is a multiple of the block, and a request ends on a block boundary.
+            let len = want.div_ceil(align) * align;
+            let buf = self.bounce(len);
+            file.read_exact_at(buf, at - skip)
+                .map_err(file_err("read", at - skip))?;
+            let n = (len - skip).min(total - done);
+            scatter_at(
+                io,
+                regions,
+                &mut cur,
+                &buf[skip as usize..(skip + n) as usize],
+            )?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// A guest write of `regions` to image offset `off` (block-aligned): the hook hears of it
+    /// before the file changes and after each guest-contiguous run reached it.
+    fn write_from(&mut self, io: &Io, off: u64, regions: &[Region]) -> Result<(), ReqError> {
+        let hook = self.active_hook(io);
+        let total: u64 = regions.iter().map(|r| r.1).sum();
+        let file = self.file.clone();
+        if let Some(hook) = &hook {
+            hook.before_change(&file, off, total)
+                .map_err(file_err("before_change", off))?;
+        }
+        let mut cur = (0usize, 0u64);
+        let mut done = 0u64;
+        while done < total {
+            let buf = self.bounce(total - done);
+            gather_at(io, regions, &mut cur, buf)?;
+            file.write_all_at(buf, off + done)
+                .map_err(file_err("write", off + done))?;
+            done += buf.len() as u64;
+        }
+        if let Some(hook) = &hook {
+            let mut pos = off;
+            for (gpa, len) in guest_runs(regions) {
+                hook.after_write(&file, pos, gpa, len);
+                pos += len;
             }
         }
         Ok(())
@@ -661,4 +789,73 @@ impl BlkBackend {
         }
         Ok(())
     }
+}
+
+/// `regions` with guest-contiguous neighbours merged: the runs a [`BlockDataHook`] is offered.
+fn guest_runs(regions: &[Region]) -> Vec<Region> {
+    let mut runs: Vec<Region> = Vec::with_capacity(regions.len());
+    for &(addr, len) in regions {
+        match runs.last_mut() {
+            Some(last) if last.0.checked_add(last.1) == Some(addr) => last.1 += len,
+            _ => runs.push((addr, len)),
+        }
+    }
+    runs
+}
+
+/// Writes `buf` into `regions` from the cursor `(region index, offset in it)`, advancing it.
+fn scatter_at(
+    io: &Io,
+    regions: &[Region],
+    cur: &mut (usize, u64),
+    buf: &[u8],
+) -> Result<(), DataError> {
+    let mut done = 0usize;
+    while done < buf.len() {
+        let Some(&(addr, len)) = regions.get(cur.0) else {
+            return Err(DataError::Short {
+                need: buf.len(),
+                have: done,
+            });
+        };
+        let n = ((len - cur.1) as usize).min(buf.len() - done);
+        io.dma
+            .write(io.dev_id, addr.wrapping_add(cur.1), &buf[done..done + n])?;
+        done += n;
+        cur.1 += n as u64;
+        if cur.1 == len {
+            *cur = (cur.0 + 1, 0);
+        }
+    }
+    Ok(())
+}
+
+/// Reads `buf.len()` bytes from `regions` at the cursor `(region index, offset in it)`.
+fn gather_at(
+    io: &Io,
+    regions: &[Region],
+    cur: &mut (usize, u64),
+    buf: &mut [u8],
+) -> Result<(), DataError> {
+    let mut done = 0usize;
+    while done < buf.len() {
+        let Some(&(addr, len)) = regions.get(cur.0) else {
+            return Err(DataError::Short {
+                need: buf.len(),
+                have: done,
+            });
+        };
+        let n = ((len - cur.1) as usize).min(buf.len() - done);
+        io.dma.read(
+            io.dev_id,
+            addr.wrapping_add(cur.1),
+            &mut buf[done..done + n],
+        )?;
+        done += n;
+        cur.1 += n as u64;
+        if cur.1 == len {
+            *cur = (cur.0 + 1, 0);
+        }
+    }
+    Ok(())
 }

@@ -99,6 +99,7 @@ pub fn virtqueue(data: &[u8]) -> BTreeMap<String, u64> {
                 read_only: k == 1,
                 logical_block_size: if k == 2 { 4096 } else { 512 },
                 id: "fuzz".into(),
+                direct: false,
             };
             Box::new(Block::new("blk0".into(), cfg).expect("memfd disk"))
         }

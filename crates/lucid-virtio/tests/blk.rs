@@ -99,6 +99,7 @@ fn flush_child() {
         read_only: false,
         logical_block_size: 512,
         id: String::new(),
+        direct: false,
     });
     assert_eq!(b.write(40, &pattern(40, 16384)), VIRTIO_BLK_S_OK);
     assert_eq!(b.req(VIRTIO_BLK_T_FLUSH, 0, &[]).0, VIRTIO_BLK_S_OK);

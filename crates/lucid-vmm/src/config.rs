@@ -94,6 +94,12 @@ pub struct VmConfig {
     pub monitor: crate::pools::MonitorTuning,
     /// A virtio-balloon (`--balloon`), on PCI after the devices of `pci`, named `balloon`.
     pub balloon: Option<BalloonConfig>,
+    /// `--memory-limit`: the host memory the VM's process may use (a memory cgroup with host
+    /// swap behind it); the guest still has `mem_mib`. It moves the whole calling process into
+    /// the cgroup (`lucid/vm-<pid>`) until the `Vm` is dropped.
+    pub memory_limit_mib: Option<u64>,
+    /// `--swap-mode`: how the VM's memory is swapped when it is over its limit.
+    pub swap_mode: lucid_swap::SwapMode,
 }
 
 impl VmConfig {
@@ -116,6 +122,8 @@ impl VmConfig {
             low_noise: false,
             monitor: crate::pools::MonitorTuning::default(),
             balloon: None,
+            memory_limit_mib: None,
+            swap_mode: lucid_swap::SwapMode::Baseline,
         }
     }
 }
@@ -179,8 +187,8 @@ pub fn parse_device(s: &str) -> Result<PlatformPciDevice, DeviceOptionError> {
     Ok(device)
 }
 
-/// Parses `--blk path=FILE[,ro=on|off][,bs=512|4096][,id=STR][,rung=L0..L4|L4p]
-/// [,coalesce=N:USEC][,poll_us=N]`. Never panics, whatever the input (a fuzz target calls it).
+/// Parses `--blk path=FILE[,ro=on|off][,bs=512|4096][,id=STR][,cache=none|writeback]
+/// [,rung=L0..L4|L4p][,coalesce=N:USEC][,poll_us=N]`. `cache=none` opens the image `O_DIRECT`. Never panics, whatever the input (a fuzz target calls it).
 pub fn parse_blk(s: &str) -> Result<PciDeviceConfig, DeviceOptionError> {
     const OPT: &str = "--blk";
     let mut cfg = BlockConfig {
@@ -188,6 +196,7 @@ pub fn parse_blk(s: &str) -> Result<PciDeviceConfig, DeviceOptionError> {
         read_only: false,
         logical_block_size: 512,
         id: String::new(),
+        direct: false,
     };
     let mut common = Common::default();
     for (k, v) in pairs(OPT, s)? {
@@ -204,7 +213,19 @@ pub fn parse_blk(s: &str) -> Result<PciDeviceConfig, DeviceOptionError> {
             }
             "id" if v.len() > 20 => return Err(bad("id", "at most 20 bytes")),
             "id" => cfg.id = v.to_string(),
-            _ => common.set(OPT, k, v, "path, ro, bs, id, rung, coalesce, poll_us")?,
+            "cache" => {
+                cfg.direct = match v {
+                    "none" | "direct" => true,
+                    "writeback" | "host" => false,
+                    _ => return Err(bad("cache", "none or writeback")),
+                }
+            }
+            _ => common.set(
+                OPT,
+                k,
+                v,
+                "path, ro, bs, id, cache, rung, coalesce, poll_us",
+            )?,
         }
     }
     if cfg.path.as_os_str().is_empty() {
@@ -537,8 +558,15 @@ mod tests {
         assert!(b.read_only);
         assert_eq!(b.logical_block_size, 4096);
         assert_eq!(b.id, "disk1");
+        assert!(!b.direct, "the page cache by default");
         let d = parse_blk("path=a").unwrap();
         assert_eq!(d.rung, Rung::L1);
+        for (opt, direct) in [("cache=none", true), ("cache=writeback", false)] {
+            let PciDeviceKind::Block(b) = parse_blk(&format!("path=a,{opt}")).unwrap().kind else {
+                panic!()
+            };
+            assert_eq!(b.direct, direct, "{opt}");
+        }
         for bad in [
             "",
             "ro=on",
@@ -550,6 +578,7 @@ mod tests {
             "path=a,colour=red",
             "path",
             "path=a,id=123456789012345678901",
+            "path=a,cache=sometimes",
         ] {
             assert!(parse_blk(bad).is_err(), "{bad}");
         }

@@ -12,6 +12,7 @@ pub mod hooks;
 mod iommu;
 mod pools;
 mod report;
+pub mod swap;
 mod vcpu;
 mod vm;
 
@@ -34,3 +35,4 @@ pub use {lucid_boot, lucid_hv, lucid_iommu, lucid_pools};
 
 pub use lucid_devices::{BadSerialOption, SerialOutput, StopReason};
 pub use lucid_mem::Backing;
+pub use lucid_swap::SwapMode;

@@ -192,6 +192,66 @@ impl RunReport {
         Some(line)
     }
 
+    /// The VM's swapping, when it ran under `--memory-limit` or a mapper mode: host swap traffic
+    /// over the run, the mapper's state, and how many phases the guest reported.
+    fn swap_line(&self) -> Option<String> {
+        let c = |n: &str| self.counters.get(&format!("swap.{n}")).copied();
+        let z = |n: &str| c(n).unwrap_or(0);
+        let mode = crate::swap::mode_name(c("mode")?);
+        let mut line = format!("swap: mode {mode}");
+        match c("limit_bytes") {
+            Some(l) => {
+                let _ = write!(
+                    line,
+                    ", limit {} MiB ({} MiB in use at exit)",
+                    l >> 20,
+                    z("cgroup.usage_bytes") >> 20
+                );
+            }
+            None => line.push_str(", no memory limit"),
+        }
+        let _ = write!(
+            line,
+            "; host swap {} sectors written, {} read ({} and {} zero pages), {} major faults in \
+             Lucid ({} on its text)",
+            z("host.swap_write_sectors"),
+            z("host.swap_read_sectors"),
+            z("host.swpout_zero"),
+            z("host.swpin_zero"),
+            z("host.majflt"),
+            z("host.vmm_text_faults"),
+        );
+        if mode != "baseline" {
+            let _ = write!(
+                line,
+                "; mapper {} pages mapped in {} runs ({} VMAs), {} broken, {} fallbacks to copy",
+                z("mapper.mapped_pages"),
+                z("mapper.runs"),
+                z("mapper.vmas"),
+                z("mapper.broken"),
+                z("mapper.fallbacks"),
+            );
+        }
+        if mode == "vswapper" {
+            let _ = write!(
+                line,
+                ", {} stale and {} false reads avoided, {} zero pages",
+                z("mapper.stale_reads_avoided"),
+                z("mapper.false_reads_avoided"),
+                z("mapper.zero_pages"),
+            );
+        }
+        let phases = self
+            .counters
+            .keys()
+            .filter(|k| k.starts_with("swap.phase.") && k.ends_with(".ms"))
+            .count();
+        if phases > 0 {
+            let _ = write!(line, "; {phases} guest phases (swap.phase.*)");
+        }
+        Some(line)
+    }
+
     pub fn stop_text(&self) -> String {
         match &self.stop {
             StopReason::DebugExit(v) => format!("guest wrote {v:#x} to the debug-exit port"),
@@ -246,7 +306,12 @@ impl RunReport {
                 d.irqs as f64 / r
             );
         }
-        for line in [self.edu_line(), self.iommu_line(), self.balloon_line()]
+        for line in [
+            self.edu_line(),
+            self.iommu_line(),
+            self.balloon_line(),
+            self.swap_line(),
+        ]
             .into_iter()
             .flatten()
         {
@@ -445,6 +510,40 @@ mod tests {
             s.contains(
                 "edu: 2 DMA reads and 1 writes (12288 bytes), 1 failed, 0 refused (outside its \
                  buffer); 3 interrupts; 4 factorials"
+            ),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn summary_has_a_swap_line_only_when_the_vm_swaps() {
+        let mut r = RunReport {
+            stop: StopReason::Shutdown,
+            wall: Duration::from_secs(1),
+            vcpus: 1,
+            counters: BTreeMap::from([("swap.host.majflt".to_string(), 3)]),
+        };
+        assert!(!r.summary().contains("swap:"));
+        for (k, v) in [
+            ("swap.mode", 1),
+            ("swap.limit_bytes", 64 << 20),
+            ("swap.cgroup.usage_bytes", 60 << 20),
+            ("swap.host.swap_write_sectors", 800),
+            ("swap.host.swap_read_sectors", 16),
+            ("swap.mapper.mapped_pages", 100),
+            ("swap.mapper.runs", 20),
+            ("swap.phase.0.ms", 5),
+            ("swap.phase.1.ms", 7),
+        ] {
+            r.counters.insert(k.into(), v);
+        }
+        let s = r.summary();
+        assert!(
+            s.contains(
+                "swap: mode mapper, limit 64 MiB (60 MiB in use at exit); host swap 800 sectors \
+                 written, 16 read (0 and 0 zero pages), 3 major faults in Lucid (0 on its text); \
+                 mapper 100 pages mapped in 20 runs (0 VMAs), 0 broken, 0 fallbacks to copy; 2 \
+                 guest phases (swap.phase.*)"
             ),
             "{s}"
         );

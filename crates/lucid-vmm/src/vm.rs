@@ -43,6 +43,10 @@ pub mod hypercall {
     pub const WORK: u64 = 5;
     pub const WORK_ITERATIONS: u64 = 0;
     pub const WORK_BYTES: u64 = 1;
+    /// rdi = phase number (below `swap::MAX_PHASES`): the guest starts phase rdi; the host swap
+    /// counters' deltas over each phase are kept as `swap.phase.<n>.*`; returns 0 (all ones for
+    /// a phase number out of range).
+    pub const PHASE: u64 = 4;
     /// What DISCOVER returns: "LUCI".
     pub const MAGIC: u64 = 0x4C55_4349;
 
@@ -145,6 +149,8 @@ pub enum VmmError {
     Seccomp(#[from] lucid_seccomp::SeccompError),
     #[error(transparent)]
     Pools(#[from] crate::pools::PoolsError),
+    #[error(transparent)]
+    Swap(#[from] crate::swap::SwapError),
     #[error("cannot start the vIOMMU's sidecore thread")]
     IommuThread {
         #[source]
@@ -163,6 +169,16 @@ pub enum ConfigError {
     CmdlineNul(usize),
     #[error("--device edu given {0} times: a VM has one edu device at most")]
     EduCount(usize),
+    #[error(
+        "--swap-mode {mode} maps 4096-byte disk blocks over guest pages, and blk{disk} has \
+         {block_size}-byte logical blocks: add bs=4096 to its --blk option, or use \
+         --swap-mode baseline"
+    )]
+    SwapBlockSize {
+        mode: lucid_swap::SwapMode,
+        disk: usize,
+        block_size: u32,
+    },
 }
 
 /// A built VM.
@@ -196,6 +212,8 @@ pub struct Vm {
     /// Where the balloon manager reads host pressure (`--balloon ...,manager=on`).
     pressure: Option<Arc<dyn lucid_swap::balloon_manager::PressureSource>>,
     balloon_manager: Option<lucid_swap::balloon_manager::BalloonManager>,
+    /// The memory limit, the Swap Mapper and the host swap counters (swap.rs).
+    swap: crate::swap::VmSwap,
 }
 
 /// The VM's PCI bus and its devices.
@@ -244,9 +262,15 @@ impl Vm {
         }
         let hooks = ExitHooks::new();
 
-        // KVM and guest memory.
+        // The memory limit before guest RAM exists, so that every guest page is charged to it;
+        // then KVM and guest memory, and the swap side that shares it.
+        let limit = crate::swap::VmSwap::limit(&config)?;
         let mut b = VmBuilder::new(config.mem_mib << 20, config.backing.clone())?;
         let dma = DmaPath::new(b.memory().clone(), &stats);
+        let swap = crate::swap::VmSwap::build(&config, limit, b.ram(), &stats, &hooks)?;
+        if let Some(o) = swap.dma_observer() {
+            dma.add_observer(o);
+        }
 
         // Interrupt controllers and timers, in the kernel.
         b.irqchip()?;
@@ -278,7 +302,15 @@ impl Vm {
         // then the others (`--device`).
         let platform = platform_devices(&config, b.vm(), &hooks, &lifecycle, &stats, &seccomp)?;
         let pci = match (&router, has_pci) {
-            (Some(router), true) => Some(attach_pci(&config, &b, router, &dma, &hooks, &stats)?),
+            (Some(router), true) => Some(attach_pci(
+                &config,
+                &b,
+                router,
+                &dma,
+                &hooks,
+                &stats,
+                swap.blk_hook(),
+            )?),
             _ => None,
         };
         let tsc_khz = add_hypercalls(&hooks, b.backend());
@@ -380,6 +412,7 @@ impl Vm {
             pools,
             pressure: None,
             balloon_manager: None,
+            swap,
         })
     }
 
@@ -475,6 +508,7 @@ impl Vm {
             iommu.stop();
         }
         let wall = self.started.map(|s| s.elapsed()).unwrap_or_default();
+        self.swap.finish();
         // What a stalled reader left in the buffer counts as dropped once the VM is gone.
         let unwritten = self.console.flush(lucid_devices::FLUSH_PATIENCE);
         self.stats
@@ -517,6 +551,10 @@ impl Vm {
     /// The virtio-balloon's control, when the VM has one (`VmConfig::balloon`).
     pub fn balloon(&self) -> Option<&lucid_virtio::balloon::BalloonControl> {
         self.pci.as_ref().and_then(|p| p.balloon.as_ref())
+    }
+    /// Whether the VM runs under `--memory-limit`.
+    pub fn memory_limited(&self) -> bool {
+        self.swap.has_limit()
     }
     pub fn kvm_vm(&self) -> &lucid_hv::Vm {
         &self.vm
@@ -672,6 +710,7 @@ fn attach_pci(
     dma: &Arc<DmaPath>,
     hooks: &Arc<ExitHooks>,
     stats: &Arc<StatsRegistry>,
+    blk_hook: Option<Arc<dyn lucid_virtio::blk::BlockDataHook>>,
 ) -> Result<PciBus, VmmError> {
     use lucid_pci::{HostCaps, PciWindows, TransportEnv, TransportOptions};
 
@@ -707,14 +746,17 @@ fn attach_pci(
             crate::config::PciDeviceKind::Block(b) => {
                 let name = format!("blk{nblk}");
                 nblk += 1;
-                Box::new(
+                let mut blk =
                     lucid_virtio::blk::Block::new(name.clone(), b.clone()).map_err(|source| {
                         VmmError::Block {
                             device: name,
                             source,
                         }
-                    })?,
-                )
+                    })?;
+                if let Some(h) = &blk_hook {
+                    blk.set_data_hook(h.clone());
+                }
+                Box::new(blk)
             }
             crate::config::PciDeviceKind::Net(n) => {
                 let name = format!("net{nnet}");
@@ -859,6 +901,13 @@ fn check_config(c: &VmConfig) -> Result<(), ConfigError> {
         .count();
     if edus > 1 {
         return Err(ConfigError::EduCount(edus));
+    }
+    if let Some((disk, block_size)) = crate::swap::disk_refused_by(c) {
+        return Err(ConfigError::SwapBlockSize {
+            mode: c.swap_mode,
+            disk,
+            block_size,
+        });
     }
     Ok(())
 }

@@ -24,6 +24,7 @@ fn blk(path: PathBuf, rung: Rung) -> PciDeviceConfig {
         read_only: false,
         logical_block_size: 512,
         id: "lucid-test".into(),
+        direct: false,
     }));
     d.rung = rung;
     d

@@ -200,6 +200,7 @@ fn pci_devices_and_the_iommu_share_the_router() {
         read_only: false,
         logical_block_size: 512,
         id: "vtd".into(),
+        direct: false,
     }));
     d.rung = Rung::L1;
     c.pci.push(d);

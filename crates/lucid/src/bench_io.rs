@@ -218,6 +218,7 @@ pub(crate) fn device_config(w: &Workload, r: &RungSetup, disk: &Path) -> PciDevi
             read_only: false,
             logical_block_size: 512,
             id: String::new(),
+            direct: false,
         }),
         Device::Net { .. } => PciDeviceKind::Net(NetConfig {
             backend: NetBackend::Echo,

@@ -89,7 +89,8 @@ struct RunArgs {
     #[arg(long)]
     stats_json: Option<PathBuf>,
     /// A virtio-blk disk on PCI (repeatable):
-    /// path=FILE[,ro=on][,bs=512|4096][,id=STR][,rung=L0|L1|L2|L3|L4|L4p][,coalesce=N:USEC][,poll_us=N]
+    /// path=FILE[,ro=on][,bs=512|4096][,id=STR][,cache=none][,rung=L0|L1|L2|L3|L4|L4p][,coalesce=N:USEC][,poll_us=N]
+    /// (cache=none: the image is opened O_DIRECT)
     #[arg(long = "blk", value_name = "OPTS")]
     blk: Vec<String>,
     /// A virtio-net NIC on PCI (repeatable):
@@ -131,6 +132,15 @@ struct RunArgs {
     /// Least time in ms between two moves of the VM.
     #[arg(long, default_value_t = 10_000, hide = true)]
     classify_dwell_ms: u64,
+    /// Host memory the VM may use, in MiB (a memory cgroup with host swap behind it; the guest
+    /// still has --memory). Needs root, the memory controller and some swap.
+    #[arg(long, value_name = "MiB")]
+    memory_limit: Option<u64>,
+    /// How the VM is swapped over its limit: baseline (plain host swap), mapper (pages read from
+    /// virtio-blk stay tied to their disk blocks) or vswapper (mapper plus false-read
+    /// prevention). mapper and vswapper need bs=4096 on every --blk.
+    #[arg(long, value_name = "MODE", default_value = "baseline")]
+    swap_mode: lucid_vmm::SwapMode,
 }
 
 /// What the CLI could not do, for its one error line.
@@ -195,6 +205,8 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
     config.backing = parse_backing(&args.backing)?;
     config.handle_signals = true;
     config.seccomp = !args.no_seccomp;
+    config.memory_limit_mib = args.memory_limit;
+    config.swap_mode = args.swap_mode;
     for b in &args.blk {
         config.pci.push(lucid_vmm::parse_blk(b)?);
     }

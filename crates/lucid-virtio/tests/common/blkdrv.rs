@@ -54,6 +54,7 @@ pub fn cfg(img: &Image) -> BlockConfig {
         read_only: false,
         logical_block_size: 512,
         id: "lucid-test-disk".into(),
+        direct: false,
     }
 }
 
@@ -84,7 +85,23 @@ impl Blk {
         coal: Coalescing,
         event_idx: bool,
     ) -> Blk {
+        Self::build_hooked(g, dev_off, cfg, notify, coal, event_idx, None)
+    }
+
+    /// [`Blk::build`] with a data hook installed before activation.
+    pub fn build_hooked(
+        g: Guest,
+        dev_off: u64,
+        cfg: BlockConfig,
+        notify: Notify,
+        coal: Coalescing,
+        event_idx: bool,
+        hook: Option<std::sync::Arc<dyn lucid_virtio::blk::BlockDataHook>>,
+    ) -> Blk {
         let mut dev = Block::new("blk0".into(), cfg).unwrap();
+        if let Some(h) = hook {
+            dev.set_data_hook(h);
+        }
         let (vq, (q, kick)) = Vq::at(&g.mem, 0x10000, 256, dev_off);
         let mut feats = dev.features() & !VIRTIO_RING_F_EVENT_IDX;
         if event_idx {
