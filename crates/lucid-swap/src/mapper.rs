@@ -1,1 +1,976 @@
-//! (to be written: see lib.rs)
+//! The Swap Mapper (VSWAPPER §4.5.1, our design B in research/vswapper.md §5.2): guest pages a
+//! virtio-blk read fills are not copied but mapped, `MAP_PRIVATE`, from the disk image, so they
+//! are *named* clean file pages: under the VM's memory limit the host drops them instead of
+//! writing them to swap, and refaults them from the image (with read-around) instead of from
+//! scattered swap slots.
+//!
+//! ## Mechanism
+//! - **Read** (`BlockDataHook::read`): the part of a request that is 4 KiB-aligned in both guest
+//!   address and image offset (and inside the image's size) is one run: `posix_fadvise(WILLNEED)`,
+//!   `GuestRam::remap(gpa, len, Some((image, off)))` (`MAP_FIXED|MAP_PRIVATE`; KVM follows
+//!   through its MMU notifier) and `MADV_POPULATE_READ`, which maps page-cache pages read-only
+//!   *without* copy-on-write (never `MAP_POPULATE`: it would COW every page). Each page is
+//!   recorded in the reverse map (page → block, block → pages). Unaligned heads and tails are
+//!   copied by the mapper itself (`pread`); a request with nothing mappable returns `Ok(false)`
+//!   and the device copies it.
+//! - **Guest store**: KVM maps the read-faulted page read-only; the guest's first write COWs it
+//!   into an anonymous page with the same bytes, so the association is broken by the kernel. The
+//!   mapper notices lazily: `PAGEMAP_SCAN` over its file extents for pages present or swapped
+//!   and not `PAGE_IS_FILE` (at most every [`SCAN_INTERVAL`] from the read path, or
+//!   [`SwapMapper::scan`]), and device writes into guest pages through the `DmaObserver`.
+//!   Dropped blocks no page maps any more are `POSIX_FADV_DONTNEED`ed, as VSWAPPER does.
+//! - **Change of image bytes** (`before_change`, before every write, write-zeroes and discard
+//!   reaches the file): every page still associated with a changed block and still backed by the
+//!   file (present file page, or not present and not swapped: it would refault from the file) is
+//!   broken with `MADV_POPULATE_WRITE`, which COWs the old content C0 in (re-reading it from the
+//!   image if it was dropped) *before* the new content C1 is written. So no guest page ever shows
+//!   image bytes it did not read. The result is checked in pagemap; a failure fails the request.
+//! - **Discard** (`PageDiscard`, balloon and free-page reporting): the range is remapped
+//!   anonymous (a `MADV_DONTNEED` inside a file mapping would bring the image block back) and
+//!   its associations are forgotten.
+//! - **Budget**: each run may split a VMA; the mapper keeps a model of guest RAM's VMAs (file
+//!   extents merge when the image offsets are contiguous, as the kernel merges them) and copies
+//!   instead of mapping when a run would take the count above [`MapperBudget::max_vmas`]
+//!   (default half of `vm.max_map_count`). COW does not give a VMA back; discards can.
+//!
+//! ## Invariant (the consistency gate)
+//! Every page inside a file extent of the layout either is associated with the block its offset
+//! maps (and then shows that block's *current* bytes, which `before_change` keeps equal to what
+//! the guest read), or is anonymous (present or swapped, not `PAGE_IS_FILE`) and can never show
+//! file bytes again, because the mapper never `MADV_DONTNEED`s pages of a file extent.
+//!
+//! ## Vswapper mode: false-read prevention as far as stock KVM allows
+//! - **Stale reads** (a device read into an evicted page faults the old content in from swap
+//!   only for the DMA to overwrite it): mapping a run over swapped pages frees their slots unread
+//!   (both modes, counted in `stale_reads_avoided`); on the copy path, whole pages of the buffer
+//!   that pagemap shows swapped (and that lie outside file extents) are `MADV_DONTNEED`ed before
+//!   the copy, so the copy finds a fresh zero page instead of reading swap. Exact for every
+//!   page the request covers completely.
+//! - **Zero pages**: reads of image holes (`SEEK_DATA`) map fresh anonymous memory instead of
+//!   the file (no disk read, no page cache, no old content read); discarded pages become zero
+//!   pages (all modes). Both count in `zero_pages`; pages that were in swap when dropped count in
+//!   `false_reads_avoided` (their content is never read back).
+//! - **What stock KVM cannot do**: the paper's Preventer emulates guest stores to an evicted page
+//!   into a buffer and skips the swap read when the page is fully overwritten. KVM never shows a
+//!   VMM the data of a faulting store (the EPT violation is resolved in the kernel by
+//!   faulting the page in), so CPU overwrites of evicted pages (zeroing on allocation, COW,
+//!   compaction in the guest) still read swap. Doing it needs a kernel change: an
+//!   "emulate-on-write-to-swapped-page" mode in KVM's fault path (or userfaultfd reporting the
+//!   faulting instruction's data), as the paper's 1,964-line kernel part does.
+//!
+//! Counters `swap.mapper.{mapped_pages, runs, broken, fallbacks, vmas, remaps,
+//! stale_reads_avoided, false_reads_avoided, zero_pages}` (`mapped_pages` and `vmas` are gauges).
+//!
+//! Limits: requests are assumed serialized per image (one virtio-blk worker per device, one
+//! device per image file); an image truncated under a running VM would make mapped pages beyond
+//! the new end fault with SIGBUS. Guest RAM must be `Backing::Anonymous` (a shared memfd would
+//! lose its sharing); with another backing, or in `Baseline` mode, the mapper only copies.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use lucid_mem::{Access, Backing, DeviceId, DmaObserver, GuestRam, MemError, PageDiscard};
+use lucid_stats::{Counter, StatsRegistry};
+use lucid_virtio::blk::BlockDataHook;
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::SwapMode;
+
+const PAGE: u64 = 4096;
+
+/// Least time between two lazy COW scans started from the read path.
+pub const SCAN_INTERVAL: Duration = Duration::from_millis(250);
+
+// pagemap entry bits (Documentation/admin-guide/mm/pagemap.rst).
+const PM_PRESENT: u64 = 1 << 63;
+const PM_SWAP: u64 = 1 << 62;
+const PM_FILE: u64 = 1 << 61;
+
+// PAGEMAP_SCAN (linux/fs.h, 6.7+): the libc crate does not define it.
+const PAGEMAP_SCAN: libc::c_ulong = 0xC060_6610; // _IOWR('f', 16, struct pm_scan_arg)
+const PAGE_IS_FILE: u64 = 1 << 2;
+const PAGE_IS_PRESENT: u64 = 1 << 3;
+const PAGE_IS_SWAPPED: u64 = 1 << 4;
+
+#[repr(C)]
+#[derive(Default)]
+struct PmScanArg {
+    size: u64,
+    flags: u64,
+    start: u64,
+    end: u64,
+    walk_end: u64,
+    vec: u64,
+    vec_len: u64,
+    max_pages: u64,
+    category_inverted: u64,
+    category_mask: u64,
+    category_anyof_mask: u64,
+    return_mask: u64,
+}
+
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+struct PageRegion {
+    start: u64,
+    end: u64,
+    categories: u64,
+}
+
+/// The page is backed by anonymous memory (a COWed or fresh page, present or in swap): it can
+/// never show file bytes again.
+fn anon_backed(e: u64) -> bool {
+    e & (PM_PRESENT | PM_SWAP) != 0 && e & PM_FILE == 0
+}
+
+/// How many VMAs the mapper may have guest RAM split into.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapperBudget {
+    pub max_vmas: u64,
+}
+
+impl Default for MapperBudget {
+    /// Half of `vm.max_map_count` (65530 by default), leaving the rest to the process.
+    fn default() -> Self {
+        let max = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .unwrap_or(65530);
+        MapperBudget { max_vmas: max / 2 }
+    }
+}
+
+impl MapperBudget {
+    pub fn vmas(max_vmas: u64) -> Self {
+        MapperBudget { max_vmas }
+    }
+}
+
+struct Counters {
+    mapped_pages: Arc<Counter>,
+    runs: Arc<Counter>,
+    broken: Arc<Counter>,
+    fallbacks: Arc<Counter>,
+    vmas: Arc<Counter>,
+    remaps: Arc<Counter>,
+    stale_reads_avoided: Arc<Counter>,
+    false_reads_avoided: Arc<Counter>,
+    zero_pages: Arc<Counter>,
+}
+
+/// An image file the mapper has mapped from (kept open to drop its cache and to compare).
+struct Image {
+    dev: u64,
+    ino: u64,
+    file: File,
+}
+
+/// A maximal range of guest RAM mapped from one image at contiguous offsets: one VMA.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Extent {
+    end: u64,
+    image: u32,
+    off: u64,
+}
+
+/// What backs a page in the VMA model: anonymous, or (image, offset − gpa): two neighbouring
+/// pages share a VMA exactly when their keys are equal.
+type Key = Option<(u32, u64)>;
+
+#[derive(Default)]
+struct State {
+    images: Vec<Image>,
+    /// Guest page → (image, block number).
+    assoc: BTreeMap<u64, (u32, u64)>,
+    /// (image, block, guest page): the reverse map.
+    rev: BTreeSet<(u32, u64, u64)>,
+    /// File extents by start gpa (everything else in guest RAM is anonymous).
+    layout: BTreeMap<u64, Extent>,
+    /// Modelled VMA count of guest RAM.
+    vmas: u64,
+    last_scan: Option<Instant>,
+    scan_unsupported: bool,
+}
+
+/// The Swap Mapper engine for one VM (see the module doc).
+pub struct SwapMapper {
+    ram: Arc<GuestRam>,
+    mode: SwapMode,
+    active: bool,
+    budget: MapperBudget,
+    pagemap: Option<File>,
+    /// Associations, readable without the lock (the DMA observer's fast path).
+    mapped: AtomicU64,
+    state: Mutex<State>,
+    c: Counters,
+}
+
+/// A piece of a read request's aligned middle: mapped from the image, or a hole.
+struct Piece {
+    gpa: u64,
+    end: u64,
+    off: u64,
+    hole: bool,
+}
+
+impl SwapMapper {
+    /// The engine for `ram`. In `Baseline` mode, or when guest RAM is not anonymous memory, or
+    /// when /proc/self/pagemap cannot be opened, it never maps (reads return `Ok(false)`,
+    /// discards are plain).
+    pub fn new(
+        ram: Arc<GuestRam>,
+        mode: SwapMode,
+        stats: &StatsRegistry,
+        budget: MapperBudget,
+    ) -> Arc<SwapMapper> {
+        let c = |n: &str| stats.counter(format!("swap.mapper.{n}"));
+        let counters = Counters {
+            mapped_pages: c("mapped_pages"),
+            runs: c("runs"),
+            broken: c("broken"),
+            fallbacks: c("fallbacks"),
+            vmas: c("vmas"),
+            remaps: c("remaps"),
+            stale_reads_avoided: c("stale_reads_avoided"),
+            false_reads_avoided: c("false_reads_avoided"),
+            zero_pages: c("zero_pages"),
+        };
+        let pagemap = match File::open("/proc/self/pagemap") {
+            Ok(f) => Some(f),
+            Err(e) => {
+                log::warn!("swap mapper: cannot open /proc/self/pagemap ({e}): copying only");
+                None
+            }
+        };
+        let anon = *ram.backing() == Backing::Anonymous;
+        if mode != SwapMode::Baseline && !anon {
+            log::warn!(
+                "swap mapper: guest RAM is {:?}, not anonymous memory: copying only",
+                ram.backing()
+            );
+        }
+        let active = mode != SwapMode::Baseline && anon && pagemap.is_some();
+        let vmas = ram.regions().len() as u64;
+        counters.vmas.set(vmas);
+        Arc::new(SwapMapper {
+            ram,
+            mode,
+            active,
+            budget,
+            pagemap,
+            mapped: AtomicU64::new(0),
+            state: Mutex::new(State {
+                vmas,
+                ..Default::default()
+            }),
+            c: counters,
+        })
+    }
+
+    pub fn mode(&self) -> SwapMode {
+        self.mode
+    }
+
+    /// Whether reads are mapped (a mapper mode on anonymous guest RAM).
+    pub fn is_active(&self) -> bool {
+        self.active
+    }
+
+    /// Guest pages currently associated with image blocks (COWs not yet scanned included).
+    pub fn mapped_pages(&self) -> u64 {
+        self.mapped.load(Ordering::Relaxed)
+    }
+
+    /// The modelled number of VMAs guest RAM is split into.
+    pub fn vmas(&self) -> u64 {
+        self.lock().vmas
+    }
+
+    /// The guest page (gpa) → image block associations, sorted (for tests and reports).
+    pub fn associations(&self) -> Vec<(u64, u64)> {
+        self.lock().assoc.iter().map(|(&g, &(_, b))| (g, b)).collect()
+    }
+
+    /// Pre-registers an image (dups its fd now, e.g. before a seccomp filter forbids `fcntl`).
+    pub fn add_image(&self, file: &File) -> io::Result<()> {
+        let mut st = self.lock();
+        Self::image_id(&mut st, file, true).map(|_| ())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn image_id(st: &mut State, file: &File, create: bool) -> io::Result<Option<u32>> {
+        let m = file.metadata()?;
+        if let Some(i) = st
+            .images
+            .iter()
+            .position(|i| i.dev == m.dev() && i.ino == m.ino())
+        {
+            return Ok(Some(i as u32));
+        }
+        if !create {
+            return Ok(None);
+        }
+        st.images.push(Image {
+            dev: m.dev(),
+            ino: m.ino(),
+            file: file.try_clone()?,
+        });
+        Ok(Some(st.images.len() as u32 - 1))
+    }
+
+    /// The host address of `gpa..gpa+len` and the RAM region's bounds, if it lies in one region.
+    fn region_of(&self, gpa: u64, len: u64) -> Option<(u64, u64, u64)> {
+        self.ram
+            .regions()
+            .iter()
+            .find(|r| gpa >= r.gpa && gpa.checked_add(len).is_some_and(|e| e <= r.gpa + r.size))
+            .map(|r| (r.host_addr + (gpa - r.gpa), r.gpa, r.gpa + r.size))
+    }
+
+    fn host(&self, gpa: u64) -> u64 {
+        self.region_of(gpa, 1).map(|r| r.0).unwrap_or(0)
+    }
+
+    /// pagemap entries of the pages at `gpa..gpa+len` (page aligned, inside one region).
+    fn pagemap(&self, gpa: u64, len: u64) -> io::Result<Vec<u64>> {
+        let pm = self
+            .pagemap
+            .as_ref()
+            .ok_or_else(|| io::Error::other("pagemap is not open"))?;
+        let n = (len / PAGE) as usize;
+        let mut raw = vec![0u8; n * 8];
+        pm.read_exact_at(&mut raw, self.host(gpa) / PAGE * 8)?;
+        Ok(raw
+            .chunks_exact(8)
+            .map(|c| u64::from_ne_bytes(c.try_into().unwrap_or_default()))
+            .collect())
+    }
+
+    fn madvise(&self, gpa: u64, len: u64, advice: libc::c_int) -> io::Result<()> {
+        let host = self.host(gpa);
+        // SAFETY: `host..host+len` is guest RAM this mapper's GuestRam owns (callers pass
+        // ranges inside one region); madvise changes no Rust-visible memory invariants: the
+        // populate advices only fault pages in, DONTNEED replaces anonymous pages by zero pages.
+        let r = unsafe { libc::madvise(host as *mut libc::c_void, len as usize, advice) };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    fn publish(&self, st: &State) {
+        let n = st.assoc.len() as u64;
+        self.mapped.store(n, Ordering::Relaxed);
+        self.c.mapped_pages.set(n);
+        self.c.vmas.set(st.vmas);
+    }
+
+    // ---- the VMA model ----
+
+    fn key_at(st: &State, gpa: u64) -> Key {
+        st.layout
+            .range(..=gpa)
+            .next_back()
+            .filter(|(_, e)| e.end > gpa)
+            .map(|(&s, e)| (e.image, e.off.wrapping_sub(s)))
+    }
+
+    /// Distinct extent boundaries in `[s, e]` strictly inside the region `(lo, hi)`: each is a
+    /// VMA boundary because extents are kept maximal.
+    fn boundaries(st: &State, s: u64, e: u64, lo: u64, hi: u64) -> u64 {
+        let mut pts = Vec::new();
+        for (&start, ext) in st.layout.range(..=e).rev() {
+            if ext.end < s {
+                break;
+            }
+            for p in [start, ext.end] {
+                if p >= s && p <= e && p > lo && p < hi {
+                    pts.push(p);
+                }
+            }
+        }
+        pts.sort_unstable();
+        pts.dedup();
+        pts.len() as u64
+    }
+
+    /// The VMA count after giving pages `s..e` of region `(lo, hi)` the key `key`.
+    fn vmas_after(st: &State, s: u64, e: u64, lo: u64, hi: u64, key: Key) -> u64 {
+        let before = Self::boundaries(st, s, e, lo, hi);
+        let after = u64::from(s > lo && Self::key_at(st, s - PAGE) != key)
+            + u64::from(e < hi && Self::key_at(st, e) != key);
+        (st.vmas + after).saturating_sub(before)
+    }
+
+    /// Records that pages `s..e` are now anonymous (`key` None) or mapped from an image.
+    fn set_layout(st: &mut State, s: u64, e: u64, lo: u64, hi: u64, key: Key) {
+        st.vmas = Self::vmas_after(st, s, e, lo, hi, key);
+        let overlapping: Vec<(u64, Extent)> = st
+            .layout
+            .range(..e)
+            .rev()
+            .take_while(|(_, x)| x.end > s)
+            .map(|(&k, &x)| (k, x))
+            .collect();
+        for (start, x) in overlapping {
+            st.layout.remove(&start);
+            if start < s {
+                st.layout.insert(start, Extent { end: s, ..x });
+            }
+            if x.end > e {
+                st.layout.insert(
+                    e,
+                    Extent {
+                        off: x.off + (e - start),
+                        ..x
+                    },
+                );
+            }
+        }
+        let Some((image, delta)) = key else { return };
+        let mut start = s;
+        let mut ext = Extent {
+            end: e,
+            image,
+            off: delta.wrapping_add(s),
+        };
+        // Merge with neighbours of the same key, as the kernel merges the VMAs.
+        if let Some((&ls, l)) = st.layout.range(..s).next_back() {
+            if l.end == s && l.image == image && l.off.wrapping_sub(ls) == delta {
+                start = ls;
+                ext.off = l.off;
+                st.layout.remove(&ls);
+            }
+        }
+        if let Some(r) = st.layout.get(&e).copied() {
+            if r.image == image && r.off.wrapping_sub(e) == delta {
+                ext.end = r.end;
+                st.layout.remove(&e);
+            }
+        }
+        st.layout.insert(start, ext);
+    }
+
+    // ---- associations ----
+
+    fn forget(st: &mut State, gpa: u64) -> Option<(u32, u64)> {
+        let (i, b) = st.assoc.remove(&gpa)?;
+        st.rev.remove(&(i, b, gpa));
+        Some((i, b))
+    }
+
+    /// Forgets a page found anonymous (COWed): a broken association; drops the block from the
+    /// host page cache when no other page maps it.
+    fn broke(&self, st: &mut State, gpa: u64, drop_cache: bool) {
+        if let Some((i, b)) = Self::forget(st, gpa) {
+            self.c.broken.inc();
+            if drop_cache && st.rev.range((i, b, 0)..=(i, b, u64::MAX)).next().is_none() {
+                if let Some(img) = st.images.get(i as usize) {
+                    // SAFETY: fadvise on an fd we own; no memory is touched.
+                    unsafe {
+                        libc::posix_fadvise(
+                            img.file.as_raw_fd(),
+                            (b * PAGE) as libc::off_t,
+                            PAGE as libc::off_t,
+                            libc::POSIX_FADV_DONTNEED,
+                        )
+                    };
+                }
+            }
+        }
+    }
+
+    // ---- read ----
+
+    fn read_impl(&self, file: &File, off: u64, gpa: u64, len: u64) -> io::Result<bool> {
+        if !self.active || len == 0 {
+            return Ok(false);
+        }
+        let Some((_, lo, hi)) = self.region_of(gpa, len) else {
+            // Outside guest RAM or across regions: the device copies (and reports errors).
+            self.c.fallbacks.inc();
+            return Ok(false);
+        };
+        let Some(end_off) = off.checked_add(len) else {
+            return Ok(false);
+        };
+        let mut st = self.lock();
+        self.maybe_scan(&mut st);
+        let size = file.metadata()?.len();
+        // The aligned middle: whole pages, aligned alike in guest and image, inside the file.
+        let m_start = gpa.next_multiple_of(PAGE);
+        let mut m_end = (gpa + len) / PAGE * PAGE;
+        if (gpa ^ off) % PAGE != 0 {
+            m_end = m_start;
+        }
+        let file_end_gpa = (size / PAGE * PAGE).checked_sub(off).map(|d| gpa + d);
+        m_end = m_end.min(file_end_gpa.unwrap_or(0));
+        if end_off > size {
+            // Past the image's end: the device copies and reports the error.
+            return Ok(false);
+        }
+        if m_end <= m_start {
+            self.prepare_copy(&st, gpa, len);
+            self.c.fallbacks.inc();
+            return Ok(false);
+        }
+        let image = Self::image_id(&mut st, file, true)?.unwrap_or(0);
+        let m_off = off + (m_start - gpa);
+        let pieces = self.pieces(file, m_off, m_start, m_end);
+        // Nothing placed yet: if the first piece does not fit, let the device copy it all.
+        let first = &pieces[0];
+        let key = |p: &Piece| (!p.hole).then(|| (image, p.off.wrapping_sub(p.gpa)));
+        if Self::vmas_after(&st, first.gpa, first.end, lo, hi, key(first)) > self.budget.max_vmas
+        {
+            self.prepare_copy(&st, gpa, len);
+            self.c.fallbacks.inc();
+            self.publish(&st);
+            return Ok(false);
+        }
+        if m_start > gpa {
+            self.copy_in(&mut st, file, off, gpa, m_start - gpa)?;
+        }
+        for p in &pieces {
+            let fits = Self::vmas_after(&st, p.gpa, p.end, lo, hi, key(p)) <= self.budget.max_vmas;
+            let placed = fits
+                && if p.hole {
+                    self.zero_piece(&mut st, p, lo, hi).is_ok()
+                } else {
+                    self.map_piece(&mut st, image, file, p, lo, hi).is_ok()
+                };
+            if !placed {
+                self.c.fallbacks.inc();
+                self.prepare_copy(&st, p.gpa, p.end - p.gpa);
+                self.copy_in(&mut st, file, p.off, p.gpa, p.end - p.gpa)?;
+            }
+        }
+        if gpa + len > m_end {
+            self.copy_in(&mut st, file, off + (m_end - gpa), m_end, gpa + len - m_end)?;
+        }
+        self.publish(&st);
+        Ok(true)
+    }
+
+    /// Splits the aligned middle at image holes (vswapper) into pieces.
+    fn pieces(&self, file: &File, off: u64, gpa: u64, end: u64) -> Vec<Piece> {
+        let whole = |g: u64, e: u64, hole: bool| Piece {
+            gpa: g,
+            end: e,
+            off: off + (g - gpa),
+            hole,
+        };
+        if self.mode != SwapMode::Vswapper {
+            return vec![whole(gpa, end, false)];
+        }
+        let fd = file.as_raw_fd();
+        let off_end = off + (end - gpa);
+        let mut out = Vec::new();
+        let mut pos = off;
+        while pos < off_end {
+            // SAFETY: lseek on a borrowed fd: no memory is touched. The position it moves is
+            // not used by the device (pread/pwrite take explicit offsets).
+            let data = unsafe { libc::lseek(fd, pos as libc::off_t, libc::SEEK_DATA) };
+            let data = if data < 0 { off_end } else { data as u64 };
+            // Hole pages: only those entirely before the data.
+            let hole_end = (data / PAGE * PAGE).min(off_end);
+            if hole_end > pos {
+                out.push(whole(gpa + (pos - off), gpa + (hole_end - off), true));
+                pos = hole_end;
+                continue;
+            }
+            // SAFETY: as above.
+            let hole = unsafe { libc::lseek(fd, data.max(pos) as libc::off_t, libc::SEEK_HOLE) };
+            let data_end = if hole < 0 {
+                off_end
+            } else {
+                (hole as u64).next_multiple_of(PAGE).min(off_end)
+            };
+            let data_end = data_end.max(pos + PAGE);
+            out.push(whole(gpa + (pos - off), gpa + (data_end - off), false));
+            pos = data_end;
+        }
+        if out.is_empty() {
+            out.push(whole(gpa, end, false));
+        }
+        out
+    }
+
+    /// Maps one aligned piece from the image; on failure nothing stays mapped.
+    fn map_piece(
+        &self,
+        st: &mut State,
+        image: u32,
+        file: &File,
+        p: &Piece,
+        lo: u64,
+        hi: u64,
+    ) -> io::Result<()> {
+        let len = p.end - p.gpa;
+        let swapped = self
+            .pagemap(p.gpa, len)
+            .map(|v| v.iter().filter(|&&e| e & PM_SWAP != 0 && e & PM_FILE == 0).count())
+            .unwrap_or(0) as u64;
+        // SAFETY: fadvise on a borrowed fd; no memory is touched.
+        unsafe {
+            libc::posix_fadvise(
+                file.as_raw_fd(),
+                p.off as libc::off_t,
+                len as libc::off_t,
+                libc::POSIX_FADV_WILLNEED,
+            )
+        };
+        self.ram
+            .remap(p.gpa, len, Some((file, p.off)))
+            .map_err(io::Error::other)?;
+        self.c.remaps.inc();
+        let key = Some((image, p.off.wrapping_sub(p.gpa)));
+        Self::set_layout(st, p.gpa, p.end, lo, hi, key);
+        if let Err(e) = self.madvise(p.gpa, len, libc::MADV_POPULATE_READ) {
+            // EIO, EINTR, ENOMEM...: go back to anonymous memory; the caller copies (and so
+            // reports a real I/O error to the guest).
+            if let Err(e2) = self.ram.remap(p.gpa, len, None) {
+                log::error!(
+                    "swap mapper: cannot undo the mapping of {:#x}+{len:#x}: {e2}",
+                    p.gpa
+                );
+            } else {
+                Self::set_layout(st, p.gpa, p.end, lo, hi, None);
+                for g in (p.gpa..p.end).step_by(PAGE as usize) {
+                    Self::forget(st, g);
+                }
+                return Err(e);
+            }
+        }
+        for g in (p.gpa..p.end).step_by(PAGE as usize) {
+            Self::forget(st, g);
+            let b = (p.off + (g - p.gpa)) / PAGE;
+            st.assoc.insert(g, (image, b));
+            st.rev.insert((image, b, g));
+        }
+        self.c.runs.inc();
+        self.c.stale_reads_avoided.add(swapped);
+        Ok(())
+    }
+
+    /// A piece that is an image hole: fresh anonymous zero pages, nothing read.
+    fn zero_piece(&self, st: &mut State, p: &Piece, lo: u64, hi: u64) -> io::Result<()> {
+        let len = p.end - p.gpa;
+        let swapped = self
+            .pagemap(p.gpa, len)
+            .map(|v| v.iter().filter(|&&e| e & PM_SWAP != 0 && e & PM_FILE == 0).count())
+            .unwrap_or(0) as u64;
+        self.ram
+            .remap(p.gpa, len, None)
+            .map_err(io::Error::other)?;
+        self.c.remaps.inc();
+        Self::set_layout(st, p.gpa, p.end, lo, hi, None);
+        for g in (p.gpa..p.end).step_by(PAGE as usize) {
+            Self::forget(st, g);
+        }
+        self.c.zero_pages.add(len / PAGE);
+        self.c.stale_reads_avoided.add(swapped);
+        Ok(())
+    }
+
+    /// Vswapper: before a copy into `gpa..gpa+len`, drops the whole pages it covers that are in
+    /// swap (outside file extents), so the copy does not read their old content back first.
+    fn prepare_copy(&self, st: &State, gpa: u64, len: u64) {
+        if self.mode != SwapMode::Vswapper {
+            return;
+        }
+        let s = gpa.next_multiple_of(PAGE);
+        let e = (gpa + len) / PAGE * PAGE;
+        if e <= s || self.region_of(s, e - s).is_none() {
+            return;
+        }
+        let Ok(entries) = self.pagemap(s, e - s) else {
+            return;
+        };
+        for (i, ent) in entries.iter().enumerate() {
+            let g = s + i as u64 * PAGE;
+            if ent & PM_SWAP != 0 && ent & PM_FILE == 0 && Self::key_at(st, g).is_none() {
+                // Anonymous VMA: DONTNEED frees the swap slot unread and leaves a zero page.
+                if self.madvise(g, PAGE, libc::MADV_DONTNEED).is_ok() {
+                    self.c.stale_reads_avoided.inc();
+                }
+            }
+        }
+    }
+
+    /// Copies image bytes into guest memory itself (unaligned heads and tails, fallbacks), and
+    /// forgets the pages it wrote (the write COWed any mapped page).
+    fn copy_in(&self, st: &mut State, file: &File, off: u64, gpa: u64, len: u64) -> io::Result<()> {
+        let mut buf = vec![0u8; len as usize];
+        file.read_exact_at(&mut buf, off)?;
+        self.ram
+            .memory()
+            .write_slice(&buf, GuestAddress(gpa))
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        let first = gpa / PAGE * PAGE;
+        for g in (first..gpa + len).step_by(PAGE as usize) {
+            if st.assoc.contains_key(&g) {
+                self.broke(st, g, true);
+            }
+        }
+        Ok(())
+    }
+
+    // ---- breaking ----
+
+    fn before_change_impl(&self, file: &File, off: u64, len: u64) -> io::Result<()> {
+        if !self.active || len == 0 || self.mapped.load(Ordering::Relaxed) == 0 {
+            return Ok(());
+        }
+        let mut st = self.lock();
+        let Some(image) = Self::image_id(&mut st, file, false)? else {
+            return Ok(());
+        };
+        let b0 = off / PAGE;
+        let b1 = off.saturating_add(len).div_ceil(PAGE);
+        let pages: Vec<u64> = st
+            .rev
+            .range((image, b0, 0)..(image, b1, 0))
+            .map(|&(_, _, g)| g)
+            .collect();
+        let mut result = Ok(());
+        for g in pages {
+            match self.break_page(g) {
+                // The block is about to change: no point dropping its cache.
+                Ok(()) => self.broke(&mut st, g, false),
+                Err(e) => {
+                    log::error!("swap mapper: cannot break the mapping of page {g:#x}: {e}");
+                    result = Err(e);
+                }
+            }
+        }
+        self.publish(&st);
+        result
+    }
+
+    /// Makes page `gpa` anonymous with its current (old) content, if it is still file-backed.
+    fn break_page(&self, gpa: u64) -> io::Result<()> {
+        for _ in 0..4 {
+            let e = self.pagemap(gpa, PAGE)?[0];
+            if anon_backed(e) {
+                return Ok(());
+            }
+            // A present file page, a file page under migration, or not present (it would
+            // refault from the file): COW the old content in now.
+            match self.madvise(gpa, PAGE, libc::MADV_POPULATE_WRITE) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let e = self.pagemap(gpa, PAGE)?[0];
+        if anon_backed(e) {
+            Ok(())
+        } else {
+            Err(io::Error::other(format!(
+                "page still file-backed after MADV_POPULATE_WRITE (pagemap {e:#x})"
+            )))
+        }
+    }
+
+    // ---- lazy COW detection ----
+
+    fn maybe_scan(&self, st: &mut State) {
+        if st.assoc.is_empty() {
+            return;
+        }
+        if st.last_scan.is_some_and(|t| t.elapsed() < SCAN_INTERVAL) {
+            return;
+        }
+        self.scan_locked(st);
+    }
+
+    /// Finds COWed pages (present or swapped, not file) in the mapper's file extents now and
+    /// drops their associations.
+    pub fn scan(&self) {
+        if !self.active {
+            return;
+        }
+        let mut st = self.lock();
+        self.scan_locked(&mut st);
+        self.publish(&st);
+    }
+
+    fn scan_locked(&self, st: &mut State) {
+        st.last_scan = Some(Instant::now());
+        let extents: Vec<(u64, u64)> = st.layout.iter().map(|(&s, e)| (s, e.end)).collect();
+        let mut cowed = Vec::new();
+        for (s, e) in extents {
+            if st.scan_unsupported {
+                self.scan_pread(st, s, e, &mut cowed);
+            } else if let Err(err) = self.scan_ioctl(s, e, &mut cowed) {
+                log::info!("swap mapper: PAGEMAP_SCAN unavailable ({err}): reading pagemap");
+                st.scan_unsupported = true;
+                self.scan_pread(st, s, e, &mut cowed);
+            }
+        }
+        for g in cowed {
+            if st.assoc.contains_key(&g) {
+                self.broke(st, g, true);
+            }
+        }
+    }
+
+    fn scan_ioctl(&self, s: u64, e: u64, out: &mut Vec<u64>) -> io::Result<()> {
+        let pm = self
+            .pagemap
+            .as_ref()
+            .ok_or_else(|| io::Error::other("pagemap is not open"))?;
+        let host = self.host(s);
+        let end = host + (e - s);
+        let mut regions = [PageRegion::default(); 256];
+        let mut start = host;
+        while start < end {
+            let mut arg = PmScanArg {
+                size: std::mem::size_of::<PmScanArg>() as u64,
+                start,
+                end,
+                vec: regions.as_mut_ptr() as u64,
+                vec_len: regions.len() as u64,
+                category_inverted: PAGE_IS_FILE,
+                category_mask: PAGE_IS_FILE,
+                category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+                return_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED | PAGE_IS_FILE,
+                ..Default::default()
+            };
+            // SAFETY: PAGEMAP_SCAN reads `arg` and writes at most `vec_len` PageRegions into
+            // `regions` (which outlives the call) and `arg.walk_end`; it only inspects our page
+            // tables.
+            let n = unsafe { libc::ioctl(pm.as_raw_fd(), PAGEMAP_SCAN, &mut arg) };
+            if n < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            for r in &regions[..n as usize] {
+                for h in (r.start..r.end).step_by(PAGE as usize) {
+                    out.push(s + (h - host));
+                }
+            }
+            if arg.walk_end <= start {
+                break;
+            }
+            start = arg.walk_end;
+        }
+        Ok(())
+    }
+
+    fn scan_pread(&self, st: &State, s: u64, e: u64, out: &mut Vec<u64>) {
+        let pages: Vec<u64> = st.assoc.range(s..e).map(|(&g, _)| g).collect();
+        for g in pages {
+            if self.pagemap(g, PAGE).is_ok_and(|v| anon_backed(v[0])) {
+                out.push(g);
+            }
+        }
+    }
+
+    // ---- device writes into guest pages ----
+
+    fn observe_write(&self, gpa: u64, len: u64) {
+        // A hint only (the scan finds the same COWs): never wait for the lock on a device thread.
+        let Ok(mut st) = self.state.try_lock() else {
+            return;
+        };
+        let first = gpa / PAGE * PAGE;
+        let pages: Vec<u64> = st
+            .assoc
+            .range(first..gpa.saturating_add(len))
+            .map(|(&g, _)| g)
+            .collect();
+        for g in pages {
+            // The copy COWed the page; check rather than trust (a racing remap may have
+            // replaced it after the copy).
+            if self.pagemap(g, PAGE).is_ok_and(|v| anon_backed(v[0])) {
+                self.broke(&mut st, g, true);
+            }
+        }
+        self.publish(&st);
+    }
+
+    // ---- discard ----
+
+    fn discard_impl(&self, gpa: u64, len: u64) -> Result<(), MemError> {
+        let Some((_, lo, hi)) = self
+            .region_of(gpa, len)
+            .filter(|_| gpa % PAGE == 0 && len % PAGE == 0 && len > 0)
+        else {
+            return Err(MemError::BadRemap { gpa, len });
+        };
+        let mut st = self.lock();
+        let swapped = self
+            .pagemap(gpa, len)
+            .map(|v| v.iter().filter(|&&e| e & PM_SWAP != 0 && e & PM_FILE == 0).count())
+            .unwrap_or(0) as u64;
+        self.ram.remap(gpa, len, None)?;
+        self.c.remaps.inc();
+        Self::set_layout(&mut st, gpa, gpa + len, lo, hi, None);
+        let pages: Vec<u64> = st.assoc.range(gpa..gpa + len).map(|(&g, _)| g).collect();
+        for g in pages {
+            Self::forget(&mut st, g);
+        }
+        self.c.zero_pages.add(len / PAGE);
+        self.c.false_reads_avoided.add(swapped);
+        self.publish(&st);
+        Ok(())
+    }
+
+    /// The VMAs guest RAM really has now, from /proc/self/maps (slow: for tests and reports).
+    pub fn actual_vmas(&self) -> io::Result<u64> {
+        let maps = std::fs::read_to_string("/proc/self/maps")?;
+        let regions: Vec<(u64, u64)> = self
+            .ram
+            .regions()
+            .iter()
+            .map(|r| (r.host_addr, r.host_addr + r.size))
+            .collect();
+        Ok(maps
+            .lines()
+            .filter_map(|l| {
+                let (a, b) = l.split_whitespace().next()?.split_once('-')?;
+                Some((
+                    u64::from_str_radix(a, 16).ok()?,
+                    u64::from_str_radix(b, 16).ok()?,
+                ))
+            })
+            .filter(|&(a, b)| regions.iter().any(|&(s, e)| a < e && b > s))
+            .count() as u64)
+    }
+}
+
+impl BlockDataHook for SwapMapper {
+    fn read(&self, file: &File, off: u64, gpa: u64, len: u64) -> io::Result<bool> {
+        self.read_impl(file, off, gpa, len)
+    }
+
+    fn before_change(&self, file: &File, off: u64, len: u64) -> io::Result<()> {
+        self.before_change_impl(file, off, len)
+    }
+}
+
+impl PageDiscard for SwapMapper {
+    fn discard(&self, gpa: u64, len: u64) -> Result<(), MemError> {
+        if !self.active {
+            return self.ram.discard(gpa, len);
+        }
+        self.discard_impl(gpa, len)
+    }
+}
+
+impl DmaObserver for SwapMapper {
+    fn observe(&self, _dev: DeviceId, gpa: u64, len: u64, access: Access) {
+        if access == Access::Write && self.active && self.mapped.load(Ordering::Relaxed) > 0 {
+            self.observe_write(gpa, len);
+        }
+    }
+}
