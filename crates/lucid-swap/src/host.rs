@@ -229,7 +229,7 @@ fn exe_text_ranges() -> io::Result<Vec<(usize, usize)>> {
             let range = f.next()?;
             let perms = f.next()?;
             let path = f.nth(3)?;
-            if !perms.starts_with("r-x") || PathBuf::from(path) != exe {
+            if !perms.starts_with("r-x") || exe.as_path() != std::path::Path::new(path) {
                 return None;
             }
             let (a, b) = range.split_once('-')?;

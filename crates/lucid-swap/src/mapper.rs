@@ -98,6 +98,30 @@ const PAGE_IS_FILE: u64 = 1 << 2;
 const PAGE_IS_PRESENT: u64 = 1 << 3;
 const PAGE_IS_SWAPPED: u64 = 1 << 4;
 
+// PROCMAP_QUERY (linux/fs.h, 6.11+): asks the kernel for the VMA at or after an address.
+const PROCMAP_QUERY: libc::c_ulong = 0xC068_6611; // _IOWR('f', 17, struct procmap_query)
+const PROCMAP_QUERY_COVERING_OR_NEXT_VMA: u64 = 0x10;
+
+#[repr(C)]
+#[derive(Default)]
+struct ProcmapQuery {
+    size: u64,
+    query_flags: u64,
+    query_addr: u64,
+    vma_start: u64,
+    vma_end: u64,
+    vma_flags: u64,
+    vma_page_size: u64,
+    vma_offset: u64,
+    inode: u64,
+    dev_major: u32,
+    dev_minor: u32,
+    vma_name_size: u32,
+    build_id_size: u32,
+    vma_name_addr: u64,
+    build_id_addr: u64,
+}
+
 #[repr(C)]
 #[derive(Default)]
 struct PmScanArg {
@@ -192,8 +216,10 @@ struct State {
     rev: BTreeSet<(u32, u64, u64)>,
     /// File extents by start gpa (everything else in guest RAM is anonymous).
     layout: BTreeMap<u64, Extent>,
-    /// Modelled VMA count of guest RAM.
+    /// VMAs overlapping guest RAM: exact (counted by PROCMAP_QUERY around every change) while
+    /// `exact`, else modelled from the layout.
     vmas: u64,
+    exact: bool,
     last_scan: Option<Instant>,
     scan_unsupported: bool,
 }
@@ -205,6 +231,8 @@ pub struct SwapMapper {
     active: bool,
     budget: MapperBudget,
     pagemap: Option<File>,
+    /// /proc/self/maps, for PROCMAP_QUERY.
+    maps: Option<File>,
     /// Associations, readable without the lock (the DMA observer's fast path).
     mapped: AtomicU64,
     state: Mutex<State>,
@@ -256,21 +284,125 @@ impl SwapMapper {
             );
         }
         let active = mode != SwapMode::Baseline && anon && pagemap.is_some();
-        let vmas = ram.regions().len() as u64;
-        counters.vmas.set(vmas);
-        Arc::new(SwapMapper {
+        let mut m = SwapMapper {
             ram,
             mode,
             active,
             budget,
             pagemap,
+            maps: File::open("/proc/self/maps").ok(),
             mapped: AtomicU64::new(0),
-            state: Mutex::new(State {
-                vmas,
-                ..Default::default()
-            }),
+            state: Mutex::new(State::default()),
             c: counters,
-        })
+        };
+        let exact = m.count_ram_vmas();
+        let st = m.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        st.exact = exact.is_some();
+        st.vmas = exact.unwrap_or(m.ram.regions().len() as u64);
+        m.c.vmas.set(st.vmas);
+        Arc::new(m)
+    }
+
+    /// The VMA at or after host address `addr`, as (start, end).
+    fn vma_at_or_after(&self, addr: u64) -> Option<(u64, u64)> {
+        let maps = self.maps.as_ref()?;
+        let mut q = ProcmapQuery {
+            size: std::mem::size_of::<ProcmapQuery>() as u64,
+            query_flags: PROCMAP_QUERY_COVERING_OR_NEXT_VMA,
+            query_addr: addr,
+            ..Default::default()
+        };
+        // SAFETY: PROCMAP_QUERY reads and writes only `q` (no name or build-id buffers are
+        // passed: their sizes are 0).
+        let r = unsafe { libc::ioctl(maps.as_raw_fd(), PROCMAP_QUERY, &mut q) };
+        (r == 0).then_some((q.vma_start, q.vma_end))
+    }
+
+    /// How many VMAs overlap host addresses `a..b` (None without PROCMAP_QUERY).
+    fn count_vmas(&self, a: u64, b: u64) -> Option<u64> {
+        let mut n = 0;
+        let mut at = a;
+        while at < b {
+            let Some((s, e)) = self.vma_at_or_after(at) else {
+                // ENOENT (nothing after) is an answer; anything else is not.
+                let err = io::Error::last_os_error().raw_os_error();
+                return (err == Some(libc::ENOENT)).then_some(n);
+            };
+            if s >= b {
+                break;
+            }
+            n += 1;
+            at = e;
+        }
+        Some(n)
+    }
+
+    /// Guest RAM's host address ranges, with regions placed back to back merged.
+    fn host_spans(&self) -> Vec<(u64, u64)> {
+        let mut spans: Vec<(u64, u64)> = self
+            .ram
+            .regions()
+            .iter()
+            .map(|r| (r.host_addr, r.host_addr + r.size))
+            .collect();
+        spans.sort_unstable();
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        for (a, b) in spans {
+            match out.last_mut() {
+                Some(last) if last.1 == a => last.1 = b,
+                _ => out.push((a, b)),
+            }
+        }
+        out
+    }
+
+    fn host_span(&self, host: u64) -> (u64, u64) {
+        self.host_spans()
+            .into_iter()
+            .find(|&(a, b)| host >= a && host < b)
+            .unwrap_or((host, host))
+    }
+
+    /// VMAs overlapping guest RAM.
+    fn count_ram_vmas(&self) -> Option<u64> {
+        self.host_spans()
+            .into_iter()
+            .try_fold(0, |n, (a, b)| Some(n + self.count_vmas(a, b)?))
+    }
+
+    /// Remaps guest pages `s..e` of region `(lo, hi)` (from `src`'s image at an offset, or
+    /// anonymous), keeping the layout model and the VMA count up to date.
+    fn remap_tracked(
+        &self,
+        st: &mut State,
+        s: u64,
+        e: u64,
+        (lo, hi): (u64, u64),
+        src: Option<(&File, u64, u32)>,
+    ) -> Result<(), MemError> {
+        let _ = hi;
+        // A page either side, clamped to the host span of guest RAM around it (regions the
+        // kernel placed back to back can share a VMA, so the span, not the region, bounds it).
+        let (hs, he) = (self.host(s), self.host(s) + (e - s));
+        let span = self.host_span(hs);
+        let w = (hs.saturating_sub(PAGE).max(span.0), (he + PAGE).min(span.1));
+        let before = if st.exact {
+            self.count_vmas(w.0, w.1)
+        } else {
+            None
+        };
+        self.ram.remap(s, e - s, src.map(|(f, off, _)| (f, off)))?;
+        self.c.remaps.inc();
+        let old = st.vmas;
+        let key = src.map(|(_, off, image)| (image, off.wrapping_sub(s)));
+        Self::set_layout(st, s, e, lo, hi, key);
+        if st.exact {
+            match (before, self.count_vmas(w.0, w.1)) {
+                (Some(b), Some(a)) => st.vmas = (old + a).saturating_sub(b),
+                _ => st.exact = false,
+            }
+        }
+        Ok(())
     }
 
     pub fn mode(&self) -> SwapMode {
@@ -294,7 +426,11 @@ impl SwapMapper {
 
     /// The guest page (gpa) → image block associations, sorted (for tests and reports).
     pub fn associations(&self) -> Vec<(u64, u64)> {
-        self.lock().assoc.iter().map(|(&g, &(_, b))| (g, b)).collect()
+        self.lock()
+            .assoc
+            .iter()
+            .map(|(&g, &(_, b))| (g, b))
+            .collect()
     }
 
     /// Pre-registers an image (dups its fd now, e.g. before a seccomp filter forbids `fcntl`).
@@ -509,7 +645,7 @@ impl SwapMapper {
         // The aligned middle: whole pages, aligned alike in guest and image, inside the file.
         let m_start = gpa.next_multiple_of(PAGE);
         let mut m_end = (gpa + len) / PAGE * PAGE;
-        if (gpa ^ off) % PAGE != 0 {
+        if !(gpa ^ off).is_multiple_of(PAGE) {
             m_end = m_start;
         }
         let file_end_gpa = (size / PAGE * PAGE).checked_sub(off).map(|d| gpa + d);
@@ -529,8 +665,7 @@ impl SwapMapper {
         // Nothing placed yet: if the first piece does not fit, let the device copy it all.
         let first = &pieces[0];
         let key = |p: &Piece| (!p.hole).then(|| (image, p.off.wrapping_sub(p.gpa)));
-        if Self::vmas_after(&st, first.gpa, first.end, lo, hi, key(first)) > self.budget.max_vmas
-        {
+        if Self::vmas_after(&st, first.gpa, first.end, lo, hi, key(first)) > self.budget.max_vmas {
             self.prepare_copy(&st, gpa, len);
             self.c.fallbacks.inc();
             self.publish(&st);
@@ -617,7 +752,11 @@ impl SwapMapper {
         let len = p.end - p.gpa;
         let swapped = self
             .pagemap(p.gpa, len)
-            .map(|v| v.iter().filter(|&&e| e & PM_SWAP != 0 && e & PM_FILE == 0).count())
+            .map(|v| {
+                v.iter()
+                    .filter(|&&e| e & PM_SWAP != 0 && e & PM_FILE == 0)
+                    .count()
+            })
             .unwrap_or(0) as u64;
         // SAFETY: fadvise on a borrowed fd; no memory is touched.
         unsafe {
@@ -628,22 +767,17 @@ impl SwapMapper {
                 libc::POSIX_FADV_WILLNEED,
             )
         };
-        self.ram
-            .remap(p.gpa, len, Some((file, p.off)))
+        self.remap_tracked(st, p.gpa, p.end, (lo, hi), Some((file, p.off, image)))
             .map_err(io::Error::other)?;
-        self.c.remaps.inc();
-        let key = Some((image, p.off.wrapping_sub(p.gpa)));
-        Self::set_layout(st, p.gpa, p.end, lo, hi, key);
         if let Err(e) = self.madvise(p.gpa, len, libc::MADV_POPULATE_READ) {
             // EIO, EINTR, ENOMEM...: go back to anonymous memory; the caller copies (and so
             // reports a real I/O error to the guest).
-            if let Err(e2) = self.ram.remap(p.gpa, len, None) {
+            if let Err(e2) = self.remap_tracked(st, p.gpa, p.end, (lo, hi), None) {
                 log::error!(
                     "swap mapper: cannot undo the mapping of {:#x}+{len:#x}: {e2}",
                     p.gpa
                 );
             } else {
-                Self::set_layout(st, p.gpa, p.end, lo, hi, None);
                 for g in (p.gpa..p.end).step_by(PAGE as usize) {
                     Self::forget(st, g);
                 }
@@ -666,13 +800,14 @@ impl SwapMapper {
         let len = p.end - p.gpa;
         let swapped = self
             .pagemap(p.gpa, len)
-            .map(|v| v.iter().filter(|&&e| e & PM_SWAP != 0 && e & PM_FILE == 0).count())
+            .map(|v| {
+                v.iter()
+                    .filter(|&&e| e & PM_SWAP != 0 && e & PM_FILE == 0)
+                    .count()
+            })
             .unwrap_or(0) as u64;
-        self.ram
-            .remap(p.gpa, len, None)
+        self.remap_tracked(st, p.gpa, p.end, (lo, hi), None)
             .map_err(io::Error::other)?;
-        self.c.remaps.inc();
-        Self::set_layout(st, p.gpa, p.end, lo, hi, None);
         for g in (p.gpa..p.end).step_by(PAGE as usize) {
             Self::forget(st, g);
         }
@@ -903,18 +1038,20 @@ impl SwapMapper {
     fn discard_impl(&self, gpa: u64, len: u64) -> Result<(), MemError> {
         let Some((_, lo, hi)) = self
             .region_of(gpa, len)
-            .filter(|_| gpa % PAGE == 0 && len % PAGE == 0 && len > 0)
+            .filter(|_| gpa.is_multiple_of(PAGE) && len.is_multiple_of(PAGE) && len > 0)
         else {
             return Err(MemError::BadRemap { gpa, len });
         };
         let mut st = self.lock();
         let swapped = self
             .pagemap(gpa, len)
-            .map(|v| v.iter().filter(|&&e| e & PM_SWAP != 0 && e & PM_FILE == 0).count())
+            .map(|v| {
+                v.iter()
+                    .filter(|&&e| e & PM_SWAP != 0 && e & PM_FILE == 0)
+                    .count()
+            })
             .unwrap_or(0) as u64;
-        self.ram.remap(gpa, len, None)?;
-        self.c.remaps.inc();
-        Self::set_layout(&mut st, gpa, gpa + len, lo, hi, None);
+        self.remap_tracked(&mut st, gpa, gpa + len, (lo, hi), None)?;
         let pages: Vec<u64> = st.assoc.range(gpa..gpa + len).map(|(&g, _)| g).collect();
         for g in pages {
             Self::forget(&mut st, g);
