@@ -640,7 +640,25 @@ impl SwapMapper {
             return Ok(false);
         };
         let mut st = self.lock();
-        self.maybe_scan(&mut st);
+        let r = self.read_locked(&mut st, file, off, gpa, len, (lo, hi), end_off);
+        // Whatever happened, publish what the state now is (before_change relies on it only
+        // through the lock, the DMA observer's fast path through `mapped`).
+        self.publish(&st);
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn read_locked(
+        &self,
+        st: &mut State,
+        file: &File,
+        off: u64,
+        gpa: u64,
+        len: u64,
+        (lo, hi): (u64, u64),
+        end_off: u64,
+    ) -> io::Result<bool> {
+        self.maybe_scan(st);
         let size = file.metadata()?.len();
         // The aligned middle: whole pages, aligned alike in guest and image, inside the file.
         let m_start = gpa.next_multiple_of(PAGE);
@@ -648,50 +666,50 @@ impl SwapMapper {
         if !(gpa ^ off).is_multiple_of(PAGE) {
             m_end = m_start;
         }
-        let file_end_gpa = (size / PAGE * PAGE).checked_sub(off).map(|d| gpa + d);
+        let file_end_gpa = (size / PAGE * PAGE)
+            .checked_sub(off)
+            .map(|d| gpa.saturating_add(d));
         m_end = m_end.min(file_end_gpa.unwrap_or(0));
         if end_off > size {
             // Past the image's end: the device copies and reports the error.
             return Ok(false);
         }
         if m_end <= m_start {
-            self.prepare_copy(&st, gpa, len);
+            self.prepare_copy(st, gpa, len);
             self.c.fallbacks.inc();
             return Ok(false);
         }
-        let image = Self::image_id(&mut st, file, true)?.unwrap_or(0);
+        let image = Self::image_id(st, file, true)?.unwrap_or(0);
         let m_off = off + (m_start - gpa);
         let pieces = self.pieces(file, m_off, m_start, m_end);
         // Nothing placed yet: if the first piece does not fit, let the device copy it all.
         let first = &pieces[0];
         let key = |p: &Piece| (!p.hole).then(|| (image, p.off.wrapping_sub(p.gpa)));
-        if Self::vmas_after(&st, first.gpa, first.end, lo, hi, key(first)) > self.budget.max_vmas {
-            self.prepare_copy(&st, gpa, len);
+        if Self::vmas_after(st, first.gpa, first.end, lo, hi, key(first)) > self.budget.max_vmas {
+            self.prepare_copy(st, gpa, len);
             self.c.fallbacks.inc();
-            self.publish(&st);
             return Ok(false);
         }
         if m_start > gpa {
-            self.copy_in(&mut st, file, off, gpa, m_start - gpa)?;
+            self.copy_in(st, file, off, gpa, m_start - gpa)?;
         }
         for p in &pieces {
-            let fits = Self::vmas_after(&st, p.gpa, p.end, lo, hi, key(p)) <= self.budget.max_vmas;
+            let fits = Self::vmas_after(st, p.gpa, p.end, lo, hi, key(p)) <= self.budget.max_vmas;
             let placed = fits
                 && if p.hole {
-                    self.zero_piece(&mut st, p, lo, hi).is_ok()
+                    self.zero_piece(st, p, lo, hi).is_ok()
                 } else {
-                    self.map_piece(&mut st, image, file, p, lo, hi).is_ok()
+                    self.map_piece(st, image, file, p, lo, hi).is_ok()
                 };
             if !placed {
                 self.c.fallbacks.inc();
-                self.prepare_copy(&st, p.gpa, p.end - p.gpa);
-                self.copy_in(&mut st, file, p.off, p.gpa, p.end - p.gpa)?;
+                self.prepare_copy(st, p.gpa, p.end - p.gpa);
+                self.copy_in(st, file, p.off, p.gpa, p.end - p.gpa)?;
             }
         }
         if gpa + len > m_end {
-            self.copy_in(&mut st, file, off + (m_end - gpa), m_end, gpa + len - m_end)?;
+            self.copy_in(st, file, off + (m_end - gpa), m_end, gpa + len - m_end)?;
         }
-        self.publish(&st);
         Ok(true)
     }
 
@@ -714,7 +732,15 @@ impl SwapMapper {
             // SAFETY: lseek on a borrowed fd: no memory is touched. The position it moves is
             // not used by the device (pread/pwrite take explicit offsets).
             let data = unsafe { libc::lseek(fd, pos as libc::off_t, libc::SEEK_DATA) };
-            let data = if data < 0 { off_end } else { data as u64 };
+            let data = if data >= 0 {
+                data as u64
+            } else if io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) {
+                // No data at or after `pos`: the rest is a hole.
+                off_end
+            } else {
+                // SEEK_DATA unsupported or failing: take it all as data.
+                pos
+            };
             // Hole pages: only those entirely before the data.
             let hole_end = (data / PAGE * PAGE).min(off_end);
             if hole_end > pos {
@@ -862,9 +888,11 @@ impl SwapMapper {
     // ---- breaking ----
 
     fn before_change_impl(&self, file: &File, off: u64, len: u64) -> io::Result<()> {
-        if !self.active || len == 0 || self.mapped.load(Ordering::Relaxed) == 0 {
+        if !self.active || len == 0 {
             return Ok(());
         }
+        // Always under the lock, never on the `mapped` hint: a stale hint here would be a
+        // consistency bug.
         let mut st = self.lock();
         let Some(image) = Self::image_id(&mut st, file, false)? else {
             return Ok(());
@@ -1109,5 +1137,60 @@ impl DmaObserver for SwapMapper {
         if access == Access::Write && self.active && self.mapped.load(Ordering::Relaxed) > 0 {
             self.observe_write(gpa, len);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LO: u64 = 0;
+    const HI: u64 = 64 * PAGE;
+
+    fn set(st: &mut State, s: u64, e: u64, key: Key) {
+        SwapMapper::set_layout(st, s * PAGE, e * PAGE, LO, HI, key);
+    }
+
+    /// The layout model (used to predict VMA counts where PROCMAP_QUERY is missing and for the
+    /// budget check): extents merge like the kernel merges VMAs.
+    #[test]
+    fn vma_model_splits_and_merges() {
+        let mut st = State {
+            vmas: 1,
+            ..Default::default()
+        };
+        // One page mapped in the middle: anon | file | anon.
+        set(&mut st, 10, 11, Some((0, 100 * PAGE - 10 * PAGE)));
+        assert_eq!(st.vmas, 3);
+        // The next page at the next offset merges.
+        set(&mut st, 11, 12, Some((0, 100 * PAGE - 10 * PAGE)));
+        assert_eq!(st.vmas, 3);
+        assert_eq!(st.layout.len(), 1);
+        // Another offset right after: a new VMA.
+        set(&mut st, 12, 13, Some((0, 5 * PAGE)));
+        assert_eq!(st.vmas, 4);
+        // Another image at the region start: no anon VMA before it.
+        set(&mut st, 0, 2, Some((1, 0)));
+        assert_eq!(st.vmas, 5);
+        // Anonymous over the first page of the first extent joins the anonymous VMA before it.
+        set(&mut st, 10, 11, None);
+        assert_eq!(st.vmas, 5);
+        // Anonymous inside an extent splits it.
+        set(&mut st, 30, 40, Some((3, 0)));
+        assert_eq!(st.vmas, 7);
+        set(&mut st, 34, 35, None);
+        assert_eq!(st.vmas, 9);
+        // Everything anonymous again: one VMA.
+        set(&mut st, 0, 64, None);
+        assert_eq!(st.vmas, 1);
+        assert!(st.layout.is_empty());
+        // The same remap twice changes nothing the second time.
+        set(&mut st, 20, 30, Some((2, 0)));
+        let v = st.vmas;
+        set(&mut st, 22, 25, Some((2, 0)));
+        assert_eq!(st.vmas, v);
+        assert_eq!(st.layout.len(), 1);
+        assert_eq!(SwapMapper::key_at(&st, 24 * PAGE), Some((2, 0)));
+        assert_eq!(SwapMapper::key_at(&st, 30 * PAGE), None);
     }
 }
