@@ -691,3 +691,96 @@ fn baseline_and_non_anonymous_ram_only_copy() {
     assert!(!m.read(&f, 0, 0, PAGE).unwrap());
     let _ = PM_PRESENT;
 }
+
+/// A "vCPU" thread storing into mapped pages and a "device" thread reporting DMA writes, while
+/// the block worker maps, breaks, evicts and rewrites blocks: every page keeps the bytes it
+/// read (apart from the 8 bytes the vCPU stores into).
+#[test]
+fn concurrent_stores_and_block_writes_stay_consistent() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const PAGES: u64 = 64;
+    const BASE: u64 = 0x10_0000;
+    let dir = TempDir::new("concurrent");
+    let (_, f, img) = make_image(&dir, PAGES);
+    let (ram, stats, m) = setup(SwapMode::Vswapper, &[(0, 4 << 20)], MapperBudget::default());
+    assert!(m.read(&f, 0, BASE, PAGES * PAGE).unwrap());
+    let mut expect: Vec<Vec<u8>> = img.chunks(PAGE as usize).map(|c| c.to_vec()).collect();
+    let mut disk = img.clone();
+    let stop = Arc::new(AtomicBool::new(false));
+    let vcpu = {
+        let (ram, stop) = (ram.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut rng = Rng(77);
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let i = rng.below(PAGES);
+                ram.memory()
+                    .write_obj(n, GuestAddress(BASE + i * PAGE))
+                    .unwrap();
+                n += 1;
+                // Sparse stores, so that many pages stay mapped while blocks change.
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+            n
+        })
+    };
+    let dev = {
+        let (ram, m, stop) = (ram.clone(), m.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut rng = Rng(99);
+            while !stop.load(Ordering::Relaxed) {
+                // Another device's DMA into unrelated pages (and sometimes mapped ones' heads).
+                let g = if rng.below(4) == 0 {
+                    BASE + rng.below(PAGES) * PAGE
+                } else {
+                    0x30_0000 + rng.below(64) * PAGE
+                };
+                ram.memory().write_obj(7u64, GuestAddress(g)).unwrap();
+                m.observe(1, g, 8, Access::Write);
+            }
+        })
+    };
+    let mut rng = Rng(4242);
+    for v in 1..1500u64 {
+        let i = rng.below(PAGES);
+        let k = (1 + rng.below(8)).min(PAGES - i);
+        match rng.below(4) {
+            0 | 1 => {
+                let data: Vec<u8> = (i..i + k).flat_map(|b| block_bytes(b, v)).collect();
+                m.before_change(&f, i * PAGE, k * PAGE).unwrap();
+                f.write_all_at(&data, i * PAGE).unwrap();
+                disk[(i * PAGE) as usize..((i + k) * PAGE) as usize].copy_from_slice(&data);
+            }
+            2 => {
+                device_read(&m, &ram, &f, i * PAGE, BASE + i * PAGE, k * PAGE);
+                for b in i..i + k {
+                    expect[b as usize] =
+                        disk[(b * PAGE) as usize..((b + 1) * PAGE) as usize].to_vec();
+                }
+            }
+            _ => {
+                madvise(&ram, BASE + i * PAGE, k * PAGE, libc::MADV_PAGEOUT);
+                if rng.below(3) == 0 {
+                    m.scan();
+                }
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let stores = vcpu.join().unwrap();
+    dev.join().unwrap();
+    for b in 0..PAGES {
+        let got = guest(&ram, BASE + b * PAGE, PAGE);
+        assert_eq!(
+            got[8..],
+            expect[b as usize][8..],
+            "page {b} shows bytes it did not read"
+        );
+    }
+    eprintln!(
+        "{stores} vCPU stores; runs {} broken {} mapped {}",
+        stats_get(&stats, "runs"),
+        stats_get(&stats, "broken"),
+        m.mapped_pages()
+    );
+}
