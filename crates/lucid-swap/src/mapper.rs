@@ -87,6 +87,9 @@ const PAGE: u64 = 4096;
 /// Least time between two lazy COW scans started from the read path.
 pub const SCAN_INTERVAL: Duration = Duration::from_millis(250);
 
+/// At most this many file extents (VMAs) are scanned per read-path scan.
+const SCAN_BATCH: usize = 512;
+
 // pagemap entry bits (Documentation/admin-guide/mm/pagemap.rst).
 const PM_PRESENT: u64 = 1 << 63;
 const PM_SWAP: u64 = 1 << 62;
@@ -221,6 +224,8 @@ struct State {
     vmas: u64,
     exact: bool,
     last_scan: Option<Instant>,
+    /// Where the next batched scan starts (a gpa).
+    scan_cursor: u64,
     scan_unsupported: bool,
 }
 
@@ -953,7 +958,7 @@ impl SwapMapper {
         if st.last_scan.is_some_and(|t| t.elapsed() < SCAN_INTERVAL) {
             return;
         }
-        self.scan_locked(st);
+        self.scan_locked(st, Some(SCAN_BATCH));
     }
 
     /// Finds COWed pages (present or swapped, not file) in the mapper's file extents now and
@@ -963,13 +968,29 @@ impl SwapMapper {
             return;
         }
         let mut st = self.lock();
-        self.scan_locked(&mut st);
+        self.scan_locked(&mut st, None);
         self.publish(&st);
     }
 
-    fn scan_locked(&self, st: &mut State) {
+    /// Scans the extents that still hold associations: all of them, or (from the read path)
+    /// `batch` of them from where the last batch stopped, so a read never pays for a scan of
+    /// tens of thousands of VMAs.
+    fn scan_locked(&self, st: &mut State, batch: Option<usize>) {
         st.last_scan = Some(Instant::now());
-        let extents: Vec<(u64, u64)> = st.layout.iter().map(|(&s, e)| (s, e.end)).collect();
+        let from = if batch.is_some() { st.scan_cursor } else { 0 };
+        let extents: Vec<(u64, u64)> = st
+            .layout
+            .range(from..)
+            .map(|(&s, e)| (s, e.end))
+            .filter(|&(s, e)| st.assoc.range(s..e).next().is_some())
+            .take(batch.unwrap_or(usize::MAX))
+            .collect();
+        if let Some(b) = batch {
+            st.scan_cursor = match extents.last() {
+                Some(&(_, e)) if extents.len() == b => e,
+                _ => 0,
+            };
+        }
         let mut cowed = Vec::new();
         for (s, e) in extents {
             if st.scan_unsupported {
