@@ -28,10 +28,15 @@
 //! - **Discard** (`PageDiscard`, balloon and free-page reporting): the range is remapped
 //!   anonymous (a `MADV_DONTNEED` inside a file mapping would bring the image block back) and
 //!   its associations are forgotten.
-//! - **Budget**: each run may split a VMA; the mapper keeps a model of guest RAM's VMAs (file
-//!   extents merge when the image offsets are contiguous, as the kernel merges them) and copies
-//!   instead of mapping when a run would take the count above [`MapperBudget::max_vmas`]
-//!   (default half of `vm.max_map_count`). COW does not give a VMA back; discards can.
+//! - **Budget**: each run may split a VMA. The mapper counts guest RAM's VMAs exactly with
+//!   `PROCMAP_QUERY` (6.11+) around every remap (a model of the layout where that is missing),
+//!   predicts a run's effect from a model of its file extents (they merge when image offsets
+//!   are contiguous, as the kernel merges them) and copies instead of mapping when a run would
+//!   take the count above [`MapperBudget::max_vmas`] (default half of `vm.max_map_count`). The
+//!   kernel can refuse a merge the model expects (different anon_vmas), so the count may pass
+//!   the budget by one misprediction, never more. COW does not give a VMA back; discards can.
+//!   A discard that would split VMAs past the budget zeroes the pages in place instead
+//!   (anonymous pages dropped, file-extent pages COWed to zeros).
 //!
 //! ## Invariant (the consistency gate)
 //! Every page inside a file extent of the layout either is associated with the block its offset
@@ -1100,7 +1105,32 @@ impl SwapMapper {
                     .count()
             })
             .unwrap_or(0) as u64;
-        self.remap_tracked(&mut st, gpa, gpa + len, (lo, hi), None)?;
+        if Self::vmas_after(&st, gpa, gpa + len, lo, hi, None) <= self.budget.max_vmas.max(st.vmas)
+        {
+            self.remap_tracked(&mut st, gpa, gpa + len, (lo, hi), None)?;
+        } else {
+            // Remapping would split file VMAs past the budget (a guest ballooning every other
+            // page of large mapped runs could push the process to vm.max_map_count): zero the
+            // pages in place instead. Anonymous ones are dropped; file-extent ones are COWed
+            // into zero-filled anonymous pages (no VMA change; the kernel swaps zero pages
+            // without I/O).
+            let zeros = vec![0u8; PAGE as usize];
+            for g in (gpa..gpa + len).step_by(PAGE as usize) {
+                if Self::key_at(&st, g).is_none() {
+                    self.madvise(g, PAGE, libc::MADV_DONTNEED)
+                        .map_err(|source| MemError::RemapFailed {
+                            gpa: g,
+                            len: PAGE,
+                            source,
+                        })?;
+                } else {
+                    self.ram
+                        .memory()
+                        .write_slice(&zeros, GuestAddress(g))
+                        .map_err(|_| MemError::BadRemap { gpa: g, len: PAGE })?;
+                }
+            }
+        }
         let pages: Vec<u64> = st.assoc.range(gpa..gpa + len).map(|(&g, _)| g).collect();
         for g in pages {
             Self::forget(&mut st, g);

@@ -311,10 +311,18 @@ fn budget_falls_back_to_copying() {
     assert_eq!(m.actual_vmas().unwrap(), 3);
     assert_eq!(m.mapped_pages(), 2);
     assert_eq!(guest(&ram, 0x10000, 2 * PAGE), c0[4 * 4096..6 * 4096]);
-    // Discarding the run gives the VMAs back.
+    // Discarding one page inside the run would split it past the budget: zeroed in place.
+    m.discard(0x10000, PAGE).unwrap();
+    assert_eq!(guest(&ram, 0x10000, PAGE), vec![0u8; PAGE as usize]);
+    assert_eq!(guest(&ram, 0x11000, PAGE), c0[5 * 4096..6 * 4096]);
+    assert_eq!(m.vmas(), 3);
+    assert_eq!(m.actual_vmas().unwrap(), 3);
+    assert_eq!(m.mapped_pages(), 1);
+    // Discarding the whole run gives the VMAs back.
     m.discard(0x10000, 2 * PAGE).unwrap();
     assert_eq!(m.vmas(), 1);
     assert_eq!(m.actual_vmas().unwrap(), 1);
+    assert_eq!(m.mapped_pages(), 0);
 }
 
 #[test]
@@ -459,8 +467,6 @@ fn random_sequence(mode: SwapMode, budget: MapperBudget, seed: u64, ops: usize, 
     // The model of each region's bytes.
     let mut mem: Vec<Vec<u8>> = regions.iter().map(|r| vec![0u8; r.1 as usize]).collect();
     let mut rng = Rng(seed);
-    // Discards must succeed even above the budget (the balloon needs them): count them.
-    let mut discards = 0u64;
     let pick_gpa = |rng: &mut Rng, len: u64, align_like: Option<u64>| -> (usize, u64) {
         let ri = rng.below(2) as usize;
         let (base, size) = regions[ri];
@@ -566,7 +572,6 @@ fn random_sequence(mode: SwapMode, budget: MapperBudget, seed: u64, ops: usize, 
                 let n = 1 + rng.below(4);
                 let (ri, g) = pick_gpa(&mut rng, n * PAGE, Some(0));
                 m.discard(g, n * PAGE).unwrap();
-                discards += 1;
                 let lo = (g - regions[ri].0) as usize;
                 mem[ri][lo..lo + (n * PAGE) as usize].fill(0);
             }
@@ -601,7 +606,9 @@ fn random_sequence(mode: SwapMode, budget: MapperBudget, seed: u64, ops: usize, 
                 m.actual_vmas().unwrap(),
                 "seed {seed} step {step}"
             );
-            assert!(m.vmas() <= budget.max_vmas.max(2) + 2 * discards);
+            // The budget is checked on a prediction (the kernel may refuse a merge the model
+            // expects, when anon_vmas differ): one misprediction past it at most.
+            assert!(m.vmas() <= budget.max_vmas.max(2) + 2, "{} VMAs", m.vmas());
         }
     }
     let mut disk = vec![0u8; img.len()];
