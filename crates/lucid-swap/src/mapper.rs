@@ -16,8 +16,10 @@
 //! - **Guest store**: KVM maps the read-faulted page read-only; the guest's first write COWs it
 //!   into an anonymous page with the same bytes, so the association is broken by the kernel. The
 //!   mapper notices lazily: `PAGEMAP_SCAN` over its file extents for pages present or swapped
-//!   and not `PAGE_IS_FILE` (at most every [`SCAN_INTERVAL`] from the read path, or
-//!   [`SwapMapper::scan`]), and device writes into guest pages through the `DmaObserver`.
+//!   and not `PAGE_IS_FILE` (at most every [`SCAN_INTERVAL`] from the read path, in batches, or
+//!   [`SwapMapper::scan`]), and device writes into guest pages through the `DmaObserver` (which
+//!   only queues the pages, syscall-free on the DMA thread; the block worker checks them at its
+//!   next read, change or scan).
 //!   Dropped blocks no page maps any more are `POSIX_FADV_DONTNEED`ed, as VSWAPPER does.
 //! - **Change of image bytes** (`before_change`, before every write, write-zeroes and discard
 //!   reaches the file): every page still associated with a changed block and still backed by the
@@ -155,6 +157,11 @@ struct PageRegion {
     categories: u64,
 }
 
+/// The ioctls the mapper issues on the block worker (PAGEMAP_SCAN on /proc/self/pagemap,
+/// PROCMAP_QUERY on /proc/self/maps, both opened in [`SwapMapper::new`]), for seccomp rules.
+/// Refused ones degrade (pagemap reads, a modelled VMA count), they are not needed for safety.
+pub const MAPPER_IOCTLS: [u64; 2] = [PAGEMAP_SCAN as u64, PROCMAP_QUERY as u64];
+
 /// The page is backed by anonymous memory (a COWed or fresh page, present or in swap): it can
 /// never show file bytes again.
 fn anon_backed(e: u64) -> bool {
@@ -231,6 +238,8 @@ struct State {
     last_scan: Option<Instant>,
     /// Where the next batched scan starts (a gpa).
     scan_cursor: u64,
+    /// Associated pages a device wrote into (from the DMA observer), to check.
+    suspects: BTreeSet<u64>,
     scan_unsupported: bool,
 }
 
@@ -904,6 +913,7 @@ impl SwapMapper {
         // Always under the lock, never on the `mapped` hint: a stale hint here would be a
         // consistency bug.
         let mut st = self.lock();
+        self.check_suspects(&mut st);
         let Some(image) = Self::image_id(&mut st, file, false)? else {
             return Ok(());
         };
@@ -957,6 +967,7 @@ impl SwapMapper {
     // ---- lazy COW detection ----
 
     fn maybe_scan(&self, st: &mut State) {
+        self.check_suspects(st);
         if st.assoc.is_empty() {
             return;
         }
@@ -973,6 +984,7 @@ impl SwapMapper {
             return;
         }
         let mut st = self.lock();
+        self.check_suspects(&mut st);
         self.scan_locked(&mut st, None);
         self.publish(&st);
     }
@@ -1066,8 +1078,10 @@ impl SwapMapper {
 
     // ---- device writes into guest pages ----
 
+    /// Runs on whichever thread did the DMA (any device, maybe a vCPU): no syscalls here (that
+    /// thread's seccomp role may not allow them) and no waiting for the lock. The pages written
+    /// are queued and checked on the block worker at its next read, change or scan.
     fn observe_write(&self, gpa: u64, len: u64) {
-        // A hint only (the scan finds the same COWs): never wait for the lock on a device thread.
         let Ok(mut st) = self.state.try_lock() else {
             return;
         };
@@ -1077,14 +1091,23 @@ impl SwapMapper {
             .range(first..gpa.saturating_add(len))
             .map(|(&g, _)| g)
             .collect();
-        for g in pages {
-            // The copy COWed the page; check rather than trust (a racing remap may have
-            // replaced it after the copy).
-            if self.pagemap(g, PAGE).is_ok_and(|v| anon_backed(v[0])) {
-                self.broke(&mut st, g, true);
+        // Bounded: past it, the periodic scan finds the same COWs.
+        if st.suspects.len() < 65536 {
+            st.suspects.extend(pages);
+        }
+    }
+
+    /// Checks the pages device writes were reported into: the copy COWed them, but check
+    /// rather than trust (a racing remap may have replaced one after the copy).
+    fn check_suspects(&self, st: &mut State) {
+        if st.suspects.is_empty() {
+            return;
+        }
+        for g in std::mem::take(&mut st.suspects) {
+            if st.assoc.contains_key(&g) && self.pagemap(g, PAGE).is_ok_and(|v| anon_backed(v[0])) {
+                self.broke(st, g, true);
             }
         }
-        self.publish(&st);
     }
 
     // ---- discard ----

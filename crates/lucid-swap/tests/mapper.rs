@@ -258,12 +258,16 @@ fn lazy_scan_and_observer_drop_cowed_pages() {
         .write_slice(&[9u8; 100], GuestAddress(0x17100))
         .unwrap();
     m.observe(0, 0x17100, 100, Access::Write);
+    // Queued on the DMA thread, checked at the worker's next request (here an unrelated
+    // change, which on its own never scans).
+    m.before_change(&f, 15 * PAGE, PAGE).unwrap();
     assert_eq!(m.mapped_pages(), 5);
+    assert_eq!(stats_get(&stats, "broken"), 3);
     // A device *read* of a mapped page changes nothing.
     m.observe(0, 0x10000, PAGE, Access::Read);
-    assert_eq!(m.mapped_pages(), 5);
-    // An observer report for a page that was not written (still file-backed) is not trusted.
+    // A report for a page that was not written (still file-backed) is not trusted.
     m.observe(0, 0x10000, PAGE, Access::Write);
+    m.before_change(&f, 15 * PAGE, PAGE).unwrap();
     assert_eq!(m.mapped_pages(), 5);
 }
 
