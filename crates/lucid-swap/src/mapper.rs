@@ -160,7 +160,7 @@ struct PageRegion {
 /// The ioctls the mapper issues on the block worker (PAGEMAP_SCAN on /proc/self/pagemap,
 /// PROCMAP_QUERY on /proc/self/maps, both opened in [`SwapMapper::new`]), for seccomp rules.
 /// Refused ones degrade (pagemap reads, a modelled VMA count), they are not needed for safety.
-pub const MAPPER_IOCTLS: [u64; 2] = [PAGEMAP_SCAN as u64, PROCMAP_QUERY as u64];
+pub const MAPPER_IOCTLS: [libc::c_ulong; 2] = [PAGEMAP_SCAN, PROCMAP_QUERY];
 
 /// The page is backed by anonymous memory (a COWed or fresh page, present or in swap): it can
 /// never show file bytes again.
