@@ -814,19 +814,23 @@ impl SwapMapper {
         };
         self.remap_tracked(st, p.gpa, p.end, (lo, hi), Some((file, p.off, image)))
             .map_err(io::Error::other)?;
-        if let Err(e) = self.madvise(p.gpa, len, libc::MADV_POPULATE_READ) {
+        let populated = self.madvise(p.gpa, len, libc::MADV_POPULATE_READ);
+        if let Err(e) = &populated {
             // EIO, EINTR, ENOMEM...: go back to anonymous memory; the caller copies (and so
             // reports a real I/O error to the guest).
-            if let Err(e2) = self.remap_tracked(st, p.gpa, p.end, (lo, hi), None) {
-                log::error!(
+            match self.remap_tracked(st, p.gpa, p.end, (lo, hi), None) {
+                Ok(()) => {
+                    for g in (p.gpa..p.end).step_by(PAGE as usize) {
+                        Self::forget(st, g);
+                    }
+                    return Err(io::Error::new(e.kind(), e.to_string()));
+                }
+                // Still mapped from the image: record the association below (so a change to
+                // the blocks still breaks it first) and report the failure.
+                Err(e2) => log::error!(
                     "swap mapper: cannot undo the mapping of {:#x}+{len:#x}: {e2}",
                     p.gpa
-                );
-            } else {
-                for g in (p.gpa..p.end).step_by(PAGE as usize) {
-                    Self::forget(st, g);
-                }
-                return Err(e);
+                ),
             }
         }
         for g in (p.gpa..p.end).step_by(PAGE as usize) {
@@ -835,6 +839,7 @@ impl SwapMapper {
             st.assoc.insert(g, (image, b));
             st.rev.insert((image, b, g));
         }
+        populated?;
         self.c.runs.inc();
         self.c.stale_reads_avoided.add(swapped);
         Ok(())
@@ -889,12 +894,19 @@ impl SwapMapper {
     /// Copies image bytes into guest memory itself (unaligned heads and tails, fallbacks), and
     /// forgets the pages it wrote (the write COWed any mapped page).
     fn copy_in(&self, st: &mut State, file: &File, off: u64, gpa: u64, len: u64) -> io::Result<()> {
-        let mut buf = vec![0u8; len as usize];
-        file.read_exact_at(&mut buf, off)?;
-        self.ram
-            .memory()
-            .write_slice(&buf, GuestAddress(gpa))
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        // In bounded chunks: a hostile request may name gigabytes.
+        const CHUNK: u64 = 1 << 20;
+        let mut buf = vec![0u8; len.min(CHUNK) as usize];
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(CHUNK) as usize;
+            file.read_exact_at(&mut buf[..n], off + done)?;
+            self.ram
+                .memory()
+                .write_slice(&buf[..n], GuestAddress(gpa + done))
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+            done += n as u64;
+        }
         let first = gpa / PAGE * PAGE;
         for g in (first..gpa + len).step_by(PAGE as usize) {
             if st.assoc.contains_key(&g) {
@@ -1162,6 +1174,12 @@ impl SwapMapper {
         self.c.false_reads_avoided.add(swapped);
         self.publish(&st);
         Ok(())
+    }
+
+    /// Counts guest RAM's VMAs afresh with PROCMAP_QUERY (None where it is missing).
+    pub fn recount_vmas(&self) -> Option<u64> {
+        let _st = self.lock();
+        self.count_ram_vmas()
     }
 
     /// The VMAs guest RAM really has now, from /proc/self/maps (slow: for tests and reports).
