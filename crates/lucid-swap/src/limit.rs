@@ -265,11 +265,21 @@ impl MemoryLimit {
             // current cgroup cannot delegate and we say so.
             enable_v2_memory(&parent)?;
         }
-        mkdir_if_missing(&base)?;
-        if ctl.version == CgroupVersion::V2 {
-            enable_v2_memory(&base)?;
+        // Another VM's drop may remove `base` between our two mkdirs: retry once.
+        for attempt in 0..2 {
+            mkdir_if_missing(&base)?;
+            if ctl.version == CgroupVersion::V2 {
+                enable_v2_memory(&base)?;
+            }
+            match mkdir_if_missing(&dir) {
+                Err(LimitError::Io { source, .. })
+                    if attempt == 0 && source.kind() == io::ErrorKind::NotFound => {}
+                r => {
+                    r?;
+                    break;
+                }
+            }
         }
-        mkdir_if_missing(&dir)?;
         let limit = MemoryLimit {
             version: ctl.version,
             dir: dir.clone(),
