@@ -52,8 +52,10 @@
 //!   (both modes, counted in `stale_reads_avoided`); on the copy path, whole pages of the buffer
 //!   that pagemap shows swapped (and that lie outside file extents) are `MADV_DONTNEED`ed before
 //!   the copy, so the copy finds a fresh zero page instead of reading swap. Exact for every
-//!   page the request covers completely.
-//! - **Zero pages**: reads of image holes (`SEEK_DATA`) map fresh anonymous memory instead of
+//!   page the request covers completely (pages of file extents, which only over-budget copies
+//!   reach, are left alone: dropping them would refault image bytes).
+//! - **Zero pages**: in vswapper mode, reads of image holes (`SEEK_DATA`) map fresh anonymous
+//!   memory instead of
 //!   the file (no disk read, no page cache, no old content read); discarded pages become zero
 //!   pages (all modes). Both count in `zero_pages`; pages that were in swap when dropped count in
 //!   `false_reads_avoided` (their content is never read back).
@@ -72,6 +74,11 @@
 //! device per image file); an image truncated under a running VM would make mapped pages beyond
 //! the new end fault with SIGBUS. Guest RAM must be `Backing::Anonymous` (a shared memfd would
 //! lose its sharing); with another backing, or in `Baseline` mode, the mapper only copies.
+//!
+//! Syscalls on the block worker (and on whichever thread calls `discard`): `statx`, `lseek`,
+//! `fadvise64`, `mmap` (no `PROT_EXEC`), `madvise`, `pread64` (pagemap and the image),
+//! `fcntl(F_DUPFD_CLOEXEC)` on an image's first use (or call [`SwapMapper::add_image`] before
+//! confinement) and `ioctl` [`MAPPER_IOCTLS`] on fds [`SwapMapper::new`] opens.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
