@@ -68,7 +68,8 @@
 //!   faulting instruction's data), as the paper's 1,964-line kernel part does.
 //!
 //! Counters `swap.mapper.{mapped_pages, runs, broken, fallbacks, vmas, remaps,
-//! stale_reads_avoided, false_reads_avoided, zero_pages}` (`mapped_pages` and `vmas` are gauges).
+//! stale_reads_avoided, false_reads_avoided, zero_pages, metadata_bytes}` (`mapped_pages`, `vmas`
+//! and `metadata_bytes` are gauges); [`SwapMapper::summary`] gives them as one line.
 //!
 //! Limits: requests are assumed serialized per image (one virtio-blk worker per device, one
 //! device per image file); an image truncated under a running VM would make mapped pages beyond
@@ -208,6 +209,7 @@ struct Counters {
     stale_reads_avoided: Arc<Counter>,
     false_reads_avoided: Arc<Counter>,
     zero_pages: Arc<Counter>,
+    metadata_bytes: Arc<Counter>,
 }
 
 /// An image file the mapper has mapped from (kept open to drop its cache and to compare).
@@ -294,6 +296,7 @@ impl SwapMapper {
             stale_reads_avoided: c("stale_reads_avoided"),
             false_reads_avoided: c("false_reads_avoided"),
             zero_pages: c("zero_pages"),
+            metadata_bytes: c("metadata_bytes"),
         };
         let pagemap = match File::open("/proc/self/pagemap") {
             Ok(f) => Some(f),
@@ -534,6 +537,34 @@ impl SwapMapper {
         self.mapped.store(n, Ordering::Relaxed);
         self.c.mapped_pages.set(n);
         self.c.vmas.set(st.vmas);
+        self.c.metadata_bytes.set(Self::metadata_bytes(st));
+    }
+
+    /// Estimated bytes of mapper metadata (B-tree entries with their share of node overhead):
+    /// the paper's "~200 B per mapping" figure, here per page and per extent.
+    fn metadata_bytes(st: &State) -> u64 {
+        st.assoc.len() as u64 * 40 + st.rev.len() as u64 * 40 + st.layout.len() as u64 * 48
+    }
+
+    /// One line for a run summary.
+    pub fn summary(&self) -> String {
+        let st = self.lock();
+        let c = &self.c;
+        format!(
+            "{}: {} pages mapped ({} runs, {} remaps), {} broken, {} fallbacks, {} VMAs              (budget {}), {} stale reads avoided, {} false reads avoided, {} zero pages,              {} KiB metadata",
+            self.mode,
+            st.assoc.len(),
+            c.runs.get(),
+            c.remaps.get(),
+            c.broken.get(),
+            c.fallbacks.get(),
+            st.vmas,
+            self.budget.max_vmas,
+            c.stale_reads_avoided.get(),
+            c.false_reads_avoided.get(),
+            c.zero_pages.get(),
+            Self::metadata_bytes(&st) / 1024
+        )
     }
 
     // ---- the VMA model ----

@@ -236,6 +236,9 @@ fn shared_block_cowed_and_evicted_pages_all_stay_consistent() {
     assert_eq!(guest(&ram, 0x9000, PAGE), old);
     assert_eq!(m.mapped_pages(), 0);
     assert_eq!(stats_get(&stats, "broken"), 3);
+    let line = m.summary();
+    assert!(line.starts_with("mapper: 0 pages mapped (3 runs"), "{line}");
+    assert!(stats.snapshot().contains_key("swap.mapper.metadata_bytes"));
 }
 
 #[test]
@@ -473,7 +476,22 @@ impl Rng {
     }
 }
 
+/// `LUCID_SWAP_SOAK=N` runs N times the operations (and N seeds) for a longer soak.
+fn soak() -> u64 {
+    std::env::var("LUCID_SWAP_SOAK")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1)
+        .max(1)
+}
+
 fn random_sequence(mode: SwapMode, budget: MapperBudget, seed: u64, ops: usize, swap: bool) {
+    for k in 0..soak() {
+        random_sequence_once(mode, budget, seed.wrapping_add(k * 0x1000_0001), ops, swap);
+    }
+}
+
+fn random_sequence_once(mode: SwapMode, budget: MapperBudget, seed: u64, ops: usize, swap: bool) {
     const BLOCKS: u64 = 48;
     let regions = [(0u64, 512 * 1024u64), (1 << 20, 512 * 1024)];
     let dir = TempDir::new(&format!("rand-{mode}-{seed}-{}", budget.max_vmas));
