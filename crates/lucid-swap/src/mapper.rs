@@ -392,7 +392,8 @@ impl SwapMapper {
             .unwrap_or((host, host))
     }
 
-    /// VMAs overlapping guest RAM.
+    /// VMAs overlapping guest RAM, counted per host span (a VMA bridging two spans counts twice:
+    /// only possible when other mappings fill the gap between regions and merge with both).
     fn count_ram_vmas(&self) -> Option<u64> {
         self.host_spans()
             .into_iter()
@@ -1223,13 +1224,7 @@ impl SwapMapper {
     /// The VMAs guest RAM really has now, from /proc/self/maps (slow: for tests and reports).
     pub fn actual_vmas(&self) -> io::Result<u64> {
         let maps = std::fs::read_to_string("/proc/self/maps")?;
-        let regions: Vec<(u64, u64)> = self
-            .ram
-            .regions()
-            .iter()
-            .map(|r| (r.host_addr, r.host_addr + r.size))
-            .collect();
-        Ok(maps
+        let vmas: Vec<(u64, u64)> = maps
             .lines()
             .filter_map(|l| {
                 let (a, b) = l.split_whitespace().next()?.split_once('-')?;
@@ -1238,8 +1233,14 @@ impl SwapMapper {
                     u64::from_str_radix(b, 16).ok()?,
                 ))
             })
-            .filter(|&(a, b)| regions.iter().any(|&(s, e)| a < e && b > s))
-            .count() as u64)
+            .collect();
+        // Per host span, like `vmas()`: a VMA bridging two spans (other mappings placed in the
+        // gap between two regions can merge with both) counts once for each.
+        Ok(self
+            .host_spans()
+            .iter()
+            .map(|&(s, e)| vmas.iter().filter(|&&(a, b)| a < e && b > s).count() as u64)
+            .sum())
     }
 }
 
