@@ -18,7 +18,10 @@
  * iters=N (3), seed=S (0x5eed), cache_base=A (32m: first cache frame),
  * ra=N (32: blocks per read request, the read-ahead), qd=N (4: requests
  * in flight), timeout_ms=N (60000 per wait), phases=0|1 (1: call
- * LUCID_HC_PHASE at each iteration start).
+ * LUCID_HC_PHASE at each iteration start), balloon=0|1 (1: drive a
+ * virtio-balloon: the top frames of the cache go to the balloon as its
+ * target says, polled at every read-ahead window; deflate on OOM in
+ * mode=alloc when negotiated, else FAIL as an out-of-memory guest would).
  *   reread: read the file sequentially iters times through the cache (the
  *     paper's Fig. 4.9): misses go to the disk, hits read the cached frame.
  *   alloc: one reread (phase 1), then (phase 2) the cache is dropped and a
@@ -26,7 +29,8 @@
  *     page (as an OS does), fills it, then reads it all back (Fig. 4.10).
  *   compress: iters passes, each reading the file through the cache in
  *     1 MiB chunks (copied out, as read() does), LZ-compressing each chunk
- *     and decompressing it again to check (the pbzip2 case, Fig. 4.11).
+ *     and decompressing it again to check (the pbzip2 case, Fig. 4.11),
+ *     effort=N (8) times per chunk: about bzip2's rate, tens of MB/s.
  *   consistency: rounds=N (8) of: read ops=N (256) random blocks of the
  *     file into fresh frames, partly as multi-frame requests; CPU stores
  *     into some frames (whole page or one word); write new versions of
@@ -385,11 +389,127 @@ static inline u64 *frame_ptr(u64 f)
 	return (u64 *)(cache_base + f * BS);
 }
 
+/* ---- balloon=1: a cooperative guest (virtio-balloon, device 0x1045) ----
+ * The balloon holds the top `ballooned` frames of the cache: the cache uses
+ * [0, nframes - ballooned). The target is read at every read-ahead window
+ * and iteration start (polling the config; the manager may change it). */
+#define VIRTIO_DEV_BALLOON	0x1045
+#define BALLOON_F_DEFLATE_ON_OOM 2
+#define BALLOON_BATCH		256
+static struct virtio_dev bdev;
+static int balloon_on;
+static u64 ballooned, balloon_gen = ~0ul;
+static u32 *pfns;
+static u16 balloon_head;
+static u64 inflated_total, deflated_total;
+
+static u64 usable_frames(void)
+{
+	return nframes - ballooned;
+}
+
+static void balloon_send(int qi, u64 first_frame, u64 n)
+{
+	struct virtq *bq = &bdev.q[qi];
+	for (u64 i = 0; i < n; i += BALLOON_BATCH) {
+		u64 k = n - i < BALLOON_BATCH ? n - i : BALLOON_BATCH;
+		for (u64 j = 0; j < k; j++)
+			pfns[j] = (u32)((cache_base >> 12) + first_frame + i + j);
+		int head = vq_alloc_chain(bq, 1);
+		if (head < 0) {
+			printf("FAIL: balloon queue full\n");
+			exit(1);
+		}
+		balloon_head = head;
+		bq->desc[head].addr = (u64)pfns;
+		bq->desc[head].len = k * 4;
+		bq->desc[head].flags = 0;
+		vq_push(bq, head);
+		vq_kick(bq);
+		u64 t0 = rdtsc();
+		while (!vq_has_used(bq)) {
+			if (rdtsc() - t0 > timeout_tsc) {
+				printf("FAIL: the balloon device did not take a page list\n");
+				exit(1);
+			}
+			cpu_relax();
+		}
+		vq_pop(bq, NULL);
+		vq_free_chain(bq, head);
+	}
+}
+
+static void balloon_set_actual(void)
+{
+	mmio_write32(bdev.devcfg + 4, (u32)ballooned);
+}
+
+/* move the balloon to `want` frames (bounded by the cache) */
+static void balloon_resize(u64 want)
+{
+	if (want > nframes - 256)	/* leave the cache at least 1 MiB */
+		want = nframes - 256;
+	if (want > ballooned) {	/* inflate: the top frames, their cache entries dropped */
+		u64 lo = nframes - want, hi = nframes - ballooned;
+		for (u64 f = lo; f < hi; f++) {
+			if (frame2blk[f] != NONE)
+				blk2frame[frame2blk[f]] = NONE;
+			frame2blk[f] = NONE;
+		}
+		balloon_send(0, lo, hi - lo);
+		inflated_total += hi - lo;
+		ballooned = want;
+		if (clock_hand >= usable_frames())
+			clock_hand = 0;
+	} else if (want < ballooned) {
+		u64 lo = nframes - ballooned, hi = nframes - want;
+		balloon_send(1, lo, hi - lo);
+		deflated_total += hi - lo;
+		ballooned = want;
+	}
+	balloon_set_actual();
+}
+
+static void balloon_poll(void)
+{
+	if (!balloon_on)
+		return;
+	u8 g = vc_read8(&bdev, VC_CFGGEN);
+	if (g == balloon_gen)
+		return;
+	u32 target;
+	do {
+		g = vc_read8(&bdev, VC_CFGGEN);
+		target = mmio_read32(bdev.devcfg);
+	} while (g != vc_read8(&bdev, VC_CFGGEN));
+	balloon_gen = g;
+	if (target != ballooned)
+		balloon_resize(target);
+}
+
+static int balloon_setup(void)
+{
+	if (virtio_probe(&bdev, VIRTIO_DEV_BALLOON, 0))
+		return -1;
+	if (virtio_init(&bdev, 1ull << BALLOON_F_DEFLATE_ON_OOM))
+		return -1;
+	if (virtio_setup_queue(&bdev, 0, 64, 1) || virtio_setup_queue(&bdev, 1, 64, 1))
+		return -1;
+	virtio_driver_ok(&bdev);
+	pfns = dma_alloc(BALLOON_BATCH * 4, 4096);
+	balloon_on = 1;
+	balloon_gen = ~0ul;
+	balloon_poll();
+	printf("pagecache balloon target_pages=%lu deflate_on_oom=%d\n", ballooned,
+	       virtio_has(&bdev, BALLOON_F_DEFLATE_ON_OOM));
+	return 0;
+}
+
 /* a frame for a new cache entry: the next one round the clock, evicting */
 static u64 frame_alloc(void)
 {
 	u64 f = clock_hand;
-	clock_hand = (clock_hand + 1) % nframes;
+	clock_hand = (clock_hand + 1) % usable_frames();
 	if (frame2blk[f] != NONE)
 		blk2frame[frame2blk[f]] = NONE;
 	frame2blk[f] = NONE;
@@ -431,6 +551,7 @@ static void read_file_pass(void)
 	u64 window = (u64)ra * qd;
 	for (u64 b = 0; b < file_blocks; b += window) {
 		u64 n = file_blocks - b < window ? file_blocks - b : window;
+		balloon_poll();
 		u64 before = disk_blocks_read;
 		read_ahead(b, n);
 		wait_all();
@@ -442,8 +563,11 @@ static void read_file_pass(void)
 
 static int use_phases;
 
+static void balloon_poll(void);
+
 static void phase(u64 n)
 {
+	balloon_poll();
 	if (use_phases && lucid_present())
 		lucid_hypercall(LUCID_HC_PHASE, n, 0, 0);
 }
@@ -489,6 +613,19 @@ static void mode_alloc(u64 mib)
 	u64 n = mib * 256;
 	if (n > nframes)
 		n = nframes;
+	balloon_poll();
+	if (n > usable_frames()) {	/* the balloon holds memory the process needs */
+		if (balloon_on && virtio_has(&bdev, BALLOON_F_DEFLATE_ON_OOM)) {
+			printf("pagecache alloc: deflating the balloon by %lu pages (deflate on OOM)\n",
+			       n - usable_frames());
+			balloon_resize(nframes - n);
+			balloon_on = 0;	/* keep what the process holds: no reinflation */
+		} else {
+			printf("FAIL: out of memory: the process needs %lu pages, the balloon leaves %lu "
+			       "(the paper's balloon crash, Fig. 4.10)\n", n, usable_frames());
+			exit(1);
+		}
+	}
 	/* the OS drops the cache and hands its frames to a process */
 	for (u64 f = 0; f < n; f++) {
 		if (frame2blk[f] != NONE)
@@ -592,7 +729,7 @@ static u64 lz_decompress(const u8 *in, u64 n, u8 *out, u64 cap)
 	return o;
 }
 
-static void mode_compress(u64 iters)
+static void mode_compress(u64 iters, u64 effort)
 {
 	u8 *chunk = dma_alloc(CHUNK, 4096);
 	u8 *packed = dma_alloc(CHUNK + CHUNK / 64 + 64, 4096);
@@ -605,6 +742,7 @@ static void mode_compress(u64 iters)
 		u64 in_bytes = 0, out_bytes = 0;
 		for (u64 b = 0; b < file_blocks; b += per) {
 			u64 n = file_blocks - b < per ? file_blocks - b : per;
+			balloon_poll();
 			for (u64 w = b; w < b + n; w += (u64)ra * qd) {
 				u64 k = b + n - w < (u64)ra * qd ? b + n - w : (u64)ra * qd;
 				u64 before = disk_blocks_read;
@@ -617,8 +755,11 @@ static void mode_compress(u64 iters)
 				check("compress", src, b + k, seed, 0);
 				memcpy(chunk + k * BS, src, BS);
 			}
-			u64 len = lz_compress(chunk, n * BS, packed);
-			u64 got = lz_decompress(packed, len, back, CHUNK);
+			u64 len = 0, got = 0;
+			for (u64 e = 0; e < effort; e++) {	/* bzip2 works harder than this LZ */
+				len = lz_compress(chunk, n * BS, packed);
+				got = lz_decompress(packed, len, back, CHUNK);
+			}
 			if (got != n * BS || memcmp(back, chunk, n * BS)) {
 				if (mismatches < 10)
 					printf("MISMATCH what=lz chunk_block=%lu packed=%lu unpacked=%lu\n", b,
@@ -1068,6 +1209,8 @@ int main(void)
 	frame2blk = dma_alloc(nframes * 4, 64);
 	memset(blk2frame, 0xff, file_blocks * 4);
 	memset(frame2blk, 0xff, nframes * 4);
+	if (m <= 2 && param_u64("balloon", 0) && balloon_setup())
+		return 2;
 	printf("pagecache mode=%s mib=%lu file_blocks=%lu frames=%lu cache_base=%#lx ram_end=%#lx "
 	       "ra=%d qd=%d seed=%#lx\n", mode, mib, file_blocks, nframes, cache_base, ram_end, ra,
 	       qd, seed);
@@ -1081,7 +1224,7 @@ int main(void)
 		mode_alloc(mib);
 		break;
 	case 2:
-		mode_compress(iters);
+		mode_compress(iters, param_u64("effort", 8) ? param_u64("effort", 8) : 1);
 		break;
 	case 3:
 		mode_consistency(param_u64("rounds", 8), param_u64("ops", 256), pmib);
@@ -1101,7 +1244,9 @@ int main(void)
 		return 1;
 	}
 	printf("pagecache done mode=%s total_ms=%lu mismatches=%lu io_errors=%lu disk_blocks=%lu "
-	       "hits=%lu\n", mode, ms_since(t0), mismatches, io_errors, disk_blocks_read, cache_hits);
+	       "hits=%lu balloon_pages=%lu inflated=%lu deflated=%lu\n", mode, ms_since(t0),
+	       mismatches, io_errors, disk_blocks_read, cache_hits, ballooned, inflated_total,
+	       deflated_total);
 	if (mismatches || io_errors || hostile_failed) {
 		printf("FAIL: mismatches=%lu io_errors=%lu hostile_failed=%d\n", mismatches, io_errors,
 		       hostile_failed);

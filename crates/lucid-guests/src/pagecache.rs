@@ -81,7 +81,7 @@ pub fn make_image(path: &Path, blocks: u64, extra_blocks: u64, s: u64) -> std::i
 /// The `durable` mode's state of block `b` after round `r`: version `r`, or zeros for even
 /// blocks when `r % 3 == 0`.
 pub fn durable_state(b: u64, r: u64) -> u64 {
-    if r % 3 == 0 && b % 2 == 0 {
+    if r.is_multiple_of(3) && b.is_multiple_of(2) {
         VER_ZERO
     } else {
         r % VER_ZERO

@@ -33,6 +33,9 @@ pub enum BenchCmd {
     /// The vIOMMU: no IOMMU vs samecore and sidecore VT-d emulation, each with the guest's
     /// mapping strategies (the paper's Table 1), plus map cost, risk bounds and pinning.
     Iommu(crate::bench_iommu::IommuArgs),
+    /// VSWAPPER: baseline, mapper, vswapper, balloon and balloon+vswapper under memory limits,
+    /// on the page-cache workloads (re-read, re-read + allocate, compress).
+    Swap(crate::bench_swap::SwapArgs),
 }
 
 pub fn run(cmd: BenchCmd) -> Result<ExitCode, String> {
@@ -40,6 +43,7 @@ pub fn run(cmd: BenchCmd) -> Result<ExitCode, String> {
         BenchCmd::Exits { json, count, runs } => exits(json, count, runs.max(1)),
         BenchCmd::Io(args) => crate::bench_io::run(args),
         BenchCmd::Iommu(args) => crate::bench_iommu::run(args),
+        BenchCmd::Swap(args) => crate::bench_swap::run(args),
     }
 }
 

@@ -5,6 +5,7 @@
 mod bench;
 mod bench_io;
 mod bench_iommu;
+mod bench_swap;
 mod logger;
 
 use std::path::PathBuf;

@@ -156,9 +156,17 @@ fn workloads_pass_without_a_limit() {
         .unwrap();
     assert!(out > 0 && out < 8 << 20, "compressed to {out} bytes");
     // A cache smaller than the file: every pass reads the disk again (the clock evicts).
-    let o = run_guest(&img.blk(), 128, &[], "mode=reread mib=16 iters=2 cache_mib=8");
+    let o = run_guest(
+        &img.blk(),
+        128,
+        &[],
+        "mode=reread mib=16 iters=2 cache_mib=8",
+    );
     assert_pass(&o, "reread with a small cache");
-    assert_eq!(iter_values(&o.stdout, "disk_blocks"), vec![16 * 256, 16 * 256]);
+    assert_eq!(
+        iter_values(&o.stdout, "disk_blocks"),
+        vec![16 * 256, 16 * 256]
+    );
 }
 
 #[test]
@@ -167,7 +175,10 @@ fn a_wrong_block_on_the_disk_is_caught() {
     // Block 100 holds block 101's content, block 200 a newer version of itself.
     {
         use std::os::unix::fs::FileExt;
-        let f = std::fs::OpenOptions::new().write(true).open(&img.0).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&img.0)
+            .unwrap();
         f.write_all_at(&pagecache::block(101, DEFAULT_SEED, 0), 100 * BLOCK as u64)
             .unwrap();
         f.write_all_at(&pagecache::block(200, DEFAULT_SEED, 3), 200 * BLOCK as u64)
@@ -181,8 +192,12 @@ fn a_wrong_block_on_the_disk_is_caught() {
         "{}",
         o.stdout
     );
-    assert!(o.stdout.contains("MISMATCH what=reread block=100 ver=0 word=0"));
-    assert!(o.stdout.contains("MISMATCH what=reread block=200 ver=0 word=2"));
+    assert!(o
+        .stdout
+        .contains("MISMATCH what=reread block=100 ver=0 word=0"));
+    assert!(o
+        .stdout
+        .contains("MISMATCH what=reread block=200 ver=0 word=2"));
     assert!(o.stdout.contains("FAIL"));
 }
 
@@ -215,7 +230,11 @@ fn hostile_guest_io_is_refused_or_served_right() {
         .filter(|l| l.starts_with("pagecache hostile case="))
         .count();
     assert!(cases >= 12, "{}", o.stdout);
-    assert!(o.stdout.contains("pagecache hostile failed=0"), "{}", o.stdout);
+    assert!(
+        o.stdout.contains("pagecache hostile failed=0"),
+        "{}",
+        o.stdout
+    );
     assert!(o.counter("blk0.errors") >= 6);
 }
 
@@ -269,7 +288,15 @@ fn durable_kill9(extra: &[&str], tag: &str, memory: u64, mib: u64, rounds: u64) 
     let mem = memory.to_string();
     let blk = img.blk_direct_if(extra);
     let mut child = Command::new(env!("CARGO_BIN_EXE_lucid"))
-        .args(["run", "--guest", "pagecache", "--memory", &mem, "--blk", &blk])
+        .args([
+            "run",
+            "--guest",
+            "pagecache",
+            "--memory",
+            &mem,
+            "--blk",
+            &blk,
+        ])
         .args(extra)
         .args([
             "--cmdline",
@@ -303,7 +330,10 @@ fn durable_kill9(extra: &[&str], tag: &str, memory: u64, mib: u64, rounds: u64) 
         line.clear();
     }
     let st = child.wait().unwrap();
-    assert!(last >= rounds, "{tag}: the guest stopped early ({st}):\n{seen}");
+    assert!(
+        last >= rounds,
+        "{tag}: the guest stopped early ({st}):\n{seen}"
+    );
     // Every line read after the kill was printed before it: the round printed last is flushed.
     let rest = {
         let mut s = String::new();
