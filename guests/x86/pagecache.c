@@ -39,7 +39,8 @@
  *     scratch memory written to push frames out of the host; then every
  *     frame must still hold what it read (never the block's new content),
  *     a sample of blocks read afresh must hold their current version, and
- *     the scratch memory its pattern.
+ *     the scratch memory its pattern. settle_ms=N (0): pause N ms after the
+ *     stores and after the disk changes, for a host that pages the VM out.
  *   durable: rounds=N (1000000) over the file: round r writes every block
  *     with state(b, r) (version r; zeros by discard for even blocks when
  *     r % 3 == 0), flushes, prints "pagecache durable flushed round=r".
@@ -822,6 +823,18 @@ static int check_frame(const char *what, u64 f)
 	return check(what, w, s->blk, sd, s->ver);
 }
 
+static u64 settle_ms;
+
+/* give the host time to push pages out (the tests page the VM out from outside) */
+static void settle(void)
+{
+	if (!settle_ms)
+		return;
+	u64 t0 = rdtsc();
+	while (rdtsc() - t0 < settle_ms * tsc_khz())
+		cpu_relax();
+}
+
 static void pressure(u64 mib, u64 base, u64 round)
 {
 	for (u64 a = 0; a < mib << 20; a += 64)
@@ -897,6 +910,7 @@ static void mode_consistency(u64 rounds, u64 ops, u64 pmib)
 			stores++;
 		}
 		pressure(pmib, scratch, r);
+		settle();
 		/* change blocks on the disk */
 		for (u64 i = 0; i < ops / 4; i++) {
 			u64 b = rng() % file_blocks, kind = rng() % 8;
@@ -943,6 +957,7 @@ static void mode_consistency(u64 rounds, u64 ops, u64 pmib)
 			flushes++;
 		}
 		pressure(pmib, scratch, r + 1000);
+		settle();
 		/* every frame still holds what it read or the CPU stored */
 		for (u64 f = 0; f < nframes; f++)
 			check_frame("frame", f);
@@ -1189,6 +1204,7 @@ int main(void)
 		return 2;
 	}
 	u64 pmib = m == 3 ? param_u64("pressure_mib", 64) : 0;
+	settle_ms = param_u64("settle_ms", 0);
 	if (ram_end < cache_base + ((pmib + 1) << 20)) {
 		printf("pagecache: RAM ends at %#lx: too little for cache_base and pressure_mib\n",
 		       ram_end);
