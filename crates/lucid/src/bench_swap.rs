@@ -26,7 +26,7 @@ use serde_json::{json, Value};
 pub struct SwapArgs {
     #[arg(long)]
     json: bool,
-    /// A smoke run: a 256 MiB guest, a 64 MiB file, one 96 MiB limit, two iterations.
+    /// A smoke run: a 256 MiB guest, a 96 MiB file, one 64 MiB limit, two iterations.
     #[arg(long)]
     quick: bool,
     /// Guest memory (what the guest believes it has), MiB.
@@ -391,7 +391,7 @@ fn ratio(a: f64, b: f64) -> Option<f64> {
 
 pub fn run(args: SwapArgs) -> Result<ExitCode, String> {
     let (memory, limits, file_mib, iters) = if args.quick {
-        (256, vec![96], 64, 2)
+        (256, vec![64], 96, 2)
     } else {
         (args.memory, args.limits.clone(), args.file_mib, args.iters)
     };
