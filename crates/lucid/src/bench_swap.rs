@@ -277,7 +277,11 @@ impl Bench {
             wall_s: json["wall_s"].as_f64().unwrap_or(0.0),
             swap_write_sectors: counter(&all, "swap.host.swap_write_sectors"),
             swap_read_sectors: counter(&all, "swap.host.swap_read_sectors"),
-            majflt: counter(&all, "swap.host.pgmajfault"),
+            majflt: all
+                .get("swap.host.pgmajfault")
+                .or(all.get("swap.host.majflt"))
+                .copied()
+                .unwrap_or(0),
             vmm_text_faults: counter(&all, "swap.host.vmm_text_faults"),
             iterations,
             counters,
@@ -588,13 +592,15 @@ fn svg_plot(results: &Results, limit: &str, configs: &[String]) -> String {
     let colors = [
         "#d0542c", "#4a7fb5", "#2f9e44", "#999999", "#7b3fb5", "#444444",
     ];
-    let runs: Vec<(&String, &RunResult)> = configs
+    // (configuration, its colour by position in `configs`, its run)
+    let runs: Vec<(&String, usize, &RunResult)> = configs
         .iter()
-        .filter_map(|c| Some((c, get(results, "a", limit, c)?)))
+        .enumerate()
+        .filter_map(|(k, c)| Some((c, k, get(results, "a", limit, c)?)))
         .collect();
     let n = runs
         .iter()
-        .map(|(_, r)| r.iterations.len())
+        .map(|(_, _, r)| r.iterations.len())
         .max()
         .unwrap_or(0)
         .max(1);
@@ -608,7 +614,7 @@ fn svg_plot(results: &Results, limit: &str, configs: &[String]) -> String {
         let (left, right) = (70.0, w - 170.0);
         let max = runs
             .iter()
-            .flat_map(|(_, r)| r.iterations.iter().map(get_v))
+            .flat_map(|(_, _, r)| r.iterations.iter().map(get_v))
             .fold(0.0, f64::max)
             .max(1e-9);
         let x = |i: usize| left + (right - left) * (i as f64 + 0.5) / n as f64;
@@ -627,7 +633,7 @@ fn svg_plot(results: &Results, limit: &str, configs: &[String]) -> String {
                 i + 1
             );
         }
-        for (k, (c, r)) in runs.iter().enumerate() {
+        for (c, k, r) in &runs {
             let color = colors[k % colors.len()];
             let pts: Vec<String> = r
                 .iterations
@@ -645,7 +651,7 @@ fn svg_plot(results: &Results, limit: &str, configs: &[String]) -> String {
                     s,
                     r#"<text x="{}" y="{}" fill="{color}">{c}</text>"#,
                     right + 15.0,
-                    top + 16.0 * (k as f64 + 1.0)
+                    top + 16.0 * (*k as f64 + 1.0)
                 );
             }
         }
