@@ -10,6 +10,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+pub mod pagecache;
+
 macro_rules! guests {
     ($($name:literal),* $(,)?) => {
         /// Names of the embedded guests, as accepted by [`get`].
@@ -41,6 +43,7 @@ guests!(
     "virtio-blk",
     "virtio-net",
     "virtio-evil",
+    "pagecache",
     "pvh-ttext",
     "mb-lowmem",
     "acpi-pm",

@@ -36,6 +36,9 @@ pub enum BenchCmd {
     /// Scheduling pools (issue 10): configurations D, P2, P3', PS for N I/O + N CPU guests,
     /// link utilisation, CPU passes/s, ms lost per MB both ways, the low-noise probe.
     Pools(crate::bench_pools::PoolsArgs),
+    /// VSWAPPER: baseline, mapper, vswapper, balloon and balloon+vswapper under memory limits,
+    /// on the page-cache workloads (re-read, re-read + allocate, compress).
+    Swap(crate::bench_swap::SwapArgs),
 }
 
 pub fn run(cmd: BenchCmd) -> Result<ExitCode, String> {
@@ -44,6 +47,7 @@ pub fn run(cmd: BenchCmd) -> Result<ExitCode, String> {
         BenchCmd::Io(args) => crate::bench_io::run(args),
         BenchCmd::Iommu(args) => crate::bench_iommu::run(args),
         BenchCmd::Pools(args) => crate::bench_pools::run(args),
+        BenchCmd::Swap(args) => crate::bench_swap::run(args),
     }
 }
 

@@ -6,6 +6,7 @@ mod bench;
 mod bench_io;
 mod bench_iommu;
 mod bench_pools;
+mod bench_swap;
 mod logger;
 mod pools_cmd;
 
