@@ -339,8 +339,9 @@ pub fn set_affinity(tid: i32, cpus: &[u32]) -> Result<(), PlaceError> {
             unsafe { libc::CPU_SET(c as usize, &mut set) };
         }
     }
+    let pid = policy::sched_pid(tid);
     // SAFETY: the set is a valid cpu_set_t of the size given.
-    let r = unsafe { libc::sched_setaffinity(tid, std::mem::size_of_val(&set), &set) };
+    let r = unsafe { libc::sched_setaffinity(pid, std::mem::size_of_val(&set), &set) };
     if r != 0 {
         return Err(PlaceError::sched(
             "set the affinity of",
