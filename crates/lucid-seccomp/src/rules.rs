@@ -548,7 +548,10 @@ mod tests {
         };
         assert_eq!(conditional(Role::Vcpu, libc::SYS_sched_setattr), Some(1));
         assert_eq!(conditional(Role::Vcpu, libc::SYS_sched_getattr), Some(1));
-        assert_eq!(conditional(Role::Vcpu, libc::SYS_sched_setaffinity), Some(1));
+        assert_eq!(
+            conditional(Role::Vcpu, libc::SYS_sched_setaffinity),
+            Some(1)
+        );
         assert_eq!(conditional(Role::Monitor, libc::SYS_sched_setattr), None);
         // base's five commands plus the three OFD lock commands.
         assert_eq!(conditional(Role::Vcpu, libc::SYS_fcntl), Some(8));

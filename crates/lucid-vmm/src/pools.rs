@@ -278,16 +278,13 @@ impl Shared {
                     }
                 }
             }
-            _ => self
-                .placer
-                .place_thread(t.tid, &def.name)
-                .map(|p| match p {
-                    Placed::Policy(base) => How::Policy {
-                        base,
-                        ladder: BoostLadder::default(),
-                    },
-                    Placed::Noop(a) => How::Noop(a),
-                }),
+            _ => self.placer.place_thread(t.tid, &def.name).map(|p| match p {
+                Placed::Policy(base) => How::Policy {
+                    base,
+                    ladder: BoostLadder::default(),
+                },
+                Placed::Noop(a) => How::Noop(a),
+            }),
         };
         match result {
             Ok(how) => {
@@ -334,7 +331,11 @@ impl Shared {
             match a.poll() {
                 Ok(true) => {
                     self.stats.counter("pools.noop_admitted").inc();
-                    log::info!("pools: back-end tid {tid} admitted to CPU {:?}", a.cpu());
+                    let cpu = a.cpu().map_or("?".into(), |c| c.to_string());
+                    log::info!(
+                        "pools: back-end tid {tid} admitted to CPU {cpu} of pool {}",
+                        a.pool()
+                    );
                 }
                 Ok(false) => {}
                 Err(e) => log::warn!("pools: admission of tid {tid}: {e}"),
@@ -403,7 +404,10 @@ impl Shared {
         };
         match self.vm.set_halt_poll_ns(ns) {
             Ok(()) => self.stats.counter("pools.halt_poll_ns").set(ns.into()),
-            Err(e) => log::warn!("halt polling {ns} ns for pool {}: {e}", self.pools()[i].name),
+            Err(e) => log::warn!(
+                "halt polling {ns} ns for pool {}: {e}",
+                self.pools()[i].name
+            ),
         }
     }
 
