@@ -6,7 +6,8 @@
 //! their admissions ([`AdmissionFiles`]) while the VM is built, before any thread confines
 //! itself. Every vCPU and back-end thread then places itself in the VM's pool as it registers
 //! (the `ThreadRegistry` hook, with [`Placer::place_thread`], which applies the pool's policy:
-//! `io` slice, `cpu` SCHED_BATCH, `noop` FIFO through admission), and a `lucid-monitor` thread,
+//! `io` slice, `cpu` SCHED_BATCH (not for back-ends, which keep the default policy there),
+//! `noop` FIFO through admission), and a `lucid-monitor` thread,
 //! every window (1 s by default), samples the VM (`lucid_pools::monitor`), publishes
 //! `monitor.*` and `vms/<pid>.json`, runs the classifier (`--pool auto`) and re-places the VM's
 //! threads with their new pool's policy when it moves the VM, without pausing it; it also polls
@@ -277,6 +278,24 @@ impl Shared {
                         return;
                     }
                 }
+            }
+            // Back-ends are I/O threads: SCHED_BATCH (no wake-up preemption) would keep a
+            // back-end waiting behind its VM's busy vCPU, starving the VM's I/O so much that
+            // the classifier could no longer see it is I/O-bound. They take the pool's CPUs
+            // with the default policy.
+            Policy::Cpu if t.role == ThreadRole::Backend => {
+                self.placer.place(t.tid, &def.name).and_then(|()| {
+                    lucid_pools::policy::apply(t.tid, Policy::Default)
+                        .map(|base| How::Policy {
+                            base,
+                            ladder: BoostLadder::default(),
+                        })
+                        .map_err(|source| PlaceError::Sched {
+                            what: "set the policy of",
+                            tid: t.tid,
+                            source,
+                        })
+                })
             }
             _ => self.placer.place_thread(t.tid, &def.name).map(|p| match p {
                 Placed::Policy(base) => How::Policy {

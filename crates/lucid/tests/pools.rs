@@ -214,6 +214,11 @@ fn is_io_policy(r: &ReadBack) -> bool {
             || (-8..=-5).contains(&r.nice))
 }
 
+/// SCHED_OTHER nice 0: the `default` policy (and back-ends in a `cpu` pool).
+fn is_default_policy(r: &ReadBack) -> bool {
+    (r.policy, r.nice) == (SchedPolicy::Other, 0)
+}
+
 /// An admitted back-end of a `noop` pool: SCHED_FIFO priority 10 on one CPU.
 fn is_noop_admitted(r: &ReadBack) -> bool {
     (r.policy, r.priority, r.affinity.len()) == (SchedPolicy::Fifo, 10, 1)
@@ -296,12 +301,13 @@ fn a_vm_in_a_named_pool_has_its_vcpu_and_backend_threads_there() {
     // and, with cgroups, in the pool's cpuset.
     let want_cpuset = format!("/{}/cpu", pools.root);
     let cgroups = pools.cgroup.is_some();
-    // ... with the cpu policy: SCHED_BATCH nice 10.
+    // ... the vCPU with the cpu policy (SCHED_BATCH nice 10), the back-end with the default
+    // one (an I/O thread under SCHED_BATCH would wait behind the busy vCPU).
     let placed = |ts: &[Task]| {
         ["lucid-vcpu0", "lucid-blk0-io"].iter().all(|n| {
             task(ts, n).is_some_and(|t| t.cpus == "1" && (!cgroups || t.cpuset == want_cpuset))
-                && kernel(ts, n).is_some_and(|r| is_cpu_policy(&r))
-        })
+        }) && kernel(ts, "lucid-vcpu0").is_some_and(|r| is_cpu_policy(&r))
+            && kernel(ts, "lucid-blk0-io").is_some_and(|r| is_default_policy(&r))
     };
     let in_pool = until(&mut child, Duration::from_secs(60), placed);
     let seen = tasks(pid);
@@ -687,17 +693,27 @@ fn the_classifier_moves_an_io_stream_to_the_io_pool() {
         .map(String::from),
     );
     let mut child = pools.command().args(&args).spawn().expect("spawn lucid");
-    // Each pool's policy comes with it: SCHED_BATCH in cpu, the short slice in io.
-    let on = |cpu: &'static str, policy: fn(&ReadBack) -> bool| {
+    // Each pool's policy comes with it: SCHED_BATCH in cpu (the back-end keeps the default
+    // policy there), the short slice in io for both.
+    let on = |cpu: &'static str, vcpu: fn(&ReadBack) -> bool, backend: fn(&ReadBack) -> bool| {
         move |ts: &[Task]| {
-            ["lucid-vcpu0", "lucid-blk0-io"].iter().all(|n| {
-                task(ts, n).is_some_and(|t| t.cpus == cpu)
-                    && kernel(ts, n).is_some_and(|r| policy(&r))
-            })
+            ["lucid-vcpu0", "lucid-blk0-io"]
+                .iter()
+                .all(|n| task(ts, n).is_some_and(|t| t.cpus == cpu))
+                && kernel(ts, "lucid-vcpu0").is_some_and(|r| vcpu(&r))
+                && kernel(ts, "lucid-blk0-io").is_some_and(|r| backend(&r))
         }
     };
-    let in_cpu = until(&mut child, Duration::from_secs(30), on("1", is_cpu_policy));
-    let moved = until(&mut child, Duration::from_secs(60), on("0", is_io_policy));
+    let in_cpu = until(
+        &mut child,
+        Duration::from_secs(30),
+        on("1", is_cpu_policy, is_default_policy),
+    );
+    let moved = until(
+        &mut child,
+        Duration::from_secs(60),
+        on("0", is_io_policy, is_io_policy),
+    );
     let out = finish(child, &stats);
     assert!(
         in_cpu && moved,
