@@ -262,6 +262,7 @@ impl Shared {
                 self.reap(&mut st);
                 match self.admission_files(&def.name) {
                     Some(files) => {
+                        self.stats.counter("pools.noop_requests").inc();
                         Admission::request_with(self.placer.clone(), t.tid, files).map(How::Noop)
                     }
                     None => {

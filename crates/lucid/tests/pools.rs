@@ -847,3 +847,59 @@ fn the_monitor_thread_is_confined_to_its_seccomp_role() {
         "{err}"
     );
 }
+
+/// A guest that resets its devices again and again starts a new back-end thread each time; in
+/// a no-op pool each new one asks for admission under the vCPU's seccomp filter, on files
+/// opened before confinement (one set per device, given back when a back-end ends), and the
+/// VM survives: no forbidden call, no admission without files.
+#[test]
+fn back_ends_restarted_by_resets_rejoin_the_noop_pool_under_seccomp() {
+    if !two_cpus() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let pools = TestPools::with(
+        "resets",
+        &[
+            "name=be,cpus=1,policy=noop",
+            "name=vms,cpus=0,policy=default",
+        ],
+    );
+    let img = Removed(disk("pools-resets", 8));
+    let stats = tmp("pools-resets-stats.json");
+    let child = pools
+        .command()
+        .args(["run", "--guest", "virtio-evil", "--pool", "auto"])
+        .args(["--blk", &format!("path={},rung=L1", img.0.display())])
+        .args([
+            "--net",
+            "backend=echo,rung=L1",
+            "--monitor-window-ms",
+            "100",
+        ])
+        .arg("--stats-json")
+        .arg(&stats)
+        .spawn()
+        .expect("spawn lucid");
+    let out = finish(child, &stats);
+    assert!(
+        out.stdout.contains("virtio-evil: survived"),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+    assert!(!out.stderr.contains("seccomp"), "{}", out.stderr);
+    let activations =
+        out.counter("blk0.virtio.activations") + out.counter("net0.virtio.activations");
+    assert!(activations > 2, "the guest re-activated its devices");
+    // Every back-end thread asked once, on files given back by the one it replaced.
+    assert_eq!(
+        out.counter("pools.noop_requests"),
+        activations,
+        "{}",
+        out.stats
+    );
+    assert!(out.counter("pools.noop_admitted") >= 1, "{}", out.stats);
+    assert_eq!(out.counter("pools.noop_no_files"), 0, "{}", out.stats);
+    assert_eq!(out.counter("pools.place_errors"), 0, "{}", out.stats);
+}
