@@ -307,8 +307,8 @@ pub fn reset(tid: i32) -> io::Result<()> {
 /// keeping its class and slice (what the monitor calls each window for `io` threads).
 pub fn apply_boost(tid: i32, base: &Applied, level: BoostLevel) -> io::Result<()> {
     let nice = (base.nice + level.nice_delta()).clamp(-20, 19);
-    // SAFETY: setpriority on one thread id; no memory is passed.
     let who = sched_pid(tid) as libc::id_t;
+    // SAFETY: setpriority on one thread id; no memory is passed.
     let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, who, nice) };
     if r != 0 {
         return Err(io::Error::last_os_error());
