@@ -532,6 +532,22 @@ impl Pools {
             ),
         };
         let placer = placer.expect("a pool was chosen, so pools are defined");
+        if args.seccomp {
+            // Threads place themselves (and the monitor re-places them) confined: a cgroup
+            // file that could not be opened now is a placement error, never an `open`.
+            if !placer.files_ready() {
+                log::warn!(
+                    "pools: some of the pools' cgroup files in {} cannot be opened (run as \
+                     root?): threads of those pools will not be placed",
+                    placer
+                        .host()
+                        .cgroup
+                        .as_ref()
+                        .map_or(String::new(), |c| c.display().to_string())
+                );
+            }
+            placer.forbid_open();
+        }
         let backend_pool = placer.pools().iter().position(|d| d.backends);
         // No-op admission files for every back-end that may run at once, plus one for a
         // back-end restarted by a reset before the monitor noticed the old one end.
