@@ -680,7 +680,7 @@ fn the_classifier_moves_an_io_stream_to_the_io_pool() {
     );
     let img = Removed(disk("pools-stream", 64));
     let stats = tmp("pools-stream-stats.json");
-    let mut args = blk_args(img.0.to_str().unwrap(), stats.to_str().unwrap(), "100000");
+    let mut args = blk_args(img.0.to_str().unwrap(), stats.to_str().unwrap(), "200000");
     args.extend(
         [
             "--pool",
@@ -722,6 +722,8 @@ fn the_classifier_moves_an_io_stream_to_the_io_pool() {
     );
     assert_eq!(out.status, Some(1), "{}\n{}", out.stdout, out.stderr);
     assert!(out.stdout.contains("mismatches=0"), "{}", out.stdout);
+    // In the io pool the monitor's boost ladder stepped the woken threads' nice.
+    assert!(out.counter("pools.boost_steps") > 0, "{}", out.stats);
     assert_eq!(out.counter("monitor.moves"), 1, "{}", out.stats);
     assert_eq!(out.counter("pools.current"), 1);
 }
