@@ -339,8 +339,9 @@ pub fn set_affinity(tid: i32, cpus: &[u32]) -> Result<(), PlaceError> {
             unsafe { libc::CPU_SET(c as usize, &mut set) };
         }
     }
+    let pid = policy::sched_pid(tid);
     // SAFETY: the set is a valid cpu_set_t of the size given.
-    let r = unsafe { libc::sched_setaffinity(tid, std::mem::size_of_val(&set), &set) };
+    let r = unsafe { libc::sched_setaffinity(pid, std::mem::size_of_val(&set), &set) };
     if r != 0 {
         return Err(PlaceError::sched(
             "set the affinity of",
@@ -448,6 +449,9 @@ struct Attach {
     joined: std::sync::atomic::AtomicBool,
     /// The online CPUs when opened (for `unplace`).
     online: Vec<u32>,
+    /// Set by [`Placer::forbid_open`]: a file that could not be opened ahead is an error, never
+    /// opened now (the caller may be confined by seccomp without `open`).
+    no_open: std::sync::atomic::AtomicBool,
 }
 
 fn open_w(path: &Path) -> Option<fs::File> {
@@ -464,11 +468,15 @@ fn open_w(path: &Path) -> Option<fs::File> {
 }
 
 /// Writes `tid` to a pre-opened cgroup file, or opens `path` when it could not be opened
-/// earlier (that open then reports the real error).
-fn write_tid(f: Option<&fs::File>, path: &Path, tid: i32) -> Result<(), PlaceError> {
+/// earlier (that open then reports the real error) unless `no_open`.
+fn write_tid(f: Option<&fs::File>, path: &Path, tid: i32, no_open: bool) -> Result<(), PlaceError> {
     use std::io::Write;
     let r = match f {
         Some(mut f) => f.write_all(tid.to_string().as_bytes()),
+        None if no_open => Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            "could not be opened before the threads were confined",
+        )),
         None => fs::write(path, tid.to_string()),
     };
     r.map_err(|e| match e.raw_os_error() {
@@ -528,6 +536,25 @@ impl Placer {
     pub fn state(&self) -> &StateDir {
         &self.state
     }
+
+    /// From now on this placer (and its clones) never opens a file: a cgroup file it could not
+    /// open ahead makes placing fail instead (for threads confined by seccomp without `open`).
+    pub fn forbid_open(&self) {
+        self.attach
+            .no_open
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether [`Placer::open`] opened every cgroup file placing will write (always true for
+    /// the affinity backend).
+    pub fn files_ready(&self) -> bool {
+        self.host.cgroup.is_none()
+            || self
+                .host
+                .pools
+                .iter()
+                .all(|p| self.attach.pools.contains_key(&p.name))
+    }
     pub fn host(&self) -> &HostPools {
         &self.host
     }
@@ -582,8 +609,9 @@ impl Placer {
         use std::sync::atomic::Ordering;
         let def = self.pool(pool)?;
         let pre = self.attach.pools.get(pool);
+        let no_open = self.attach.no_open.load(Ordering::Relaxed);
         match (self.host.backend, self.pool_dir(pool)) {
-            (Backend::CpusetV1, Some(dir)) => write_tid(pre, &dir.join("tasks"), tid)?,
+            (Backend::CpusetV1, Some(dir)) => write_tid(pre, &dir.join("tasks"), tid, no_open)?,
             (Backend::CpusetV2, Some(dir)) => {
                 let root = self.host.cgroup.as_ref().expect("v2 has a cgroup root");
                 let procs = root.join("cgroup.procs");
@@ -593,17 +621,20 @@ impl Placer {
                 if !self.attach.joined.swap(true, Ordering::Relaxed) {
                     // SAFETY: getpid has no preconditions.
                     let pid = unsafe { libc::getpid() };
-                    write_tid(self.attach.procs.as_ref(), &procs, pid)?;
+                    write_tid(self.attach.procs.as_ref(), &procs, pid, no_open)?;
                 }
-                if let Err(e) = write_tid(pre, &threads, tid) {
+                if let Err(e) = write_tid(pre, &threads, tid, no_open) {
                     // A thread of another process (the CLI, tests): its process joins first.
+                    if no_open {
+                        return Err(e);
+                    }
                     let tgid = tgid_of(tid)?;
                     // SAFETY: getpid has no preconditions.
                     if tgid == unsafe { libc::getpid() } {
                         return Err(e);
                     }
-                    write_tid(self.attach.procs.as_ref(), &procs, tgid)?;
-                    write_tid(pre, &threads, tid)?;
+                    write_tid(self.attach.procs.as_ref(), &procs, tgid, no_open)?;
+                    write_tid(pre, &threads, tid, no_open)?;
                 }
             }
             _ => {}
@@ -618,13 +649,18 @@ impl Placer {
     pub fn unplace(&self, tid: i32) -> Result<(), PlaceError> {
         if let Some(root) = &self.host.cgroup {
             let out = self.attach.out.as_ref();
+            let no_open = self
+                .attach
+                .no_open
+                .load(std::sync::atomic::Ordering::Relaxed);
             match self.host.backend {
                 Backend::CpusetV1 => write_tid(
                     out,
                     &root.parent().expect("under a mount").join("tasks"),
                     tid,
+                    no_open,
                 )?,
-                Backend::CpusetV2 => write_tid(out, &root.join("cgroup.threads"), tid)?,
+                Backend::CpusetV2 => write_tid(out, &root.join("cgroup.threads"), tid, no_open)?,
                 Backend::Affinity => {}
             }
         }

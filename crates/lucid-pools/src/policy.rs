@@ -150,8 +150,21 @@ pub struct SchedAttr {
     pub runtime_ns: u64,
 }
 
+/// The pid argument for a scheduling call on `tid`: 0 (the caller) when `tid` is the calling
+/// thread, so that seccomp can allow a thread to change itself and no other
+/// (`sched_setaffinity(0, ..)`, `sched_setattr(0, ..)`: the placement hook on vCPU and back-end
+/// threads).
+pub(crate) fn sched_pid(tid: i32) -> i32 {
+    // SAFETY: gettid has no preconditions.
+    match tid == unsafe { libc::gettid() } {
+        true => 0,
+        false => tid,
+    }
+}
+
 /// `sched_getattr(tid)`.
 pub fn get_attr(tid: i32) -> io::Result<SchedAttr> {
+    let tid = sched_pid(tid);
     let mut a = RawAttr::default();
     // SAFETY: the kernel writes at most `size` bytes into `a`, a sched_attr of that size.
     let r = unsafe {
@@ -176,6 +189,7 @@ pub fn get_attr(tid: i32) -> io::Result<SchedAttr> {
 
 /// `sched_setattr(tid)`.
 pub fn set_attr(tid: i32, attr: &SchedAttr) -> io::Result<()> {
+    let tid = sched_pid(tid);
     let a = RawAttr {
         size: std::mem::size_of::<RawAttr>() as u32,
         policy: attr.policy.raw(),
@@ -293,8 +307,9 @@ pub fn reset(tid: i32) -> io::Result<()> {
 /// keeping its class and slice (what the monitor calls each window for `io` threads).
 pub fn apply_boost(tid: i32, base: &Applied, level: BoostLevel) -> io::Result<()> {
     let nice = (base.nice + level.nice_delta()).clamp(-20, 19);
+    let who = sched_pid(tid) as libc::id_t;
     // SAFETY: setpriority on one thread id; no memory is passed.
-    let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) };
+    let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, who, nice) };
     if r != 0 {
         return Err(io::Error::last_os_error());
     }
@@ -489,30 +504,54 @@ fn try_flock(f: &File) -> io::Result<bool> {
     }
 }
 
-/// A held no-op CPU slot (released on drop, or by the kernel when the process dies).
+/// The descriptors one thread's admission to a `noop` pool uses: one per slot file and one on
+/// the pool's waiting list, each its own open file description (locks belong to descriptions,
+/// so two admissions never share one). Opened ahead with [`AdmissionFiles::open`] (before
+/// seccomp confinement: the thread that will ask may not open files) and given back by
+/// [`Admission::into_files`] for the next thread.
 #[derive(Debug)]
-pub struct Slot {
-    file: File,
-    pub cpu: u32,
+pub struct AdmissionFiles {
+    pool: String,
+    slots: Vec<(u32, File)>,
+    queue: File,
 }
 
-impl Drop for Slot {
-    fn drop(&mut self) {
-        // Clear the holder line; the lock goes with the fd.
-        let _ = self.file.set_len(0);
+impl AdmissionFiles {
+    /// Opens (creating them if needed) the slot files and the waiting list of `pool`.
+    pub fn open(placer: &Placer, pool: &str) -> Result<AdmissionFiles, PlaceError> {
+        let def = placer.pool(pool)?.clone();
+        let dir = placer.state().slots_dir();
+        fs::create_dir_all(&dir).map_err(|e| slots_err(&dir, e))?;
+        let slots = def
+            .cpus
+            .iter()
+            .map(|&cpu| {
+                let p = slot_path(placer.state(), pool, cpu);
+                open_rw(&p).map(|f| (cpu, f)).map_err(|e| slots_err(&p, e))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let qp = queue_path(placer.state(), pool);
+        let queue = open_rw(&qp).map_err(|e| slots_err(&qp, e))?;
+        Ok(AdmissionFiles {
+            pool: pool.to_string(),
+            slots,
+            queue,
+        })
+    }
+
+    pub fn pool(&self) -> &str {
+        &self.pool
     }
 }
 
 #[derive(Debug)]
 enum AdmState {
-    Admitted(Slot),
-    /// Holds the lock on its ticket's record in the pool's queue file, and one open
-    /// description per slot file to try.
-    Waiting {
-        queue: File,
-        ticket: u64,
-        slots: Vec<(u32, File)>,
-    },
+    /// Holds the flock on `files.slots[slot]`.
+    Admitted { slot: usize, cpu: u32 },
+    /// Holds the lock on its ticket's record in the pool's waiting list.
+    Waiting { ticket: u64 },
+    /// Gave its slot or ticket up (dropped or turned back into files).
+    Gone,
 }
 
 /// Where a thread stands in a `noop` pool.
@@ -527,15 +566,18 @@ pub enum AdmissionStatus {
 
 /// A thread's admission to a `noop` pool: admitted (holding one CPU) or waiting.
 ///
-/// [`Admission::request`] opens the files it needs; [`Admission::poll`] and drop then use
-/// only those descriptors (flock, fcntl F_OFD_GETLK/F_OFD_SETLK, pwrite64, ftruncate, close)
-/// plus the placement calls (write to a pre-opened cgroup file, sched_setaffinity,
-/// sched_setattr), so a thread confined by seccomp without open/unlink can poll.
+/// [`Admission::request`] opens the files it needs ([`Admission::request_with`] takes files
+/// opened ahead); [`Admission::poll`], drop and [`Admission::into_files`] then use only those
+/// descriptors (flock, fcntl F_OFD_GETLK/F_OFD_SETLK/F_OFD_SETLKW, pread64, pwrite64,
+/// ftruncate, close) plus the placement calls (write to a pre-opened cgroup file,
+/// sched_setaffinity, sched_setattr), so a thread confined by seccomp without open/unlink can
+/// request, poll and give up.
 #[derive(Debug)]
 pub struct Admission {
     placer: Placer,
     tid: i32,
     pool: String,
+    files: Option<AdmissionFiles>,
     state: AdmState,
 }
 
@@ -599,29 +641,25 @@ impl Admission {
     /// Queues `tid` for a CPU of `pool` and admits it at once if it is first in line and a
     /// slot is free. A waiting thread is left where it is.
     pub fn request(placer: Placer, tid: i32, pool: &str) -> Result<Admission, PlaceError> {
-        let def = placer.pool(pool)?.clone();
-        let dir = placer.state().slots_dir();
-        fs::create_dir_all(&dir).map_err(|e| slots_err(&dir, e))?;
-        let slots = def
-            .cpus
-            .iter()
-            .map(|&cpu| {
-                let p = slot_path(placer.state(), pool, cpu);
-                open_rw(&p).map(|f| (cpu, f)).map_err(|e| slots_err(&p, e))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let qp = queue_path(placer.state(), pool);
-        let queue = open_rw(&qp).map_err(|e| slots_err(&qp, e))?;
-        let ticket = draw_ticket(&queue, &qp, tid)?;
+        let files = AdmissionFiles::open(&placer, pool)?;
+        Admission::request_with(placer, tid, files)
+    }
+
+    /// [`Admission::request`] with files opened ahead (for their pool).
+    pub fn request_with(
+        placer: Placer,
+        tid: i32,
+        files: AdmissionFiles,
+    ) -> Result<Admission, PlaceError> {
+        placer.pool(&files.pool)?;
+        let qp = queue_path(placer.state(), &files.pool);
+        let ticket = draw_ticket(&files.queue, &qp, tid)?;
         let mut adm = Admission {
             placer,
             tid,
-            pool: pool.to_string(),
-            state: AdmState::Waiting {
-                queue,
-                ticket,
-                slots,
-            },
+            pool: files.pool.clone(),
+            files: Some(files),
+            state: AdmState::Waiting { ticket },
         };
         adm.poll()?;
         Ok(adm)
@@ -634,12 +672,12 @@ impl Admission {
         &self.pool
     }
     pub fn is_admitted(&self) -> bool {
-        matches!(self.state, AdmState::Admitted(_))
+        matches!(self.state, AdmState::Admitted { .. })
     }
     pub fn status(&self) -> AdmissionStatus {
         match &self.state {
-            AdmState::Admitted(s) => AdmissionStatus::Admitted { cpu: s.cpu },
-            AdmState::Waiting { .. } => AdmissionStatus::Waiting,
+            AdmState::Admitted { cpu, .. } => AdmissionStatus::Admitted { cpu: *cpu },
+            _ => AdmissionStatus::Waiting,
         }
     }
     /// Whether the thread has exited (sched_getattr says ESRCH): drop the admission then to
@@ -651,8 +689,8 @@ impl Admission {
     /// The CPU held when admitted.
     pub fn cpu(&self) -> Option<u32> {
         match &self.state {
-            AdmState::Admitted(s) => Some(s.cpu),
-            AdmState::Waiting { .. } => None,
+            AdmState::Admitted { cpu, .. } => Some(*cpu),
+            _ => None,
         }
     }
 
@@ -660,55 +698,98 @@ impl Admission {
     /// that CPU inside the pool and makes it SCHED_FIFO. Returns whether it is admitted.
     pub fn poll(&mut self) -> Result<bool, PlaceError> {
         use std::os::unix::fs::FileExt;
-        let AdmState::Waiting {
-            queue,
-            ticket,
-            slots,
-        } = &mut self.state
-        else {
-            return Ok(true);
+        let ticket = match self.state {
+            AdmState::Waiting { ticket } => ticket,
+            AdmState::Admitted { .. } => return Ok(true),
+            AdmState::Gone => return Ok(false),
         };
+        let files = self.files.as_ref().expect("files while waiting");
         let qp = || queue_path(self.placer.state(), &self.pool);
         // Waiters that died hold no lock any more: only live ones count.
-        if *ticket > 0
-            && ofd_first_lock(queue, QUEUE_HEADER, *ticket * TICKET_LEN)
+        if ticket > 0
+            && ofd_first_lock(&files.queue, QUEUE_HEADER, ticket * TICKET_LEN)
                 .map_err(|e| slots_err(&qp(), e))?
                 .is_some()
         {
             return Ok(false);
         }
-        let Some(i) = slots
+        let Some(i) = files
+            .slots
             .iter()
             .map(|(_, f)| try_flock(f))
             .position(|r| matches!(r, Ok(true)))
         else {
             return Ok(false);
         };
-        let (cpu, file) = slots.swap_remove(i);
+        let (cpu, file) = &files.slots[i];
+        let cpu = *cpu;
         // SAFETY: getpid has no preconditions.
         let pid = unsafe { libc::getpid() };
         let _ = file.set_len(0);
         let _ = file.write_all_at(format!("{pid} {}\n", self.tid).as_bytes(), 0);
-        let slot = Slot { file, cpu };
+        // From here on the slot is ours: the ticket goes (its record is unlocked).
+        let _ = ofd_lock(
+            &files.queue,
+            libc::F_UNLCK,
+            ticket_start(ticket),
+            TICKET_LEN,
+            false,
+        );
+        self.state = AdmState::Admitted { slot: i, cpu };
         self.placer.place(self.tid, &self.pool)?;
         set_affinity(self.tid, &[cpu])?;
         apply(self.tid, Policy::Noop)
             .map_err(|e| PlaceError::sched("set the policy of", self.tid, e))?;
-        // Dropping the waiting state closes the queue (its ticket lock goes) and the
-        // other slot descriptors.
-        self.state = AdmState::Admitted(slot);
         Ok(true)
+    }
+
+    /// Gives the slot (clearing its holder line) or the ticket up, keeping the files open.
+    fn give_up(&mut self) {
+        let Some(files) = &self.files else { return };
+        match std::mem::replace(&mut self.state, AdmState::Gone) {
+            AdmState::Admitted { slot, .. } => {
+                let f = &files.slots[slot].1;
+                let _ = f.set_len(0);
+                // SAFETY: flock on an fd we own.
+                unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
+            }
+            AdmState::Waiting { ticket } => {
+                let _ = ofd_lock(
+                    &files.queue,
+                    libc::F_UNLCK,
+                    ticket_start(ticket),
+                    TICKET_LEN,
+                    false,
+                );
+            }
+            AdmState::Gone => {}
+        }
     }
 
     /// Gives the slot (or the ticket) up and takes the thread out of the pool (default
     /// policy, every CPU).
-    pub fn release(self) -> Result<(), PlaceError> {
+    pub fn release(mut self) -> Result<(), PlaceError> {
         let r = match self.state {
-            AdmState::Admitted(_) => self.placer.unplace(self.tid),
-            AdmState::Waiting { .. } => Ok(()),
+            AdmState::Admitted { .. } => self.placer.unplace(self.tid),
+            _ => Ok(()),
         };
-        drop(self.state);
+        self.give_up();
         r
+    }
+
+    /// Gives the slot (or the ticket) up without touching the thread (it exited, or its
+    /// owner moves it elsewhere) and returns the files for another thread's
+    /// [`Admission::request_with`]. Needs no `open`.
+    pub fn into_files(mut self) -> AdmissionFiles {
+        self.give_up();
+        self.files.take().expect("files until into_files")
+    }
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        // Closing the descriptors would drop the locks too; the holder line is cleared here.
+        self.give_up();
     }
 }
 

@@ -16,8 +16,8 @@ use lucid_pools::def::{
 };
 use lucid_pools::place::{read_back, Backend, PlaceError, Placed, Placer};
 use lucid_pools::policy::{
-    admission_state, apply_boost, default_io_slice_ns, Admission, AdmissionStatus, BoostLevel,
-    SchedPolicy, IO_SLICE_NS,
+    admission_state, apply_boost, default_io_slice_ns, Admission, AdmissionFiles, AdmissionStatus,
+    BoostLevel, SchedPolicy, IO_SLICE_NS,
 };
 
 const V1: &str = "/sys/fs/cgroup/cpuset";
@@ -664,6 +664,59 @@ fn a_confined_thread_can_place_poll_and_publish() {
     drop(a2);
     placer.unplace(t2.tid).unwrap();
     placer.unplace(t3.tid).unwrap();
+    destroy_soon(&env.state);
+    assert!(!env.state.dir.exists());
+}
+
+/// Admission files opened ahead serve a thread confined without `open` (a back-end started by a
+/// confined vCPU), and go back to the pool of spare files when its thread ends: the next
+/// thread asks with them and queues behind older waiters.
+#[test]
+fn admission_files_opened_ahead_serve_confined_threads_and_are_reused() {
+    if !have_v1() {
+        eprintln!("skipped: needs root and the cpuset v1 hierarchy");
+        return;
+    }
+    let env = TestEnv::new("files");
+    let set = defs(&["name=be,cpus=1,policy=noop", "name=vm,cpus=0,policy=io"]);
+    create(&env.state, &set, Some(Backend::CpusetV1)).unwrap();
+    let placer = Placer::open(&env.state).unwrap().unwrap();
+    let files: Vec<AdmissionFiles> = (0..2)
+        .map(|_| AdmissionFiles::open(&placer, "be").unwrap())
+        .collect();
+    let (t1, t2, t3) = (Parked::spawn(), Parked::spawn(), Parked::spawn());
+    let (p, tids) = (placer.clone(), [t1.tid, t2.tid, t3.tid]);
+    let (a2, a3) = std::thread::spawn(move || {
+        deny_file_namespace_calls();
+        let mut files = files;
+        let a1 = Admission::request_with(p.clone(), tids[0], files.pop().unwrap()).unwrap();
+        let mut a2 = Admission::request_with(p.clone(), tids[1], files.pop().unwrap()).unwrap();
+        assert!(a1.is_admitted() && !a2.is_admitted());
+        // t1 ends: its files serve t3, which queues behind t2.
+        let again = a1.into_files();
+        assert_eq!(again.pool(), "be");
+        let mut a3 = Admission::request_with(p, tids[2], again).unwrap();
+        assert!(!a3.poll().unwrap(), "t2 is first in line");
+        assert!(admitted_soon(&mut a2));
+        assert!(!a3.poll().unwrap(), "one slot");
+        (a2, a3)
+    })
+    .join()
+    .unwrap();
+    assert_eq!(read_back(t2.tid).unwrap().policy, SchedPolicy::Fifo);
+    assert_eq!(a3.status(), AdmissionStatus::Waiting);
+    let be = placer.pool("be").unwrap().clone();
+    let (slots, waiters) = admission_state(&env.state, &be);
+    assert_eq!(slots[0].holder.map(|h| h.1), Some(t2.tid));
+    assert_eq!(
+        waiters.iter().map(|w| w.1).collect::<Vec<_>>(),
+        vec![t3.tid]
+    );
+    drop(a3);
+    a2.release().unwrap();
+    for t in [&t1, &t2, &t3] {
+        let _ = placer.unplace(t.tid);
+    }
     destroy_soon(&env.state);
     assert!(!env.state.dir.exists());
 }

@@ -352,7 +352,34 @@ fn vcpu(a: &mut Allowed) -> Result<(), BackendError> {
             u64::from(SECCOMP_SET_MODE_FILTER),
         )?])?],
     );
+    pool_placement(a)?;
     a.ioctls(&vcpu_ioctls())
+}
+
+/// `fcntl`'s open-file-description locks (the no-op pools' waiting list).
+fn ofd_locks(a: &mut Allowed) -> Result<(), BackendError> {
+    a.when(
+        libc::SYS_fcntl,
+        [libc::F_OFD_GETLK, libc::F_OFD_SETLK, libc::F_OFD_SETLKW]
+            .iter()
+            .map(|&cmd| rule(vec![arg(1, Op::Eq, cmd as u64)?]))
+            .collect::<Result<_, _>>()?,
+    );
+    Ok(())
+}
+
+/// The pools' placement hook on a back-end thread a vCPU started, which runs under the vCPU's
+/// filter before the thread confines itself: its own policy (`sched_setattr`/`sched_getattr`
+/// on pid 0 only; `sched_setaffinity` on itself is the back-end's) and, for a no-op pool, its
+/// admission on files opened before confinement (`flock` on a slot, OFD locks on the waiting
+/// list, `ftruncate`; `pread64`/`pwrite64` are the back-end's).
+fn pool_placement(a: &mut Allowed) -> Result<(), BackendError> {
+    use libc::*;
+    a.always(&[SYS_flock, SYS_ftruncate]);
+    for nr in [SYS_sched_setattr, SYS_sched_getattr] {
+        a.when(nr, vec![rule(vec![arg(0, Op::Eq, 0)?])?]);
+    }
+    ofd_locks(a)
 }
 
 /// The main thread once the VM runs, and the signal thread: waiting, taking SIGINT/SIGTERM,
@@ -373,25 +400,24 @@ fn iommu(a: &mut Allowed) -> Result<(), BackendError> {
 /// The pools' monitor: reading the registry (KVM's statistics files), opening procfs files
 /// read-only (each thread's `schedstat` and `status`: the threads come and go, so the files
 /// cannot all be opened before confinement; `O_RDONLY` without `O_CREAT`, so it can read but not
-/// create or change a file), placing threads (affinity, scheduling policy, nice; cgroup `tasks`
-/// files are opened before confinement and written), its JSON file in the pools' state
-/// directory (opened before, rewritten with `pwrite` + `ftruncate`) and halt polling
-/// (`KVM_ENABLE_CAP` on the VM fd).
+/// create or change a file), placing threads of the VM (affinity, `sched_setattr`, the boost's
+/// `setpriority`; cgroup `tasks` files are opened before confinement and written), no-op
+/// admission on files opened before (`flock`, OFD locks, `pread64`, `pwrite64`, `ftruncate`),
+/// its JSON file in the pools' state directory (opened before, rewritten with `pwrite` +
+/// `ftruncate`) and halt polling (`KVM_ENABLE_CAP` on the VM fd).
 fn monitor(a: &mut Allowed) -> Result<(), BackendError> {
     use libc::*;
     a.always(&[
         SYS_pread64,
         SYS_pwrite64,
         SYS_ftruncate,
+        SYS_flock,
         SYS_sched_setaffinity,
-        SYS_sched_setscheduler,
         SYS_sched_setattr,
         SYS_sched_getattr,
-        SYS_sched_getparam,
-        SYS_sched_getscheduler,
         SYS_setpriority,
-        SYS_getpriority,
     ]);
+    ofd_locks(a)?;
     // openat(dirfd, path, flags, mode) with no access mode but read and no O_CREAT/O_TRUNC.
     let read_only = (O_ACCMODE | O_CREAT | O_TRUNC) as u64;
     a.when(
@@ -522,6 +548,45 @@ mod tests {
             assert!(!has(Role::Monitor, bad), "monitor may call {bad}");
         }
         assert!(has(Role::Monitor, "sched_setaffinity") && has(Role::Monitor, "ftruncate"));
+        // Placing threads and no-op admission: the monitor for any thread of the VM, a vCPU
+        // (the hook of a back-end it starts) for itself only; nobody else's.
+        for needed in ["flock", "sched_setattr", "sched_getattr", "setpriority"] {
+            assert!(has(Role::Monitor, needed), "monitor may not call {needed}");
+        }
+        for needed in ["flock", "ftruncate", "sched_setattr", "sched_getattr"] {
+            assert!(has(Role::Vcpu, needed), "vcpu may not call {needed}");
+        }
+        for role in [Role::Main, Role::Iommu, Role::Backend] {
+            for bad in ["flock", "sched_setattr", "setpriority", "ftruncate"] {
+                assert!(!has(role, bad), "{role} may call {bad}");
+            }
+        }
+        assert!(!has(Role::Vcpu, "setpriority"));
+    }
+
+    /// A vCPU (and the back-ends it starts) may set only its own policy; the monitor any
+    /// thread's. `fcntl` stays limited to listed commands, now with the OFD locks.
+    #[test]
+    fn own_policy_only_on_vcpus_and_ofd_locks_by_command() {
+        let conditional = |role: Role, nr: c_long| {
+            let a = allowed(role, 1, 34).unwrap();
+            match a.0.get(&nr) {
+                Some(Some(rules)) => Some(rules.len()),
+                Some(None) => None,
+                None => panic!("{role} may not call {nr}"),
+            }
+        };
+        assert_eq!(conditional(Role::Vcpu, libc::SYS_sched_setattr), Some(1));
+        assert_eq!(conditional(Role::Vcpu, libc::SYS_sched_getattr), Some(1));
+        assert_eq!(
+            conditional(Role::Vcpu, libc::SYS_sched_setaffinity),
+            Some(1)
+        );
+        assert_eq!(conditional(Role::Monitor, libc::SYS_sched_setattr), None);
+        // base's five commands plus the three OFD lock commands.
+        assert_eq!(conditional(Role::Vcpu, libc::SYS_fcntl), Some(8));
+        assert_eq!(conditional(Role::Monitor, libc::SYS_fcntl), Some(8));
+        assert_eq!(conditional(Role::Backend, libc::SYS_fcntl), Some(5));
     }
 
     /// The monitor's `openat` rule lets read-only opens through and nothing that writes or

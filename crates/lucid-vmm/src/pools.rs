@@ -1,12 +1,19 @@
 //! A VM in the host's CPU pools (`--pool`, docs/scheduling.md) and in low-noise mode
 //! (`--low-noise`).
 //!
-//! With pools, every vCPU and back-end thread places itself in the VM's pool as it registers
-//! (the `ThreadRegistry` hook: it sets its own affinity and joins the pool's cgroup), and a
-//! `lucid-monitor` thread, every window (1 s by default), samples the VM (the monitor of
-//! `lucid_pools::monitor`), publishes `monitor.*` and `vms/<pid>.json` in the pools' state
-//! directory, runs the classifier (`--pool auto`) and re-places the VM's threads when it moves the
-//! VM, without pausing it; halt polling follows the pool's policy.
+//! The pools are `lucid_pools`' (`lucid pools create`): this module opens their [`Placer`], the
+//! VM's [`VmPublisher`] (`vms/<pid>.json`) and, when back-ends go to a `noop` pool, the files of
+//! their admissions ([`AdmissionFiles`]) while the VM is built, before any thread confines
+//! itself. Every vCPU and back-end thread then places itself in the VM's pool as it registers
+//! (the `ThreadRegistry` hook, with [`Placer::place_thread`], which applies the pool's policy:
+//! `io` slice, `cpu` SCHED_BATCH (not for back-ends, which keep the default policy there),
+//! `noop` FIFO through admission), and a `lucid-monitor` thread,
+//! every window (1 s by default), samples the VM (`lucid_pools::monitor`), publishes
+//! `monitor.*` and `vms/<pid>.json`, runs the classifier (`--pool auto`) and re-places the VM's
+//! threads with their new pool's policy when it moves the VM, without pausing it; it also polls
+//! the no-op admissions (a waiting back-end is admitted when a slot frees, host-wide), gives up
+//! the slots of exited threads and steps the `io` pool's boost ladder. Halt polling follows the
+//! pool's policy.
 //!
 //! In low-noise mode the vCPU threads are pinned one per CPU (the highest CPUs) and everything
 //! else (back-ends, console, signals, the caller) on the other CPUs; there is no monitor thread
@@ -14,18 +21,19 @@
 //!
 //! Also the guest's WORK hypercall (`guest.work.*`).
 
-use std::collections::HashMap;
-use std::fs::File;
-use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
 use std::str::FromStr;
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lucid_hv::kvm_bindings::kvm_regs;
 use lucid_pools::classify::{Classifier, ClassifierConfig, Decision, Label};
+use lucid_pools::def::{DefError, Policy, PoolDef, StateDir, VmPublisher, VmRecord, VmThread};
 use lucid_pools::monitor::{self, Sample, Totals, Window};
+use lucid_pools::place::{PlaceError, Placed, Placer};
+use lucid_pools::policy::{apply_boost, Admission, AdmissionFiles, Applied, BoostLadder};
 use lucid_seccomp::{Role, Seccomp};
 use lucid_stats::{StatsRegistry, ThreadInfo, ThreadRole};
 
@@ -95,20 +103,23 @@ pub enum PoolsError {
     BadChoice(String),
     #[error(
         "--pool {name}: no such pool in {dir} (pools: {known}); create it with `lucid pools \
-         create --def {name}=...` or choose --pool auto or none"
+         create --def name={name},...` or choose --pool auto or none"
     )]
     NoPool {
         name: String,
         dir: PathBuf,
         known: String,
     },
-    #[error("{path}: bad pool definitions: {reason}; recreate them with `lucid pools create`")]
-    BadDefinition { path: PathBuf, reason: String },
-    #[error("cannot read {path}")]
-    Io {
-        path: PathBuf,
+    #[error(
+        "--pool {0}: a noop pool takes device back-end threads only (one per CPU); choose a pool \
+         with policy io, cpu or default, or --pool auto"
+    )]
+    NoopPool(String),
+    #[error("cannot join the pools in {dir}; recreate them with `lucid pools destroy` and `lucid pools create`")]
+    Def {
+        dir: PathBuf,
         #[source]
-        source: std::io::Error,
+        source: DefError,
     },
     #[error(
         "--low-noise pins each vCPU to its own CPU and needs one more for everything else: \
@@ -118,219 +129,37 @@ pub enum PoolsError {
     #[error("--low-noise and --pool {0} exclude each other (low-noise places threads itself)")]
     LowNoiseWithPool(String),
     #[error("cannot set the affinity of the calling thread for --low-noise")]
-    Affinity(#[source] std::io::Error),
+    Affinity(#[source] PlaceError),
     #[error("cannot start the monitor thread")]
     Thread(#[source] std::io::Error),
 }
 
-// ---------------------------------------------------------------------------------------------
-// Pool definitions and placement.
-// LEAD: replace with lucid_pools::def (PoolSet/PoolDef/Policy and the state directory) and
-// lucid_pools::place / lucid_pools::policy (Placer::place, policies, admission) at merge.
-// ---------------------------------------------------------------------------------------------
-
-/// A pool's policy, as far as the VMM needs it here.
-// LEAD: replace with lucid_pools::policy::Policy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum LocalPolicy {
-    Noop,
-    Io,
-    Cpu,
-    Default,
+/// How a thread was placed.
+enum How {
+    /// With its pool's policy; `base` for the `io` boost ladder.
+    Policy { base: Applied, ladder: BoostLadder },
+    /// In a `noop` pool: admitted or waiting.
+    Noop(Admission),
 }
 
-impl LocalPolicy {
-    fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "noop" => LocalPolicy::Noop,
-            "io" => LocalPolicy::Io,
-            "cpu" => LocalPolicy::Cpu,
-            "default" => LocalPolicy::Default,
-            _ => return None,
-        })
-    }
-
-    /// Halt polling for VMs in the pool: `io` polls (KVM's usual 200 µs), `cpu` never does,
-    /// the others keep the host's default.
-    fn halt_poll_ns(self) -> Option<u32> {
-        match self {
-            LocalPolicy::Io => Some(200_000),
-            LocalPolicy::Cpu => Some(0),
-            LocalPolicy::Noop | LocalPolicy::Default => None,
-        }
-    }
-
-    /// The classifier label a pool of this policy serves.
-    fn label(self) -> Label {
-        match self {
-            LocalPolicy::Io => Label::IoBound,
-            LocalPolicy::Cpu => Label::CpuBound,
-            LocalPolicy::Noop | LocalPolicy::Default => Label::Unknown,
-        }
-    }
+/// Where a thread was put.
+struct Placement {
+    pool: usize,
+    how: How,
 }
-
-/// One pool as read from the state directory.
-// LEAD: replace with lucid_pools::def::PoolDef.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct LocalPoolDef {
-    name: String,
-    cpus: Vec<u32>,
-    policy: LocalPolicy,
-    backends: bool,
-}
-
-/// The state directory every Lucid process on the host joins (`LUCID_POOLS_DIR`).
-// LEAD: replace with lucid_pools::def's state-dir function.
-fn state_dir() -> PathBuf {
-    std::env::var_os("LUCID_POOLS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/run/lucid/pools"))
-}
-
-/// The pools' cgroup root name (`LUCID_POOLS_CGROUP`).
-// LEAD: replace with lucid_pools::def's cgroup root.
-fn cgroup_root() -> String {
-    std::env::var("LUCID_POOLS_CGROUP").unwrap_or_else(|_| "lucid-pools".into())
-}
-
-/// Parses `0-2,5` or a JSON array of CPU numbers.
-fn parse_cpus(v: &serde_json::Value) -> Option<Vec<u32>> {
-    if let Some(a) = v.as_array() {
-        return a
-            .iter()
-            .map(|c| c.as_u64().and_then(|c| u32::try_from(c).ok()))
-            .collect();
-    }
-    let mut cpus = Vec::new();
-    for part in v.as_str()?.split(',').filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b) = (a.trim().parse::<u32>().ok()?, b.trim().parse::<u32>().ok()?);
-                if b < a || b - a > 4096 {
-                    return None;
-                }
-                cpus.extend(a..=b);
-            }
-            None => cpus.push(part.trim().parse().ok()?),
-        }
-    }
-    Some(cpus)
-}
-
-/// `pools.json`: `{"pools": [{"name", "cpus", "policy", "backends"}]}` (or the bare array).
-// LEAD: replace with lucid_pools::def::PoolSet's reader.
-fn parse_pools(text: &str) -> Result<Vec<LocalPoolDef>, String> {
-    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
-    let list = v
-        .get("pools")
-        .unwrap_or(&v)
-        .as_array()
-        .ok_or("no \"pools\" array")?;
-    let mut out: Vec<LocalPoolDef> = Vec::new();
-    for p in list {
-        let name = p["name"]
-            .as_str()
-            .ok_or("a pool without a name")?
-            .to_string();
-        let cpus = parse_cpus(&p["cpus"])
-            .filter(|c| !c.is_empty() && c.iter().all(|&c| c < libc::CPU_SETSIZE as u32))
-            .ok_or_else(|| format!("pool {name}: bad cpus"))?;
-        let policy = match &p["policy"] {
-            serde_json::Value::Null => LocalPolicy::Default,
-            v => v
-                .as_str()
-                .and_then(LocalPolicy::parse)
-                .ok_or_else(|| format!("pool {name}: bad policy {v}"))?,
-        };
-        if out.iter().any(|o| o.name == name) {
-            return Err(format!("pool {name} defined twice"));
-        }
-        out.push(LocalPoolDef {
-            name,
-            cpus,
-            policy,
-            backends: p["backends"].as_bool().unwrap_or(false),
-        });
-    }
-    Ok(out)
-}
-
-/// Sets the affinity of thread `tid` (0: the calling thread).
-// LEAD: replace with lucid_pools::place (Affinity backend).
-fn set_affinity(tid: i32, cpus: &[u32]) -> std::io::Result<()> {
-    // SAFETY: cpu_set_t is plain data; CPU_SET gets indices below CPU_SETSIZE (checked when the
-    // pools were read or the CPUs chosen) and sched_setaffinity a valid pointer and its size.
-    let rc = unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        for &c in cpus {
-            if (c as usize) < libc::CPU_SETSIZE as usize {
-                libc::CPU_SET(c as usize, &mut set);
-            }
-        }
-        libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set)
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
-/// The CPUs the calling thread may run on.
-fn allowed_cpus() -> Vec<u32> {
-    // SAFETY: as in `set_affinity`; CPU_ISSET reads the set the kernel filled.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            return Vec::new();
-        }
-        (0..libc::CPU_SETSIZE as usize)
-            .filter(|&c| libc::CPU_ISSET(c, &set))
-            .map(|c| c as u32)
-            .collect()
-    }
-}
-
-/// The pool's cgroup task list, opened for writing when the pool has a cgroup (cpuset v1
-/// `tasks`, or v2 `cgroup.threads`); `None` places by affinity alone.
-// LEAD: replace with lucid_pools::place (CpusetV1/CpusetV2 backends).
-fn open_tasks(pool: &str) -> Option<File> {
-    let root = cgroup_root();
-    [
-        format!("/sys/fs/cgroup/cpuset/{root}/{pool}/tasks"),
-        format!("/sys/fs/cgroup/{root}/{pool}/cgroup.threads"),
-    ]
-    .iter()
-    .find_map(|p| std::fs::OpenOptions::new().write(true).open(p).ok())
-}
-
-/// A pool, ready to take threads.
-struct Pool {
-    def: LocalPoolDef,
-    tasks: Option<File>,
-}
-
-impl Pool {
-    /// Puts `tid` (its real TID, also when it is the caller) in the pool: the cgroup first (a
-    /// cpuset move resets the affinity), then the affinity.
-    // LEAD: replace with lucid_pools::place::Placer::place + the pool's policy.
-    fn place(&self, tid: i32, self_call: bool) -> std::io::Result<()> {
-        if let Some(f) = &self.tasks {
-            f.write_all_at(tid.to_string().as_bytes(), 0)?;
-        }
-        set_affinity(if self_call { 0 } else { tid }, &self.def.cpus)
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
 
 /// What the placement hook and the monitor share.
 struct Shared {
-    pools: Vec<Pool>,
+    placer: Placer,
     /// The pool of the VM's back-ends when a pool takes them (`backends=on`).
     backend_pool: Option<usize>,
     state: Mutex<State>,
+    /// No-op admission files opened ahead (a confined thread may not open them).
+    spare: Mutex<Vec<AdmissionFiles>>,
+    /// Whether admission files may still be opened when none are spare (no seccomp).
+    may_open: bool,
+    /// `vms/<pid>.json`; the monitor empties it at its end (drop).
+    publisher: Mutex<Option<VmPublisher>>,
     stats: Arc<StatsRegistry>,
     vm: lucid_hv::Vm,
     /// The host's halt polling (the module parameter), for pools whose policy keeps it.
@@ -341,11 +170,22 @@ struct Shared {
 struct State {
     /// The pool of the VM's vCPUs.
     current: usize,
-    /// Where each thread was put.
-    placed: HashMap<i32, usize>,
+    placed: HashMap<i32, Placement>,
+    /// (tid, pool) that failed to place: said once, retried quietly each window.
+    failed: HashSet<(i32, usize)>,
+    /// The monitor has ended: nothing is placed any more.
+    closed: bool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Shared {
+    fn pools(&self) -> &[PoolDef] {
+        self.placer.pools()
+    }
+
     /// The pool a thread of `role` belongs in while the VM is in pool `current`; `None` leaves
     /// it where it is.
     fn target(&self, role: &ThreadRole, current: usize) -> Option<usize> {
@@ -356,30 +196,218 @@ impl Shared {
         }
     }
 
-    /// Places thread `t` if it is not where it belongs; `self_call` when `t` is the caller.
-    fn place(&self, t: &ThreadInfo, self_call: bool) {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+    /// Admission files for `pool`: a spare set, else (without seccomp) newly opened ones.
+    fn admission_files(&self, pool: &str) -> Option<AdmissionFiles> {
+        let mut spare = lock(&self.spare);
+        if let Some(i) = spare.iter().position(|f| f.pool() == pool) {
+            return Some(spare.swap_remove(i));
+        }
+        drop(spare);
+        if !self.may_open {
+            return None;
+        }
+        AdmissionFiles::open(&self.placer, pool)
+            .inspect_err(|e| log::warn!("pools: no-op admission in pool {pool}: {e}"))
+            .ok()
+    }
+
+    /// Gives a no-op slot or ticket up and keeps its files for the next back-end.
+    fn recycle(&self, a: Admission) {
+        if a.is_admitted() {
+            self.stats.counter("pools.noop_released").inc();
+        }
+        lock(&self.spare).push(a.into_files());
+    }
+
+    /// Forgets threads that left the registry (a back-end ends at a device reset): no-op
+    /// slots and tickets they held go to the next waiter.
+    fn reap(&self, st: &mut State) {
+        let live: HashSet<i32> = self.stats.threads().list().iter().map(|t| t.tid).collect();
+        let gone: Vec<i32> = st
+            .placed
+            .keys()
+            .copied()
+            .filter(|tid| !live.contains(tid))
+            .collect();
+        for tid in gone {
+            if let Some(Placement {
+                how: How::Noop(a), ..
+            }) = st.placed.remove(&tid)
+            {
+                self.recycle(a);
+            }
+        }
+        st.failed.retain(|(tid, _)| live.contains(tid));
+    }
+
+    /// Places thread `t` (with its pool's policy) if it is not where it belongs.
+    fn place(&self, t: &ThreadInfo) {
+        let mut st = lock(&self.state);
         let Some(target) = self.target(&t.role, st.current) else {
             return;
         };
-        if st.placed.get(&t.tid) == Some(&target) {
+        if st.closed || st.placed.get(&t.tid).is_some_and(|p| p.pool == target) {
             return;
         }
-        match self.pools[target].place(t.tid, self_call) {
-            Ok(()) => {
-                st.placed.insert(t.tid, target);
+        // Leaving a no-op pool (a VM without a back-end pool moved): its slot goes.
+        if let Some(Placement {
+            how: How::Noop(a), ..
+        }) = st.placed.remove(&t.tid)
+        {
+            self.recycle(a);
+        }
+        let def = &self.pools()[target];
+        let result = match def.policy {
+            Policy::Noop => {
+                self.reap(&mut st);
+                match self.admission_files(&def.name) {
+                    Some(files) => {
+                        self.stats.counter("pools.noop_requests").inc();
+                        Admission::request_with(self.placer.clone(), t.tid, files).map(How::Noop)
+                    }
+                    None => {
+                        if st.failed.insert((t.tid, target)) {
+                            self.stats.counter("pools.noop_no_files").inc();
+                            log::warn!(
+                                "{} (tid {}): no no-op admission files left for pool {} (opened \
+                                 before confinement, one per back-end): it stays where it is",
+                                t.name,
+                                t.tid,
+                                def.name
+                            );
+                        }
+                        return;
+                    }
+                }
+            }
+            // Back-ends are I/O threads: SCHED_BATCH (no wake-up preemption) would keep a
+            // back-end waiting behind its VM's busy vCPU, starving the VM's I/O so much that
+            // the classifier could no longer see it is I/O-bound. They take the pool's CPUs
+            // with the default policy.
+            Policy::Cpu if t.role == ThreadRole::Backend => {
+                self.placer.place(t.tid, &def.name).and_then(|()| {
+                    lucid_pools::policy::apply(t.tid, Policy::Default)
+                        .map(|base| How::Policy {
+                            base,
+                            ladder: BoostLadder::default(),
+                        })
+                        .map_err(|source| PlaceError::Sched {
+                            what: "set the policy of",
+                            tid: t.tid,
+                            source,
+                        })
+                })
+            }
+            _ => self.placer.place_thread(t.tid, &def.name).map(|p| match p {
+                Placed::Policy(base) => How::Policy {
+                    base,
+                    ladder: BoostLadder::default(),
+                },
+                Placed::Noop(a) => How::Noop(a),
+            }),
+        };
+        match result {
+            Ok(how) => {
+                if let How::Noop(a) = &how {
+                    let c = match a.is_admitted() {
+                        true => "pools.noop_admitted",
+                        false => "pools.noop_waiting",
+                    };
+                    self.stats.counter(c).inc();
+                }
+                st.placed.insert(t.tid, Placement { pool: target, how });
+                st.failed.remove(&(t.tid, target));
                 self.stats.counter("pools.placements").inc();
             }
             Err(e) => {
                 self.stats.counter("pools.place_errors").inc();
-                log::warn!(
-                    "{} (tid {}): cannot place it in pool {}: {e}",
-                    t.name,
-                    t.tid,
-                    self.pools[target].def.name
-                );
+                if st.failed.insert((t.tid, target)) {
+                    log::warn!(
+                        "{} (tid {}): cannot place it in pool {}: {e}",
+                        t.name,
+                        t.tid,
+                        def.name
+                    );
+                }
             }
         }
+    }
+
+    /// One window of no-op admission: admissions of threads that ended are given up, waiting
+    /// back-ends are admitted when a slot freed (here or in another VM).
+    fn poll_admissions(&self) {
+        let mut st = lock(&self.state);
+        self.reap(&mut st);
+        let mut exited = Vec::new();
+        for (&tid, p) in st.placed.iter_mut() {
+            let How::Noop(a) = &mut p.how else { continue };
+            if a.thread_exited() {
+                exited.push(tid);
+                continue;
+            }
+            if a.is_admitted() {
+                continue;
+            }
+            match a.poll() {
+                Ok(true) => {
+                    self.stats.counter("pools.noop_admitted").inc();
+                    let cpu = a.cpu().map_or("?".into(), |c| c.to_string());
+                    log::info!(
+                        "pools: back-end tid {tid} admitted to CPU {cpu} of pool {}",
+                        a.pool()
+                    );
+                }
+                Ok(false) => {}
+                Err(e) => log::warn!("pools: admission of tid {tid}: {e}"),
+            }
+        }
+        for tid in exited {
+            if let Some(Placement {
+                how: How::Noop(a), ..
+            }) = st.placed.remove(&tid)
+            {
+                self.recycle(a);
+            }
+        }
+        let waiting = st
+            .placed
+            .values()
+            .filter(|p| matches!(&p.how, How::Noop(a) if !a.is_admitted()))
+            .count();
+        self.stats
+            .counter("pools.noop_waiting_now")
+            .set(waiting as u64);
+    }
+
+    /// One window of the `io` boost ladder (research note §4): a thread that woke in the window
+    /// climbs one step (nice -1, max -3), one that ran its slices out loses its boost, a quiet
+    /// one decays a step.
+    fn boost(&self, w: &Window) {
+        let mut st = lock(&self.state);
+        let mut boosted = 0;
+        for t in &w.threads {
+            let Some(p) = st.placed.get_mut(&t.info.tid) else {
+                continue;
+            };
+            if self.placer.pools()[p.pool].policy != Policy::Io {
+                continue;
+            }
+            let How::Policy { base, ladder } = &mut p.how else {
+                continue;
+            };
+            let before = ladder.level();
+            let after = ladder.window(t.voluntary > 0, t.nonvoluntary > t.voluntary);
+            if after != before {
+                match apply_boost(t.info.tid, base, after) {
+                    Ok(()) => self.stats.counter("pools.boost_steps").inc(),
+                    Err(e) => log::debug!("pools: boost of {}: {e}", t.info.name),
+                }
+            }
+            if after > lucid_pools::policy::BoostLevel::Under {
+                boosted += 1;
+            }
+        }
+        self.stats.counter("pools.boosted").set(boosted);
     }
 
     /// Sets halt polling for the policy of pool `i`.
@@ -387,8 +415,7 @@ impl Shared {
         if !self.has_halt_poll {
             return;
         }
-        let Some(ns) = self.pools[i]
-            .def
+        let Some(ns) = self.pools()[i]
             .policy
             .halt_poll_ns()
             .or(self.default_halt_poll_ns)
@@ -399,13 +426,27 @@ impl Shared {
             Ok(()) => self.stats.counter("pools.halt_poll_ns").set(ns.into()),
             Err(e) => log::warn!(
                 "halt polling {ns} ns for pool {}: {e}",
-                self.pools[i].def.name
+                self.pools()[i].name
             ),
         }
     }
 
     fn current(&self) -> usize {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).current
+        lock(&self.state).current
+    }
+
+    /// The end: gives every no-op slot and ticket up and empties `vms/<pid>.json` (on the
+    /// monitor thread, whose role may truncate; the main thread's may not).
+    fn close(&self) {
+        let mut st = lock(&self.state);
+        st.closed = true;
+        for (_, p) in st.placed.drain() {
+            if let How::Noop(a) = p.how {
+                self.recycle(a);
+            }
+        }
+        drop(st);
+        drop(lock(&self.publisher).take());
     }
 }
 
@@ -414,47 +455,54 @@ pub(crate) struct Pools {
     shared: Arc<Shared>,
     auto: bool,
     tuning: MonitorTuning,
-    /// `vms/<pid>.json` in the state directory, opened before confinement.
-    json: Option<(File, PathBuf)>,
-    vm_name: String,
+    /// This VM's record (name, pid and start time), filled in by the monitor.
+    record: VmRecord,
+    /// `vms/<pid>.json`, removed at drop where the VM may unlink.
+    json_path: Option<PathBuf>,
     stop: Arc<(Mutex<bool>, Condvar)>,
     monitor: Option<JoinHandle<()>>,
     /// The VM's threads confine themselves (then this one may not unlink at drop).
     confined: bool,
 }
 
+/// What the VM brings to the pools besides its choice.
+pub(crate) struct JoinArgs<'a> {
+    pub tuning: MonitorTuning,
+    pub vm: &'a lucid_hv::Vm,
+    pub stats: &'a Arc<StatsRegistry>,
+    pub vm_name: &'a str,
+    /// Threads will confine themselves (`VmConfig::seccomp`): no file is opened after `join`.
+    pub seccomp: bool,
+    /// How many back-end threads may run at once (one per device): admission files to open.
+    pub backends: usize,
+}
+
 impl Pools {
     /// Joins the host's pools as `choice` says: `Ok(None)` when the VM runs in none. Installs the
     /// placement hook, so threads that register from now on place themselves.
-    pub fn join(
-        choice: &PoolChoice,
-        tuning: MonitorTuning,
-        vm: &lucid_hv::Vm,
-        stats: &Arc<StatsRegistry>,
-        vm_name: &str,
-    ) -> Result<Option<Self>, PoolsError> {
+    pub fn join(choice: &PoolChoice, args: JoinArgs<'_>) -> Result<Option<Self>, PoolsError> {
         if *choice == PoolChoice::None {
             return Ok(None);
         }
-        let dir = state_dir();
-        let path = dir.join("pools.json");
-        let defs = match std::fs::read_to_string(&path) {
-            Ok(text) => parse_pools(&text).map_err(|reason| PoolsError::BadDefinition {
-                path: path.clone(),
-                reason,
-            })?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(source) => return Err(PoolsError::Io { path, source }),
+        let state = StateDir::from_env();
+        let def_err = |source| PoolsError::Def {
+            dir: state.dir.clone(),
+            source,
         };
+        let placer = Placer::open(&state).map_err(def_err)?;
+        let defs: &[PoolDef] = placer.as_ref().map_or(&[], |p| p.pools());
         // Pools that take VMs (not the back-ends' own pool).
         let vm_pools: Vec<usize> = (0..defs.len()).filter(|&i| !defs[i].backends).collect();
         let (current, auto) = match choice {
             PoolChoice::Named(name) => match defs.iter().position(|d| &d.name == name) {
+                Some(i) if defs[i].policy == Policy::Noop => {
+                    return Err(PoolsError::NoopPool(name.clone()))
+                }
                 Some(i) => (i, false),
                 None => {
                     return Err(PoolsError::NoPool {
                         name: name.clone(),
-                        dir,
+                        dir: state.dir.clone(),
                         known: match defs.is_empty() {
                             true => "none defined".into(),
                             false => defs
@@ -468,8 +516,8 @@ impl Pools {
             },
             _ if vm_pools.is_empty() => {
                 log::info!(
-                    "--pool auto: no pools defined on this host ({}): the VM runs in none",
-                    path.display()
+                    "--pool auto: no pools for VMs defined on this host ({}): the VM runs in none",
+                    state.pools_json().display()
                 );
                 return Ok(None);
             }
@@ -478,52 +526,84 @@ impl Pools {
                 vm_pools
                     .iter()
                     .copied()
-                    .find(|&i| defs[i].policy == LocalPolicy::Default)
+                    .find(|&i| defs[i].policy == Policy::Default)
                     .unwrap_or(vm_pools[0]),
                 true,
             ),
         };
-        let backend_pool = defs.iter().position(|d| d.backends);
-        let pools: Vec<Pool> = defs
-            .into_iter()
-            .map(|def| Pool {
-                tasks: open_tasks(&def.name),
-                def,
+        let placer = placer.expect("a pool was chosen, so pools are defined");
+        if args.seccomp {
+            // Threads place themselves (and the monitor re-places them) confined: a cgroup
+            // file that could not be opened now is a placement error, never an `open`.
+            if !placer.files_ready() {
+                log::warn!(
+                    "pools: some of the pools' cgroup files in {} cannot be opened (run as \
+                     root?): threads of those pools will not be placed",
+                    placer
+                        .host()
+                        .cgroup
+                        .as_ref()
+                        .map_or(String::new(), |c| c.display().to_string())
+                );
+            }
+            placer.forbid_open();
+        }
+        let backend_pool = placer.pools().iter().position(|d| d.backends);
+        // No-op admission files for every back-end that may run at once, plus one for a
+        // back-end restarted by a reset before the monitor noticed the old one end.
+        let mut spare = Vec::new();
+        if let Some(be) = backend_pool.map(|i| &placer.pools()[i]) {
+            if be.policy == Policy::Noop {
+                for _ in 0..args.backends + 1 {
+                    match AdmissionFiles::open(&placer, &be.name) {
+                        Ok(f) => spare.push(f),
+                        Err(e) => {
+                            log::warn!("pools: back-ends cannot join no-op pool {}: {e}", be.name);
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        let publisher = VmPublisher::new(&state)
+            .inspect_err(|e| {
+                log::warn!("pools: {e}: `lucid pools show` will not list this VM");
             })
-            .collect();
-        let json = open_vm_json(&dir);
+            .ok();
+        let json_path = publisher.as_ref().map(|p| p.path().to_path_buf());
         let default_halt_poll_ns =
             std::fs::read_to_string("/sys/module/kvm/parameters/halt_poll_ns")
                 .ok()
                 .and_then(|s| s.trim().parse().ok());
-        let has_halt_poll = vm.has_halt_poll();
+        let has_halt_poll = args.vm.has_halt_poll();
         if !has_halt_poll {
             log::info!("pools: this KVM cannot set halt polling per VM (KVM_CAP_HALT_POLL)");
         }
         let shared = Arc::new(Shared {
-            pools,
+            placer,
             backend_pool,
             state: Mutex::new(State {
                 current,
                 placed: HashMap::new(),
+                failed: HashSet::new(),
+                closed: false,
             }),
-            stats: stats.clone(),
-            vm: vm.clone(),
+            spare: Mutex::new(spare),
+            may_open: !args.seccomp,
+            publisher: Mutex::new(publisher),
+            stats: args.stats.clone(),
+            vm: args.vm.clone(),
             default_halt_poll_ns,
             has_halt_poll,
         });
         shared.halt_poll(current);
-        stats.counter("pools.current").set(current as u64);
+        args.stats.counter("pools.current").set(current as u64);
+        let def = &shared.pools()[current];
         log::info!(
-            "pools: the VM runs in pool {} ({}){}",
-            shared.pools[current].def.name,
-            shared.pools[current]
-                .def
-                .cpus
-                .iter()
-                .map(u32::to_string)
-                .collect::<Vec<_>>()
-                .join(","),
+            "pools: the VM runs in pool {} (CPUs {}, policy {}){}",
+            def.name,
+            lucid_pools::def::format_cpu_list(&def.cpus),
+            def.policy,
             if auto {
                 ", moved by the classifier"
             } else {
@@ -532,19 +612,19 @@ impl Pools {
         );
         // Weak: the hook lives in the stats registry, which `Shared` holds.
         let weak: Weak<Shared> = Arc::downgrade(&shared);
-        stats
+        args.stats
             .threads()
             .set_on_register(Some(Arc::new(move |t: &ThreadInfo| {
                 if let Some(s) = weak.upgrade() {
-                    s.place(t, true);
+                    s.place(t);
                 }
             })));
         Ok(Some(Pools {
             shared,
             auto,
-            tuning,
-            json,
-            vm_name: vm_name.into(),
+            tuning: args.tuning,
+            record: VmRecord::for_self(args.vm_name),
+            json_path,
             stop: Arc::new((Mutex::new(false), Condvar::new())),
             monitor: None,
             confined: false,
@@ -558,8 +638,7 @@ impl Pools {
             shared: self.shared.clone(),
             auto: self.auto,
             tuning: self.tuning,
-            json: self.json.as_ref().and_then(|(f, _)| f.try_clone().ok()),
-            vm_name: self.vm_name.clone(),
+            record: self.record.clone(),
             stop: self.stop.clone(),
         };
         let seccomp = seccomp.clone();
@@ -571,19 +650,22 @@ impl Pools {
                 if let Err(e) = lucid_seccomp::confine(seccomp.as_ref(), Role::Monitor) {
                     // Never run unconfined; the VM runs on where it was placed.
                     log::error!("lucid-monitor: {e}");
+                    m.shared.close();
                     return;
                 }
-                m.run()
+                m.run();
+                m.shared.close();
             })
             .map_err(PoolsError::Thread)?;
         self.monitor = Some(t);
         Ok(())
     }
 
-    /// Stops the monitor after a last window and joins it.
+    /// Stops placing threads, then the monitor after a last window, and joins it.
     pub fn stop(&mut self) {
-        let (lock, cv) = &*self.stop;
-        *lock.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.shared.stats.threads().set_on_register(None);
+        let (lock_, cv) = &*self.stop;
+        *lock(lock_) = true;
         cv.notify_all();
         if let Some(t) = self.monitor.take() {
             let _ = t.join();
@@ -594,35 +676,14 @@ impl Pools {
 impl Drop for Pools {
     fn drop(&mut self) {
         self.stop();
-        self.shared.stats.threads().set_on_register(None);
-        // A confined thread cannot unlink (nor this one truncate): the monitor left the file
-        // empty, which readers (and `lucid pools`' stale-pid cleanup) take as gone; unconfined,
-        // remove it.
-        if let (Some((_, path)), false) = (&self.json, self.confined) {
-            let _ = std::fs::remove_file(path);
-        }
-    }
-}
-
-/// `<dir>/vms/<pid>.json`, created (with `vms/`) now, before any thread is confined.
-fn open_vm_json(dir: &Path) -> Option<(File, PathBuf)> {
-    let vms = dir.join("vms");
-    let path = vms.join(format!("{}.json", std::process::id()));
-    let opened = std::fs::create_dir_all(&vms).and_then(|()| {
-        std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(true)
-            .write(true)
-            .open(&path)
-    });
-    match opened {
-        Ok(f) => Some((f, path)),
-        Err(e) => {
-            log::warn!(
-                "pools: cannot write {} ({e}): `lucid pools show` will not list this VM",
-                path.display()
-            );
-            None
+        if !self.confined {
+            // Never started (or no seccomp): nothing here is confined.
+            self.shared.close();
+            // A confined thread cannot unlink: the monitor left the file empty, which readers
+            // (and `lucid pools`' stale-pid cleanup) take as gone; unconfined, remove it.
+            if let Some(path) = &self.json_path {
+                let _ = std::fs::remove_file(path);
+            }
         }
     }
 }
@@ -632,16 +693,15 @@ struct Monitor {
     shared: Arc<Shared>,
     auto: bool,
     tuning: MonitorTuning,
-    json: Option<File>,
-    vm_name: String,
+    record: VmRecord,
     stop: Arc<(Mutex<bool>, Condvar)>,
 }
 
 impl Monitor {
     /// Waits one window; `true` once asked to stop.
     fn wait(&self) -> bool {
-        let (lock, cv) = &*self.stop;
-        let stopped = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let (lock_, cv) = &*self.stop;
+        let stopped = lock(lock_);
         let (stopped, _) = cv
             .wait_timeout_while(stopped, self.tuning.window, |s| !*s)
             .unwrap_or_else(|e| e.into_inner());
@@ -649,12 +709,12 @@ impl Monitor {
     }
 
     fn run(&mut self) {
-        let s = &self.shared;
+        let s = self.shared.clone();
         let origin = Instant::now();
         let at = |t: Instant| t.duration_since(origin).as_nanos() as u64;
         let mut last = Sample::take(&s.stats, 0);
         let mut totals = Totals::default();
-        let current_label = s.pools[s.current()].def.policy.label();
+        let current_label = label_of(s.pools()[s.current()].policy);
         let mut classifier = Classifier::new(self.tuning.classifier, current_label, Duration::ZERO);
         let (moves, label) = (
             s.stats.counter("monitor.moves"),
@@ -675,9 +735,9 @@ impl Monitor {
             label.set(classifier.label().code());
             if let (Decision::Move(to), true) = (decision, self.auto) {
                 if let Some(i) = s
-                    .pools
+                    .pools()
                     .iter()
-                    .position(|p| p.def.policy.label() == to && !p.def.backends)
+                    .position(|p| label_of(p.policy) == to && !p.backends)
                 {
                     self.move_to(i, to);
                     moves.inc();
@@ -686,12 +746,13 @@ impl Monitor {
                         .set(now.duration_since(origin).as_millis() as u64);
                 }
             }
-            // Threads that started since (or whose hook could not place them) join now.
-            // LEAD: with lucid_pools::policy, also run the no-op pool's `Admission::poll()` (a
-            // waiting back-end is admitted when a slot frees) and one tick of the io policy's
-            // boost ladder for the VM's threads here, once per window.
-            for t in &sample.threads {
-                s.place(&t.info, false);
+            if !stopping {
+                // Threads that started since (or whose hook could not place them) join now.
+                for t in &sample.threads {
+                    s.place(&t.info);
+                }
+                s.poll_admissions();
+                s.boost(&window);
             }
             self.publish_json(&window, &totals, &classifier);
             last = sample;
@@ -699,73 +760,84 @@ impl Monitor {
                 break;
             }
         }
-        // The VM is going: an empty file is a VM gone (the drop removes it where it may).
-        if let Some(f) = &self.json {
-            let _ = f.set_len(0);
-        }
     }
 
-    /// Moves the VM to pool `i`: no pause, its threads are placed one by one while it runs.
+    /// Moves the VM to pool `i`: no pause, its threads are placed one by one, each with the
+    /// new pool's policy, while it runs.
     fn move_to(&self, i: usize, why: Label) {
         let s = &self.shared;
-        let from = {
-            let mut st = s.state.lock().unwrap_or_else(|e| e.into_inner());
-            std::mem::replace(&mut st.current, i)
-        };
+        let from = std::mem::replace(&mut lock(&s.state).current, i);
         log::info!(
             "pools: the VM looks {why}-bound: moving it from pool {} to {}",
-            s.pools[from].def.name,
-            s.pools[i].def.name
+            s.pools()[from].name,
+            s.pools()[i].name
         );
         s.stats.counter("pools.current").set(i as u64);
         for t in s.stats.threads().list() {
-            s.place(&t, false);
+            s.place(&t);
         }
         s.halt_poll(i);
     }
 
-    /// Rewrites `vms/<pid>.json` (one `pwrite` and a truncate: readers retry a torn read).
-    fn publish_json(&self, w: &Window, totals: &Totals, c: &Classifier) {
-        let Some(f) = &self.json else { return };
+    /// Rewrites `vms/<pid>.json` ([`VmPublisher::publish`]: pwrite + ftruncate).
+    fn publish_json(&mut self, w: &Window, totals: &Totals, c: &Classifier) {
         let s = &self.shared;
-        let st = s.state.lock().unwrap_or_else(|e| e.into_inner());
-        let pool_of = |i: Option<&usize>| i.map(|&i| s.pools[i].def.name.clone());
-        let threads: Vec<_> = s
+        let publisher = lock(&s.publisher);
+        let Some(publisher) = publisher.as_ref() else {
+            return;
+        };
+        let st = lock(&s.state);
+        let rec = &mut self.record;
+        rec.pool = Some(s.pools()[st.current].name.clone());
+        rec.threads = s
             .stats
             .threads()
             .list()
             .iter()
             .map(|t| {
-                serde_json::json!({
-                    "tid": t.tid,
-                    "name": t.name,
-                    "role": match t.role {
-                        ThreadRole::Vcpu(_) => "vcpu",
-                        ThreadRole::Backend => "backend",
-                        ThreadRole::Other => "other",
+                let placed = st.placed.get(&t.tid);
+                VmThread {
+                    tid: t.tid,
+                    name: t.name.clone(),
+                    role: match t.role {
+                        ThreadRole::Vcpu(n) => format!("vcpu{n}"),
+                        ThreadRole::Backend => "backend".into(),
+                        ThreadRole::Other => "other".into(),
                     },
-                    "pool": pool_of(st.placed.get(&t.tid)),
-                })
+                    pool: placed.map(|p| s.pools()[p.pool].name.clone()),
+                    admission: placed.and_then(|p| match &p.how {
+                        How::Noop(a) if a.is_admitted() => Some("admitted".into()),
+                        How::Noop(_) => Some("waiting".into()),
+                        How::Policy { .. } => None,
+                    }),
+                }
             })
             .collect();
-        let doc = serde_json::json!({
-            "pid": std::process::id(),
-            "name": self.vm_name,
-            "pool": s.pools[st.current].def.name,
-            "pinned": !self.auto,
-            "label": c.label().name(),
-            "threads": threads,
-            "monitor": monitor::to_json(w, totals),
-            "updated_unix_ms": std::time::SystemTime::now()
+        drop(st);
+        rec.monitor = monitor::to_json(w, totals);
+        let extra = &mut rec.extra;
+        extra.insert("pinned".into(), (!self.auto).into());
+        extra.insert("label".into(), c.label().name().into());
+        extra.insert(
+            "updated_unix_ms".into(),
+            std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_millis() as u64)
-                .unwrap_or(0),
-        });
-        drop(st);
-        let text = doc.to_string() + "\n";
-        if f.write_all_at(text.as_bytes(), 0).is_ok() {
-            let _ = f.set_len(text.len() as u64);
+                .unwrap_or(0)
+                .into(),
+        );
+        if let Err(e) = publisher.publish(rec) {
+            log::debug!("pools: {e}");
         }
+    }
+}
+
+/// The classifier label a pool of this policy serves.
+fn label_of(p: Policy) -> Label {
+    match p {
+        Policy::Io => Label::IoBound,
+        Policy::Cpu => Label::CpuBound,
+        Policy::Noop | Policy::Default => Label::Unknown,
     }
 }
 
@@ -783,12 +855,12 @@ pub(crate) fn low_noise(
     if let PoolChoice::Named(n) = choice {
         return Err(PoolsError::LowNoiseWithPool(n.clone()));
     }
-    let cpus = allowed_cpus();
+    let cpus = lucid_pools::place::affinity(0).unwrap_or_default();
     let (vcpu_cpus, rest) = split_low_noise(&cpus, vcpus).ok_or(PoolsError::LowNoiseCpus {
         vcpus,
         cpus: cpus.len(),
     })?;
-    set_affinity(0, &rest).map_err(PoolsError::Affinity)?;
+    lucid_pools::place::set_affinity(0, &rest).map_err(PoolsError::Affinity)?;
     log::info!("--low-noise: vCPUs on CPUs {vcpu_cpus:?}, everything else on {rest:?}");
     stats.counter("pools.low_noise").set(1);
     stats
@@ -801,7 +873,7 @@ pub(crate) fn low_noise(
                 },
                 _ => rest.clone(),
             };
-            if let Err(e) = set_affinity(0, &cpus) {
+            if let Err(e) = lucid_pools::place::set_affinity(0, &cpus) {
                 log::warn!("--low-noise: {} stays where it is: {e}", t.name);
             }
         })));
@@ -900,37 +972,11 @@ mod tests {
     }
 
     #[test]
-    fn pool_definitions_parse_and_bad_ones_are_refused() {
-        let p = parse_pools(
-            r#"{"pools":[{"name":"be","cpus":[1],"policy":"noop","backends":true},
-                {"name":"io","cpus":"0-1","policy":"io"},{"name":"d","cpus":"0"}]}"#,
-        )
-        .unwrap();
-        assert_eq!(p.len(), 3);
-        assert!(p[0].backends && p[0].policy == LocalPolicy::Noop);
-        assert_eq!(p[1].cpus, vec![0, 1]);
-        assert_eq!(p[2].policy, LocalPolicy::Default);
-        for bad in [
-            "[",
-            "{}",
-            r#"[{"cpus":[0]}]"#,
-            r#"[{"name":"a","cpus":[]}]"#,
-            r#"[{"name":"a","cpus":"3-1"}]"#,
-            r#"[{"name":"a","cpus":[99999]}]"#,
-            r#"[{"name":"a","cpus":[0],"policy":"fast"}]"#,
-            r#"[{"name":"a","cpus":[0]},{"name":"a","cpus":[1]}]"#,
-        ] {
-            assert!(parse_pools(bad).is_err(), "{bad}");
-        }
-    }
-
-    #[test]
-    fn policies_set_halt_polling_and_labels() {
-        assert_eq!(LocalPolicy::Io.halt_poll_ns(), Some(200_000));
-        assert_eq!(LocalPolicy::Cpu.halt_poll_ns(), Some(0));
-        assert_eq!(LocalPolicy::Default.halt_poll_ns(), None);
-        assert_eq!(LocalPolicy::Cpu.label(), Label::CpuBound);
-        assert_eq!(LocalPolicy::Io.label(), Label::IoBound);
+    fn pools_serve_the_classifier_labels() {
+        assert_eq!(label_of(Policy::Cpu), Label::CpuBound);
+        assert_eq!(label_of(Policy::Io), Label::IoBound);
+        assert_eq!(label_of(Policy::Default), Label::Unknown);
+        assert_eq!(label_of(Policy::Noop), Label::Unknown);
     }
 
     #[test]

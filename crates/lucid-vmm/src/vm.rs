@@ -380,10 +380,14 @@ impl Vm {
             true => None,
             false => crate::pools::Pools::join(
                 &config.pool,
-                config.monitor,
-                b.vm(),
-                &stats,
-                &vm_name(&config.kernel),
+                crate::pools::JoinArgs {
+                    tuning: config.monitor,
+                    vm: b.vm(),
+                    stats: &stats,
+                    vm_name: &vm_name(&config.kernel),
+                    seccomp: config.seccomp,
+                    backends: config.pci.len() + usize::from(config.balloon.is_some()),
+                },
             )?,
         };
 

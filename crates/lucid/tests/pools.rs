@@ -14,6 +14,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{disk, one_at_a_time, tmp};
+use lucid_pools::place::{read_back, ReadBack};
+use lucid_pools::policy::{default_io_slice_ns, SchedPolicy};
 
 const LIMIT: Duration = Duration::from_secs(180);
 
@@ -22,83 +24,102 @@ fn two_cpus() -> bool {
     std::thread::available_parallelism().map_or(0, |n| n.get()) >= 2
 }
 
-/// A pools state directory and (when the host has cpuset v1) a cgroup root with one cpuset
-/// per pool, removed on drop.
-// LEAD: once `lucid pools create` exists, create these through it (the public API) instead.
+/// The host's pools for one test, made with `lucid pools create --def ...` in a unique state
+/// directory and cgroup root (`LUCID_POOLS_DIR`, `LUCID_POOLS_CGROUP`), and torn down with
+/// `lucid pools destroy` at the end, which must leave nothing behind.
 struct TestPools {
     dir: PathBuf,
     root: String,
+    /// The pools' cgroup directory (None for the affinity backend).
     cgroup: Option<PathBuf>,
 }
 
 impl TestPools {
+    /// `io` = CPU 0 (policy io), `cpu` = CPU 1 (policy cpu).
     fn new(tag: &str) -> TestPools {
         Self::with(
             tag,
-            r#"{"pools":[{"name":"io","cpus":[0],"policy":"io","backends":false},
-                {"name":"cpu","cpus":[1],"policy":"cpu","backends":false}]}"#,
-            &[("io", "0"), ("cpu", "1")],
+            &["name=io,cpus=0,policy=io", "name=cpu,cpus=1,policy=cpu"],
         )
     }
 
-    /// Pools `json` with cpusets `(name, cpus)`.
-    fn with(tag: &str, json: &str, sets: &[(&str, &str)]) -> TestPools {
+    fn with(tag: &str, defs: &[&str]) -> TestPools {
         let dir = tmp(&format!("pools-{tag}"));
         let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("pools.json"), json).unwrap();
-        let root = format!("lucid-test-{}-{tag}", std::process::id());
-        let cgroup = Self::cpusets(&root, sets);
-        TestPools { dir, root, cgroup }
-    }
-
-    /// `/sys/fs/cgroup/cpuset/<root>/<pool>`, or `None` where cpuset v1 is not writable.
-    fn cpusets(root: &str, sets: &[(&str, &str)]) -> Option<PathBuf> {
-        let base = Path::new("/sys/fs/cgroup/cpuset");
-        let mems = std::fs::read_to_string(base.join("cpuset.mems")).ok()?;
-        let top = base.join(root);
-        std::fs::create_dir(&top).ok()?;
-        let setup = |d: &Path, cpus: &str| {
-            std::fs::write(d.join("cpuset.cpus"), cpus)?;
-            std::fs::write(d.join("cpuset.mems"), mems.trim())
+        let mut pools = TestPools {
+            dir,
+            root: format!("lucid-test-{}-{tag}", std::process::id()),
+            cgroup: None,
         };
-        let ok = setup(&top, "0-1").is_ok()
-            && sets.iter().all(|(p, c)| {
-                let d = top.join(p);
-                std::fs::create_dir(&d).is_ok() && setup(&d, c).is_ok()
-            });
-        if !ok {
-            Self::remove_cgroups(&top);
-            return None;
+        let mut c = pools.cli();
+        c.args(["pools", "create"]);
+        for d in defs {
+            c.args(["--def", d]);
         }
-        Some(top)
+        let out = c.output().expect("run lucid pools create");
+        assert!(
+            out.status.success(),
+            "lucid pools create: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let host: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(pools.dir.join("pools.json")).unwrap())
+                .unwrap();
+        pools.cgroup = host["cgroup"].as_str().map(PathBuf::from);
+        pools
     }
 
-    fn remove_cgroups(top: &Path) {
-        if let Ok(dir) = std::fs::read_dir(top) {
-            for d in dir.flatten().filter(|d| d.path().is_dir()) {
-                let _ = std::fs::remove_dir(d.path());
-            }
-        }
-        let _ = std::fs::remove_dir(top);
+    fn cli(&self) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_lucid"));
+        c.env("LUCID_POOLS_DIR", &self.dir)
+            .env("LUCID_POOLS_CGROUP", &self.root);
+        c
     }
 
     fn command(&self) -> Command {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_lucid"));
-        c.env("LUCID_POOLS_DIR", &self.dir)
-            .env("LUCID_POOLS_CGROUP", &self.root)
-            .stdin(Stdio::null())
+        let mut c = self.cli();
+        c.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         c
+    }
+
+    /// `lucid pools show --json`.
+    fn show(&self) -> serde_json::Value {
+        let out = self
+            .cli()
+            .args(["pools", "show", "--json"])
+            .output()
+            .expect("run lucid pools show");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("pools show --json")
     }
 }
 
 impl Drop for TestPools {
     fn drop(&mut self) {
-        if let Some(top) = &self.cgroup {
-            Self::remove_cgroups(top);
-            assert!(!top.exists(), "cgroup {} left behind", top.display());
+        // The VMs have ended: destroy needs no --force (a failed test may have left one).
+        let force = std::thread::panicking();
+        let mut c = self.cli();
+        c.args(["pools", "destroy"]);
+        if force {
+            c.arg("--force");
+        }
+        let out = c.output().expect("run lucid pools destroy");
+        if !force {
+            assert!(
+                out.status.success(),
+                "lucid pools destroy: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(!self.dir.exists(), "{} left behind", self.dir.display());
+            if let Some(cg) = &self.cgroup {
+                assert!(!cg.exists(), "cgroup {} left behind", cg.display());
+            }
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
@@ -116,6 +137,7 @@ impl Drop for Removed {
 /// One of the VM's threads as /proc shows it.
 #[derive(Debug)]
 struct Task {
+    tid: i32,
     comm: String,
     cpus: String,
     cpuset: String,
@@ -146,6 +168,7 @@ fn tasks(pid: u32) -> Vec<Task> {
                 })
                 .unwrap_or_default();
             Task {
+                tid: t.file_name().to_string_lossy().parse().unwrap_or(0),
                 comm: read("comm").trim().to_string(),
                 cpus,
                 cpuset,
@@ -171,6 +194,34 @@ fn until(child: &mut Child, limit: Duration, pred: impl Fn(&[Task]) -> bool) -> 
 
 fn task<'a>(ts: &'a [Task], comm: &str) -> Option<&'a Task> {
     ts.iter().find(|t| t.comm == comm)
+}
+
+/// What the kernel says about the VM's thread `comm`: affinity, cgroup, policy, nice, slice.
+fn kernel(ts: &[Task], comm: &str) -> Option<ReadBack> {
+    task(ts, comm).and_then(|t| read_back(t.tid).ok())
+}
+
+/// SCHED_BATCH nice 10: the `cpu` policy.
+fn is_cpu_policy(r: &ReadBack) -> bool {
+    (r.policy, r.nice) == (SchedPolicy::Batch, 10)
+}
+
+/// The `io` policy: SCHED_OTHER with the short slice (nice 0, or up to 3 steps of the wake
+/// boost below it), or nice -5 (and boosts) where the kernel keeps no per-thread slice.
+fn is_io_policy(r: &ReadBack) -> bool {
+    r.policy == SchedPolicy::Other
+        && ((r.slice_ns == default_io_slice_ns() && (-3..=0).contains(&r.nice))
+            || (-8..=-5).contains(&r.nice))
+}
+
+/// SCHED_OTHER nice 0: the `default` policy (and back-ends in a `cpu` pool).
+fn is_default_policy(r: &ReadBack) -> bool {
+    (r.policy, r.nice) == (SchedPolicy::Other, 0)
+}
+
+/// An admitted back-end of a `noop` pool: SCHED_FIFO priority 10 on one CPU.
+fn is_noop_admitted(r: &ReadBack) -> bool {
+    (r.policy, r.priority, r.affinity.len()) == (SchedPolicy::Fifo, 10, 1)
 }
 
 struct Finished {
@@ -250,10 +301,13 @@ fn a_vm_in_a_named_pool_has_its_vcpu_and_backend_threads_there() {
     // and, with cgroups, in the pool's cpuset.
     let want_cpuset = format!("/{}/cpu", pools.root);
     let cgroups = pools.cgroup.is_some();
+    // ... the vCPU with the cpu policy (SCHED_BATCH nice 10), the back-end with the default
+    // one (an I/O thread under SCHED_BATCH would wait behind the busy vCPU).
     let placed = |ts: &[Task]| {
         ["lucid-vcpu0", "lucid-blk0-io"].iter().all(|n| {
             task(ts, n).is_some_and(|t| t.cpus == "1" && (!cgroups || t.cpuset == want_cpuset))
-        })
+        }) && kernel(ts, "lucid-vcpu0").is_some_and(|r| is_cpu_policy(&r))
+            && kernel(ts, "lucid-blk0-io").is_some_and(|r| is_default_policy(&r))
     };
     let in_pool = until(&mut child, Duration::from_secs(60), placed);
     let seen = tasks(pid);
@@ -275,7 +329,15 @@ fn a_vm_in_a_named_pool_has_its_vcpu_and_backend_threads_there() {
             .unwrap_or(serde_json::Value::Null);
     }
     let out = finish(child, &stats);
-    assert!(in_pool, "threads not in pool cpu: {seen:?}\n{}", out.stderr);
+    let policies: Vec<_> = ["lucid-vcpu0", "lucid-blk0-io"]
+        .iter()
+        .map(|n| kernel(&seen, n))
+        .collect();
+    assert!(
+        in_pool,
+        "threads not in pool cpu: {seen:?} {policies:?}\n{}",
+        out.stderr
+    );
     // Threads that are not the VM's vCPUs or back-ends stay where Linux put them.
     let main = seen
         .iter()
@@ -338,9 +400,10 @@ fn back_ends_go_to_the_back_end_pool_and_vcpus_to_the_vms() {
     let _turn = one_at_a_time();
     let pools = TestPools::with(
         "backends",
-        r#"{"pools":[{"name":"be","cpus":[0],"policy":"noop","backends":true},
-            {"name":"vms","cpus":[1],"policy":"default"}]}"#,
-        &[("be", "0"), ("vms", "1")],
+        &[
+            "name=be,cpus=0,policy=noop,backends=on",
+            "name=vms,cpus=1,policy=default",
+        ],
     );
     let img = Removed(disk("pools-backends", 64));
     let stats = tmp("pools-backends-stats.json");
@@ -353,19 +416,177 @@ fn back_ends_go_to_the_back_end_pool_and_vcpus_to_the_vms() {
         format!("/{}/be", pools.root),
         format!("/{}/vms", pools.root),
     );
+    // The back-end is admitted to the no-op pool's one CPU (SCHED_FIFO 10); the vCPU runs
+    // under the default policy.
     let placed = until(&mut child, Duration::from_secs(60), |ts| {
         task(ts, "lucid-vcpu0").is_some_and(|t| t.cpus == "1" && (!cgroups || t.cpuset == vms))
             && task(ts, "lucid-blk0-io")
                 .is_some_and(|t| t.cpus == "0" && (!cgroups || t.cpuset == be))
+            && kernel(ts, "lucid-blk0-io").is_some_and(|r| is_noop_admitted(&r))
+            && kernel(ts, "lucid-vcpu0")
+                .is_some_and(|r| (r.policy, r.nice) == (SchedPolicy::Other, 0))
     });
     let seen = tasks(pid);
     let out = finish(child, &stats);
     assert!(placed, "{seen:?}\n{}", out.stderr);
     assert_eq!(out.status, Some(1), "{}\n{}", out.stdout, out.stderr);
     assert!(out.stdout.contains("mismatches=0"), "{}", out.stdout);
+    assert_eq!(out.counter("pools.noop_admitted"), 1, "{}", out.stats);
     // Auto starts in the default-policy pool; a busy-polling disk guest is neither CPU- nor
     // I/O-bound by the thresholds, so it stays.
     assert_eq!(out.counter("pools.current"), 1);
+}
+
+/// `vms/<pid>.json` of a VM once it lists thread `name` (the monitor's first window), or Null.
+fn vm_record(pools: &TestPools, pid: u32, name: &str, limit: Duration) -> serde_json::Value {
+    let path = pools.dir.join(format!("vms/{pid}.json"));
+    let start = Instant::now();
+    loop {
+        let v: serde_json::Value = std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|s| serde_json::from_str(&s).ok())
+            .unwrap_or(serde_json::Value::Null);
+        let listed = v["threads"]
+            .as_array()
+            .is_some_and(|ts| ts.iter().any(|t| t["name"] == name));
+        if listed || start.elapsed() > limit {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A thread of a VM in `lucid pools show --json`'s list of VMs.
+fn shown_thread<'a>(
+    report: &'a serde_json::Value,
+    pid: u32,
+    name: &str,
+) -> Option<&'a serde_json::Value> {
+    report["vms"].as_array()?.iter().find(|v| v["pid"] == pid)?["threads"]
+        .as_array()?
+        .iter()
+        .find(|t| t["name"] == name)
+}
+
+/// The no-op pool admits one back-end per CPU host-wide: with one CPU in it, the first VM's
+/// back-end is admitted (SCHED_FIFO on that CPU), a second VM's waits where it is, and is
+/// admitted when the first VM exits. `lucid pools show --json` lists both VMs, their threads
+/// and where each stands.
+#[test]
+fn the_noop_pool_admits_one_back_end_per_cpu_host_wide_and_the_next_when_one_exits() {
+    if !two_cpus() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let pools = TestPools::with(
+        "noop",
+        &[
+            "name=be,cpus=1,policy=noop",
+            "name=vms,cpus=0,policy=default",
+        ],
+    );
+    let (img_a, img_b) = (
+        Removed(disk("pools-noop-a", 64)),
+        Removed(disk("pools-noop-b", 64)),
+    );
+    let (stats_a, stats_b) = (tmp("pools-noop-a.json"), tmp("pools-noop-b.json"));
+    // Long runs: each is ended by SIGTERM once seen.
+    let start_vm = |img: &Removed, stats: &Path| {
+        let mut args = blk_args(
+            img.0.to_str().unwrap(),
+            stats.to_str().unwrap(),
+            "100000000",
+        );
+        args.extend(["--pool".into(), "auto".into()]);
+        pools.command().args(&args).spawn().expect("spawn lucid")
+    };
+    let admitted = |ts: &[Task]| {
+        task(ts, "lucid-blk0-io").is_some_and(|t| t.cpus == "1")
+            && kernel(ts, "lucid-blk0-io").is_some_and(|r| is_noop_admitted(&r))
+    };
+    let mut a = start_vm(&img_a, &stats_a);
+    let pid_a = a.id();
+    let a_admitted = until(&mut a, Duration::from_secs(60), admitted);
+    let mut b = start_vm(&img_b, &stats_b);
+    let pid_b = b.id();
+    // B's back-end asked (its record says waiting) and stays where it started, not FIFO.
+    let rec_b = vm_record(&pools, pid_b, "lucid-blk0-io", Duration::from_secs(30));
+    let b_thread = |rec: &serde_json::Value| {
+        rec["threads"]
+            .as_array()
+            .and_then(|ts| ts.iter().find(|t| t["name"] == "lucid-blk0-io").cloned())
+            .unwrap_or_default()
+    };
+    let b_waiting = b_thread(&rec_b)["admission"] == "waiting";
+    let b_seen = tasks(pid_b);
+    let b_kernel = kernel(&b_seen, "lucid-blk0-io");
+    let report = pools.show();
+    let a_after = tasks(pid_a);
+    let a_still_admitted = admitted(&a_after);
+
+    // A ends; its slot frees and B's monitor admits B's back-end.
+    // SAFETY: kill with a pid we started and a signal number.
+    unsafe { libc::kill(pid_a as i32, libc::SIGTERM) };
+    let out_a = finish(a, &stats_a);
+    let b_admitted = until(&mut b, Duration::from_secs(30), admitted);
+    let rec_b_after = vm_record(&pools, pid_b, "lucid-blk0-io", Duration::from_secs(5));
+    // SAFETY: as above.
+    unsafe { libc::kill(pid_b as i32, libc::SIGTERM) };
+    let out_b = finish(b, &stats_b);
+
+    assert!(a_admitted, "A's back-end not admitted: {}", out_a.stderr);
+    assert!(
+        a_still_admitted,
+        "A's back-end lost its slot: {a_after:?} {:?}\n{}",
+        kernel(&a_after, "lucid-blk0-io"),
+        out_a.stderr
+    );
+    assert!(b_waiting, "B's record: {rec_b}\n{}", out_b.stderr);
+    let b_kernel = b_kernel.expect("B's back-end runs");
+    assert_ne!(b_kernel.policy, SchedPolicy::Fifo, "{b_kernel:?}");
+    assert_eq!(
+        b_kernel.affinity,
+        vec![0],
+        "left where it started: {b_kernel:?}"
+    );
+    // `lucid pools show --json`: both VMs and their threads, A holding the slot, B waiting.
+    let t = shown_thread(&report, pid_a, "lucid-blk0-io").expect("A's back-end shown");
+    assert_eq!(
+        (&t["pool"], &t["admission"], &t["kernel"]["policy"]),
+        (&"be".into(), &"admitted".into(), &"SCHED_FIFO".into()),
+        "{report}"
+    );
+    let t = shown_thread(&report, pid_a, "lucid-vcpu0").expect("A's vCPU shown");
+    assert_eq!(
+        (&t["pool"], &t["kernel"]["cpus"]),
+        (&"vms".into(), &"0".into())
+    );
+    let t = shown_thread(&report, pid_b, "lucid-blk0-io").expect("B's back-end shown");
+    assert_eq!(t["admission"], "waiting", "{report}");
+    let be = report["pools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "be")
+        .expect("pool be");
+    assert_eq!(be["slots"][0]["holder"]["pid"], pid_a, "{be}");
+    assert_eq!(be["waiting"][0]["pid"], pid_b, "{be}");
+    assert!(be["vms"].as_array().is_some_and(|v| v.len() == 2), "{be}");
+
+    assert!(
+        b_admitted,
+        "B's back-end not admitted after A exited: {}",
+        out_b.stderr
+    );
+    assert_eq!(b_thread(&rec_b_after)["admission"], "admitted");
+    // Both ended by SIGTERM (128 + 15) with their data intact.
+    for out in [&out_a, &out_b] {
+        assert_eq!(out.status, Some(143), "{}\n{}", out.stdout, out.stderr);
+        assert!(!out.stderr.contains("seccomp"), "{}", out.stderr);
+    }
+    assert_eq!(out_a.counter("pools.noop_admitted"), 1, "{}", out_a.stats);
+    assert_eq!(out_b.counter("pools.noop_waiting"), 1, "{}", out_b.stats);
+    assert_eq!(out_b.counter("pools.noop_admitted"), 1, "{}", out_b.stats);
 }
 
 #[test]
@@ -398,13 +619,16 @@ fn the_classifier_moves_a_cpu_bound_vm_to_the_cpu_pool_and_it_keeps_running() {
         .arg(&stats)
         .spawn()
         .expect("spawn lucid");
-    // Auto starts in the first pool, io (CPU 0)...
+    // Auto starts in the first pool, io (CPU 0, the short slice)...
     let in_io = until(&mut child, Duration::from_secs(30), |ts| {
         task(ts, "lucid-vcpu0").is_some_and(|t| t.cpus == "0")
+            && kernel(ts, "lucid-vcpu0").is_some_and(|r| is_io_policy(&r))
     });
-    // ...and the classifier moves the CPU loop to the cpu pool (CPU 1) while it runs.
+    // ...and the classifier moves the CPU loop to the cpu pool (CPU 1, SCHED_BATCH) while it
+    // runs.
     let moved = until(&mut child, Duration::from_secs(60), |ts| {
         task(ts, "lucid-vcpu0").is_some_and(|t| t.cpus == "1")
+            && kernel(ts, "lucid-vcpu0").is_some_and(|r| is_cpu_policy(&r))
     });
     let running_after_move = child.try_wait().ok().flatten().is_none();
     let out = finish(child, &stats);
@@ -452,13 +676,11 @@ fn the_classifier_moves_an_io_stream_to_the_io_pool() {
     let _turn = one_at_a_time();
     let pools = TestPools::with(
         "stream",
-        r#"{"pools":[{"name":"cpu","cpus":[1],"policy":"cpu"},
-            {"name":"io","cpus":[0],"policy":"io"}]}"#,
-        &[("cpu", "1"), ("io", "0")],
+        &["name=cpu,cpus=1,policy=cpu", "name=io,cpus=0,policy=io"],
     );
     let img = Removed(disk("pools-stream", 64));
     let stats = tmp("pools-stream-stats.json");
-    let mut args = blk_args(img.0.to_str().unwrap(), stats.to_str().unwrap(), "100000");
+    let mut args = blk_args(img.0.to_str().unwrap(), stats.to_str().unwrap(), "200000");
     args.extend(
         [
             "--pool",
@@ -471,15 +693,27 @@ fn the_classifier_moves_an_io_stream_to_the_io_pool() {
         .map(String::from),
     );
     let mut child = pools.command().args(&args).spawn().expect("spawn lucid");
-    let on = |cpu: &'static str| {
+    // Each pool's policy comes with it: SCHED_BATCH in cpu (the back-end keeps the default
+    // policy there), the short slice in io for both.
+    let on = |cpu: &'static str, vcpu: fn(&ReadBack) -> bool, backend: fn(&ReadBack) -> bool| {
         move |ts: &[Task]| {
             ["lucid-vcpu0", "lucid-blk0-io"]
                 .iter()
                 .all(|n| task(ts, n).is_some_and(|t| t.cpus == cpu))
+                && kernel(ts, "lucid-vcpu0").is_some_and(|r| vcpu(&r))
+                && kernel(ts, "lucid-blk0-io").is_some_and(|r| backend(&r))
         }
     };
-    let in_cpu = until(&mut child, Duration::from_secs(30), on("1"));
-    let moved = until(&mut child, Duration::from_secs(60), on("0"));
+    let in_cpu = until(
+        &mut child,
+        Duration::from_secs(30),
+        on("1", is_cpu_policy, is_default_policy),
+    );
+    let moved = until(
+        &mut child,
+        Duration::from_secs(60),
+        on("0", is_io_policy, is_io_policy),
+    );
     let out = finish(child, &stats);
     assert!(
         in_cpu && moved,
@@ -488,6 +722,8 @@ fn the_classifier_moves_an_io_stream_to_the_io_pool() {
     );
     assert_eq!(out.status, Some(1), "{}\n{}", out.stdout, out.stderr);
     assert!(out.stdout.contains("mismatches=0"), "{}", out.stdout);
+    // In the io pool the monitor's boost ladder stepped the woken threads' nice.
+    assert!(out.counter("pools.boost_steps") > 0, "{}", out.stats);
     assert_eq!(out.counter("monitor.moves"), 1, "{}", out.stats);
     assert_eq!(out.counter("pools.current"), 1);
 }
@@ -531,7 +767,10 @@ fn low_noise_gives_the_vcpu_its_own_cpu_and_runs_no_monitor() {
 
 #[test]
 fn bad_pool_choices_are_refused_with_a_clear_error() {
-    let pools = TestPools::new("bad");
+    let pools = TestPools::with(
+        "bad",
+        &["name=io,cpus=0,policy=io", "name=be,cpus=1,policy=noop"],
+    );
     let run = |extra: &[&str]| {
         let out = pools
             .command()
@@ -547,7 +786,14 @@ fn bad_pool_choices_are_refused_with_a_clear_error() {
     let (code, err) = run(&["--pool", "nosuch"]);
     assert_eq!(code, Some(1));
     assert!(
-        err.contains("no such pool") && err.contains("io, cpu"),
+        err.contains("no such pool") && err.contains("io, be"),
+        "{err}"
+    );
+    // A no-op pool holds back-ends only.
+    let (code, err) = run(&["--pool", "be"]);
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains("a noop pool takes device back-end threads only"),
         "{err}"
     );
     let (code, err) = run(&["--pool", "../etc"]);
@@ -602,4 +848,60 @@ fn the_monitor_thread_is_confined_to_its_seccomp_role() {
         err.contains("thread lucid-monitor (role monitor) made a forbidden system call: socket"),
         "{err}"
     );
+}
+
+/// A guest that resets its devices again and again starts a new back-end thread each time; in
+/// a no-op pool each new one asks for admission under the vCPU's seccomp filter, on files
+/// opened before confinement (one set per device, given back when a back-end ends), and the
+/// VM survives: no forbidden call, no admission without files.
+#[test]
+fn back_ends_restarted_by_resets_rejoin_the_noop_pool_under_seccomp() {
+    if !two_cpus() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let pools = TestPools::with(
+        "resets",
+        &[
+            "name=be,cpus=1,policy=noop",
+            "name=vms,cpus=0,policy=default",
+        ],
+    );
+    let img = Removed(disk("pools-resets", 8));
+    let stats = tmp("pools-resets-stats.json");
+    let child = pools
+        .command()
+        .args(["run", "--guest", "virtio-evil", "--pool", "auto"])
+        .args(["--blk", &format!("path={},rung=L1", img.0.display())])
+        .args([
+            "--net",
+            "backend=echo,rung=L1",
+            "--monitor-window-ms",
+            "100",
+        ])
+        .arg("--stats-json")
+        .arg(&stats)
+        .spawn()
+        .expect("spawn lucid");
+    let out = finish(child, &stats);
+    assert!(
+        out.stdout.contains("virtio-evil: survived"),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+    assert!(!out.stderr.contains("seccomp"), "{}", out.stderr);
+    let activations =
+        out.counter("blk0.virtio.activations") + out.counter("net0.virtio.activations");
+    assert!(activations > 2, "the guest re-activated its devices");
+    // Every back-end thread asked once, on files given back by the one it replaced.
+    assert_eq!(
+        out.counter("pools.noop_requests"),
+        activations,
+        "{}",
+        out.stats
+    );
+    assert!(out.counter("pools.noop_admitted") >= 1, "{}", out.stats);
+    assert_eq!(out.counter("pools.noop_no_files"), 0, "{}", out.stats);
+    assert_eq!(out.counter("pools.place_errors"), 0, "{}", out.stats);
 }
