@@ -27,7 +27,7 @@ use std::fmt;
 use std::fs;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
@@ -147,6 +147,11 @@ pub enum DefError {
     TwoBackendPools(String, String),
     #[error("bad pools JSON: {0}")]
     Json(String),
+    #[error(
+        "{path} is corrupt ({why}): `lucid pools destroy --force` removes it (then remove any \
+         pool cgroup directory left by hand) and `lucid pools create` defines the pools again"
+    )]
+    Corrupt { path: PathBuf, why: String },
     #[error("pools are already defined in {dir} with a different definition; run `lucid pools destroy` first")]
     Exists { dir: PathBuf },
     #[error("{live} live VM(s) still use the pools ({pids}); stop them or pass --force")]
@@ -449,6 +454,34 @@ impl HostPools {
             .is_some_and(|root| self.pools.iter().any(|p| !root.join(&p.name).is_dir()))
     }
 
+    /// What `create` guarantees of a definition, checked again on a file read back: pool
+    /// names and the cgroup root become paths (never `..` or `/`), every pool has CPUs, no
+    /// CPU or name is in two pools. CPUs are not checked against those online (a CPU taken
+    /// offline since must not make the pools impossible to destroy).
+    fn check(&self) -> Result<(), String> {
+        let cpus: Vec<u32> = self.pools.iter().flat_map(|p| p.cpus.clone()).collect();
+        PoolSet::new(self.pools.clone(), &cpus).map_err(|e| e.to_string())?;
+        let cgroup_ok = match (&self.cgroup, self.backend) {
+            (None, crate::place::Backend::Affinity) => true,
+            (Some(root), b) if b != crate::place::Backend::Affinity => {
+                root.is_absolute()
+                    && root.parent().is_some_and(|p| p != Path::new("/"))
+                    && root
+                        .components()
+                        .all(|c| matches!(c, Component::RootDir | Component::Normal(_)))
+            }
+            _ => false,
+        };
+        match cgroup_ok {
+            true => Ok(()),
+            false => Err(format!(
+                "cgroup {:?} does not fit backend {}: expected a directory under a cpuset \
+                 mount (none for affinity)",
+                self.cgroup, self.backend
+            )),
+        }
+    }
+
     pub fn set(&self) -> PoolSet {
         PoolSet {
             pools: self.pools.clone(),
@@ -573,13 +606,17 @@ impl StateDir {
     /// The pools defined on this host, or None when none are.
     pub fn load(&self) -> Result<Option<HostPools>, DefError> {
         let p = self.pools_json();
-        match fs::read_to_string(&p) {
-            Ok(s) => serde_json::from_str(&s)
-                .map(Some)
-                .map_err(|e| DefError::Json(format!("{}: {e}", p.display()))),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(DefError::io("read", &p, e)),
-        }
+        let corrupt = |why: String| DefError::Corrupt {
+            path: p.clone(),
+            why,
+        };
+        let host: HostPools = match fs::read_to_string(&p) {
+            Ok(s) => serde_json::from_str(&s).map_err(|e| corrupt(e.to_string()))?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(DefError::io("read", &p, e)),
+        };
+        host.check().map_err(corrupt)?;
+        Ok(Some(host))
     }
 
     /// Takes the directory's exclusive lock (waits for another create/destroy to finish).
@@ -893,7 +930,21 @@ pub fn destroy(state: &StateDir, force: bool) -> Result<Destroyed, DefError> {
     }
     let lock = state.lock()?;
     let live = state.vms(true);
-    let Some(host) = state.load()? else {
+    let host = match state.load() {
+        // Nothing in it can be trusted to name cgroups: remove only the state files.
+        Err(DefError::Corrupt { path, why }) if force => {
+            log::warn!("removing corrupt {} ({why})", path.display());
+            fs::remove_file(&path).map_err(|e| DefError::io("remove", &path, e))?;
+            let _ = fs::remove_dir_all(state.slots_dir());
+            remove_if_empty(state);
+            drop(lock);
+            return Ok(Destroyed::Removed {
+                evicted_vms: live.len(),
+            });
+        }
+        r => r?,
+    };
+    let Some(host) = host else {
         remove_if_empty(state);
         drop(lock);
         return Ok(Destroyed::Nothing);
@@ -932,7 +983,14 @@ pub fn destroy(state: &StateDir, force: bool) -> Result<Destroyed, DefError> {
     if force {
         // The affinity backend has no cgroup to evict from: reset the threads VMs listed.
         let all = online_cpus().unwrap_or_default();
-        for t in live.iter().flat_map(|v| v.threads.iter()) {
+        // Only threads of the VM process itself: a corrupt or forged record (tid 0 is the
+        // caller, another tid any process) must not reset threads that are not the VM's.
+        let threads = live.iter().flat_map(|v| {
+            v.threads
+                .iter()
+                .filter(move |t| t.tid > 0 && is_thread_of(v.pid, t.tid))
+        });
+        for t in threads {
             let _ = crate::policy::reset(t.tid);
             let _ = crate::place::set_affinity(t.tid, &all);
         }
@@ -949,6 +1007,11 @@ pub fn destroy(state: &StateDir, force: bool) -> Result<Destroyed, DefError> {
     Ok(Destroyed::Removed {
         evicted_vms: live.len(),
     })
+}
+
+/// Whether `tid` is a thread of process `pid` (`/proc/<pid>/task/<tid>`).
+pub fn is_thread_of(pid: i32, tid: i32) -> bool {
+    pid > 0 && tid > 0 && Path::new(&format!("/proc/{pid}/task/{tid}")).exists()
 }
 
 /// Removes empty `vms/`, `slots/` and the state directory itself (each only if empty).

@@ -642,18 +642,24 @@ impl Admission {
     /// slot is free. A waiting thread is left where it is.
     pub fn request(placer: Placer, tid: i32, pool: &str) -> Result<Admission, PlaceError> {
         let files = AdmissionFiles::open(&placer, pool)?;
-        Admission::request_with(placer, tid, files)
+        Admission::request_with(placer, tid, files).map_err(|r| r.error)
     }
 
-    /// [`Admission::request`] with files opened ahead (for their pool).
+    /// [`Admission::request`] with files opened ahead (for their pool). On failure the files
+    /// come back with the error: a confined caller cannot open new ones.
     pub fn request_with(
         placer: Placer,
         tid: i32,
         files: AdmissionFiles,
-    ) -> Result<Admission, PlaceError> {
-        placer.pool(&files.pool)?;
+    ) -> Result<Admission, Refused> {
+        if let Err(error) = placer.pool(&files.pool) {
+            return Err(Refused { error, files });
+        }
         let qp = queue_path(placer.state(), &files.pool);
-        let ticket = draw_ticket(&files.queue, &qp, tid)?;
+        let ticket = match draw_ticket(&files.queue, &qp, tid) {
+            Ok(t) => t,
+            Err(error) => return Err(Refused { error, files }),
+        };
         let mut adm = Admission {
             placer,
             tid,
@@ -661,8 +667,13 @@ impl Admission {
             files: Some(files),
             state: AdmState::Waiting { ticket },
         };
-        adm.poll()?;
-        Ok(adm)
+        match adm.poll() {
+            Ok(_) => Ok(adm),
+            Err(error) => Err(Refused {
+                error,
+                files: adm.into_files(),
+            }),
+        }
     }
 
     pub fn tid(&self) -> i32 {
@@ -727,6 +738,23 @@ impl Admission {
         let pid = unsafe { libc::getpid() };
         let _ = file.set_len(0);
         let _ = file.write_all_at(format!("{pid} {}\n", self.tid).as_bytes(), 0);
+        let pinned = self
+            .placer
+            .place(self.tid, &self.pool)
+            .and_then(|()| set_affinity(self.tid, &[cpu]))
+            .and_then(|()| {
+                apply(self.tid, Policy::Noop)
+                    .map(drop)
+                    .map_err(|e| PlaceError::sched("set the policy of", self.tid, e))
+            });
+        if let Err(e) = pinned {
+            // Not admitted after all: the slot goes to the next waiter at once (a thread that
+            // cannot be pinned must not keep a CPU idle), the ticket stays for a retry.
+            let _ = file.set_len(0);
+            // SAFETY: flock on an fd we own.
+            unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_UN) };
+            return Err(e);
+        }
         // From here on the slot is ours: the ticket goes (its record is unlocked).
         let _ = ofd_lock(
             &files.queue,
@@ -736,10 +764,6 @@ impl Admission {
             false,
         );
         self.state = AdmState::Admitted { slot: i, cpu };
-        self.placer.place(self.tid, &self.pool)?;
-        set_affinity(self.tid, &[cpu])?;
-        apply(self.tid, Policy::Noop)
-            .map_err(|e| PlaceError::sched("set the policy of", self.tid, e))?;
         Ok(true)
     }
 
@@ -791,6 +815,15 @@ impl Drop for Admission {
         // Closing the descriptors would drop the locks too; the holder line is cleared here.
         self.give_up();
     }
+}
+
+/// [`Admission::request_with`] failed: why, and the files it was given, for the next try.
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct Refused {
+    #[source]
+    pub error: PlaceError,
+    pub files: AdmissionFiles,
 }
 
 /// Who holds a no-op slot, for `lucid pools show`.

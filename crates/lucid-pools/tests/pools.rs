@@ -721,6 +721,129 @@ fn admission_files_opened_ahead_serve_confined_threads_and_are_reused() {
     assert!(!env.state.dir.exists());
 }
 
+/// A back-end that cannot be pinned when its turn comes (here: it exited) does not keep the
+/// slot, and a refused request hands its files back (a confined VM has no others).
+#[test]
+fn an_admission_that_cannot_pin_frees_the_slot_and_keeps_its_files() {
+    if !have_v1() {
+        eprintln!("skipped: needs root and the cpuset v1 hierarchy");
+        return;
+    }
+    let env = TestEnv::new("pinfail");
+    let set = defs(&["name=be,cpus=1,policy=noop", "name=vm,cpus=0,policy=io"]);
+    create(&env.state, &set, Some(Backend::CpusetV1)).unwrap();
+    let placer = Placer::open(&env.state).unwrap().unwrap();
+    let (t1, t3) = (Parked::spawn(), Parked::spawn());
+    let t2 = Parked::spawn();
+    let a1 = Admission::request(placer.clone(), t1.tid, "be").unwrap();
+    let mut a2 = Admission::request(placer.clone(), t2.tid, "be").unwrap();
+    assert!(a1.is_admitted() && !a2.is_admitted());
+    let gone = t2.tid;
+    drop(t2);
+    a1.release().unwrap();
+    // t2's turn: it cannot be pinned, so it must not hold the CPU.
+    let mut err = None;
+    for _ in 0..200 {
+        match a2.poll() {
+            Err(e) => {
+                err = Some(e);
+                break;
+            }
+            Ok(admitted) => assert!(!admitted, "an exited thread is never admitted"),
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(matches!(err, Some(PlaceError::NoThread(t)) if t == gone), "{err:?}");
+    assert!(!a2.is_admitted());
+    drop(a2);
+    // A refused request returns its files, which then serve the next thread.
+    let files = AdmissionFiles::open(&placer, "be").unwrap();
+    let refused = Admission::request_with(placer.clone(), gone, files).unwrap_err();
+    assert!(matches!(refused.error, PlaceError::NoThread(_)), "{refused}");
+    assert_eq!(refused.files.pool(), "be");
+    let mut a3 = Admission::request(placer.clone(), t3.tid, "be").unwrap();
+    assert!(admitted_soon(&mut a3), "the slot t2 could not use is free");
+    let t4 = Parked::spawn();
+    let a4 = Admission::request_with(placer.clone(), t4.tid, refused.files).unwrap();
+    assert_eq!(a4.status(), AdmissionStatus::Waiting, "t3 holds the one CPU");
+    drop(a4);
+    a3.release().unwrap();
+    for t in [&t1, &t3, &t4] {
+        let _ = placer.unplace(t.tid);
+    }
+    destroy_soon(&env.state);
+    assert!(!env.state.dir.exists());
+}
+
+/// A corrupt `pools.json` (a pool name that climbs out of the cgroup root, a root of `/`)
+/// is refused with how to fix it, never panics or names paths outside the pools; `destroy
+/// --force` removes it.
+#[test]
+fn a_corrupt_pools_json_is_refused_and_destroy_force_removes_it() {
+    let env = TestEnv::new("corrupt");
+    std::fs::create_dir_all(&env.state.dir).unwrap();
+    let bad = [
+        r#"{"pools":[{"name":"../x","cpus":[0],"policy":"io"}],"backend":"cpuset-v1","cgroup":"/sys/fs/cgroup/cpuset/t","created":0}"#,
+        r#"{"pools":[{"name":"a","cpus":[0],"policy":"io"}],"backend":"cpuset-v1","cgroup":"/","created":0}"#,
+        r#"{"pools":[{"name":"a","cpus":[],"policy":"io"}],"backend":"affinity","cgroup":null,"created":0}"#,
+        r#"{"pools":[{"name":"a","cpus":[0],"policy":"io"},{"name":"b","cpus":[0],"policy":"cpu"}],"backend":"affinity","cgroup":null,"created":0}"#,
+        r#"{"pools":[{"name":"a","cpus":[0],"policy":"io"}],"backend":"affinity","cgroup":"/sys/fs/cgroup/cpuset/t/../..","created":0}"#,
+        "{not json",
+    ];
+    for text in bad {
+        std::fs::write(env.state.pools_json(), text).unwrap();
+        let e = env.state.load().unwrap_err();
+        assert!(matches!(e, DefError::Corrupt { .. }), "{text}: {e}");
+        assert!(e.to_string().contains("destroy --force"), "{e}");
+        assert!(Placer::open(&env.state).is_err(), "{text}");
+        assert!(matches!(
+            destroy(&env.state, false),
+            Err(DefError::Corrupt { .. })
+        ));
+        assert!(env.state.pools_json().exists(), "refused: nothing changed");
+        assert_eq!(
+            destroy(&env.state, true).unwrap(),
+            Destroyed::Removed { evicted_vms: 0 }
+        );
+        assert!(!env.state.dir.exists(), "{text}");
+        std::fs::create_dir_all(&env.state.dir).unwrap();
+    }
+}
+
+/// `destroy --force` resets only threads of the VM processes: a record listing tid 0 (the
+/// caller) or another process's thread leaves them alone.
+#[test]
+fn destroy_force_leaves_threads_a_record_does_not_own() {
+    let env = TestEnv::new("forged");
+    let set = defs(&["name=a,cpus=0,policy=io"]);
+    create(&env.state, &set, Some(Backend::Affinity)).unwrap();
+    let t = Parked::spawn();
+    lucid_pools::place::set_affinity(t.tid, &[0]).unwrap();
+    let mut rec = VmRecord::for_self("forged");
+    for tid in [0, 1] {
+        rec.threads.push(VmThread {
+            tid,
+            name: "x".into(),
+            role: "vcpu0".into(),
+            pool: Some("a".into()),
+            admission: None,
+        });
+    }
+    env.state.write_vm(&rec).unwrap();
+    // SAFETY: gettid has no preconditions.
+    let me = unsafe { libc::gettid() };
+    let mine = read_back(me).unwrap().affinity;
+    lucid_pools::place::set_affinity(me, &[0]).unwrap();
+    destroy(&env.state, true).unwrap();
+    let after = read_back(me).unwrap().affinity;
+    lucid_pools::place::set_affinity(me, &mine).unwrap();
+    assert_eq!(after, vec![0], "tid 0 is the caller: untouched");
+    assert_eq!(read_back(t.tid).unwrap().affinity, vec![0], "not listed: untouched");
+    assert!(lucid_pools::def::is_thread_of(rec.pid, t.tid));
+    assert!(!lucid_pools::def::is_thread_of(rec.pid, 1));
+    env.state.remove_vm(rec.pid);
+}
+
 #[test]
 fn bad_definitions_are_refused_and_change_nothing() {
     let env = TestEnv::new("bad");

@@ -263,7 +263,12 @@ impl Shared {
                 match self.admission_files(&def.name) {
                     Some(files) => {
                         self.stats.counter("pools.noop_requests").inc();
-                        Admission::request_with(self.placer.clone(), t.tid, files).map(How::Noop)
+                        Admission::request_with(self.placer.clone(), t.tid, files)
+                            .map(How::Noop)
+                            .map_err(|r| {
+                                lock(&self.spare).push(r.files);
+                                r.error
+                            })
                     }
                     None => {
                         if st.failed.insert((t.tid, target)) {
