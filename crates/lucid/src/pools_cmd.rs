@@ -138,7 +138,7 @@ fn create(
 }
 
 fn show(state: &StateDir, json: bool, watch: bool, interval: f64) -> Result<ExitCode, String> {
-    let interval = Duration::from_secs_f64(interval.clamp(0.1, 3600.0));
+    let interval = watch_interval(interval)?;
     loop {
         let report = report(state)?;
         if json {
@@ -158,6 +158,14 @@ fn show(state: &StateDir, json: bool, watch: bool, interval: f64) -> Result<Exit
             return Ok(ExitCode::SUCCESS);
         }
         std::thread::sleep(interval);
+    }
+}
+
+/// `--interval` as a duration, 0.1 s to 1 h (NaN would panic `Duration::from_secs_f64`).
+fn watch_interval(secs: f64) -> Result<Duration, String> {
+    match secs.is_nan() {
+        true => Err("--interval NaN: give seconds, e.g. --interval 1 or 0.5".into()),
+        false => Ok(Duration::from_secs_f64(secs.clamp(0.1, 3600.0))),
     }
 }
 
@@ -455,6 +463,14 @@ fn text(r: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn watch_interval_refuses_nan_and_clamps() {
+        assert!(watch_interval(f64::NAN).unwrap_err().contains("--interval"));
+        assert_eq!(watch_interval(-1.0).unwrap(), Duration::from_millis(100));
+        assert_eq!(watch_interval(f64::INFINITY).unwrap(), Duration::from_secs(3600));
+        assert_eq!(watch_interval(0.5).unwrap(), Duration::from_millis(500));
+    }
 
     #[test]
     fn report_reads_back_the_threads_vms_publish() {
