@@ -32,17 +32,7 @@ impl NetDrv {
     }
 
     fn with_dev(mut dev: Net, notify: Notify) -> NetDrv {
-        let g = Guest::new();
-        let (rx, (rq, rk)) = Vq::new(&g.mem, 0x10000, 256);
-        let (tx, (tq, tk)) = Vq::new(&g.mem, 0x14000, 256);
-        let feats = dev.features();
-        dev.activate(g.ctx(
-            vec![(0, rq, rk), (1, tq, tk)],
-            feats,
-            notify,
-            Coalescing::default(),
-        ))
-        .unwrap();
+        let (g, rx, tx) = activate_two_queues(&mut dev, notify);
         NetDrv {
             g,
             rx,

@@ -36,17 +36,7 @@ impl Link {
             },
         )
         .unwrap();
-        let mut g = Guest::new();
-        let (_rx, (rq, rk)) = Vq::new(&g.mem, 0x10000, 256);
-        let (tx, (tq, tk)) = Vq::new(&g.mem, 0x14000, 256);
-        let feats = dev.features();
-        dev.activate(g.ctx(
-            vec![(0, rq, rk), (1, tq, tk)],
-            feats,
-            notify,
-            Coalescing::default(),
-        ))
-        .unwrap();
+        let (mut g, _rx, tx) = activate_two_queues(&mut dev, notify);
         let bufs = (0..64).map(|_| g.alloc(65_536 + 64)).collect();
         Link {
             g,

@@ -118,6 +118,26 @@ impl Guest {
     }
 }
 
+/// A fresh guest and `dev` activated, with every feature it offers, on two 256-entry queues:
+/// 0 at 0x10000 and 1 at 0x14000 (virtio-net's rx and tx).
+pub fn activate_two_queues(
+    dev: &mut dyn lucid_virtio::VirtioDevice,
+    notify: Notify,
+) -> (Guest, Vq, Vq) {
+    let g = Guest::new();
+    let (q0, (rq, rk)) = Vq::new(&g.mem, 0x10000, 256);
+    let (q1, (tq, tk)) = Vq::new(&g.mem, 0x14000, 256);
+    let feats = dev.features();
+    dev.activate(g.ctx(
+        vec![(0, rq, rk), (1, tq, tk)],
+        feats,
+        notify,
+        Coalescing::default(),
+    ))
+    .unwrap();
+    (g, q0, q1)
+}
+
 /// The driver's side of one split virtqueue.
 pub struct Vq {
     pub mem: GuestMemoryMmap,
