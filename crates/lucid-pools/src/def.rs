@@ -172,12 +172,12 @@ pub enum DefError {
 impl DefError {
     /// An I/O error, or [`DefError::Permission`] when the kernel said EACCES/EPERM/EROFS.
     pub fn io(what: &'static str, path: &Path, source: io::Error) -> DefError {
-        match source.raw_os_error() {
-            Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => DefError::Permission {
+        match crate::place::is_permission(&source) {
+            true => DefError::Permission {
                 what,
                 path: path.to_path_buf(),
             },
-            _ => DefError::Io {
+            false => DefError::Io {
                 what,
                 path: path.to_path_buf(),
                 source,

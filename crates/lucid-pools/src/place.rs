@@ -74,14 +74,23 @@ pub enum PlaceError {
     },
 }
 
+/// Whether the kernel refused for want of permission (EACCES, EPERM, EROFS): the errors that
+/// say "run as root" rather than "cannot".
+pub(crate) fn is_permission(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS)
+    )
+}
+
 impl PlaceError {
-    fn io(what: &'static str, path: &Path, source: io::Error) -> PlaceError {
-        match source.raw_os_error() {
-            Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => PlaceError::Permission {
+    pub(crate) fn io(what: &'static str, path: &Path, source: io::Error) -> PlaceError {
+        match is_permission(&source) {
+            true => PlaceError::Permission {
                 what,
                 path: path.to_path_buf(),
             },
-            _ => PlaceError::Io {
+            false => PlaceError::Io {
                 what,
                 path: path.to_path_buf(),
                 source,

@@ -582,17 +582,14 @@ pub struct Admission {
 }
 
 fn slots_err(path: &Path, e: io::Error) -> PlaceError {
-    match e.raw_os_error() {
-        Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => PlaceError::Permission {
-            what: "write",
-            path: path.to_path_buf(),
+    PlaceError::io(
+        match crate::place::is_permission(&e) {
+            true => "write",
+            false => "use",
         },
-        _ => PlaceError::Io {
-            what: "use",
-            path: path.to_path_buf(),
-            source: e,
-        },
-    }
+        path,
+        e,
+    )
 }
 
 fn read_u64_at(f: &File, off: u64) -> u64 {
@@ -897,27 +894,32 @@ mod tests {
     fn ladder_follows_the_thesis() {
         let mut l = BoostLadder::default();
         assert_eq!(l.level(), Under);
-        // Wake: UNDER -> BOOST1, then up one level each wake, capped at BOOST3.
-        assert_eq!(l.on(Wake), Boost1);
-        assert_eq!(l.on(Wake), Boost2);
-        assert_eq!(l.on(Wake), Boost3);
-        assert_eq!(l.on(Wake), Boost3);
-        // Sleep and ticks: down one level each, floor at UNDER.
-        assert_eq!(l.on(Sleep), Boost2);
-        assert_eq!(l.on(Tick), Boost1);
-        assert_eq!(l.on(Tick), Under);
-        assert_eq!(l.on(Tick), Under);
-        // A full slice drops any boost straight to UNDER.
-        l.on(Wake);
-        l.on(Wake);
-        assert_eq!(l.on(FullSlice), Under);
-        // OVER is not boosted by waking; back to UNDER when within its share.
-        assert_eq!(l.on(OverShare), Over);
-        assert_eq!(l.on(Wake), Over);
-        assert_eq!(l.on(Tick), Over);
-        assert_eq!(l.on(FullSlice), Over);
-        assert_eq!(l.on(UnderShare), Under);
-        assert_eq!(l.on(UnderShare), Under);
+        let steps = [
+            // Wake: UNDER -> BOOST1, then up one level each wake, capped at BOOST3.
+            (Wake, Boost1),
+            (Wake, Boost2),
+            (Wake, Boost3),
+            (Wake, Boost3),
+            // Sleep and ticks: down one level each, floor at UNDER.
+            (Sleep, Boost2),
+            (Tick, Boost1),
+            (Tick, Under),
+            (Tick, Under),
+            // A full slice drops any boost straight to UNDER.
+            (Wake, Boost1),
+            (Wake, Boost2),
+            (FullSlice, Under),
+            // OVER is not boosted by waking; back to UNDER when within its share.
+            (OverShare, Over),
+            (Wake, Over),
+            (Tick, Over),
+            (FullSlice, Over),
+            (UnderShare, Under),
+            (UnderShare, Under),
+        ];
+        for (i, (ev, want)) in steps.into_iter().enumerate() {
+            assert_eq!(l.on(ev), want, "step {i}: {ev:?}");
+        }
     }
 
     #[test]
