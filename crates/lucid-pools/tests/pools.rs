@@ -90,6 +90,19 @@ fn defs(d: &[&str]) -> PoolSet {
     PoolSet::parse_defs(d).unwrap()
 }
 
+/// A test's own env with pools `d` created on cpuset v1, and their placer; `None` (the skip
+/// said) without root and the v1 hierarchy.
+fn v1_pools(tag: &str, d: &[&str]) -> Option<(TestEnv, Placer)> {
+    if !have_v1() {
+        eprintln!("skipped: needs root and the cpuset v1 hierarchy");
+        return None;
+    }
+    let env = TestEnv::new(tag);
+    create(&env.state, &defs(d), Some(Backend::CpusetV1)).unwrap();
+    let placer = Placer::open(&env.state).unwrap().unwrap();
+    Some((env, placer))
+}
+
 /// A parked thread reporting its tid; ends when the handle is dropped.
 struct Parked {
     tid: i32,
@@ -255,14 +268,12 @@ fn racing_creates_make_one_set_of_pools() {
 
 #[test]
 fn threads_land_where_the_policy_says_cpuset_v1() {
-    if !have_v1() {
-        eprintln!("skipped: needs root and the cpuset v1 hierarchy");
+    let Some((env, placer)) = v1_pools(
+        "land",
+        &["name=io,cpus=0,policy=io", "name=cpu,cpus=1,policy=cpu"],
+    ) else {
         return;
-    }
-    let env = TestEnv::new("land");
-    let set = defs(&["name=io,cpus=0,policy=io", "name=cpu,cpus=1,policy=cpu"]);
-    create(&env.state, &set, Some(Backend::CpusetV1)).unwrap();
-    let placer = Placer::open(&env.state).unwrap().unwrap();
+    };
     let cg = |p: &str| format!("/{}/{p}", env.state.cgroup_name);
     let a = Parked::spawn();
     let b = Parked::spawn();
@@ -394,17 +405,15 @@ fn threads_land_where_the_policy_says_affinity() {
 
 #[test]
 fn noop_admits_one_per_cpu_and_queues_the_rest() {
-    if !have_v1() {
-        eprintln!("skipped: needs root and the cpuset v1 hierarchy");
+    let Some((env, placer)) = v1_pools(
+        "noop",
+        &[
+            "name=be,cpus=1,policy=noop",
+            "name=vm,cpus=0,policy=default",
+        ],
+    ) else {
         return;
-    }
-    let env = TestEnv::new("noop");
-    let set = defs(&[
-        "name=be,cpus=1,policy=noop",
-        "name=vm,cpus=0,policy=default",
-    ]);
-    create(&env.state, &set, Some(Backend::CpusetV1)).unwrap();
-    let placer = Placer::open(&env.state).unwrap().unwrap();
+    };
     let (t1, t2, t3) = (Parked::spawn(), Parked::spawn(), Parked::spawn());
     let noop = |t: &Parked| match placer.place_thread(t.tid, "be").unwrap() {
         Placed::Noop(a) => a,
@@ -673,14 +682,12 @@ fn a_confined_thread_can_place_poll_and_publish() {
 /// thread asks with them and queues behind older waiters.
 #[test]
 fn admission_files_opened_ahead_serve_confined_threads_and_are_reused() {
-    if !have_v1() {
-        eprintln!("skipped: needs root and the cpuset v1 hierarchy");
+    let Some((env, placer)) = v1_pools(
+        "files",
+        &["name=be,cpus=1,policy=noop", "name=vm,cpus=0,policy=io"],
+    ) else {
         return;
-    }
-    let env = TestEnv::new("files");
-    let set = defs(&["name=be,cpus=1,policy=noop", "name=vm,cpus=0,policy=io"]);
-    create(&env.state, &set, Some(Backend::CpusetV1)).unwrap();
-    let placer = Placer::open(&env.state).unwrap().unwrap();
+    };
     let files: Vec<AdmissionFiles> = (0..2)
         .map(|_| AdmissionFiles::open(&placer, "be").unwrap())
         .collect();
@@ -725,14 +732,12 @@ fn admission_files_opened_ahead_serve_confined_threads_and_are_reused() {
 /// slot, and a refused request hands its files back (a confined VM has no others).
 #[test]
 fn an_admission_that_cannot_pin_frees_the_slot_and_keeps_its_files() {
-    if !have_v1() {
-        eprintln!("skipped: needs root and the cpuset v1 hierarchy");
+    let Some((env, placer)) = v1_pools(
+        "pinfail",
+        &["name=be,cpus=1,policy=noop", "name=vm,cpus=0,policy=io"],
+    ) else {
         return;
-    }
-    let env = TestEnv::new("pinfail");
-    let set = defs(&["name=be,cpus=1,policy=noop", "name=vm,cpus=0,policy=io"]);
-    create(&env.state, &set, Some(Backend::CpusetV1)).unwrap();
-    let placer = Placer::open(&env.state).unwrap().unwrap();
+    };
     let (t1, t3) = (Parked::spawn(), Parked::spawn());
     let t2 = Parked::spawn();
     let a1 = Admission::request(placer.clone(), t1.tid, "be").unwrap();
@@ -753,19 +758,29 @@ fn an_admission_that_cannot_pin_frees_the_slot_and_keeps_its_files() {
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    assert!(matches!(err, Some(PlaceError::NoThread(t)) if t == gone), "{err:?}");
+    assert!(
+        matches!(err, Some(PlaceError::NoThread(t)) if t == gone),
+        "{err:?}"
+    );
     assert!(!a2.is_admitted());
     drop(a2);
     // A refused request returns its files, which then serve the next thread.
     let files = AdmissionFiles::open(&placer, "be").unwrap();
     let refused = Admission::request_with(placer.clone(), gone, files).unwrap_err();
-    assert!(matches!(refused.error, PlaceError::NoThread(_)), "{refused}");
+    assert!(
+        matches!(refused.error, PlaceError::NoThread(_)),
+        "{refused}"
+    );
     assert_eq!(refused.files.pool(), "be");
     let mut a3 = Admission::request(placer.clone(), t3.tid, "be").unwrap();
     assert!(admitted_soon(&mut a3), "the slot t2 could not use is free");
     let t4 = Parked::spawn();
     let a4 = Admission::request_with(placer.clone(), t4.tid, refused.files).unwrap();
-    assert_eq!(a4.status(), AdmissionStatus::Waiting, "t3 holds the one CPU");
+    assert_eq!(
+        a4.status(),
+        AdmissionStatus::Waiting,
+        "t3 holds the one CPU"
+    );
     drop(a4);
     a3.release().unwrap();
     for t in [&t1, &t3, &t4] {
@@ -838,7 +853,11 @@ fn destroy_force_leaves_threads_a_record_does_not_own() {
     let after = read_back(me).unwrap().affinity;
     lucid_pools::place::set_affinity(me, &mine).unwrap();
     assert_eq!(after, vec![0], "tid 0 is the caller: untouched");
-    assert_eq!(read_back(t.tid).unwrap().affinity, vec![0], "not listed: untouched");
+    assert_eq!(
+        read_back(t.tid).unwrap().affinity,
+        vec![0],
+        "not listed: untouched"
+    );
     assert!(lucid_pools::def::is_thread_of(rec.pid, t.tid));
     assert!(!lucid_pools::def::is_thread_of(rec.pid, 1));
     env.state.remove_vm(rec.pid);
