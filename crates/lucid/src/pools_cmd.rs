@@ -468,7 +468,10 @@ mod tests {
     fn watch_interval_refuses_nan_and_clamps() {
         assert!(watch_interval(f64::NAN).unwrap_err().contains("--interval"));
         assert_eq!(watch_interval(-1.0).unwrap(), Duration::from_millis(100));
-        assert_eq!(watch_interval(f64::INFINITY).unwrap(), Duration::from_secs(3600));
+        assert_eq!(
+            watch_interval(f64::INFINITY).unwrap(),
+            Duration::from_secs(3600)
+        );
         assert_eq!(watch_interval(0.5).unwrap(), Duration::from_millis(500));
     }
 

@@ -19,7 +19,11 @@ fn num(out: &str, prefix: &str, key: &str) -> u64 {
 /// Runs probe guest `guest` with `extra` arguments; it must end through its exit write
 /// (status 1).
 fn run_guest(guest: &str, extra: &[&str]) -> Outcome {
-    let args: Vec<&str> = ["run", "--guest", guest].iter().chain(extra).copied().collect();
+    let args: Vec<&str> = ["run", "--guest", guest]
+        .iter()
+        .chain(extra)
+        .copied()
+        .collect();
     let o = lucid(&args, LIMIT);
     assert_eq!(
         o.status,
