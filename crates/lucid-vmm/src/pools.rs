@@ -638,7 +638,7 @@ impl Pools {
 
     /// Starts `lucid-monitor`.
     pub fn start_monitor(&mut self, seccomp: &Option<Seccomp>) -> Result<(), PoolsError> {
-        self.confined = seccomp.is_some();
+        let confined = seccomp.is_some();
         let mut m = Monitor {
             shared: self.shared.clone(),
             auto: self.auto,
@@ -662,6 +662,8 @@ impl Pools {
                 m.shared.close();
             })
             .map_err(PoolsError::Thread)?;
+        // Only a running monitor closes (confined) at the end: without one, drop does.
+        self.confined = confined;
         self.monitor = Some(t);
         Ok(())
     }

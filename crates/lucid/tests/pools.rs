@@ -765,6 +765,72 @@ fn low_noise_gives_the_vcpu_its_own_cpu_and_runs_no_monitor() {
     assert!(!pools.dir.join(format!("vms/{pid}.json")).exists());
 }
 
+/// Garbage from the user or on disk is refused with how to fix it, never a panic (exit 101):
+/// `lucid pools create` with bad definitions, `show --interval nan`, and a corrupt
+/// `pools.json`, which `lucid run` and `show` refuse and `destroy --force` removes.
+#[test]
+fn garbage_definitions_and_a_corrupt_pools_json_are_refused_cleanly() {
+    let dir = tmp("pools-garbage");
+    let _ = std::fs::remove_dir_all(&dir);
+    let lucid = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_lucid"))
+            .env("LUCID_POOLS_DIR", &dir)
+            .env(
+                "LUCID_POOLS_CGROUP",
+                format!("lucid-test-{}-garbage", std::process::id()),
+            )
+            .stdin(Stdio::null())
+            .args(args)
+            .output()
+            .expect("run lucid");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    for def in [
+        "",
+        "name=a",
+        "name=a,cpus=0-99999999,policy=io",
+        "name=a,cpus=x,policy=io",
+        "name=../a,cpus=0,policy=io",
+        "name=a,cpus=0,policy=rt",
+        "name=a,cpus=0,policy=io,slice_us=99999999999",
+        "=,=,,,",
+    ] {
+        let (code, err) = lucid(&["pools", "create", "--def", def]);
+        assert!(
+            code != Some(0) && code != Some(101),
+            "{def:?}: {code:?} {err}"
+        );
+        assert!(!err.contains("panicked"), "{def:?}: {err}");
+    }
+    assert!(!dir.join("pools.json").exists(), "refused: nothing written");
+    let (code, err) = lucid(&["pools", "show", "--watch", "--interval", "nan"]);
+    assert!(
+        code != Some(101) && err.contains("--interval"),
+        "{code:?} {err}"
+    );
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("pools.json"),
+        r#"{"pools":[{"name":"..","cpus":[0],"policy":"io"}],"backend":"cpuset-v1","cgroup":"/","created":0}"#,
+    )
+    .unwrap();
+    let (code, err) = lucid(&["run", "--guest", "hello", "--pool", "auto"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("is corrupt") && err.contains("destroy --force"),
+        "{err}"
+    );
+    let (code, err) = lucid(&["pools", "show"]);
+    assert!(code != Some(0) && code != Some(101), "{err}");
+    assert!(err.contains("destroy --force"), "{err}");
+    let (code, err) = lucid(&["pools", "destroy", "--force"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(!dir.exists(), "destroy --force removed the corrupt state");
+}
+
 #[test]
 fn bad_pool_choices_are_refused_with_a_clear_error() {
     let pools = TestPools::with(
