@@ -601,12 +601,32 @@ fn read_u64_at(f: &File, off: u64) -> u64 {
     }
 }
 
+/// How long a ticket draw waits for the waiting list's header: a drawing process holds it for
+/// microseconds, longer only when it is stopped, and a back-end must not hang behind that.
+const HEADER_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Write-locks the waiting list's header (`[0, 8)`), polling for up to [`HEADER_WAIT`].
+fn lock_header(queue: &File) -> io::Result<()> {
+    let deadline = std::time::Instant::now() + HEADER_WAIT;
+    while !ofd_lock(queue, libc::F_WRLCK, 0, 8, false)? {
+        if std::time::Instant::now() >= deadline {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "another process has held the waiting list's lock for over 2 s (a stopped \
+                 lucid?): resume or end it",
+            ));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    Ok(())
+}
+
 /// Draws the next ticket and write-locks its record (pid, tid). Tickets restart at 0 when
 /// no live waiter is left, so the file stays small.
 fn draw_ticket(queue: &File, path: &Path, tid: i32) -> Result<u64, PlaceError> {
     use std::os::unix::fs::FileExt;
     let err = |e| slots_err(path, e);
-    ofd_lock(queue, libc::F_WRLCK, 0, 8, true).map_err(err)?;
+    lock_header(queue).map_err(err)?;
     let result = (|| {
         let mut next = match ofd_first_lock(queue, QUEUE_HEADER, 0).map_err(err)? {
             None => {

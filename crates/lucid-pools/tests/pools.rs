@@ -790,6 +790,56 @@ fn an_admission_that_cannot_pin_frees_the_slot_and_keeps_its_files() {
     assert!(!env.state.dir.exists());
 }
 
+/// A process that stops while it holds the waiting list's header (mid-draw) does not hang a
+/// back-end asking for admission: the request fails after a bounded wait, its files come back,
+/// and the next request goes through once the header is free.
+#[test]
+fn a_held_waiting_list_does_not_hang_a_request() {
+    let Some((env, placer)) = v1_pools("held", &["name=be,cpus=1,policy=noop"]) else {
+        return;
+    };
+    let files = AdmissionFiles::open(&placer, "be").unwrap();
+    // Another open file description holds the header, as a stopped drawer would.
+    let other = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(env.state.slots_dir().join("be.queue"))
+        .unwrap();
+    let header = |kind: i32| {
+        // SAFETY: a zeroed flock is a valid request once its fields are set.
+        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+        fl.l_type = kind as i16;
+        fl.l_whence = libc::SEEK_SET as i16;
+        fl.l_len = 8;
+        // SAFETY: fcntl F_OFD_SETLK with a valid struct flock on an fd we own.
+        let r = unsafe {
+            libc::fcntl(
+                std::os::fd::AsRawFd::as_raw_fd(&other),
+                libc::F_OFD_SETLK,
+                &mut fl,
+            )
+        };
+        assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+    };
+    header(libc::F_WRLCK);
+    let t = Parked::spawn();
+    let start = std::time::Instant::now();
+    let refused = Admission::request_with(placer.clone(), t.tid, files).unwrap_err();
+    assert!(start.elapsed() < std::time::Duration::from_secs(10));
+    assert!(refused.to_string().contains("be.queue"), "{refused}");
+    assert!(
+        format!("{:?}", refused.error).contains("TimedOut"),
+        "{:?}",
+        refused.error
+    );
+    header(libc::F_UNLCK);
+    let a = Admission::request_with(placer.clone(), t.tid, refused.files).unwrap();
+    assert!(a.is_admitted());
+    a.release().unwrap();
+    drop(t);
+    destroy_soon(&env.state);
+}
+
 /// A corrupt `pools.json` (a pool name that climbs out of the cgroup root, a root of `/`)
 /// is refused with how to fix it, never panics or names paths outside the pools; `destroy
 /// --force` removes it.
