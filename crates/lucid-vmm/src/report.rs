@@ -312,8 +312,8 @@ impl RunReport {
             self.balloon_line(),
             self.swap_line(),
         ]
-            .into_iter()
-            .flatten()
+        .into_iter()
+        .flatten()
         {
             let _ = writeln!(s, "{line}");
         }

@@ -310,6 +310,7 @@ impl Vm {
                 &hooks,
                 &stats,
                 swap.blk_hook(),
+                swap.page_discard(b.ram()),
             )?),
             _ => None,
         };
@@ -711,6 +712,7 @@ fn attach_pci(
     hooks: &Arc<ExitHooks>,
     stats: &Arc<StatsRegistry>,
     blk_hook: Option<Arc<dyn lucid_virtio::blk::BlockDataHook>>,
+    discard: Arc<dyn lucid_mem::PageDiscard>,
 ) -> Result<PciBus, VmmError> {
     use lucid_pci::{HostCaps, PciWindows, TransportEnv, TransportOptions};
 
@@ -810,8 +812,8 @@ fn attach_pci(
     if let Some(cfg) = &config.balloon {
         let ram = b.ram();
         let ranges: Vec<(u64, u64)> = ram.regions().iter().map(|r| (r.gpa, r.size)).collect();
-        // Pages go back through guest RAM itself (fresh anonymous memory over them).
-        let discard: Arc<dyn lucid_mem::PageDiscard> = ram.clone();
+        // Pages go back through the Swap Mapper when there is one (it forgets the image blocks
+        // they showed), else through guest RAM itself (fresh anonymous memory over them).
         let dev = lucid_virtio::balloon::Balloon::new(
             "balloon".into(),
             cfg.clone(),
