@@ -42,6 +42,8 @@ pub enum SwapError {
     Limit(#[from] LimitError),
     #[error("--memory-limit {mib} MiB: the limit must be at least 16 MiB")]
     LimitTooSmall { mib: u64 },
+    #[error("--memory-limit: cannot start the pager thread: {0}")]
+    Pager(#[source] std::io::Error),
 }
 
 /// The swap side of a VM, kept by [`crate::Vm`] for its lifetime.
@@ -50,6 +52,8 @@ pub(crate) struct VmSwap {
     limit: Option<Arc<MemoryLimit>>,
     mapper: Option<Arc<SwapMapper>>,
     phases: Option<Arc<Phases>>,
+    pager: Option<lucid_swap::pager::Pager>,
+    pager_on: bool,
 }
 
 impl VmSwap {
@@ -118,6 +122,8 @@ impl VmSwap {
             limit,
             mapper,
             phases,
+            pager: None,
+            pager_on: config.swap_pager,
         })
     }
 
@@ -140,8 +146,41 @@ impl VmSwap {
         }
     }
 
-    /// The VM stopped: the phase the guest was in ends now.
-    pub(crate) fn finish(&self) {
+    /// Starts `lucid-pager` (with a limit and `--swap-pager on`), before the vCPUs run.
+    pub(crate) fn start_pager(
+        &mut self,
+        ram: &GuestRam,
+        stats: &StatsRegistry,
+        seccomp: Option<lucid_seccomp::Seccomp>,
+    ) -> Result<(), SwapError> {
+        use lucid_swap::pager::{Pager, PagerConfig};
+        let Some(limit) = self.limit.as_ref().filter(|_| self.pager_on) else {
+            return Ok(());
+        };
+        if self.pager.is_some() {
+            return Ok(());
+        }
+        let ranges = ram.regions().iter().map(|r| (r.host_addr, r.size)).collect();
+        let pager = Pager::spawn(
+            limit,
+            ranges,
+            PagerConfig::for_limit(limit.limit_bytes()),
+            stats,
+            Box::new(move || {
+                lucid_seccomp::confine(seccomp.as_ref(), lucid_seccomp::Role::Pager)
+                    .map_err(|e| e.to_string())
+            }),
+        )
+        .map_err(SwapError::Pager)?;
+        self.pager = Some(pager);
+        Ok(())
+    }
+
+    /// The VM stopped: the phase the guest was in ends now; the pager stops.
+    pub(crate) fn finish(&mut self) {
+        if let Some(p) = self.pager.take() {
+            p.stop();
+        }
         if let Some(p) = &self.phases {
             p.close_current();
         }

@@ -420,6 +420,10 @@ impl Vm {
     /// Starts one named thread per vCPU.
     pub fn start(&mut self) -> Result<(), VmmError> {
         install_kick_handler();
+        // The pager before the vCPUs: guest RAM must stay under the limit from their first
+        // fault.
+        self.swap
+            .start_pager(&self.ram, &self.stats, self.seccomp.clone())?;
         self.started = Some(Instant::now());
         for ctx in self.ctxs.drain(..) {
             let vcpu = ctx.id();
