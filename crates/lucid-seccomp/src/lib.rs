@@ -134,6 +134,7 @@ impl Seccomp {
             program(role)?;
         }
         std::thread::spawn(|| -> Result<(), seccompiler::Error> {
+            prime_heap_trim();
             seccompiler::apply_filter(&clone3_filter()?)
         })
         .join()
@@ -185,6 +186,17 @@ fn thread_name() -> String {
         .name()
         .unwrap_or("unnamed")
         .to_string()
+}
+
+/// glibc reads `/proc/sys/vm/overcommit_memory` the first time it shrinks a thread arena's heap
+/// (in `free`, once the arena's top chunk passes the trim threshold) and caches the answer: a
+/// confined thread freeing a big buffer would otherwise die on that `openat`. Allocating and
+/// freeing a few hundred KiB in small blocks on a fresh thread (its own arena) makes glibc ask
+/// now.
+fn prime_heap_trim() {
+    let blocks: Vec<Vec<u8>> = (0..16).map(|_| vec![1u8; 48 << 10]).collect();
+    std::hint::black_box(&blocks);
+    drop(blocks);
 }
 
 /// Installs the role's filter (after the clone3 one) on the calling thread.

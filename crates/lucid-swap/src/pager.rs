@@ -116,7 +116,10 @@ impl Files {
         if let Some(f) = &self.oom_control {
             let v: &[u8] = if disable { b"1" } else { b"0" };
             if let Err(e) = (&*f).write_all(v) {
-                log::warn!("pager: cannot set oom_kill_disable={}: {e}", u8::from(disable));
+                log::warn!(
+                    "pager: cannot set oom_kill_disable={}: {e}",
+                    u8::from(disable)
+                );
             }
         }
     }
@@ -163,7 +166,10 @@ impl Pager {
         let threshold = match limit.usage_threshold(config.high()) {
             Ok(fd) => Some(fd),
             Err(e) => {
-                log::debug!("pager: no usage threshold ({e}): polling every {:?}", config.poll);
+                log::debug!(
+                    "pager: no usage threshold ({e}): polling every {:?}",
+                    config.poll
+                );
                 None
             }
         };

@@ -52,6 +52,7 @@ pub(crate) struct VmSwap {
     limit: Option<Arc<MemoryLimit>>,
     mapper: Option<Arc<SwapMapper>>,
     phases: Option<Arc<Phases>>,
+    /// Stops (joins its thread, turns the OOM killer back on) when the VM is dropped.
     pager: Option<lucid_swap::pager::Pager>,
     pager_on: bool,
 }
@@ -160,7 +161,11 @@ impl VmSwap {
         if self.pager.is_some() {
             return Ok(());
         }
-        let ranges = ram.regions().iter().map(|r| (r.host_addr, r.size)).collect();
+        let ranges = ram
+            .regions()
+            .iter()
+            .map(|r| (r.host_addr, r.size))
+            .collect();
         let pager = Pager::spawn(
             limit,
             ranges,
@@ -176,11 +181,9 @@ impl VmSwap {
         Ok(())
     }
 
-    /// The VM stopped: the phase the guest was in ends now; the pager stops.
-    pub(crate) fn finish(&mut self) {
-        if let Some(p) = self.pager.take() {
-            p.stop();
-        }
+    /// The VM stopped: the phase the guest was in ends now. The pager keeps the cgroup under
+    /// its limit until the VM is dropped (the report is written in the cgroup too).
+    pub(crate) fn finish(&self) {
         if let Some(p) = &self.phases {
             p.close_current();
         }
