@@ -489,7 +489,6 @@ fn alloc_and_compress_pass_under_a_limit_every_mode() {
 /// from the disk every pass), and in `alloc` it deflates on OOM when offered, else fails as an
 /// out-of-memory guest (the paper's balloon crash, Fig. 4.10).
 #[test]
-#[ignore = "needs S3's --balloon (lead enables at merge)"]
 fn balloon_guest_inflates_and_deflates_on_oom() {
     let img = Image::new("balloon", 128, 0);
     let o = run_guest(
