@@ -189,6 +189,13 @@ impl VmSwap {
         }
     }
 
+    /// The balloon manager's pressure: the VM's cgroup when it has a limit.
+    pub(crate) fn pressure(&self) -> Option<Arc<dyn lucid_swap::balloon_manager::PressureSource>> {
+        self.limit
+            .clone()
+            .map(|l| Arc::new(crate::balloon::LimitPressure(l)) as _)
+    }
+
     pub(crate) fn has_limit(&self) -> bool {
         self.limit.is_some()
     }
