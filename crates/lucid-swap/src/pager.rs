@@ -309,7 +309,12 @@ fn run(files: &Files, clock: &[(u64, u64)], cfg: &PagerConfig, c: &Counters, sto
                 oom_kill_on = true;
             }
             if idle_sweep >= clock.len() {
-                // A whole sweep freed nothing: let the vCPUs (and swap I/O) move.
+                // A whole sweep freed nothing. Under the high mark, what is left is not guest
+                // RAM the pager can move: wait for the next crossing. Above it, let the vCPUs
+                // (and swap I/O) move, and try again.
+                if usage < cfg.high() {
+                    break;
+                }
                 idle_sweep = 0;
                 std::thread::sleep(Duration::from_millis(5));
             }
