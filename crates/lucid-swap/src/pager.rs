@@ -90,6 +90,22 @@ pub fn chunks(ranges: &[(u64, u64)], chunk: u64) -> Vec<(u64, u64)> {
     v
 }
 
+/// memory.stat keys logged at a stall: what holds the memory the pager cannot move.
+const STALL_KEYS: [&str; 12] = [
+    "rss",
+    "cache",
+    "anon",
+    "file",
+    "kernel",
+    "sock",
+    "shmem",
+    "mapped_file",
+    "swap",
+    "active_anon",
+    "inactive_anon",
+    "unevictable",
+];
+
 struct Counters {
     wakeups: Arc<Counter>,
     chunks: Arc<Counter>,
@@ -100,6 +116,8 @@ struct Counters {
 /// What the thread reads and writes, all opened before it is confined.
 struct Files {
     usage: File,
+    /// memory.stat, for the log line of a stall.
+    stat: Option<File>,
     threshold: Option<OwnedFd>,
     oom_control: Option<File>,
 }
@@ -175,6 +193,7 @@ impl Pager {
         };
         let files = Files {
             usage: limit.usage_file()?,
+            stat: limit.stat_file().ok(),
             threshold,
             oom_control: limit.oom_control_file(),
         };
@@ -299,9 +318,22 @@ fn run(files: &Files, clock: &[(u64, u64)], cfg: &PagerConfig, c: &Counters, sto
                 // Nothing freed for a while at the limit: swap is full or nothing is left to
                 // page out. A clear OOM kill beats a VM hung in the kernel.
                 c.stalls.inc();
+                let stat = files
+                    .stat
+                    .as_ref()
+                    .and_then(|f| crate::limit::pread_to_string(f).ok())
+                    .map(|s| {
+                        crate::limit::parse_stat(&s)
+                            .into_iter()
+                            .filter(|(k, _)| STALL_KEYS.contains(&k.as_str()))
+                            .map(|(k, v)| format!("{k}={}K", v >> 10))
+                            .collect::<Vec<_>>()
+                            .join(" ")
+                    })
+                    .unwrap_or_default();
                 log::warn!(
                     "pager: {} MiB in use, nothing freed for {:?}: turning the OOM killer back \
-                     on (is swap full?)",
+                     on (is swap full?) [{stat}]",
                     usage >> 20,
                     cfg.stall
                 );
