@@ -49,6 +49,7 @@ fn pager_keeps_usage_under_the_limit_and_data_intact() {
     let pager = Pager::spawn(
         &limit,
         vec![(base as u64, RAM)],
+        Vec::new(),
         cfg,
         &stats,
         Box::new(|| Ok(())),

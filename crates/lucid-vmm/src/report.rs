@@ -224,9 +224,11 @@ impl RunReport {
         if let Some(w) = c("pager.wakeups") {
             let _ = write!(
                 line,
-                "; pager {w} wakeups, {} chunks paged out, {} MiB freed, {} stalls",
+                "; pager {w} wakeups, {} chunks paged out, {} MiB freed, {} image cache drops, {} \
+                 stalls",
                 z("pager.chunks"),
                 z("pager.bytes") >> 20,
+                z("pager.cache_drops"),
                 z("pager.stalls"),
             );
         }

@@ -55,6 +55,8 @@ pub(crate) struct VmSwap {
     /// Stops (joins its thread, turns the OOM killer back on) when the VM is dropped.
     pager: Option<lucid_swap::pager::Pager>,
     pager_on: bool,
+    /// The disk images (the pager drops their unmapped page cache).
+    images: Vec<std::path::PathBuf>,
 }
 
 impl VmSwap {
@@ -125,6 +127,14 @@ impl VmSwap {
             phases,
             pager: None,
             pager_on: config.swap_pager,
+            images: config
+                .pci
+                .iter()
+                .filter_map(|d| match &d.kind {
+                    PciDeviceKind::Block(b) => Some(b.path.clone()),
+                    _ => None,
+                })
+                .collect(),
         })
     }
 
@@ -166,9 +176,15 @@ impl VmSwap {
             .iter()
             .map(|r| (r.host_addr, r.size))
             .collect();
+        let images = self
+            .images
+            .iter()
+            .filter_map(|p| std::fs::File::open(p).ok())
+            .collect();
         let pager = Pager::spawn(
             limit,
             ranges,
+            images,
             PagerConfig::for_limit(limit.limit_bytes()),
             stats,
             Box::new(move || {
