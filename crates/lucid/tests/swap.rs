@@ -422,43 +422,54 @@ fn consistency_gate_every_mode_under_a_limit() {
 }
 
 /// The Swap Mapper's point (the paper's Fig. 4.9d): re-reading a file the guest caches, under a
-/// limit below the file's size, baseline sends the cache to swap; with the mapper the host drops
-/// those pages (they are the image's), so (almost) nothing goes to swap. Measured on the VM's own
-/// cgroup (swap it holds at exit) and on its anonymous refaults, not host-wide.
+/// limit below the file's size, baseline sends the cache to swap and reads it back each pass;
+/// with the mapper the host drops those pages (they are the image's) and re-reads them from the
+/// image. Measured on the VM's own cgroup (its anonymous refaults, the swap it holds at exit),
+/// not on host-wide `/proc/vmstat`, which other processes' swapping pollutes (cgroup v1 counts
+/// no swap writes per cgroup).
 #[test]
 fn mapper_rereads_write_almost_no_swap() {
     let _turn = one_at_a_time();
     let _swap = swap_file(1024);
-    let img = Image::new("reread", 96, 0);
-    let mut swapped = Vec::new();
+    let img = Image::new("reread", 160, 0);
+    let mut figures = Vec::new();
     for mode in ["baseline", "mapper"] {
         let o = run_guest(
             &img.blk_direct(),
             256,
             &["--memory-limit", "64", "--swap-mode", mode],
-            "mode=reread mib=96 iters=3",
+            "mode=reread mib=160 iters=3",
         );
         assert_pass(&o, &format!("reread {mode}"));
         assert_paged(&o, mode, mode);
-        let held = memcg(&o, "swap");
+        let (held, refaults) = (memcg(&o, "swap"), memcg(&o, "workingset_refault_anon"));
         eprintln!(
-            "{mode}: memcg swap at exit {} KiB, anon refaults {}, host-wide swap_write_sectors              {} (polluted by other processes), iteration ms {:?}",
+            "{mode}: memcg swap at exit {} KiB, anon refaults {refaults}, host-wide \
+             swap_write_sectors {} (other processes' swapping counts too), iteration ms {:?}",
             held >> 10,
-            memcg(&o, "workingset_refault_anon"),
             o.counter("swap.host.swap_write_sectors"),
             iter_values(&o.stdout, "ms"),
         );
-        swapped.push(held);
+        figures.push((held, refaults));
     }
-    let (baseline, mapper) = (swapped[0], swapped[1]);
-    // 96 MiB cached under a 64 MiB limit: baseline holds at least a third of it in swap.
+    let ((baseline, base_refaults), (mapper, map_refaults)) = (figures[0], figures[1]);
+    // 160 MiB cached under a 64 MiB limit: baseline holds at least half of it in swap, and
+    // reads it back (anonymous refaults) every pass.
     assert!(
-        baseline >= 32 << 20,
+        baseline >= 80 << 20,
         "baseline holds only {baseline} bytes in swap"
     );
+    // The mapper's cache is dropped and re-read from the image, not swapped: its anonymous
+    // refaults (the cgroup's swap-ins) stay under 5% of baseline's. What it holds in swap is
+    // the guest's own anonymous memory and Lucid's (the mapper's reverse map: ~80 bytes a
+    // mapped page), a few MiB: under a tenth of baseline's.
     assert!(
-        mapper * 20 <= baseline,
-        "mapper holds {mapper} bytes in swap, baseline {baseline}: more than 5%"
+        map_refaults * 20 <= base_refaults,
+        "mapper refaulted {map_refaults} anonymous pages, baseline {base_refaults}: more than 5%"
+    );
+    assert!(
+        mapper * 10 <= baseline,
+        "mapper holds {mapper} bytes in swap, baseline {baseline}: more than 10%"
     );
 }
 
