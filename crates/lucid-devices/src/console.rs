@@ -34,10 +34,10 @@ impl Sink {
         match self {
             Sink::Stdout => {
                 let mut out = std::io::stdout().lock();
-                out.write_all(buf)?;
+                write_patiently(&mut out, buf)?;
                 out.flush()
             }
-            Sink::File(f) => f.write_all(buf),
+            Sink::File(f) => write_patiently(f, buf),
             Sink::Socket(c) => {
                 let Some(client) = lock(c).clone() else {
                     return Err(std::io::ErrorKind::NotConnected.into());
@@ -54,6 +54,29 @@ impl Sink {
             }
         }
     }
+}
+
+/// Writes all of `buf`, waiting out `ENOMEM` for a while: under a tight `--memory-limit` the pipe
+/// or page-cache page a write needs is charged to the VM's memory cgroup, and the charge fails
+/// while the cgroup sits at its limit until the pager has freed memory.
+fn write_patiently(w: &mut impl Write, mut buf: &[u8]) -> std::io::Result<()> {
+    let mut tries = 0;
+    while !buf.is_empty() {
+        match w.write(buf) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                buf = &buf[n..];
+                tries = 0;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOMEM) && tries < 300 => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 struct State {

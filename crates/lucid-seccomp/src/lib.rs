@@ -1,5 +1,5 @@
 //! Lucid's seccomp filters: one per thread role ([`Role::Vcpu`], [`Role::Backend`],
-//! [`Role::Main`], [`Role::Iommu`], [`Role::Monitor`]), built with seccompiler and installed by each thread on itself once it has
+//! [`Role::Main`], [`Role::Iommu`], [`Role::Monitor`], [`Role::Pager`]), built with seccompiler and installed by each thread on itself once it has
 //! opened what it needs. A forbidden call traps into a handler that reports the thread, its role
 //! and the call, and ends the process (the VM) with [`VIOLATION_EXIT_STATUS`]: see
 //! docs/security.md for the lists, the reasons and how to debug a violation.
@@ -23,7 +23,7 @@ use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 pub use report::VIOLATION_EXIT_STATUS;
 
 /// The environment variable that makes a thread of the named role (`vcpu`, `backend`, `main`,
-/// `iommu`, `monitor`)
+/// `iommu`, `monitor`, `pager`)
 /// call `socket(2)`, which every role forbids, right after it confined itself: how the tests
 /// show that a violation is caught and reported. It does nothing else; with seccomp off the
 /// call succeeds and the socket is closed.
@@ -43,15 +43,19 @@ pub enum Role {
     /// `lucid-monitor`: the scheduling pools' per-VM monitor, which reads its threads'
     /// `schedstat`, places them in pools and sets halt polling.
     Monitor,
+    /// `lucid-pager`: keeps the VM's memory cgroup under its limit with `MADV_PAGEOUT` (reads
+    /// usage and writes oom_control through descriptors opened before confinement).
+    Pager,
 }
 
 impl Role {
-    pub const ALL: [Role; 5] = [
+    pub const ALL: [Role; 6] = [
         Role::Vcpu,
         Role::Backend,
         Role::Main,
         Role::Iommu,
         Role::Monitor,
+        Role::Pager,
     ];
 
     pub fn name(self) -> &'static str {
@@ -61,6 +65,7 @@ impl Role {
             Role::Main => "main",
             Role::Iommu => "iommu",
             Role::Monitor => "monitor",
+            Role::Pager => "pager",
         }
     }
 
@@ -129,6 +134,7 @@ impl Seccomp {
             program(role)?;
         }
         std::thread::spawn(|| -> Result<(), seccompiler::Error> {
+            prime_heap_trim();
             seccompiler::apply_filter(&clone3_filter()?)
         })
         .join()
@@ -180,6 +186,17 @@ fn thread_name() -> String {
         .name()
         .unwrap_or("unnamed")
         .to_string()
+}
+
+/// glibc reads `/proc/sys/vm/overcommit_memory` the first time it shrinks a thread arena's heap
+/// (in `free`, once the arena's top chunk passes the trim threshold) and caches the answer: a
+/// confined thread freeing a big buffer would otherwise die on that `openat`. Allocating and
+/// freeing a few hundred KiB in small blocks on a fresh thread (its own arena) makes glibc ask
+/// now.
+fn prime_heap_trim() {
+    let blocks: Vec<Vec<u8>> = (0..16).map(|_| vec![1u8; 48 << 10]).collect();
+    std::hint::black_box(&blocks);
+    drop(blocks);
 }
 
 /// Installs the role's filter (after the clone3 one) on the calling thread.

@@ -74,6 +74,11 @@ const TUNSETVNETHDRSZ: u64 = 0x4004_54d8;
 /// it opened before confinement.
 const PAGEMAP_SCAN: u64 = 0xc060_6610;
 
+/// `PROCMAP_QUERY` (linux/fs.h: `_IOWR('f', 17, struct procmap_query)`, 104 bytes): the Swap
+/// Mapper counts guest RAM's VMAs on the `/proc/self/maps` descriptor it opened before
+/// confinement.
+const PROCMAP_QUERY: u64 = 0xc068_6611;
+
 /// The vCPU's own ioctls, KVM_RUN first (conditions are tried in order). What the exit loop,
 /// the instruction completer and the hypercalls do to the vCPU, plus what a device's
 /// transport does to the VM when the guest programs it (irqfd, ioeventfd, MSI routes, INTx).
@@ -133,6 +138,7 @@ fn backend_ioctls() -> Vec<u64> {
         TUNSETVNETHDRSZ,
         libc::FIONBIO,
         PAGEMAP_SCAN,
+        PROCMAP_QUERY,
     ]
 }
 
@@ -427,6 +433,13 @@ fn monitor(a: &mut Allowed) -> Result<(), BackendError> {
     a.ioctls(&[KVM_ENABLE_CAP(), KVM_CHECK_EXTENSION()])
 }
 
+/// The pager: `pread` of the cgroup's usage, `read`/`ppoll` of its threshold eventfd,
+/// `madvise(MADV_PAGEOUT)` over guest RAM, `write` of oom_control (the base list has those) and
+/// `fadvise64` (dropping the disk images' unmapped page cache).
+fn pager(a: &mut Allowed) {
+    a.always(&[libc::SYS_pread64, libc::SYS_fadvise64]);
+}
+
 /// The syscalls `role` may make in process `pid`, whose vCPUs are kicked with `kick_signal`.
 pub(crate) fn allowed(role: Role, pid: u32, kick_signal: i32) -> Result<Allowed, BackendError> {
     let mut a = Allowed::default();
@@ -437,6 +450,7 @@ pub(crate) fn allowed(role: Role, pid: u32, kick_signal: i32) -> Result<Allowed,
         Role::Main => main_thread(&mut a)?,
         Role::Iommu => iommu(&mut a)?,
         Role::Monitor => monitor(&mut a)?,
+        Role::Pager => pager(&mut a),
     }
     Ok(a)
 }
@@ -532,6 +546,16 @@ mod tests {
             PAGEMAP_SCAN,
             (3 << 30) | (96 << 16) | ((b'f' as u64) << 8) | 16
         );
+        assert_eq!(
+            PROCMAP_QUERY,
+            (3 << 30) | (104 << 16) | ((b'f' as u64) << 8) | 17
+        );
+        for needed in ["pread64", "madvise", "write", "ppoll", "read", "fadvise64"] {
+            assert!(has(Role::Pager, needed), "pager may not call {needed}");
+        }
+        for bad in ["openat", "clone", "pwrite64", "unlinkat", "rmdir"] {
+            assert!(!has(Role::Pager, bad), "pager may call {bad}");
+        }
         // The swap counters: pread of files opened before confinement, mincore of the text.
         for role in [Role::Main, Role::Vcpu] {
             assert!(has(role, "pread64") && has(role, "mincore"), "{role}");

@@ -19,14 +19,13 @@
 //!   `vmm_text_nonresident` is the number of text pages evicted right now.
 
 use std::collections::BTreeMap;
-use std::fs;
+use std::fs::{self, File};
 use std::io;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use lucid_stats::StatsRegistry;
 
-use crate::limit::{read_stat, MemoryController};
+use crate::limit::{parse_stat, pread_to_string, MemoryController, MemoryLimit};
 
 /// The `/proc/vmstat` keys we follow.
 pub const VMSTAT_KEYS: [&str; 7] = [
@@ -248,23 +247,32 @@ fn exe_text_ranges() -> io::Result<Vec<(usize, usize)>> {
 pub fn process_majflt() -> u64 {
     fs::read_to_string("/proc/self/stat")
         .ok()
-        .and_then(|s| {
-            let rest = &s[s.rfind(')')? + 1..];
-            rest.split_whitespace().nth(9)?.parse().ok()
-        })
+        .and_then(|s| parse_majflt(&s))
         .unwrap_or(0)
 }
 
+fn parse_majflt(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(9)?.parse().ok()
+}
+
 /// Host counters since [`HostCounters::start`].
+///
+/// Every file is opened by `start` and read with `pread` afterwards: sampling runs on confined
+/// threads (a vCPU serving a guest phase, the main thread writing the report), which may not
+/// open files.
 pub struct HostCounters {
     start: HostSnapshot,
-    memcg_stat: Option<PathBuf>,
+    vmstat: Option<File>,
+    self_stat: Option<File>,
+    memcg_stat: Option<File>,
     text: Mutex<TextSampler>,
 }
 
 impl HostCounters {
     /// Snapshots every source now. The memory cgroup is the one this process is in at this
-    /// moment (start after [`crate::limit::MemoryLimit::apply`] to follow the VM's own).
+    /// moment (start after [`crate::limit::MemoryLimit::apply`] to follow the VM's own, or use
+    /// [`HostCounters::start_in`]).
     pub fn start() -> HostCounters {
         let memcg_stat = MemoryController::detect()
             .ok()
@@ -273,9 +281,20 @@ impl HostCounters {
                     .join(c.current.trim_start_matches('/'))
                     .join("memory.stat")
             })
-            .filter(|p| p.is_file());
+            .and_then(|p| File::open(p).ok());
+        Self::with_memcg(memcg_stat)
+    }
+
+    /// [`HostCounters::start`] following `limit`'s cgroup.
+    pub fn start_in(limit: &MemoryLimit) -> HostCounters {
+        Self::with_memcg(limit.stat_file().ok())
+    }
+
+    fn with_memcg(memcg_stat: Option<File>) -> HostCounters {
         let mut h = HostCounters {
             start: HostSnapshot::default(),
+            vmstat: File::open("/proc/vmstat").ok(),
+            self_stat: File::open("/proc/self/stat").ok(),
             memcg_stat,
             text: Mutex::new(TextSampler::new()),
         };
@@ -283,18 +302,19 @@ impl HostCounters {
         h
     }
 
-    /// Reads every source now (and samples the VMM text).
+    /// Reads every source now (and samples the VMM text), through the descriptors `start`
+    /// opened.
     pub fn snapshot(&self) -> HostSnapshot {
-        let vmstat = read_stat("/proc/vmstat".as_ref())
-            .unwrap_or_default()
+        let read = |f: &Option<File>| {
+            f.as_ref()
+                .and_then(|f| pread_to_string(f).ok())
+                .unwrap_or_default()
+        };
+        let vmstat = parse_stat(&read(&self.vmstat))
             .into_iter()
             .filter(|(k, _)| VMSTAT_KEYS.contains(&k.as_str()))
             .collect();
-        let memcg = self
-            .memcg_stat
-            .as_deref()
-            .and_then(|p| read_stat(p).ok())
-            .unwrap_or_default()
+        let memcg = parse_stat(&read(&self.memcg_stat))
             .into_iter()
             .filter(|(k, _)| MEMCG_KEYS.contains(&k.as_str()))
             .collect();
@@ -306,7 +326,7 @@ impl HostCounters {
         HostSnapshot {
             vmstat,
             memcg,
-            majflt: process_majflt(),
+            majflt: parse_majflt(&read(&self.self_stat)).unwrap_or(0),
             vmm_text_faults,
             vmm_text_nonresident,
         }
@@ -389,7 +409,7 @@ mod tests {
         let evicted = h.text.lock().unwrap().nonresident;
         // Run a fair amount of code: formatting, collections, file reading.
         for _ in 0..3 {
-            let _ = read_stat("/proc/vmstat".as_ref());
+            let _ = crate::limit::read_stat("/proc/vmstat".as_ref());
             let _ = format!("{:?}", h.snapshot());
         }
         let d = h.delta();

@@ -4,6 +4,8 @@
 //! - [`limit`]: the per-VM memory limit (a memory cgroup, v1 or v2) with host swap behind it.
 //! - [`host`]: host-side swap and fault counters, as deltas over a run.
 //! - [`mapper`]: the Swap Mapper (image blocks mapped over guest pages) and false-read prevention.
+//! - [`pager`]: keeps the cgroup under its limit with `MADV_PAGEOUT` where the kernel's own
+//!   limit reclaim fails (this PVM host).
 //! - [`balloon_manager`]: sizes a virtio-balloon from host memory pressure.
 
 #![warn(clippy::print_stdout, clippy::print_stderr)]
@@ -12,6 +14,7 @@ pub mod balloon_manager;
 pub mod host;
 pub mod limit;
 pub mod mapper;
+pub mod pager;
 
 /// How a VM's guest memory is swapped when its limit is reached.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -9,14 +9,22 @@
 //! controller, else under the v2 root. The new cgroup nests under the one the process is in, so
 //! limits above it (a session's, a slice's) keep applying and the process returns there on drop.
 //!
+//! Once the VM's threads are confined (seccomp) none may open a file by path, unlink or rmdir:
+//! every file a [`MemoryLimit`] reads or writes later (usage, memory.stat, the parent's
+//! cgroup.procs, v1's oom_control) is opened in [`MemoryLimit::apply`] and read with `pread`;
+//! a drop on a confined thread leaves the empty directory, which the next `apply` prunes (the
+//! `lucid/*-<pid>` cgroups of dead processes).
+//!
 //! [`SwapFile`] makes a small swap file for tests (fallocate + mkswap + swapon; swapoff and
 //! removal on drop).
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
-use std::fs;
-use std::io;
+use std::fs::{self, File};
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::FileExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -228,6 +236,19 @@ pub struct MemoryLimit {
     dir: PathBuf,
     parent: PathBuf,
     limit: u64,
+    /// Opened in `apply`: read or written later without `open` (see the module doc).
+    files: Option<LimitFiles>,
+}
+
+#[derive(Debug)]
+struct LimitFiles {
+    /// The parent's cgroup.procs, for going back on drop.
+    parent_procs: File,
+    /// memory.usage_in_bytes (v1) or memory.current (v2).
+    usage: File,
+    stat: File,
+    /// v1's memory.oom_control (read-write).
+    oom_control: Option<File>,
 }
 
 impl MemoryLimit {
@@ -265,6 +286,7 @@ impl MemoryLimit {
             // current cgroup cannot delegate and we say so.
             enable_v2_memory(&parent)?;
         }
+        prune_dead(&base);
         // Another VM's drop may remove `base` between our two mkdirs: retry once.
         for attempt in 0..2 {
             mkdir_if_missing(&base)?;
@@ -280,11 +302,12 @@ impl MemoryLimit {
                 }
             }
         }
-        let limit = MemoryLimit {
+        let mut limit = MemoryLimit {
             version: ctl.version,
             dir: dir.clone(),
             parent,
             limit: limit_bytes,
+            files: None,
         };
         // From here on, dropping `limit` cleans up.
         let file = match ctl.version {
@@ -293,6 +316,29 @@ impl MemoryLimit {
         };
         let p = dir.join(file);
         fs::write(&p, limit_bytes.to_string()).map_err(io_err("write the limit to", &p))?;
+        let open = |p: PathBuf, write: bool| {
+            fs::OpenOptions::new()
+                .read(true)
+                .write(write)
+                .open(&p)
+                .map_err(|e| io_err("open", &p)(e))
+        };
+        let usage_file = match ctl.version {
+            CgroupVersion::V1 => "memory.usage_in_bytes",
+            CgroupVersion::V2 => "memory.current",
+        };
+        limit.files = Some(LimitFiles {
+            parent_procs: fs::OpenOptions::new()
+                .write(true)
+                .open(limit.parent.join("cgroup.procs"))
+                .map_err(|e| io_err("open", &limit.parent.join("cgroup.procs"))(e))?,
+            usage: open(dir.join(usage_file), false)?,
+            stat: open(dir.join("memory.stat"), false)?,
+            oom_control: match ctl.version {
+                CgroupVersion::V1 => open(dir.join("memory.oom_control"), true).ok(),
+                CgroupVersion::V2 => None,
+            },
+        });
         let procs = dir.join("cgroup.procs");
         fs::write(&procs, std::process::id().to_string())
             .map_err(io_err("move this process into", &procs))?;
@@ -318,32 +364,118 @@ impl MemoryLimit {
         self.limit
     }
 
-    /// Memory charged to the cgroup now (anonymous, page cache, kernel), in bytes.
+    fn files(&self) -> io::Result<&LimitFiles> {
+        self.files
+            .as_ref()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "cgroup not set up"))
+    }
+
+    /// Memory charged to the cgroup now (anonymous, page cache, kernel), in bytes. Reads a
+    /// descriptor opened by `apply` (no `open`: callable on confined threads).
     pub fn usage(&self) -> io::Result<u64> {
-        let file = match self.version {
-            CgroupVersion::V1 => "memory.usage_in_bytes",
-            CgroupVersion::V2 => "memory.current",
-        };
-        parse_u64(&fs::read_to_string(self.dir.join(file))?)
+        parse_u64(&pread_to_string(&self.files()?.usage)?)
     }
 
     /// memory.stat as a map (v1: this cgroup's own keys such as `rss`, `cache`, `swap`,
     /// `mapped_file`, `pgmajfault`; v2: `anon`, `file`, `file_mapped`, `pgmajfault`,
-    /// `workingset_refault_anon`, ...).
+    /// `workingset_refault_anon`, ...). Reads a descriptor opened by `apply`.
     pub fn stat(&self) -> io::Result<BTreeMap<String, u64>> {
-        read_stat(&self.dir.join("memory.stat"))
+        Ok(parse_stat(&pread_to_string(&self.files()?.stat)?))
+    }
+
+    /// A new descriptor of the usage file (for a thread that reads usage with `pread`, or for a
+    /// v1 usage threshold).
+    pub fn usage_file(&self) -> io::Result<File> {
+        self.files()?.usage.try_clone()
+    }
+
+    /// memory.stat's descriptor, duplicated.
+    pub fn stat_file(&self) -> io::Result<File> {
+        self.files()?.stat.try_clone()
+    }
+
+    /// cgroup v1's memory.oom_control, duplicated (`None` on v2, which has no
+    /// `oom_kill_disable`).
+    pub fn oom_control_file(&self) -> Option<File> {
+        self.files.as_ref()?.oom_control.as_ref()?.try_clone().ok()
+    }
+
+    /// v1: an eventfd that the kernel signals each time usage crosses `bytes` (either way),
+    /// registered through cgroup.event_control. Call before confinement (it opens a file).
+    pub fn usage_threshold(&self, bytes: u64) -> io::Result<OwnedFd> {
+        if self.version != CgroupVersion::V1 {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "usage thresholds are cgroup v1's (cgroup.event_control)",
+            ));
+        }
+        // SAFETY: eventfd takes no pointers; the fd returned is ours.
+        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if efd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `efd` is a fresh descriptor nothing else owns.
+        let efd = unsafe { OwnedFd::from_raw_fd(efd) };
+        let ufd = self.usage_file()?;
+        let mut ctl = fs::OpenOptions::new()
+            .write(true)
+            .open(self.dir.join("cgroup.event_control"))?;
+        // The kernel keeps its own reference to the usage file; ours may close.
+        write!(ctl, "{} {} {bytes}", efd.as_raw_fd(), ufd.as_raw_fd())?;
+        Ok(efd)
+    }
+}
+
+/// The whole of a procfs or cgroup file through an open descriptor, from offset 0.
+pub fn pread_to_string(f: &File) -> io::Result<String> {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = f.read_at(&mut buf, out.len() as u64)?;
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&buf[..n]);
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// `key value` lines (memory.stat, /proc/vmstat) as a map.
+pub fn parse_stat(s: &str) -> BTreeMap<String, u64> {
+    s.lines()
+        .filter_map(|l| {
+            let (k, v) = l.split_once(' ')?;
+            Some((k.to_string(), v.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// Removes `base/<name>-<pid>` cgroups whose process is gone: what a confined exit leaves
+/// (rmdir is forbidden there). A cgroup still holding tasks refuses rmdir (EBUSY): kept.
+fn prune_dead(base: &Path) {
+    let Ok(entries) = fs::read_dir(base) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .rsplit_once('-')
+            .and_then(|(_, p)| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            match fs::remove_dir(e.path()) {
+                Ok(()) => log::debug!("removed {} (process {pid} is gone)", e.path().display()),
+                Err(err) => log::debug!("cannot prune {}: {err}", e.path().display()),
+            }
+        }
     }
 }
 
 /// Reads a `key value` per line file such as memory.stat or /proc/vmstat.
 pub fn read_stat(path: &Path) -> io::Result<BTreeMap<String, u64>> {
-    Ok(fs::read_to_string(path)?
-        .lines()
-        .filter_map(|l| {
-            let (k, v) = l.split_once(' ')?;
-            Some((k.to_string(), v.trim().parse().ok()?))
-        })
-        .collect())
+    Ok(parse_stat(&fs::read_to_string(path)?))
 }
 
 fn parse_u64(s: &str) -> io::Result<u64> {
@@ -388,8 +520,17 @@ fn enable_v2_memory(dir: &Path) -> Result<(), LimitError> {
 impl Drop for MemoryLimit {
     fn drop(&mut self) {
         let back = self.parent.join("cgroup.procs");
-        if let Err(e) = fs::write(&back, std::process::id().to_string()) {
+        let Some(files) = &self.files else {
+            // `apply` failed before the move: only the directory to remove.
+            let _ = fs::remove_dir(&self.dir);
+            return;
+        };
+        if let Err(e) = (&files.parent_procs).write_all(std::process::id().to_string().as_bytes()) {
             log::warn!("cannot move back to {}: {e}", back.display());
+        }
+        // A confined thread may not rmdir: the next `apply` prunes the empty directory.
+        if lucid_seccomp::Seccomp::of_this_thread().is_some() {
+            return;
         }
         // rmdir fails while tasks remain (e.g. threads that raced a move): retry briefly.
         for _ in 0..50 {

@@ -69,6 +69,22 @@ impl PressureSource for ProcessPressure {
     }
 }
 
+/// The VM's memory cgroup (`--memory-limit`): its usage against its limit, read through the
+/// descriptor the limit opened (the manager's thread opens nothing).
+pub struct LimitPressure(pub std::sync::Arc<lucid_swap::limit::MemoryLimit>);
+
+impl PressureSource for LimitPressure {
+    fn pressure(&self) -> Pressure {
+        match self.0.usage() {
+            Ok(usage) => Pressure {
+                usage,
+                limit: self.0.limit_bytes(),
+            },
+            Err(_) => Pressure::default(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -100,6 +100,10 @@ pub struct VmConfig {
     pub memory_limit_mib: Option<u64>,
     /// `--swap-mode`: how the VM's memory is swapped when it is over its limit.
     pub swap_mode: lucid_swap::SwapMode,
+    /// `--swap-pager`: with a memory limit, a `lucid-pager` thread keeps usage under it with
+    /// `MADV_PAGEOUT` (docs/vswapper.md: the kernel's limit reclaim fails on PVM hosts); off
+    /// leaves reclaim to the kernel.
+    pub swap_pager: bool,
 }
 
 impl VmConfig {
@@ -124,6 +128,7 @@ impl VmConfig {
             balloon: None,
             memory_limit_mib: None,
             swap_mode: lucid_swap::SwapMode::Baseline,
+            swap_pager: true,
         }
     }
 }

@@ -221,6 +221,17 @@ impl RunReport {
             z("host.majflt"),
             z("host.vmm_text_faults"),
         );
+        if let Some(w) = c("pager.wakeups") {
+            let _ = write!(
+                line,
+                "; pager {w} wakeups, {} chunks paged out, {} MiB freed, {} image cache drops, {} \
+                 stalls",
+                z("pager.chunks"),
+                z("pager.bytes") >> 20,
+                z("pager.cache_drops"),
+                z("pager.stalls"),
+            );
+        }
         if mode != "baseline" {
             let _ = write!(
                 line,

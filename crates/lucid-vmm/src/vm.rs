@@ -303,13 +303,7 @@ impl Vm {
         let platform = platform_devices(&config, b.vm(), &hooks, &lifecycle, &stats, &seccomp)?;
         let pci = match (&router, has_pci) {
             (Some(router), true) => Some(attach_pci(
-                &config,
-                &b,
-                router,
-                &dma,
-                &hooks,
-                &stats,
-                swap.blk_hook(),
+                &config, &b, router, &dma, &hooks, &stats, &swap,
             )?),
             _ => None,
         };
@@ -423,6 +417,10 @@ impl Vm {
     /// Starts one named thread per vCPU.
     pub fn start(&mut self) -> Result<(), VmmError> {
         install_kick_handler();
+        // The pager before the vCPUs: guest RAM must stay under the limit from their first
+        // fault.
+        self.swap
+            .start_pager(&self.ram, &self.stats, self.seccomp.clone())?;
         self.started = Some(Instant::now());
         for ctx in self.ctxs.drain(..) {
             let vcpu = ctx.id();
@@ -448,8 +446,9 @@ impl Vm {
     }
 
     /// Sets where the balloon manager reads host pressure (before [`Vm::start`]; the VM's
-    /// memory cgroup once it has one); by default it is this process's resident set against
-    /// what the host has available ([`crate::balloon::ProcessPressure`]).
+    /// memory cgroup once it has one); by default it is the VM's memory cgroup under
+    /// `--memory-limit`, else this process's resident set against what the host has available
+    /// ([`crate::balloon::ProcessPressure`]).
     pub fn set_pressure_source(
         &mut self,
         source: Arc<dyn lucid_swap::balloon_manager::PressureSource>,
@@ -465,7 +464,7 @@ impl Vm {
         let Some(ctl) = self.balloon().cloned().filter(|_| manage) else {
             return Ok(());
         };
-        let source = match self.pressure.take() {
+        let source = match self.pressure.take().or_else(|| self.swap.pressure()) {
             Some(s) => s,
             None => Arc::new(
                 crate::balloon::ProcessPressure::open(None).map_err(VmmError::BalloonManager)?,
@@ -714,8 +713,13 @@ fn attach_pci(
     dma: &Arc<DmaPath>,
     hooks: &Arc<ExitHooks>,
     stats: &Arc<StatsRegistry>,
-    blk_hook: Option<Arc<dyn lucid_virtio::blk::BlockDataHook>>,
+    swap: &crate::swap::VmSwap,
 ) -> Result<PciBus, VmmError> {
+    // The Swap Mapper on every disk (none in baseline mode); pages the balloon gives back go
+    // through it when there is one (it forgets the image blocks they showed), else through guest
+    // RAM itself (fresh anonymous memory over them).
+    let blk_hook = swap.blk_hook();
+    let discard = swap.page_discard(b.ram());
     use lucid_pci::{HostCaps, PciWindows, TransportEnv, TransportOptions};
 
     let host = HostCaps::probe(
@@ -814,8 +818,6 @@ fn attach_pci(
     if let Some(cfg) = &config.balloon {
         let ram = b.ram();
         let ranges: Vec<(u64, u64)> = ram.regions().iter().map(|r| (r.gpa, r.size)).collect();
-        // Pages go back through guest RAM itself (fresh anonymous memory over them).
-        let discard: Arc<dyn lucid_mem::PageDiscard> = ram.clone();
         let dev = lucid_virtio::balloon::Balloon::new(
             "balloon".into(),
             cfg.clone(),

@@ -142,6 +142,11 @@ struct RunArgs {
     /// prevention). mapper and vswapper need bs=4096 on every --blk.
     #[arg(long, value_name = "MODE", default_value = "baseline")]
     swap_mode: lucid_vmm::SwapMode,
+    /// With --memory-limit: on (default) keeps usage under the limit with Lucid's own pager
+    /// (MADV_PAGEOUT; needed where the kernel's limit reclaim OOM-kills a VM, e.g. PVM hosts);
+    /// off leaves reclaim to the kernel.
+    #[arg(long, value_name = "on|off", default_value = "on", value_parser = ["on", "off"])]
+    swap_pager: String,
 }
 
 /// What the CLI could not do, for its one error line.
@@ -208,6 +213,7 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
     config.seccomp = !args.no_seccomp;
     config.memory_limit_mib = args.memory_limit;
     config.swap_mode = args.swap_mode;
+    config.swap_pager = args.swap_pager == "on";
     for b in &args.blk {
         config.pci.push(lucid_vmm::parse_blk(b)?);
     }

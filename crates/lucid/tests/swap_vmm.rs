@@ -8,51 +8,21 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+use lucid_swap::limit::SwapFile;
 
 use common::{disk, lucid, Outcome};
 
 const LIMIT: Duration = Duration::from_secs(180);
-const CGROUP_V1: &str = "/sys/fs/cgroup/memory/lucid";
 
-/// A swap file for the tests: made and enabled at creation, disabled and removed on drop.
-/// LEAD: lucid_swap::limit::SwapFile (S1) does the same.
-struct SwapFile(PathBuf);
-
-impl SwapFile {
-    fn create(mib: u64) -> Option<SwapFile> {
-        let p = std::env::temp_dir().join(format!("lucid-s2-swap-{}.swap", std::process::id()));
-        let run = |cmd: &mut Command| {
-            cmd.stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success())
-        };
-        let ok = run(Command::new("fallocate")
-            .args(["-l", &format!("{mib}M")])
-            .arg(&p))
-            && run(Command::new("chmod").arg("600").arg(&p))
-            && run(Command::new("mkswap").arg(&p))
-            && run(Command::new("swapon").arg(&p));
-        let f = SwapFile(p);
-        if !ok {
-            eprintln!("cannot make a swap file (not root?): skipped");
-            return None;
-        }
-        Some(f)
-    }
-}
-
-impl Drop for SwapFile {
-    fn drop(&mut self) {
-        let _ = Command::new("swapoff")
-            .arg(&self.0)
-            .stderr(Stdio::null())
-            .status();
-        let _ = std::fs::remove_file(&self.0);
-    }
+/// A swap file for the tests (swapoff and removed on drop); `None` where one cannot be made.
+fn swap_file(mib: u64) -> Option<SwapFile> {
+    SwapFile::create(&std::env::temp_dir(), mib << 20)
+        .inspect_err(|e| eprintln!("cannot make a swap file ({e}): skipped"))
+        .ok()
 }
 
 /// The tests swap on and off and share the cgroup: one at a time.
@@ -64,7 +34,15 @@ fn turn() -> std::sync::MutexGuard<'static, ()> {
 /// Removes the `lucid/<name>-<pid>` cgroups whose process is gone (a confined Lucid cannot
 /// rmdir its own at exit).
 fn remove_stale_cgroups() {
-    let Ok(entries) = std::fs::read_dir(CGROUP_V1) else {
+    // Lucid nests `lucid/` under the memory cgroup it starts in, which is the test's.
+    let Ok(ctl) = lucid_swap::limit::MemoryController::detect() else {
+        return;
+    };
+    let base = ctl
+        .mount
+        .join(ctl.current.trim_start_matches('/'))
+        .join("lucid");
+    let Ok(entries) = std::fs::read_dir(base) else {
         return;
     };
     for e in entries.flatten() {
@@ -108,7 +86,7 @@ fn blk_run(img: &Path, mode: &str, limit_mib: &str) -> Outcome {
 #[test]
 fn every_swap_mode_runs_under_a_memory_limit_with_phases() {
     let _turn = turn();
-    let Some(_swap) = SwapFile::create(256) else {
+    let Some(_swap) = swap_file(256) else {
         return;
     };
     for (mode, code) in [("baseline", 0), ("mapper", 1), ("vswapper", 2)] {
@@ -159,23 +137,23 @@ fn every_swap_mode_runs_under_a_memory_limit_with_phases() {
 }
 
 /// Under a limit well below what the guest touches, the host swaps (baseline), the data stays
-/// right, and the swap line and `swap.host.*` say so.
+/// right, and the swap line and `swap.host.*` say so. On this host (PVM) the kernel's own limit
+/// reclaim would OOM-kill the VM (docs/vswapper.md §7): Lucid's pager (on by default) keeps it
+/// under the limit.
 ///
-/// Ignored: on this host (PVM, shadow paging) a vCPU that faults guest pages in faster than
-/// memcg reclaim evicts them gets the VM OOM-killed (cgroup v1, in the charge of KVM's GUP
-/// fault, with only a few MiB swapped: memory.stat shows the guest pages on the active anon
-/// list, inactive_anon 0). A plain process writing as much under the same limit swaps fine, and
-/// so does an idle VM whose limit is lowered from outside (128 MiB touched, limit cut to 48 MiB:
-/// 87 MiB go to swap). With oom_kill_disable the VM hangs under_oom instead.
+/// Ignored: flaky under the test harness only (about one run in two there, never in 20 runs
+/// from a shell with the same arguments): Lucid ends by a signal (status None, no memcg OOM kill
+/// in dmesg, stderr cut after the pager's first line), or exits 1 with an empty stdout. Not
+/// understood yet; `memtouch mib=128` at 48 MiB and `mib=200` at 64 MiB complete from a shell.
 #[test]
-#[ignore = "on this host (PVM) a vCPU faulting memory in under a tight memcg limit is OOM-killed instead of swapped"]
+#[ignore = "flaky under the harness: Lucid dies by a signal (see the doc comment)"]
 fn a_guest_over_its_limit_is_swapped_and_intact() {
     let _turn = turn();
     if !has_v1_memory() {
         eprintln!("no cgroup v1 memory controller: skipped");
         return;
     }
-    let Some(_swap) = SwapFile::create(256) else {
+    let Some(_swap) = swap_file(256) else {
         return;
     };
     let o = lucid(
@@ -194,14 +172,25 @@ fn a_guest_over_its_limit_is_swapped_and_intact() {
     );
     remove_stale_cgroups();
     assert_eq!(o.status, Some(1), "{}\n{}", o.stdout, o.stderr);
-    assert!(o.stdout.contains("errors=0"), "{}", o.stdout);
-    // At least 80 of the 128 MiB written had to leave: 8 sectors a page.
     assert!(
-        o.counter("swap.host.swap_write_sectors") >= (80 << 20) / 512,
+        o.stdout.contains("errors=0"),
+        "stdout {:?}, serial tx_written {} tx_dropped {} tx_unwritten {}\n{}",
+        o.stdout,
+        o.counter("serial.tx_written"),
+        o.counter("serial.tx_dropped"),
+        o.counter("serial.tx_unwritten"),
+        o.stderr
+    );
+    // At least 80 of the 128 MiB written had to leave (the VM's own cgroup holds it in swap at
+    // exit; /proc/vmstat is shared with other processes).
+    assert!(
+        o.counter("swap.host.memcg.swap") >= 80 << 20,
         "{}",
         o.stderr
     );
     assert!(o.counter("swap.cgroup.usage_bytes") <= 48 << 20);
+    assert!(o.counter("swap.pager.chunks") > 0 && o.counter("swap.pager.stalls") == 0);
+    assert!(o.stderr.contains("; pager "), "{}", o.stderr);
     assert!(o.stderr.contains("swap: mode baseline, limit 48 MiB"));
 }
 
@@ -260,7 +249,7 @@ fn the_process_sits_in_its_own_memory_cgroup() {
         eprintln!("no cgroup v1 memory controller: skipped");
         return;
     }
-    let Some(_swap) = SwapFile::create(64) else {
+    let Some(_swap) = swap_file(64) else {
         return;
     };
     let img = disk("swap-hold", 4);
@@ -274,13 +263,21 @@ fn the_process_sits_in_its_own_memory_cgroup() {
         .spawn()
         .unwrap();
     let pid = child.id();
-    let dir = Path::new(CGROUP_V1).join(format!("vm-{pid}"));
+    // `lucid/vm-<pid>` under the cgroup the test runs in.
+    let mut dir = None;
     let start = Instant::now();
     let mut seen = None;
     while start.elapsed() < Duration::from_secs(30) {
         let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
-        if cg.contains(&format!(":memory:/lucid/vm-{pid}")) {
-            seen = std::fs::read_to_string(dir.join("memory.limit_in_bytes")).ok();
+        let mine = format!("/lucid/vm-{pid}");
+        if let Some(path) = cg
+            .lines()
+            .filter_map(|l| l.splitn(3, ':').nth(2).filter(|_| l.contains(":memory:")))
+            .find(|p| p.ends_with(&mine))
+        {
+            let d = Path::new("/sys/fs/cgroup/memory").join(path.trim_start_matches('/'));
+            seen = std::fs::read_to_string(d.join("memory.limit_in_bytes")).ok();
+            dir = Some(d);
             break;
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -288,7 +285,9 @@ fn the_process_sits_in_its_own_memory_cgroup() {
     let _ = child.kill();
     let _ = child.wait();
     let _ = std::fs::remove_file(&img);
-    remove_stale_cgroups();
+    // A killed Lucid cannot remove its cgroup: the next VM's `apply` would; the test does now.
+    let dir = dir.expect("the VM's process moved into lucid/vm-<pid>");
+    let _ = std::fs::remove_dir(&dir);
     assert_eq!(seen.as_deref().map(str::trim), Some("104857600"));
     assert!(
         !dir.exists(),
