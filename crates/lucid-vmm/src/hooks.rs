@@ -38,6 +38,16 @@ pub struct ExitHooks {
     pub mmio: Arc<Bus>,
     hypercalls: RwLock<HashMap<u64, Arc<dyn HypercallHook>>>,
     msrs: RwLock<HashMap<u32, Arc<dyn MsrHook>>>,
+    memory_fault: RwLock<Option<Arc<dyn MemoryFaultHook>>>,
+}
+
+/// Called when `KVM_RUN` fails with `EFAULT` because the host could not fault a guest page in
+/// (a memory cgroup at its limit refuses the charge on KVM's fault path instead of waiting).
+/// The VM's memory limit installs one that waits for its pager to free memory.
+pub trait MemoryFaultHook: Send + Sync {
+    /// Waits (briefly) for host memory; true when there is some again and the vCPU should
+    /// re-enter the guest, false when none came.
+    fn wait_for_memory(&self) -> bool;
 }
 
 impl ExitHooks {
@@ -69,6 +79,18 @@ impl ExitHooks {
             .get(&regs.rax)
             .cloned()?;
         Some(hook.call(vcpu, regs))
+    }
+
+    /// Installs the hook that absorbs `KVM_RUN`'s `EFAULT` under memory pressure.
+    pub fn set_memory_fault(&self, hook: Arc<dyn MemoryFaultHook>) {
+        *self.memory_fault.write().unwrap_or_else(|e| e.into_inner()) = Some(hook);
+    }
+
+    pub fn memory_fault(&self) -> Option<Arc<dyn MemoryFaultHook>> {
+        self.memory_fault
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     pub fn add_msr(&self, index: u32, hook: Arc<dyn MsrHook>) {

@@ -161,6 +161,7 @@ impl VmSwap {
     pub(crate) fn start_pager(
         &mut self,
         ram: &GuestRam,
+        hooks: &crate::hooks::ExitHooks,
         stats: &StatsRegistry,
         seccomp: Option<lucid_seccomp::Seccomp>,
     ) -> Result<(), SwapError> {
@@ -181,6 +182,11 @@ impl VmSwap {
             .iter()
             .filter_map(|p| std::fs::File::open(p).ok())
             .collect();
+        let own_ranges: Vec<(u64, u64)> = ram
+            .regions()
+            .iter()
+            .map(|r| (r.host_addr, r.size))
+            .collect();
         let pager = Pager::spawn(
             limit,
             ranges,
@@ -194,6 +200,16 @@ impl VmSwap {
         )
         .map_err(SwapError::Pager)?;
         self.pager = Some(pager);
+        // KVM's fault path gets EFAULT, not a wait, when the cgroup refuses a charge: the vCPU
+        // waits for the pager and retries instead of the VM dying.
+        if let Ok(usage) = limit.usage_file() {
+            hooks.set_memory_fault(Arc::new(WaitForPager {
+                usage,
+                high: PagerConfig::for_limit(limit.limit_bytes()).high(),
+                chunks: lucid_swap::pager::chunks(&own_ranges, 2 << 20),
+                hand: std::sync::atomic::AtomicUsize::new(0),
+            }));
+        }
         Ok(())
     }
 
@@ -321,6 +337,54 @@ fn add_phase_hypercall(hooks: &ExitHooks, phases: &Arc<Phases>) {
             None => HYPERCALL_REFUSED,
         }),
     );
+}
+
+/// The vCPUs' memory-fault hook under a limit: polls the cgroup's usage (a descriptor opened
+/// before confinement) until it is under the pager's high mark, for at most 100 ms. Every 10 ms
+/// without progress it pages a 2 MiB chunk of guest RAM out itself: with `oom_kill_disable` on,
+/// a thread whose own (user-mode) fault is refused a charge sleeps until memory is freed, and if
+/// that thread is the pager, only another thread's page-out wakes it.
+struct WaitForPager {
+    usage: std::fs::File,
+    high: u64,
+    /// Guest RAM in 2 MiB chunks (host address, length), and the next one to page out.
+    chunks: Vec<(u64, u64)>,
+    hand: std::sync::atomic::AtomicUsize,
+}
+
+impl WaitForPager {
+    fn usage(&self) -> Option<u64> {
+        use std::os::unix::fs::FileExt;
+        let mut buf = [0u8; 32];
+        let n = self.usage.read_at(&mut buf, 0).ok()?;
+        std::str::from_utf8(&buf[..n]).ok()?.trim().parse().ok()
+    }
+
+    fn page_out_one(&self) {
+        if self.chunks.is_empty() {
+            return;
+        }
+        let i = self.hand.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % self.chunks.len();
+        let (addr, len) = self.chunks[i];
+        // SAFETY: the range is guest RAM mapped for the VM's lifetime; MADV_PAGEOUT only moves
+        // its pages to swap (or drops clean file pages), the content stays the same.
+        unsafe { libc::madvise(addr as *mut libc::c_void, len as usize, libc::MADV_PAGEOUT) };
+    }
+}
+
+impl crate::hooks::MemoryFaultHook for WaitForPager {
+    fn wait_for_memory(&self) -> bool {
+        for i in 1..=100 {
+            if self.usage().is_some_and(|u| u < self.high) {
+                return true;
+            }
+            if i % 10 == 0 {
+                self.page_out_one();
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        false
+    }
 }
 
 #[cfg(test)]

@@ -174,6 +174,7 @@ struct VcpuCounters {
     emulated: Arc<Counter>,
     in_kvm_run_ns: Arc<Counter>,
     in_vmm_ns: Arc<Counter>,
+    memory_faults: Arc<Counter>,
 }
 
 impl VcpuCounters {
@@ -191,6 +192,7 @@ impl VcpuCounters {
             emulated: c("emulated_insns"),
             in_kvm_run_ns: c("time.in_kvm_run_ns"),
             in_vmm_ns: c("time.in_vmm_ns"),
+            memory_faults: c("memory_faults"),
         }
     }
 
@@ -220,6 +222,8 @@ pub struct VcpuCtx {
     counters: VcpuCounters,
     emulator: Emulator,
     paused: bool,
+    /// Memory-fault waits in a row that found no memory (`absorb_memory_fault`).
+    dry_waits: u32,
 }
 
 impl VcpuCtx {
@@ -249,6 +253,7 @@ impl VcpuCtx {
             counters: VcpuCounters::new(stats, id),
             emulator,
             paused: false,
+            dry_waits: 0,
         };
         (ctx, handle)
     }
@@ -335,6 +340,16 @@ impl VcpuCtx {
                     self.counters.count(reason);
                     let f = handle_exit(exit, &self.hooks, &self.lifecycle, &self.counters, id);
                     (reason, f)
+                }
+                Err(source)
+                    if absorb_memory_fault(
+                        &self.hooks,
+                        &self.counters,
+                        &mut self.dry_waits,
+                        &source,
+                    ) =>
+                {
+                    ("memory_fault", Followup::None)
                 }
                 Err(source) => {
                     self.lifecycle
@@ -480,6 +495,35 @@ fn handle_exit(
         }
     }
     Followup::None
+}
+
+/// `KVM_RUN` failed with `EFAULT` and a memory-fault hook is installed (a VM under
+/// `--memory-limit`): waits for host memory and tells the loop to re-enter the guest, which
+/// retries the access. Gives up (the VM stops with the error) after `MAX_DRY_WAITS` waits in
+/// a row in which no memory came.
+fn absorb_memory_fault(
+    hooks: &ExitHooks,
+    counters: &VcpuCounters,
+    dry_waits: &mut u32,
+    source: &lucid_hv::HvError,
+) -> bool {
+    const MAX_DRY_WAITS: u32 = 100;
+    let lucid_hv::HvError::Ioctl(_, e) = source else {
+        return false;
+    };
+    if e.errno() != libc::EFAULT {
+        return false;
+    }
+    let Some(hook) = hooks.memory_fault() else {
+        return false;
+    };
+    counters.memory_faults.inc();
+    if hook.wait_for_memory() {
+        *dry_waits = 0;
+        return true;
+    }
+    *dry_waits += 1;
+    *dry_waits < MAX_DRY_WAITS
 }
 
 #[cfg(test)]

@@ -420,7 +420,7 @@ impl Vm {
         // The pager before the vCPUs: guest RAM must stay under the limit from their first
         // fault.
         self.swap
-            .start_pager(&self.ram, &self.stats, self.seccomp.clone())?;
+            .start_pager(&self.ram, &self.hooks, &self.stats, self.seccomp.clone())?;
         self.started = Some(Instant::now());
         for ctx in self.ctxs.drain(..) {
             let vcpu = ctx.id();

@@ -141,12 +141,16 @@ fn every_swap_mode_runs_under_a_memory_limit_with_phases() {
 /// reclaim would OOM-kill the VM (docs/vswapper.md §7): Lucid's pager (on by default) keeps it
 /// under the limit.
 ///
-/// Ignored: flaky under the test harness only (about one run in two there, never in 20 runs
-/// from a shell with the same arguments): Lucid ends by a signal (status None, no memcg OOM kill
-/// in dmesg, stderr cut after the pager's first line), or exits 1 with an empty stdout. Not
-/// understood yet; `memtouch mib=128` at 48 MiB and `mib=200` at 64 MiB complete from a shell.
+/// A vCPU can outrun the pager: KVM's fault path then gets `EFAULT` from the cgroup's refused
+/// charge (not a wait, even with `oom_kill_disable`), which killed the VM about one run in two
+/// before the vCPU loop learnt to wait for the pager and retry (`MemoryFaultHook`).
+///
+/// Ignored: still fails about one run in ten under the harness (the exit status is not the
+/// guest's 1; once a run hung until the test's timeout). Not understood yet; a candidate is a
+/// Lucid thread whose own page fault is refused a charge and sleeps (`oom_kill_disable`) while
+/// the thread that should free memory waits on it.
 #[test]
-#[ignore = "flaky under the harness: Lucid dies by a signal (see the doc comment)"]
+#[ignore = "fails about one run in ten under the harness (see the doc comment)"]
 fn a_guest_over_its_limit_is_swapped_and_intact() {
     let _turn = turn();
     if !has_v1_memory() {
@@ -189,7 +193,9 @@ fn a_guest_over_its_limit_is_swapped_and_intact() {
         o.stderr
     );
     assert!(o.counter("swap.cgroup.usage_bytes") <= 48 << 20);
-    assert!(o.counter("swap.pager.chunks") > 0 && o.counter("swap.pager.stalls") == 0);
+    // A stall (3 s without freeing anything) may happen while a vCPU outruns the pager; the
+    // VM must still finish intact, which the asserts above check.
+    assert!(o.counter("swap.pager.chunks") > 0, "{}", o.stderr);
     assert!(o.stderr.contains("; pager "), "{}", o.stderr);
     assert!(o.stderr.contains("swap: mode baseline, limit 48 MiB"));
 }
