@@ -142,6 +142,36 @@ pub fn nest(flat: &BTreeMap<String, u64>) -> serde_json::Value {
     Value::Object(root)
 }
 
+/// The inverse of [`nest`]: nested JSON counters (as in `--stats-json`) back to dotted names; a
+/// `total` key stands for its parent's own value. Non-integer leaves are skipped.
+pub fn flatten(v: &serde_json::Value) -> BTreeMap<String, u64> {
+    fn walk(v: &serde_json::Value, prefix: &str, out: &mut BTreeMap<String, u64>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, x) in m {
+                    let name = if k == "total" {
+                        prefix.to_string()
+                    } else if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    walk(x, &name, out);
+                }
+            }
+            serde_json::Value::Number(n) => {
+                if let Some(x) = n.as_u64() {
+                    out.insert(prefix.to_string(), x);
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(v, "", &mut out);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -166,5 +196,17 @@ mod tests {
         assert_eq!(j["a"]["b"]["total"], 1);
         assert_eq!(j["a"]["b"]["c"], 2);
         assert_eq!(j["kvm"]["x"], 7);
+    }
+
+    #[test]
+    fn nested_counters_flatten_back() {
+        let v = serde_json::json!({"swap": {"host": {"swap_write_sectors": 8}, "phase": {"1": {"ms": 5}}},
+                       "blk0": {"requests": {"total": 3, "x": 1}}});
+        let m = flatten(&v);
+        assert_eq!(m["swap.host.swap_write_sectors"], 8);
+        assert_eq!(m["swap.phase.1.ms"], 5);
+        assert_eq!(m["blk0.requests"], 3);
+        assert_eq!(m["blk0.requests.x"], 1);
+        assert_eq!(flatten(&nest(&m)), m);
     }
 }

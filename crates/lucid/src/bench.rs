@@ -136,6 +136,16 @@ fn floor_run(kernel: &Path, count: u64) -> Result<f64, String> {
 
 /// QEMU as the benchmarks compare with ([`lucid_guests::qemu_command`]), its standard error
 /// discarded.
+/// `key=`'s value on the first line of a guest's output that starts with `prefix`.
+pub(crate) fn field<T: std::str::FromStr>(out: &str, prefix: &str, key: &str) -> Option<T> {
+    out.lines()
+        .find(|l| l.starts_with(prefix))?
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))?
+        .parse()
+        .ok()
+}
+
 pub fn qemu_command(machine: &[&str], kernel: &Path, append: &str) -> Command {
     let mut c = lucid_guests::qemu_command(machine, kernel, append);
     c.stdin(Stdio::null()).stderr(Stdio::null());

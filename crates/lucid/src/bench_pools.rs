@@ -33,6 +33,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::bench::field;
 use serde_json::{json, Map, Value};
 
 #[derive(clap::Args)]
@@ -592,8 +593,10 @@ fn monitor_figures(counters: &Value) -> Result<(f64, f64), String> {
     let Some(m) = counters.get("monitor") else {
         return Err("this lucid has no monitor (monitor.* in --stats-json; lane P2)".into());
     };
-    let mut flat = BTreeMap::new();
-    flatten("", m, &mut flat);
+    let flat: BTreeMap<String, f64> = lucid_stats::flatten(m)
+        .into_iter()
+        .map(|(k, v)| (k, v as f64))
+        .collect();
     let find = |dir: &str| {
         // The whole run's figure before a last window's (`last.*`).
         let mut keys: Vec<_> = flat
@@ -623,41 +626,10 @@ fn monitor_figures(counters: &Value) -> Result<(f64, f64), String> {
     }
 }
 
-fn flatten(prefix: &str, v: &Value, out: &mut BTreeMap<String, f64>) {
-    match v {
-        Value::Object(m) => {
-            for (k, v) in m {
-                let p = if prefix.is_empty() {
-                    k.clone()
-                } else {
-                    format!("{prefix}.{k}")
-                };
-                flatten(&p, v, out);
-            }
-        }
-        Value::Number(n) => {
-            if let Some(x) = n.as_f64() {
-                out.insert(prefix.to_string(), x);
-            }
-        }
-        _ => {}
-    }
-}
-
-/// `key=` as a number on the first line of `out` starting with `prefix`.
-fn field(out: &str, prefix: &str, key: &str) -> Option<f64> {
-    out.lines()
-        .find(|l| l.starts_with(prefix))?
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))?
-        .parse()
-        .ok()
-}
-
 /// The noise lines (`min_ns`.. `total_ns`, spreads) as JSON.
 fn noise_json(out: &str) -> Option<Value> {
-    let g = |k| field(out, "noise min_ns", k);
-    let s = |k| field(out, "noise spread", k);
+    let g = |k| field::<f64>(out, "noise min_ns", k);
+    let s = |k| field::<f64>(out, "noise spread", k);
     Some(json!({
         "min_ns": g("min_ns")?, "median_ns": g("median_ns")?, "p99_ns": g("p99_ns")?,
         "max_ns": g("max_ns")?, "total_ns": g("total_ns")?,
@@ -765,7 +737,7 @@ pub fn run(a: PoolsArgs) -> Result<ExitCode, String> {
     host.args(["mode=cpu", &format!("seconds={}", seconds.min(2))]);
     let native_pass = run_to_string(host, "noise-host mode=cpu")
         .ok()
-        .and_then(|o| field(&o, "cpu mib", "passes_per_s"));
+        .and_then(|o| field::<f64>(&o, "cpu mib", "passes_per_s"));
     let capacity = native_pass.map(|p| p * ncpu as f64);
 
     let mut table: BTreeMap<&str, BTreeMap<u32, Value>> = BTreeMap::new();
@@ -1175,7 +1147,7 @@ mod tests {
                    noise min_ns=1 median_ns=2 p99_ns=3 max_ns=4 total_ns=10\n\
                    noise spread_p99=2.000 spread_max=3.000\n";
         assert_eq!(field(out, "stream bytes", "mb_per_s"), Some(124.566));
-        assert_eq!(field(out, "stream bytes", "nope"), None);
+        assert_eq!(field::<f64>(out, "stream bytes", "nope"), None);
         let n = noise_json(out).unwrap();
         assert_eq!(n["total_ns"], 10.0);
         assert_eq!(n["spread_max"], 3.0);

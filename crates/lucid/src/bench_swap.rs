@@ -20,6 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::Duration;
 
+use crate::bench::field;
 use serde_json::{json, Value};
 
 #[derive(clap::Args)]
@@ -155,40 +156,6 @@ fn counter(c: &BTreeMap<String, u64>, k: &str) -> u64 {
     c.get(k).copied().unwrap_or(0)
 }
 
-/// Flattens `--stats-json`'s nested counters back to dotted names.
-fn flatten(v: &Value, prefix: &str, out: &mut BTreeMap<String, u64>) {
-    match v {
-        Value::Object(m) => {
-            for (k, x) in m {
-                let name = if k == "total" {
-                    prefix.to_string()
-                } else if prefix.is_empty() {
-                    k.clone()
-                } else {
-                    format!("{prefix}.{k}")
-                };
-                flatten(x, &name, out);
-            }
-        }
-        Value::Number(n) => {
-            if let Some(x) = n.as_u64() {
-                out.insert(prefix.to_string(), x);
-            }
-        }
-        _ => {}
-    }
-}
-
-/// `key=` of a line starting with `prefix`.
-fn field(out: &str, prefix: &str, key: &str) -> Option<u64> {
-    out.lines()
-        .find(|l| l.starts_with(prefix))?
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))?
-        .parse()
-        .ok()
-}
-
 /// Drops `path`'s pages from the host page cache, so every run starts from the disk.
 fn drop_cache(path: &Path) {
     if let Ok(f) = std::fs::File::open(path) {
@@ -244,8 +211,7 @@ impl Bench {
             .ok()
             .and_then(|s| serde_json::from_str(&s).ok())
             .ok_or(format!("{what}: no --stats-json written"))?;
-        let mut all = BTreeMap::new();
-        flatten(&json["counters"], "", &mut all);
+        let all = lucid_stats::flatten(&json["counters"]);
         let iters: Vec<(u64, u64)> = text
             .lines()
             .filter(|l| l.starts_with("pagecache iter="))
@@ -688,17 +654,5 @@ mod tests {
             .unwrap()
             .ends_with("balloon=1"));
         assert!(workload_cmdline("x", 200, 5, false).is_err());
-    }
-
-    #[test]
-    fn nested_counters_flatten_back() {
-        let v = json!({"swap": {"host": {"swap_write_sectors": 8}, "phase": {"1": {"ms": 5}}},
-                       "blk0": {"requests": {"total": 3, "x": 1}}});
-        let mut m = BTreeMap::new();
-        flatten(&v, "", &mut m);
-        assert_eq!(m["swap.host.swap_write_sectors"], 8);
-        assert_eq!(m["swap.phase.1.ms"], 5);
-        assert_eq!(m["blk0.requests"], 3);
-        assert_eq!(m["blk0.requests.x"], 1);
     }
 }
