@@ -104,6 +104,9 @@ pub struct VmConfig {
     /// `MADV_PAGEOUT` (docs/vswapper.md: the kernel's limit reclaim fails on PVM hosts); off
     /// leaves reclaim to the kernel.
     pub swap_pager: bool,
+    /// `--symbiotic`: offer the symbiotic interfaces (discovery, SymSpy, SymCall, SwapBypass,
+    /// modules; docs/symbiotic.md). Off, their hypercalls are unknown to the guest.
+    pub symbiotic: bool,
 }
 
 impl VmConfig {
@@ -129,6 +132,7 @@ impl VmConfig {
             memory_limit_mib: None,
             swap_mode: lucid_swap::SwapMode::Baseline,
             swap_pager: true,
+            symbiotic: false,
         }
     }
 }

@@ -13,6 +13,7 @@ mod iommu;
 mod pools;
 mod report;
 pub mod swap;
+pub mod sym;
 mod vcpu;
 mod vm;
 

@@ -214,6 +214,8 @@ pub struct Vm {
     balloon_manager: Option<lucid_swap::balloon_manager::BalloonManager>,
     /// The memory limit, the Swap Mapper and the host swap counters (swap.rs).
     swap: crate::swap::VmSwap,
+    /// The symbiotic interfaces (`VmConfig::symbiotic`).
+    sym: Option<Arc<crate::sym::Symbiotic>>,
 }
 
 /// The VM's PCI bus and its devices.
@@ -310,6 +312,9 @@ impl Vm {
         let tsc_khz = add_hypercalls(&hooks, b.backend());
         crate::iommu::add_report_hypercall(&hooks, &stats);
         crate::pools::add_work_hypercall(&hooks, &stats);
+        let sym = config.symbiotic.then(|| {
+            crate::sym::Symbiotic::install(&hooks, b.memory(), config.vcpus.into(), &stats)
+        });
 
         // The kernel, its command line and the boot tables.
         let image = match &config.kernel {
@@ -385,6 +390,9 @@ impl Vm {
             )?,
         };
 
+        if let Some(sym) = &sym {
+            sym.set_vcpus(handles.clone());
+        }
         let backend = b.backend();
         let (vm, ram) = b.finish();
         Ok(Vm {
@@ -411,6 +419,7 @@ impl Vm {
             pressure: None,
             balloon_manager: None,
             swap,
+            sym,
         })
     }
 
@@ -530,6 +539,11 @@ impl Vm {
         let mut vm = Vm::build(config)?;
         vm.start()?;
         Ok(vm.wait())
+    }
+
+    /// The symbiotic interfaces, with `--symbiotic`.
+    pub fn sym(&self) -> Option<&Arc<crate::sym::Symbiotic>> {
+        self.sym.as_ref()
     }
 
     pub fn stats(&self) -> &Arc<StatsRegistry> {

@@ -147,6 +147,10 @@ struct RunArgs {
     /// off leaves reclaim to the kernel.
     #[arg(long, value_name = "on|off", default_value = "on", value_parser = ["on", "off"])]
     swap_pager: String,
+    /// Offer the symbiotic interfaces to the guest: discovery, SymSpy pages, SymCall upcalls,
+    /// SwapBypass and modules (docs/symbiotic.md).
+    #[arg(long)]
+    symbiotic: bool,
 }
 
 /// What the CLI could not do, for its one error line.
@@ -214,6 +218,7 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
     config.memory_limit_mib = args.memory_limit;
     config.swap_mode = args.swap_mode;
     config.swap_pager = args.swap_pager == "on";
+    config.symbiotic = args.symbiotic;
     for b in &args.blk {
         config.pci.push(lucid_vmm::parse_blk(b)?);
     }

@@ -1,0 +1,147 @@
+//! The symbiotic ABI: hypercall numbers, SymSpy page layout, SymCall call numbers and status
+//! codes. `guests/lib/x86/sym.h` is the C side of the same numbers; change both together.
+//!
+//! Hypercalls go through Lucid's hypercall port (`out %eax, %dx`, dx = 0x599, rax = number,
+//! rdi/rsi/r8 = arguments, result in rax), which works on every host, PVM included (CPUID is
+//! not intercepted there). Without `--symbiotic` none of these numbers is registered and each
+//! returns all ones, like any unknown hypercall.
+
+/// rdi = `DISCOVER_SIGNATURE` | `DISCOVER_VERSION` | `DISCOVER_FEATURES`.
+pub const HC_DISCOVER: u64 = 6;
+/// rdi = `REGISTER_GLOBAL` | `REGISTER_VCPU`, rsi = page-aligned guest-physical address in RAM
+/// (0 unregisters). A per-vCPU page registers from the vCPU it belongs to. Returns 0 or a
+/// negative errno (`-EINVAL` bad address or header, `-ENODEV` no such registration kind).
+pub const HC_REGISTER: u64 = 7;
+/// Ends the SymCall running on this vCPU: rdi = status (`SYM_OK` or an errno), rsi = value 0,
+/// r8 = value 1. Outside a call it returns `-EINVAL` and changes nothing.
+pub const HC_RETURN: u64 = 8;
+/// rdi = `NOTIFY_*`: the guest tells Lucid something is ready in SymSpy (one exit, so Lucid
+/// need not poll). Returns 0.
+pub const HC_NOTIFY: u64 = 9;
+
+pub const DISCOVER_SIGNATURE: u64 = 0;
+pub const DISCOVER_VERSION: u64 = 1;
+pub const DISCOVER_FEATURES: u64 = 2;
+/// What `HC_DISCOVER(DISCOVER_SIGNATURE)` returns: "LUCIDSYM" in little-endian bytes.
+pub const SIGNATURE: u64 = u64::from_le_bytes(*b"LUCIDSYM");
+/// The ABI version: a guest refuses versions it does not know.
+pub const VERSION: u64 = 1;
+
+/// Feature bits (`HC_DISCOVER(DISCOVER_FEATURES)`, CPUID 0x40000101 ebx, `G_FEATURES`).
+pub const FEAT_SYMSPY: u64 = 1 << 0;
+pub const FEAT_SYMCALL: u64 = 1 << 1;
+pub const FEAT_SWAPBYPASS: u64 = 1 << 2;
+pub const FEAT_MODULES: u64 = 1 << 3;
+
+pub const REGISTER_GLOBAL: u64 = 0;
+pub const REGISTER_VCPU: u64 = 1;
+
+/// `HC_NOTIFY` events.
+pub const NOTIFY_MODULE_REPLY: u64 = 0;
+
+/// Status codes (SymCall results, hypercall errors as their negation): Linux errno values.
+pub const SYM_OK: u64 = 0;
+pub const SYM_EWOULDBLOCK: u64 = 11;
+pub const SYM_EFAULT: u64 = 14;
+pub const SYM_EBUSY: u64 = 16;
+pub const SYM_ENODEV: u64 = 19;
+pub const SYM_EINVAL: u64 = 22;
+pub const SYM_ENOSYS: u64 = 38;
+pub const SYM_ETIMEDOUT: u64 = 110;
+
+/// `-errno` as a hypercall result.
+pub const fn neg(errno: u64) -> u64 {
+    errno.wrapping_neg()
+}
+
+/// SymCall call numbers (rax at the entry; arguments in rdi, rsi, rdx, r10, r8).
+pub mod call {
+    /// Returns value0 = the sum of the five arguments, value1 = the first.
+    pub const ECHO: u64 = 0;
+    /// arg0 = guest page number in the guest's swap map: value0 = `PAGE_*`, value1 = its slot.
+    pub const PAGE_STATE: u64 = 1;
+    /// arg0 = counter index: value0 = that guest counter.
+    pub const READ_COUNTER: u64 = 2;
+    /// arg0 = swap slot: value0 = 1 if the slot still holds a page the guest will read, else 0.
+    pub const SLOT_LIVE: u64 = 3;
+    /// Misbehaving handlers, registered only by the test guest: loops forever, takes a page
+    /// fault, smashes its stack and returns through it.
+    pub const TEST_LOOP: u64 = 0x100;
+    pub const TEST_FAULT: u64 = 0x101;
+    pub const TEST_SMASH: u64 = 0x102;
+
+    pub const PAGE_RESIDENT: u64 = 0;
+    pub const PAGE_SWAPPED: u64 = 1;
+    pub const PAGE_UNKNOWN: u64 = 2;
+}
+
+/// SymSpy pages: 4 KiB of guest RAM each, one global and one per vCPU, laid out alike up to the
+/// records. Each direction has its own 64-byte line; a record is written under its sequence
+/// count (odd while being written), read by retrying until the count is even and unchanged.
+pub mod page {
+    pub const SIZE: u64 = 4096;
+
+    /// "SSPY": written by the guest before it registers the page.
+    pub const MAGIC: u32 = u32::from_le_bytes(*b"SSPY");
+    // Header (guest-written, checked at registration).
+    pub const H_MAGIC: u64 = 0x000; // u32
+    pub const H_VERSION: u64 = 0x004; // u16 (= abi::VERSION)
+    pub const H_KIND: u64 = 0x006; // u16: REGISTER_GLOBAL | REGISTER_VCPU
+    pub const H_VCPU: u64 = 0x008; // u32: the vCPU a per-vCPU page belongs to
+    /// u64: the guest's registration generation; bumped whenever what the page points to
+    /// (SymCall entry, exports) changes, so Lucid never calls a stale entry.
+    pub const H_GENERATION: u64 = 0x010;
+
+    // Global page, guest -> Lucid line (0x40..0x80).
+    pub const G_SEQ: u64 = 0x040; // u32
+    pub const G_PHASE: u64 = 0x044; // u32: the phase or task the guest runs
+    pub const G_SYMCALL_ENTRY: u64 = 0x048; // u64: guest RIP; 0 = no SymCall
+    pub const G_SYMCALL_CS: u64 = 0x050; // u32: code selector of the entry
+    pub const G_SYMCALL_SS: u64 = 0x054; // u32: stack selector
+    pub const G_SYMCALL_FLAGS: u64 = 0x058; // u64: RFLAGS at the entry (IF is forced off)
+    pub const G_EXPORTS: u64 = 0x060; // u64: GPA of the module symbol table, 0 = none
+    pub const G_SWAP_MAP: u64 = 0x068; // u64: GPA of the swap map (SwapBypass), 0 = none
+    pub const G_SWAP_MAP_LEN: u64 = 0x070; // u32: entries in the swap map
+    pub const G_SWAP_DEVICE: u64 = 0x074; // u32: PCI slot of the swap disk, 0 = none
+
+    // Global page, Lucid -> guest line (0x80..0xc0).
+    pub const L_SEQ: u64 = 0x080; // u32
+    pub const L_FEATURES: u64 = 0x084; // u32: feature bits Lucid offers
+    pub const L_MEM_PRESSURE: u64 = 0x088; // u64: host memory pressure, per mille
+    pub const L_MEM_AVAILABLE_KIB: u64 = 0x090; // u64: host memory available to the VM, KiB
+    pub const L_IOMMU_MODE: u64 = 0x098; // u32: IOMMU_*
+    pub const L_RUNG: u64 = 0x09c; // u32: lowest exit-ladder rung among the VM's devices (0-4)
+    pub const L_SYMCALLS: u64 = 0x0a0; // u64: SymCalls completed
+    pub const L_PUBLISHES: u64 = 0x0a8; // u64: times Lucid published this line
+
+    /// The module mailbox (issue 9 step 5): requests 0x100..0x200 (Lucid -> guest), replies
+    /// 0x200..0x300 (guest -> Lucid). Layout in `crate::abi::module`.
+    pub const MAILBOX: u64 = 0x100;
+    pub const MAILBOX_REPLY: u64 = 0x200;
+
+    // Per-vCPU page, guest -> Lucid line (0x40..0x80).
+    pub const V_SEQ: u64 = 0x040; // u32
+    pub const V_TASK: u64 = 0x044; // u32: the task or phase on this vCPU
+    pub const V_COUNTER: u64 = 0x048; // u64: a guest counter (the SymSpy loop's updates)
+    pub const V_IF: u64 = 0x050; // u64: 1 when the guest has interrupts enabled
+    pub const V_SYMCALL_STACK: u64 = 0x058; // u64: top of this vCPU's SymCall stack
+    pub const V_IN_SYMCALL: u64 = 0x060; // u64: guest-set while its handler runs
+
+    // Per-vCPU page, Lucid -> guest line (0x80..0xc0).
+    pub const W_SEQ: u64 = 0x080; // u32
+    pub const W_RUNG: u64 = 0x084; // u32
+    pub const W_RUNQ_WAIT_NS: u64 = 0x088; // u64: the vCPU thread's run-queue wait (schedstat)
+    pub const W_SYMCALLS: u64 = 0x090; // u64: SymCalls run on this vCPU
+    pub const W_PUBLISHES: u64 = 0x098; // u64
+
+    pub const IOMMU_NONE: u32 = 0;
+    pub const IOMMU_VTD_SAMECORE: u32 = 1;
+    pub const IOMMU_VTD_SIDECORE: u32 = 2;
+}
+
+/// CPUID leaves for hosts that intercept CPUID (VT-x, AMD-V), above KVM's own 0x40000000 range.
+pub const CPUID_LEAF: u32 = 0x4000_0100;
+/// eax = version, ebx = features, ecx = hypercall port, edx = 0.
+pub const CPUID_LEAF_INFO: u32 = 0x4000_0101;
+/// The 12-byte signature in ebx, ecx, edx of `CPUID_LEAF`.
+pub const CPUID_SIGNATURE: &[u8; 12] = b"LucidSymbiot";
