@@ -39,6 +39,9 @@ pub enum BenchCmd {
     /// VSWAPPER: baseline, mapper, vswapper, balloon and balloon+vswapper under memory limits,
     /// on the page-cache workloads (re-read, re-read + allocate, compress).
     Swap(crate::bench_swap::SwapArgs),
+    /// Symbiotic virtualization: SymSpy exits per update, SymCall cold and warm against one
+    /// exit round trip, SwapBypass against plain swap to a virtio-blk disk, module load time.
+    Sym(crate::bench_sym::SymArgs),
 }
 
 pub fn run(cmd: BenchCmd) -> Result<ExitCode, String> {
@@ -48,6 +51,7 @@ pub fn run(cmd: BenchCmd) -> Result<ExitCode, String> {
         BenchCmd::Iommu(args) => crate::bench_iommu::run(args),
         BenchCmd::Pools(args) => crate::bench_pools::run(args),
         BenchCmd::Swap(args) => crate::bench_swap::run(args),
+        BenchCmd::Sym(args) => crate::bench_sym::run(args),
     }
 }
 

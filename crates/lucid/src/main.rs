@@ -7,6 +7,7 @@ mod bench_io;
 mod bench_iommu;
 mod bench_pools;
 mod bench_swap;
+mod bench_sym;
 mod logger;
 mod pools_cmd;
 

@@ -15,6 +15,12 @@ use lucid_stats::{Counter, StatsRegistry};
 use lucid_sym::abi;
 use lucid_sym::Registrations;
 
+mod modules;
+mod symcall;
+
+pub use modules::{ModuleError, ModuleInfo, ModuleOptions};
+pub use symcall::{SymCallError, SymReturn};
+
 use crate::hooks::ExitHooks;
 use crate::vcpu::VcpuHandle;
 
