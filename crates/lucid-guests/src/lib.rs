@@ -57,6 +57,10 @@ guests!(
     "stream",
     "cpu",
     "noise",
+    "sym-spy",
+    "sym-call",
+    "sym-swap",
+    "sym-mod",
 );
 
 /// Guests that boot through multiboot (32-bit ELF) rather than the PVH note.

@@ -1,0 +1,8 @@
+/* sym-mod: LEAD stand-in (issue 9); its lane replaces this file. */
+#include "libcflat.h"
+
+int main(void)
+{
+	printf("sym-mod: not built yet\n");
+	return 2;
+}
