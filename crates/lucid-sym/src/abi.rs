@@ -111,6 +111,8 @@ pub mod page {
     pub const L_MEM_AVAILABLE_KIB: u64 = 0x090; // u64: host memory available to the VM, KiB
     pub const L_IOMMU_MODE: u64 = 0x098; // u32: IOMMU_*
     pub const L_RUNG: u64 = 0x09c; // u32: lowest exit-ladder rung among the VM's devices (0-4)
+    /// `L_RUNG`/`W_RUNG` of a VM without devices on the ladder.
+    pub const RUNG_NONE: u32 = 0xff;
     pub const L_SYMCALLS: u64 = 0x0a0; // u64: SymCalls completed
     pub const L_PUBLISHES: u64 = 0x0a8; // u64: times Lucid published this line
 

@@ -124,13 +124,18 @@ impl SpyPage {
     /// Reads a guest-written record under its sequence count at `seq`: `read` runs until it saw
     /// an even count that did not change across it. `None` after `tries` torn reads (a guest
     /// that keeps the count odd cannot hold Lucid up).
-    pub fn read_record<T>(
+    pub fn read_record<T>(&self, seq: u64, tries: u32, read: impl FnMut(&Self) -> T) -> Option<T> {
+        self.read_record_counted(seq, tries, read).0
+    }
+
+    /// As [`SpyPage::read_record`], and how many tries were torn (odd or changed count).
+    pub fn read_record_counted<T>(
         &self,
         seq: u64,
         tries: u32,
         mut read: impl FnMut(&Self) -> T,
-    ) -> Option<T> {
-        for _ in 0..tries {
+    ) -> (Option<T>, u32) {
+        for torn in 0..tries {
             let before = self.load_u32(seq);
             if before & 1 != 0 {
                 std::hint::spin_loop();
@@ -139,10 +144,10 @@ impl SpyPage {
             let v = read(self);
             std::sync::atomic::fence(Ordering::Acquire);
             if self.load_u32(seq) == before {
-                return Some(v);
+                return (Some(v), torn);
             }
         }
-        None
+        (None, tries)
     }
 
     /// Writes Lucid's record under its sequence count at `seq` (odd while `write` runs). Only
@@ -287,5 +292,14 @@ mod tests {
         // A writer stuck mid-record (odd count) gives up after the tries, not forever.
         p.store_u32(page::L_SEQ, 3);
         assert_eq!(p.read_record(page::L_SEQ, 10, |p| p.load_u64(0)), None);
+        assert_eq!(
+            p.read_record_counted(page::L_SEQ, 10, |p| p.load_u64(0)),
+            (None, 10)
+        );
+        p.store_u32(page::L_SEQ, 4);
+        assert_eq!(
+            p.read_record_counted(page::L_SEQ, 10, |p| p.load_u64(page::L_MEM_PRESSURE)),
+            (Some(7), 0)
+        );
     }
 }

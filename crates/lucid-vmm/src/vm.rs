@@ -313,7 +313,10 @@ impl Vm {
         crate::iommu::add_report_hypercall(&hooks, &stats);
         crate::pools::add_work_hypercall(&hooks, &stats);
         let sym = config.symbiotic.then(|| {
-            crate::sym::Symbiotic::install(&hooks, b.memory(), config.vcpus.into(), &stats)
+            let sym =
+                crate::sym::Symbiotic::install(&hooks, b.memory(), config.vcpus.into(), &stats);
+            sym.set_sources(sym_sources(&config, &swap));
+            sym
         });
 
         // The kernel, its command line and the boot tables.
@@ -354,9 +357,7 @@ impl Vm {
         for id in 0..config.vcpus {
             let boot = (id == 0).then_some(&setup);
             let vcpu = b.vcpu(id, config.vcpus, boot, |cpuid| {
-                if !offer_pv_eoi {
-                    hide_pv_eoi(cpuid)
-                }
+                edit_vcpu_cpuid(cpuid, offer_pv_eoi, config.symbiotic)
             })?;
             if id == 0 {
                 tsc_khz.store(vcpu.tsc_khz().unwrap_or(0).into(), Ordering::Relaxed);
@@ -435,10 +436,14 @@ impl Vm {
             let vcpu = ctx.id();
             let (seccomp, lifecycle) = (self.seccomp.clone(), self.lifecycle.clone());
             let threads = self.stats.threads().clone();
+            let sym = self.sym.clone();
             let t = std::thread::Builder::new()
                 .name(format!("lucid-vcpu{vcpu}"))
                 .spawn(move || {
                     let _registered = threads.register_current(lucid_stats::ThreadRole::Vcpu(vcpu));
+                    if let Some(sym) = sym {
+                        sym.attach_vcpu_thread(vcpu);
+                    }
                     match lucid_seccomp::confine(seccomp.as_ref(), Role::Vcpu) {
                         Ok(()) => ctx.run(),
                         Err(e) => lifecycle.stop(StopReason::error(e)),
@@ -449,6 +454,14 @@ impl Vm {
         }
         if let Some(pools) = &mut self.pools {
             pools.start_monitor(&self.seccomp)?;
+        }
+        if let Some(sym) = self.sym.as_ref().filter(|_| !self.config.low_noise) {
+            sym.start_publisher(
+                self.lifecycle.clone(),
+                self.seccomp.clone(),
+                self.stats.threads().clone(),
+            )
+            .map_err(|source| VmmError::Thread { vcpu: 0, source })?;
         }
         self.start_balloon_manager()?;
         Ok(())
@@ -512,6 +525,11 @@ impl Vm {
         }
         for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+        // A guest reset stops the VM: its SymSpy registrations go with it.
+        if let Some(sym) = &self.sym {
+            sym.stop_publisher();
+            sym.reset();
         }
         if let Some(m) = self.balloon_manager.take() {
             m.stop();
@@ -611,6 +629,9 @@ impl Drop for Vm {
             for t in self.threads.drain(..) {
                 let _ = t.join();
             }
+        }
+        if let Some(sym) = &self.sym {
+            sym.stop_publisher();
         }
         self.pools = None;
         self.balloon_manager = None;
@@ -986,6 +1007,46 @@ fn ioeventfd_probe(vm: &lucid_hv::Vm, stats: &Arc<StatsRegistry>) -> Result<Even
     Ok(evt)
 }
 
+/// What SymSpy publishes about this VM: the lowest ladder rung among its devices, its IOMMU
+/// mode, and its memory cgroup as the pressure source when it has a limit.
+fn sym_sources(config: &VmConfig, swap: &crate::swap::VmSwap) -> crate::sym::PublishSources {
+    use lucid_pci::ladder::Rung;
+    use lucid_sym::abi::page;
+    let rung = config
+        .pci
+        .iter()
+        .map(|d| match d.rung {
+            Rung::L0 => 0,
+            Rung::L1 => 1,
+            Rung::L2 => 2,
+            Rung::L3 => 3,
+            Rung::L4 { .. } => 4,
+        })
+        .min()
+        .unwrap_or(page::RUNG_NONE);
+    let iommu_mode = match config.iommu.map(|c| c.mode) {
+        None => page::IOMMU_NONE,
+        Some(lucid_iommu::EmulationMode::Samecore) => page::IOMMU_VTD_SAMECORE,
+        Some(lucid_iommu::EmulationMode::Sidecore) => page::IOMMU_VTD_SIDECORE,
+    };
+    crate::sym::PublishSources {
+        pressure: swap.pressure(),
+        iommu_mode,
+        rung,
+    }
+}
+
+/// Lucid's edits to the CPUID KVM supports, per vCPU: PV EOI only when the ladder offers it,
+/// and the symbiotic leaves (0x40000100/0x40000101) only with `--symbiotic`.
+fn edit_vcpu_cpuid(cpuid: &mut lucid_hv::kvm_bindings::CpuId, offer_pv_eoi: bool, symbiotic: bool) {
+    if !offer_pv_eoi {
+        hide_pv_eoi(cpuid)
+    }
+    if symbiotic {
+        crate::sym::add_cpuid_leaves(cpuid);
+    }
+}
+
 /// Clears `KVM_FEATURE_PV_EOI` (bit 6 of leaf 0x40000001 EAX).
 fn hide_pv_eoi(cpuid: &mut lucid_hv::kvm_bindings::CpuId) {
     const KVM_CPUID_FEATURES: u32 = 0x4000_0001;
@@ -1044,6 +1105,38 @@ fn watch_stop_signals(lifecycle: Arc<Lifecycle>, seccomp: Option<Seccomp>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_symbiotic_cpuid_leaves_are_added_only_with_symbiotic() {
+        use lucid_hv::kvm_bindings::{kvm_cpuid_entry2, CpuId};
+        let base = CpuId::from_entries(&[kvm_cpuid_entry2 {
+            function: 0x4000_0000,
+            eax: 0x4000_0001,
+            ..Default::default()
+        }])
+        .unwrap();
+        let find = |c: &CpuId, f: u32| c.as_slice().iter().find(|e| e.function == f).copied();
+        let mut plain = base.clone();
+        edit_vcpu_cpuid(&mut plain, true, false);
+        assert!(find(&plain, lucid_sym::abi::CPUID_LEAF).is_none());
+        assert!(find(&plain, lucid_sym::abi::CPUID_LEAF_INFO).is_none());
+        let mut sym = base.clone();
+        edit_vcpu_cpuid(&mut sym, true, true);
+        let leaf = find(&sym, lucid_sym::abi::CPUID_LEAF).expect("0x40000100 added");
+        let info = find(&sym, lucid_sym::abi::CPUID_LEAF_INFO).expect("0x40000101 added");
+        let mut sig = Vec::new();
+        for r in [leaf.ebx, leaf.ecx, leaf.edx] {
+            sig.extend_from_slice(&r.to_le_bytes());
+        }
+        assert_eq!(&sig, lucid_sym::abi::CPUID_SIGNATURE);
+        assert_eq!(info.eax, lucid_sym::abi::VERSION as u32);
+        assert_eq!(u64::from(info.ebx), crate::sym::FEATURES);
+        assert_eq!(info.ecx, 0x599, "the hypercall port");
+        // KVM's own leaf is left alone, and adding twice does not duplicate.
+        assert_eq!(find(&sym, 0x4000_0000).unwrap().eax, 0x4000_0001);
+        edit_vcpu_cpuid(&mut sym, true, true);
+        assert_eq!(sym.as_slice().len(), 3);
+    }
 
     #[test]
     fn non_linux_kernels_get_the_command_line_as_given() {

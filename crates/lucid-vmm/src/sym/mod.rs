@@ -16,9 +16,14 @@ use lucid_sym::abi;
 use lucid_sym::Registrations;
 
 mod modules;
+mod publish;
 mod symcall;
 
 pub use modules::{ModuleError, ModuleInfo, ModuleOptions};
+pub use publish::{
+    GlobalRecord, GuestGlobal, GuestVcpu, HostMemory, LucidGlobal, LucidVcpu, PublishSources,
+    SpySnapshot, VcpuRecord,
+};
 pub use symcall::{SymCallError, SymReturn};
 
 use crate::hooks::ExitHooks;
@@ -34,7 +39,9 @@ pub struct Symbiotic {
     mem: GuestMemoryMmap,
     spy: Mutex<Registrations>,
     vcpus: OnceLock<Vec<Arc<VcpuHandle>>>,
+    vcpu_count: u32,
     counters: SymCounters,
+    publisher: publish::Publisher,
 }
 
 /// `sym.*` counters.
@@ -58,6 +65,8 @@ impl Symbiotic {
             mem: mem.clone(),
             spy: Mutex::new(Registrations::new(vcpus)),
             vcpus: OnceLock::new(),
+            vcpu_count: vcpus,
+            publisher: publish::Publisher::new(vcpus, stats),
             counters: SymCounters {
                 discoveries: c("discoveries"),
                 registrations: c("spy.registrations"),
@@ -116,10 +125,16 @@ impl Symbiotic {
     }
 
     fn register(&self, vcpu: u32, kind: u64, gpa: u64) -> u64 {
-        match self.spy().register(&self.mem, vcpu, kind, gpa) {
+        let mut spy = self.spy();
+        match spy.register(&self.mem, vcpu, kind, gpa) {
             Ok(()) => {
                 self.counters.registrations.inc();
                 log::debug!("sym: vCPU {vcpu} registered SymSpy page kind {kind} at {gpa:#x}");
+                // Lucid's lines are filled before the guest's first look at them.
+                match kind {
+                    abi::REGISTER_GLOBAL => spy.global().map(|p| self.publish_global(p)),
+                    _ => spy.vcpu(vcpu).map(|p| self.publish_vcpu(vcpu, p)),
+                };
                 0
             }
             Err(e) => {
@@ -136,8 +151,46 @@ impl Symbiotic {
         0
     }
 
-    /// The VM reset: registrations no longer hold.
+    /// The VM reset: registrations no longer hold. Lucid has no in-place reset (a guest's
+    /// reset request, i8042 or ACPI, stops the VM with `StopReason::Reset`), so the VM calls
+    /// this when it stops.
     pub fn reset(&self) {
         self.spy().clear();
+    }
+}
+
+/// Adds the symbiotic CPUID leaves (`lucid_sym::cpuid::leaves`: 0x40000100 signature,
+/// 0x40000101 version, features and hypercall port) to a vCPU's CPUID, replacing any already
+/// there. For hosts that intercept CPUID; on PVM the guest's CPUID never sees them and
+/// discovery goes through `HC_DISCOVER`.
+pub fn add_cpuid_leaves(cpuid: &mut lucid_hv::kvm_bindings::CpuId) {
+    use lucid_hv::kvm_bindings::kvm_cpuid_entry2;
+    let port = lucid_boot::layout::ports::HYPERCALL;
+    for leaf in lucid_sym::cpuid::leaves(FEATURES, port) {
+        let entry = kvm_cpuid_entry2 {
+            function: leaf.function,
+            index: 0,
+            flags: 0,
+            eax: leaf.eax,
+            ebx: leaf.ebx,
+            ecx: leaf.ecx,
+            edx: leaf.edx,
+            ..Default::default()
+        };
+        match cpuid
+            .as_mut_slice()
+            .iter_mut()
+            .find(|e| e.function == leaf.function)
+        {
+            Some(e) => *e = entry,
+            None => {
+                if cpuid.push(entry).is_err() {
+                    log::warn!(
+                        "sym: no room for CPUID leaf {:#x}: CPUID discovery unavailable",
+                        leaf.function
+                    );
+                }
+            }
+        }
     }
 }
