@@ -2,7 +2,8 @@
  * sym-spy: SymSpy end to end (issue 9, docs/symbiotic-spy.md).
  *
  * Discovers Lucid through both paths and prints
- *   "sym-spy discover_hc=F discover_cpuid=F" (feature bits, 0 = not found);
+ *   "sym-spy discover_hc=F discover_cpuid=F backend=B" (feature bits, 0 =
+ *   not found; B: Lucid's backend, pvm where CPUID is not intercepted);
  * without a symbiotic Lucid it prints "sym: not offered", does the same
  * updates on a private record and exits 0 like a plain guest.
  *
@@ -108,7 +109,8 @@ int main(void)
 
 	u32 hc = sym_discover();
 	u32 cp = sym_discover_cpuid();
-	printf("sym-spy discover_hc=%#x discover_cpuid=%#x\n", hc, cp);
+	printf("sym-spy discover_hc=%#x discover_cpuid=%#x backend=%s\n", hc, cp,
+	       lucid_present() ? lucid_backend_name() : "none");
 
 	if (!hc || !(hc & SYM_FEAT_SYMSPY)) {
 		/* a plain guest: the same work on a private record */

@@ -102,14 +102,14 @@ impl Publisher {
         let sources = self.sources.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = &sources.pressure {
             let p = p.pressure();
-            if p.limit > 0 {
+            if let Some(permille) = (p.usage.min(p.limit) * 1000).checked_div(p.limit) {
                 return HostMemory {
-                    pressure_permille: (p.usage.min(p.limit) * 1000) / p.limit,
+                    pressure_permille: permille,
                     available_kib: p.limit.saturating_sub(p.usage) >> 10,
                 };
             }
         }
-        let Some(text) = self.meminfo.as_ref().and_then(|f| pread_string(f)) else {
+        let Some(text) = self.meminfo.as_ref().and_then(pread_string) else {
             return HostMemory::default();
         };
         meminfo_pressure(&text).unwrap_or_default()
