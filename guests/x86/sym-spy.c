@@ -14,18 +14,22 @@
  * reads Lucid's lines and prints them:
  *   "sym-spy lucid pressure=P available_kib=K rung=R iommu=M runq_wait_ns=W
  *    publishes=N vcpu_publishes=N features=F"
- *   "sym-spy updates=N counter=C"
+ *   "sym-spy updates=N counter=C registered=1 loop_ns=T"
  * Params: cpus=1|2, updates=N (1000000), hold_ms=T (0: after the updates,
  * keep updating, paced by pace=N pause loops (200) per update, for T ms,
  * so Lucid can read the records meanwhile), wrong_vcpu=1 (the AP's page
  * claims vCPU 0: Lucid must refuse it), bad=1 (try an unaligned page, a
  * page outside RAM and a page without magic: prints their results),
- * report=0 (skip Lucid's lines).
+ * report=0 (skip Lucid's lines), via=hc (each update also tells Lucid by
+ * an HC_NOTIFY hypercall: the contrast in `lucid bench sym`).
  * Exit: 0 pass, 1 a check failed, 2 registration refused.
  */
 #include "libcflat.h"
 #include "lucid.h"
 #include "sym.h"
+
+/* HC_NOTIFY event of via=hc (Lucid answers 0 to events it does not use) */
+#define SYM_NOTIFY_SPY_BENCH 0x5359
 
 static struct sym_global g;
 static struct sym_vcpu vp[2];
@@ -105,6 +109,7 @@ int main(void)
 	u64 cpus = param_u64("cpus", 1);
 	u64 hold_ms = param_u64("hold_ms", 0);
 	u64 pace = param_u64("pace", 200);
+	int via_hc = !strcmp(param_str("via", "page"), "hc");
 	wrong_vcpu = (u32)param_u64("wrong_vcpu", 0);
 
 	u32 hc = sym_discover();
@@ -142,8 +147,18 @@ int main(void)
 	}
 
 	struct sym_vcpu *v = &vp[0];
-	for (u64 i = 1; i <= updates; i++)
-		update(v, i);
+	u64 t0 = rdtsc();
+	if (via_hc) {
+		/* the contrast: the same update told to Lucid by a hypercall each time */
+		for (u64 i = 1; i <= updates; i++) {
+			update(v, i);
+			lucid_hypercall(SYM_HC_NOTIFY, SYM_NOTIFY_SPY_BENCH, i, 0);
+		}
+	} else {
+		for (u64 i = 1; i <= updates; i++)
+			update(v, i);
+	}
+	u64 loop_ns = tsc_to_ns(rdtsc() - t0);
 	u64 done = updates;
 
 	if (hold_ms) {
@@ -159,6 +174,7 @@ int main(void)
 
 	if (param_u64("report", 1))
 		report_lucid(v);
-	printf("sym-spy updates=%lu counter=%lu registered=1\n", done, v->counter);
+	printf("sym-spy updates=%lu counter=%lu registered=1 loop_ns=%lu\n", done, v->counter,
+	       loop_ns);
 	return v->counter == done && v->task == ~(u32)done ? 0 : 1;
 }
