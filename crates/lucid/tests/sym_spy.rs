@@ -225,3 +225,57 @@ fn lucid_reads_consistent_records_while_the_guest_writes() {
     assert!(sym.spy_snapshot().vcpus.is_empty() && sym.spy_snapshot().global.is_none());
     assert!(report.counters["sym.spy.reads"] >= reads);
 }
+
+/// Lucid's lines describe the VM: the lowest rung among its disks, its IOMMU mode; the
+/// publisher republishes while the guest runs, and not at all with `--low-noise` (then only at
+/// registration).
+#[test]
+fn lucids_lines_follow_the_vm_and_low_noise_publishes_only_at_registration() {
+    let img = common::disk("symspy", 1);
+    let (blk1, blk0) = (
+        format!("path={},rung=L1", img.display()),
+        format!("path={},rung=L0", img.display()),
+    );
+    let args = [
+        "run",
+        "--guest",
+        "sym-spy",
+        "--symbiotic",
+        "--blk",
+        &blk1,
+        "--blk",
+        &blk0,
+        "--iommu",
+        "vtd,mode=samecore",
+        "--cmdline",
+        "updates=1000 hold_ms=500",
+    ];
+    let o = lucid(&args, LIMIT);
+    std::fs::remove_file(&img).unwrap();
+    assert_eq!(o.status, PASS, "{}\n{}", o.stdout, o.stderr);
+    let line = "sym-spy lucid";
+    assert_eq!(field(&o.stdout, line, "rung"), Some("0"), "{}", o.stdout);
+    assert_eq!(field(&o.stdout, line, "iommu"), Some("1"), "samecore");
+    let publishes: u64 = field(&o.stdout, line, "publishes")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        publishes >= 3,
+        "republished every 100 ms over 500 ms: {publishes}"
+    );
+    assert!(o.counter("sym.spy.publishes") >= 2 * publishes - 1);
+
+    let quiet = ["--low-noise", "--cmdline", "updates=1000 hold_ms=500"];
+    let mut args = vec!["run", "--guest", "sym-spy", "--symbiotic"];
+    args.extend(quiet);
+    let q = lucid(&args, LIMIT);
+    assert_eq!(q.status, PASS, "{}\n{}", q.stdout, q.stderr);
+    assert_eq!(field(&q.stdout, line, "publishes"), Some("1"));
+    assert_eq!(field(&q.stdout, line, "vcpu_publishes"), Some("1"));
+    assert_eq!(
+        q.counter("sym.spy.publishes"),
+        2,
+        "one per page, at registration"
+    );
+}
