@@ -51,6 +51,12 @@
 
 #define SYM_PAGE_MAGIC  0x59505353u /* "SSPY" */
 
+/* Lucid's lines: iommu_mode values, and rung without any device */
+#define SYM_IOMMU_NONE          0
+#define SYM_IOMMU_VTD_SAMECORE  1
+#define SYM_IOMMU_VTD_SIDECORE  2
+#define SYM_RUNG_NONE           0xff
+
 /* The SymSpy page layout: offsets fixed by the ABI (static asserts in sym.c). */
 struct sym_header {
 	u32 magic;
