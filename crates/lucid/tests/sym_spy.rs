@@ -279,3 +279,48 @@ fn lucids_lines_follow_the_vm_and_low_noise_publishes_only_at_registration() {
         "one per page, at registration"
     );
 }
+
+/// KVM holds the symbiotic CPUID leaves for every vCPU with `--symbiotic` and not without
+/// (what a guest whose CPUID is intercepted would read; on PVM the guest's `cpuid` runs
+/// natively and does not see them).
+#[test]
+fn kvm_holds_the_cpuid_leaves_only_with_symbiotic() {
+    for symbiotic in [true, false] {
+        let mut c = config("updates=1000 hold_ms=5000", 2);
+        c.symbiotic = symbiotic;
+        let mut vm = Vm::build(c).unwrap();
+        vm.start().unwrap();
+        for h in vm.vcpus() {
+            let leaves = h
+                .call(|ctx| {
+                    let cpuid = ctx.vcpu.get_cpuid().expect("KVM_GET_CPUID2");
+                    let find = |f: u32| {
+                        cpuid
+                            .as_slice()
+                            .iter()
+                            .find(|e| e.function == f)
+                            .map(|e| (e.eax, e.ebx, e.ecx, e.edx))
+                    };
+                    (
+                        find(lucid_sym::abi::CPUID_LEAF),
+                        find(lucid_sym::abi::CPUID_LEAF_INFO),
+                    )
+                })
+                .unwrap();
+            match symbiotic {
+                true => {
+                    let (sig, info) = (leaves.0.unwrap(), leaves.1.unwrap());
+                    let mut s = Vec::new();
+                    for r in [sig.1, sig.2, sig.3] {
+                        s.extend_from_slice(&r.to_le_bytes());
+                    }
+                    assert_eq!(&s, lucid_sym::abi::CPUID_SIGNATURE);
+                    assert_eq!((info.0, info.1, info.2), (1, 0xf, 0x599));
+                }
+                false => assert_eq!(leaves, (None, None)),
+            }
+        }
+        vm.stop(StopReason::Signal(15));
+        vm.wait();
+    }
+}
