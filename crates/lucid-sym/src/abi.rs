@@ -163,6 +163,7 @@ pub mod module {
     pub const R_RO_SIZE: u64 = 0x120; // u64: its size
     pub const R_NAME: u64 = 0x128; // [u8; NAME_LEN], NUL-padded
     pub const NAME_LEN: usize = 32;
+    pub const R_ARG: u64 = 0x148; // u64: OP_CALL's argument
 
     // Reply, guest -> Lucid.
     pub const P_SEQ: u64 = 0x200; // u32: the request's R_SEQ, written last
@@ -199,8 +200,14 @@ pub mod module {
     /// Read-only load, second half: Lucid copied the staged code into the read-only window;
     /// free the staging copy and run init from the window.
     pub const OP_SEAL: u32 = 3;
+    /// Run module `R_ID`'s `module_call(R_ARG)`; its result comes back in `P_INIT`.
+    pub const OP_CALL: u32 = 4;
 
     pub const FLAG_READ_ONLY: u32 = 1;
+
+    /// The SymCall number the `counter` module's init registers (value0 = its counter after
+    /// adding arg0); its exit unregisters it.
+    pub const SYMCALL_MODULE_COUNTER: u64 = 0x200;
 
     /// The reply's stage: the request is done (init ran, or the module is gone) ...
     pub const STAGE_DONE: u32 = 0;
