@@ -74,6 +74,8 @@ pub struct ObjectInfo {
     pub image_size: u64,
     /// Symbols the module needs from the guest's exports.
     pub undefined: Vec<String>,
+    /// The source file it was compiled from (its STT_FILE symbol), without the extension.
+    pub source: Option<String>,
 }
 
 fn u16_at(b: &[u8], off: usize) -> u16 {
@@ -255,6 +257,7 @@ pub fn check(b: &[u8], limits: &Limits) -> Result<ObjectInfo, ModuleCheckError> 
     let nsyms = (symtab.size / SYM as u64) as usize;
     let (mut init, mut exit) = (false, false);
     let mut undefined = Vec::new();
+    let mut source = None;
     for k in 1..nsyms {
         let o = symtab.offset as usize + k * SYM;
         let name = cstr(b, strtab, u32_at(b, o))?;
@@ -269,6 +272,10 @@ pub fn check(b: &[u8], limits: &Limits) -> Result<ObjectInfo, ModuleCheckError> 
             return Err(ModuleCheckError::Malformed(format!(
                 "symbol {name} in section {shndx}, which does not exist"
             )));
+        }
+        if b[o + 4] & 0xf == 4 && source.is_none() {
+            let stem = name.rsplit('/').next().unwrap_or(&name);
+            source = Some(stem.split('.').next().unwrap_or(stem).to_string());
         }
         if shndx == SHN_UNDEF && !name.is_empty() {
             undefined.push(name);
@@ -353,6 +360,7 @@ pub fn check(b: &[u8], limits: &Limits) -> Result<ObjectInfo, ModuleCheckError> 
         relocations,
         image_size: image,
         undefined,
+        source,
     })
 }
 

@@ -315,6 +315,9 @@ impl Vm {
         let sym = config.symbiotic.then(|| {
             crate::sym::Symbiotic::install(&hooks, b.memory(), config.vcpus.into(), &stats)
         });
+        if let Some(sym) = &sym {
+            sym.set_hv(b.vm().clone());
+        }
 
         // The kernel, its command line and the boot tables.
         let image = match &config.kernel {

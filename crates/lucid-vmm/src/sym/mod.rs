@@ -18,7 +18,7 @@ use lucid_sym::Registrations;
 mod modules;
 mod symcall;
 
-pub use modules::{ModuleError, ModuleInfo, ModuleOptions};
+pub use modules::{LoaderInfo, ModCounters, ModuleError, ModuleInfo, ModuleOptions};
 pub use symcall::{SymCallError, SymReturn};
 
 use crate::hooks::ExitHooks;
@@ -35,6 +35,8 @@ pub struct Symbiotic {
     spy: Mutex<Registrations>,
     vcpus: OnceLock<Vec<Arc<VcpuHandle>>>,
     counters: SymCounters,
+    /// Module injection's state (modules.rs).
+    modules: modules::Modules,
 }
 
 /// `sym.*` counters.
@@ -64,6 +66,7 @@ impl Symbiotic {
                 registrations_refused: c("spy.registrations_refused"),
                 notifies: c("notifies"),
             },
+            modules: modules::Modules::new(stats, hooks.mmio.clone()),
         });
         let s = sym.clone();
         hooks.add_hypercall(
@@ -132,7 +135,9 @@ impl Symbiotic {
 
     fn notify(&self, event: u64) -> u64 {
         self.counters.notifies.inc();
-        let _ = event;
+        if event == abi::NOTIFY_MODULE_REPLY {
+            self.modules.notify();
+        }
         0
     }
 
