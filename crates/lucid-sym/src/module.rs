@@ -241,7 +241,7 @@ pub fn check(b: &[u8], limits: &Limits) -> Result<ObjectInfo, ModuleCheckError> 
         )));
     };
     let symtab = &sh[symi];
-    if symtab.entsize != SYM as u64 || symtab.size % SYM as u64 != 0 {
+    if symtab.entsize != SYM as u64 || !symtab.size.is_multiple_of(SYM as u64) {
         return Err(ModuleCheckError::Malformed(
             "symbol table entry size".into(),
         ));
@@ -304,7 +304,7 @@ pub fn check(b: &[u8], limits: &Limits) -> Result<ObjectInfo, ModuleCheckError> 
         if s.kind != SHT_RELA {
             continue;
         }
-        if s.entsize != RELA as u64 || s.size % RELA as u64 != 0 {
+        if s.entsize != RELA as u64 || !s.size.is_multiple_of(RELA as u64) {
             return Err(ModuleCheckError::Malformed(format!(
                 "relocation entry size in {}",
                 name_of(i)
@@ -404,12 +404,13 @@ mod tests {
         let o_sym = place(&mut b, &syms);
         let o_str = place(&mut b, str_);
         let o_shstr = place(&mut b, shstr);
-        while b.len() % 8 != 0 {
+        while !b.len().is_multiple_of(8) {
             b.push(0);
         }
         let shoff = b.len() as u64;
         // name, type, flags, offset, size, link, info, align, entsize
-        let secs: [(u32, u32, u64, u64, u64, u32, u32, u64, u64); 6] = [
+        type Sec = (u32, u32, u64, u64, u64, u32, u32, u64, u64);
+        let secs: [Sec; 6] = [
             (0, 0, 0, 0, 0, 0, 0, 0, 0),
             (1, 1, 6, o_text, 16, 0, 0, 16, 0),
             (7, SHT_RELA, 0x40, o_rela, RELA as u64, 3, 1, 8, RELA as u64),
