@@ -360,3 +360,27 @@ impl Vm {
         &self.inner.fd
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::GuestAddress;
+
+    #[test]
+    fn read_only_slots_come_and_go() {
+        let Ok(kvm) = crate::open_kvm() else {
+            return; // no /dev/kvm on this host
+        };
+        let vm = Vm::new(kvm).unwrap();
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0x7000_0000), 0x10_0000)]).unwrap();
+        // Below the extra range, or not one region: refused.
+        assert!(vm.map_slot(3, &mem, true).is_err());
+        vm.map_slot(EXTRA_SLOT_BASE + 1, &mem, true).unwrap();
+        assert_eq!(vm.extra_slots(), vec![EXTRA_SLOT_BASE + 1]);
+        assert!(vm.unmap_slot(EXTRA_SLOT_BASE + 1).unwrap());
+        assert!(!vm.unmap_slot(EXTRA_SLOT_BASE + 1).unwrap());
+        assert!(vm.extra_slots().is_empty());
+        // The same window again, after removal.
+        vm.map_slot(EXTRA_SLOT_BASE + 1, &mem, true).unwrap();
+    }
+}

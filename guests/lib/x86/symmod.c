@@ -615,6 +615,18 @@ int symmod_poll(void)
 		snprintf(msg, sizeof(msg), "unknown operation %u", op);
 		st = SYM_EINVAL;
 	}
+	/* Lucid gave up on this request while we worked (a new sequence): undo a
+	 * load it will never record, so nothing stays loaded behind its back */
+	if (q->seq != seq && op == SYM_MOD_OP_LOAD && !st) {
+		struct module *m = find(r->id);
+		if (m) {
+			if (m->sealed)
+				m->exit();
+			drop(m);
+		}
+		publish_usage();
+		return 1;
+	}
 	for (int i = 0; i < SYM_MOD_MESSAGE_LEN; i++)
 		r->message[i] = msg[i];
 	r->status = st;

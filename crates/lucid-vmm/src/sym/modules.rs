@@ -668,6 +668,11 @@ impl Symbiotic {
         page.store_u32(m::R_OP, m::OP_NONE);
         st.seq = seq.wrapping_add(1);
         page.store_u32(m::R_SEQ, st.seq);
+        // The loader checks the sequence before it replies and undoes a load it finished
+        // after the withdrawal; a reply that beat the withdrawal still counts.
+        if page.load_u32(m::P_SEQ) == seq {
+            return Ok(read_reply(page, mem));
+        }
         self.modules.counters.timeouts.inc();
         log::warn!(
             "sym: module request {} (op {}) timed out after {timeout:?}",
