@@ -19,7 +19,7 @@ fn main() {
     let guests = guests.canonicalize().unwrap_or(guests);
     let out = PathBuf::from(env::var("OUT_DIR").unwrap()).join("guests");
 
-    for entry in ["Makefile", "lib", "x86", "host"] {
+    for entry in ["Makefile", "lib", "x86", "host", "modules"] {
         println!("cargo:rerun-if-changed={}", guests.join(entry).display());
     }
     println!("cargo:rerun-if-env-changed=GUEST_CC");
@@ -54,7 +54,7 @@ fn main() {
 }
 
 fn check_built(out: &Path) {
-    for name in ["hello.elf", "compute-host", "noise-host"] {
+    for name in ["hello.elf", "compute-host", "noise-host", "modules/hello.o"] {
         let p = out.join(name);
         if !p.exists() {
             panic!("lucid-guests: make did not produce {}", p.display());

@@ -63,6 +63,25 @@ guests!(
     "sym-mod",
 );
 
+/// Symbiotic modules (issue 9, docs/symbiotic-mod.md): ELF64 relocatable objects built with
+/// `gcc -c` from `guests/modules/<name>.c`, loaded into a running `sym-mod` guest. `hello`
+/// `counter` and `quiet` (no console output: the benchmark's) are good; `badrel` (a GOT relocation), `nosym` (calls a symbol the guest does
+/// not export) and `bigbss` (a 64 MiB .bss) are refused.
+pub const MODULE_NAMES: &[&str] = &["hello", "counter", "quiet", "badrel", "nosym", "bigbss"];
+
+/// The object file of module `name`, or `None`.
+pub fn module(name: &str) -> Option<&'static [u8]> {
+    macro_rules! m {
+        ($($n:literal),*) => {
+            match name {
+                $($n => Some(include_bytes!(concat!(env!("OUT_DIR"), "/guests/modules/", $n, ".o")) as &[u8]),)*
+                _ => None,
+            }
+        };
+    }
+    m!("hello", "counter", "quiet", "badrel", "nosym", "bigbss")
+}
+
 /// Guests that boot through multiboot (32-bit ELF) rather than the PVH note.
 pub const MULTIBOOT: &[&str] = &["mb-lowmem"];
 

@@ -3,7 +3,9 @@
 
 use std::sync::{Arc, Mutex};
 
-use kvm_bindings::{kvm_msi, kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
+use kvm_bindings::{
+    kvm_msi, kvm_pit_config, kvm_userspace_memory_region, KVM_MEM_READONLY, KVM_PIT_SPEAKER_DUMMY,
+};
 use kvm_ioctls::{IoEventAddress, Kvm, NoDatamatch, VmFd};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
@@ -43,7 +45,13 @@ pub(crate) struct VmInner {
     /// Clones of the guest memory given to [`Vm::map_memory`]: they keep the host mappings
     /// alive for as long as a slot may point into them.
     memory: Mutex<Vec<GuestMemoryMmap>>,
+    /// Slots added and removed while the VM runs ([`Vm::map_slot`]), with the memory each one
+    /// points into (kept until the slot is gone).
+    extra: Mutex<std::collections::HashMap<u32, GuestMemoryMmap>>,
 }
+
+/// Slot numbers from here up are [`Vm::map_slot`]'s; [`Vm::map_memory`] numbers from 0.
+pub const EXTRA_SLOT_BASE: u32 = 256;
 
 impl Vm {
     /// A new VM, with the TSS and identity-map pages (which VT-x needs for real mode) placed in a
@@ -60,6 +68,7 @@ impl Vm {
             inner: Arc::new(VmInner {
                 fd,
                 memory: Mutex::new(Vec::new()),
+                extra: Mutex::new(std::collections::HashMap::new()),
             }),
             kvm,
         })
@@ -94,6 +103,81 @@ impl Vm {
         }
         kept.push(mem.clone());
         Ok(())
+    }
+
+    /// Adds memory slot `slot` (at least [`EXTRA_SLOT_BASE`]) for the single region of `mem`,
+    /// while the VM runs. `read_only` makes it a `KVM_MEM_READONLY` slot: the guest reads and
+    /// executes it, and its writes come to userspace as MMIO exits. Lucid keeps `mem` until
+    /// [`Vm::unmap_slot`].
+    pub fn map_slot(
+        &self,
+        slot: u32,
+        mem: &GuestMemoryMmap,
+        read_only: bool,
+    ) -> Result<(), HvError> {
+        let r = match (
+            slot >= EXTRA_SLOT_BASE,
+            mem.num_regions(),
+            mem.iter().next(),
+        ) {
+            (true, 1, Some(r)) => r,
+            _ => return Err(HvError::BadMemory(slot as u64)),
+        };
+        if read_only && !self.kvm.check_extension(kvm_ioctls::Cap::ReadonlyMem) {
+            return Err(HvError::MissingCap("KVM_CAP_READONLY_MEM"));
+        }
+        let mut extra = self.inner.extra.lock().unwrap_or_else(|e| e.into_inner());
+        let host_addr = mem
+            .get_host_address(r.start_addr())
+            .map_err(|_| HvError::BadMemory(r.start_addr().0))?;
+        let region = kvm_userspace_memory_region {
+            slot,
+            guest_phys_addr: r.start_addr().0,
+            memory_size: r.len(),
+            userspace_addr: host_addr as u64,
+            flags: if read_only { KVM_MEM_READONLY } else { 0 },
+        };
+        // SAFETY: the host range is the region's own mapping, kept alive by the clone stored in
+        // `extra` until the slot is removed (and `VmInner` drops the VM fd first).
+        unsafe { self.inner.fd.set_user_memory_region(region) }
+            .map_err(|e| HvError::Ioctl("KVM_SET_USER_MEMORY_REGION", e))?;
+        extra.insert(slot, mem.clone());
+        Ok(())
+    }
+
+    /// Removes a slot [`Vm::map_slot`] added; false when there was none.
+    pub fn unmap_slot(&self, slot: u32) -> Result<bool, HvError> {
+        let mut extra = self.inner.extra.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(mem) = extra.get(&slot) else {
+            return Ok(false);
+        };
+        let gpa = mem.iter().next().map(|r| r.start_addr().0).unwrap_or(0);
+        let region = kvm_userspace_memory_region {
+            slot,
+            guest_phys_addr: gpa,
+            memory_size: 0,
+            userspace_addr: 0,
+            flags: 0,
+        };
+        // SAFETY: size 0 deletes the slot; KVM stops using the old host range before returning.
+        unsafe { self.inner.fd.set_user_memory_region(region) }
+            .map_err(|e| HvError::Ioctl("KVM_SET_USER_MEMORY_REGION", e))?;
+        extra.remove(&slot);
+        Ok(true)
+    }
+
+    /// Slots added with [`Vm::map_slot`] and not removed.
+    pub fn extra_slots(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self
+            .inner
+            .extra
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .copied()
+            .collect();
+        v.sort_unstable();
+        v
     }
 
     /// The in-kernel PIC, IOAPIC, LAPICs and PIT: the timer devices Linux needs, with no exits
@@ -274,5 +358,29 @@ impl Vm {
     /// The raw fd, for capabilities this seam does not wrap yet.
     pub fn fd(&self) -> &VmFd {
         &self.inner.fd
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::GuestAddress;
+
+    #[test]
+    fn read_only_slots_come_and_go() {
+        let Ok(kvm) = crate::open_kvm() else {
+            return; // no /dev/kvm on this host
+        };
+        let vm = Vm::new(kvm).unwrap();
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0x7000_0000), 0x10_0000)]).unwrap();
+        // Below the extra range, or not one region: refused.
+        assert!(vm.map_slot(3, &mem, true).is_err());
+        vm.map_slot(EXTRA_SLOT_BASE + 1, &mem, true).unwrap();
+        assert_eq!(vm.extra_slots(), vec![EXTRA_SLOT_BASE + 1]);
+        assert!(vm.unmap_slot(EXTRA_SLOT_BASE + 1).unwrap());
+        assert!(!vm.unmap_slot(EXTRA_SLOT_BASE + 1).unwrap());
+        assert!(vm.extra_slots().is_empty());
+        // The same window again, after removal.
+        vm.map_slot(EXTRA_SLOT_BASE + 1, &mem, true).unwrap();
     }
 }

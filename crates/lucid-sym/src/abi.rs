@@ -147,3 +147,93 @@ pub const CPUID_LEAF: u32 = 0x4000_0100;
 pub const CPUID_LEAF_INFO: u32 = 0x4000_0101;
 /// The 12-byte signature in ebx, ecx, edx of `CPUID_LEAF`.
 pub const CPUID_SIGNATURE: &[u8; 12] = b"LucidSymbiot";
+
+/// The module mailbox (issue 9 step 5, docs/symbiotic-mod.md): one request at a time. Lucid
+/// fills a request (0x100..0x200) and bumps `R_SEQ` last; the guest's loader (`symmod_poll`)
+/// sees a new sequence, does the work, fills the reply (0x200..0x2c0) with `P_SEQ` = the
+/// request's sequence written last, and raises `HC_NOTIFY(NOTIFY_MODULE_REPLY)`. The loader's
+/// own description (arena, object buffer, usage) sits at 0x2c0..0x300, written by the guest.
+/// Offsets are from the start of the global SymSpy page.
+pub mod module {
+    // Request, Lucid -> guest.
+    pub const R_SEQ: u64 = 0x100; // u32: bumped last; a new value is a new request
+    pub const R_OP: u64 = 0x104; // u32: OP_*
+    pub const R_FLAGS: u64 = 0x108; // u32: FLAG_*
+    pub const R_ID: u64 = 0x10c; // u32: module id (UNLOAD, SEAL)
+    pub const R_SIZE: u64 = 0x110; // u64: object bytes Lucid copied to the object buffer
+    pub const R_RO_GPA: u64 = 0x118; // u64: read-only window for this module (FLAG_READ_ONLY)
+    pub const R_RO_SIZE: u64 = 0x120; // u64: its size
+    pub const R_NAME: u64 = 0x128; // [u8; NAME_LEN], NUL-padded
+    pub const NAME_LEN: usize = 32;
+    pub const R_ARG: u64 = 0x148; // u64: OP_CALL's argument
+
+    // Reply, guest -> Lucid.
+    pub const P_SEQ: u64 = 0x200; // u32: the request's R_SEQ, written last
+    pub const P_STATUS: u64 = 0x204; // u32: SYM_OK or an errno (EINVAL bad object, ENOENT
+                                     // missing symbol, ENOMEM too big, ENOEXEC bad relocation, ...)
+    pub const P_ID: u64 = 0x208; // u32: module id
+    pub const P_STAGE: u64 = 0x20c; // u32: STAGE_*: what the reply finishes
+    pub const P_BASE: u64 = 0x210; // u64: GPA of the module's code
+    pub const P_SIZE: u64 = 0x218; // u64: bytes the module takes in the arena
+    pub const P_INIT: u64 = 0x220; // u64: what module_init returned
+    pub const P_STAGED: u64 = 0x228; // u64: read-only load: GPA of the linked code to copy
+    pub const P_STAGED_SIZE: u64 = 0x230; // u64: its size
+    pub const P_MESSAGE: u64 = 0x240; // [u8; MESSAGE_LEN]: NUL-terminated, why it refused
+    pub const MESSAGE_LEN: usize = 128;
+
+    // The loader, guest -> Lucid (written once by symmod_init, usage after every request).
+    pub const A_MAGIC: u64 = 0x2c0; // u32: LOADER_MAGIC once the loader polls
+    pub const A_LOADED: u64 = 0x2c4; // u32: modules loaded now
+    pub const A_ARENA: u64 = 0x2c8; // u64: GPA of the module arena
+    pub const A_ARENA_SIZE: u64 = 0x2d0; // u64
+    pub const A_OBJECT: u64 = 0x2d8; // u64: GPA of the buffer Lucid copies objects into
+    pub const A_OBJECT_SIZE: u64 = 0x2e0; // u64
+    pub const A_ARENA_USED: u64 = 0x2e8; // u64: arena bytes in use
+    pub const A_POLLS: u64 = 0x2f0; // u64: requests handled
+
+    /// "SMOD".
+    pub const LOADER_MAGIC: u32 = u32::from_le_bytes(*b"SMOD");
+
+    pub const OP_NONE: u32 = 0;
+    /// Link the object in the buffer and run its init (or, read-only, stage its code).
+    pub const OP_LOAD: u32 = 1;
+    /// Run module `R_ID`'s exit and free it.
+    pub const OP_UNLOAD: u32 = 2;
+    /// Read-only load, second half: Lucid copied the staged code into the read-only window;
+    /// free the staging copy and run init from the window.
+    pub const OP_SEAL: u32 = 3;
+    /// Run module `R_ID`'s `module_call(R_ARG)`; its result comes back in `P_INIT`.
+    pub const OP_CALL: u32 = 4;
+
+    pub const FLAG_READ_ONLY: u32 = 1;
+
+    /// The SymCall number the `counter` module's init registers (value0 = its counter after
+    /// adding arg0); its exit unregisters it.
+    pub const SYMCALL_MODULE_COUNTER: u64 = 0x200;
+
+    /// The reply's stage: the request is done (init ran, or the module is gone) ...
+    pub const STAGE_DONE: u32 = 0;
+    /// ... or (read-only LOAD) the code is linked for the window and staged at `P_STAGED`.
+    pub const STAGE_STAGED: u32 = 1;
+
+    /// Status codes beyond `abi::SYM_*`.
+    pub const SYM_ENOENT: u32 = 2;
+    pub const SYM_ENOEXEC: u32 = 8;
+    pub const SYM_ENOMEM: u32 = 12;
+    pub const SYM_E2BIG: u32 = 7;
+
+    /// The guest-physical window read-only modules are placed in: below 2 GiB, so code there
+    /// reaches the guest's exports with 32-bit PC-relative calls (`-mcmodel=small`), and
+    /// above the RAM of any VM that uses it (Lucid refuses read-only modules in a VM whose
+    /// RAM reaches it). One `RO_SLOT` per module; the kit's page tables map it (identity map of
+    /// 0-4 GiB).
+    pub const RO_WINDOW: u64 = 0x7000_0000;
+    pub const RO_WINDOW_SIZE: u64 = 0x1000_0000;
+    pub const RO_SLOT: u64 = 0x10_0000;
+
+    /// The exports table at `G_EXPORTS`: a header (`EXPORTS_MAGIC`: u32, count: u32) and
+    /// `count` entries of `EXPORT_ENTRY` bytes: the address (u64) and a NUL-padded name.
+    pub const EXPORTS_MAGIC: u32 = u32::from_le_bytes(*b"SEXP");
+    pub const EXPORT_ENTRY: u64 = 32;
+    pub const EXPORT_NAME_LEN: usize = 24;
+}

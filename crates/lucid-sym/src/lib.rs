@@ -5,9 +5,11 @@
 //! - [`abi`]: the numbers and byte layouts shared with the guests (`guests/lib/x86/sym.h`).
 //! - [`spy`]: SymSpy pages, read and written without exits, only through atomic accessors.
 //! - [`cpuid`]: the hypervisor CPUID leaves for hosts that intercept CPUID.
+//! - [`module`]: Lucid's checks of a symbiotic module object before it goes to the guest.
 
 pub mod abi;
 pub mod cpuid;
+pub mod module;
 pub mod spy;
 
 pub use spy::{Registrations, SpyError, SpyPage};

@@ -318,6 +318,9 @@ impl Vm {
             sym.set_sources(sym_sources(&config, &swap));
             sym
         });
+        if let Some(sym) = &sym {
+            sym.set_hv(b.vm().clone());
+        }
 
         // The kernel, its command line and the boot tables.
         let image = match &config.kernel {

@@ -13,6 +13,21 @@ _Static_assert(__builtin_offsetof(struct sym_vcpu, in_symcall) == 0x60, "V_IN_SY
 _Static_assert(__builtin_offsetof(struct sym_vcpu, w_seq) == 0x80, "W_SEQ");
 _Static_assert(__builtin_offsetof(struct sym_vcpu, publishes) == 0x98, "W_PUBLISHES");
 _Static_assert(sizeof(struct sym_vcpu) == 4096, "vcpu page");
+/* module mailbox: offsets from the page start (abi::module) */
+#define MB_REQ(f) (0x100 + __builtin_offsetof(struct sym_mod_request, f))
+#define MB_REP(f) (0x200 + __builtin_offsetof(struct sym_mod_reply, f))
+_Static_assert(MB_REQ(op) == 0x104 && MB_REQ(id) == 0x10c && MB_REQ(size) == 0x110, "R_*");
+_Static_assert(MB_REQ(ro_gpa) == 0x118 && MB_REQ(ro_size) == 0x120, "R_RO_*");
+_Static_assert(MB_REQ(name) == 0x128 && MB_REQ(arg) == 0x148, "R_NAME, R_ARG");
+_Static_assert(sizeof(struct sym_mod_request) <= 0x100, "request");
+_Static_assert(MB_REP(status) == 0x204 && MB_REP(stage) == 0x20c, "P_STATUS, P_STAGE");
+_Static_assert(MB_REP(base) == 0x210 && MB_REP(init) == 0x220, "P_BASE, P_INIT");
+_Static_assert(MB_REP(staged) == 0x228 && MB_REP(staged_size) == 0x230, "P_STAGED*");
+_Static_assert(MB_REP(message) == 0x240 && MB_REP(magic) == 0x2c0, "P_MESSAGE, A_MAGIC");
+_Static_assert(MB_REP(arena) == 0x2c8 && MB_REP(object) == 0x2d8, "A_ARENA, A_OBJECT");
+_Static_assert(MB_REP(arena_used) == 0x2e8 && MB_REP(polls) == 0x2f0, "A_ARENA_USED, A_POLLS");
+_Static_assert(sizeof(struct sym_mod_reply) == 0x100, "reply");
+_Static_assert(sizeof(struct sym_export) == 32, "EXPORT_ENTRY");
 
 u32 sym_discover(void)
 {

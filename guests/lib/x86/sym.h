@@ -117,6 +117,75 @@ struct sym_vcpu {
 	u8 rest[4096 - 0xa0];
 } __attribute__((aligned(4096)));
 
+/* The module mailbox inside the global page (crates/lucid-sym/src/abi.rs
+ * `module`): the request at 0x100 (Lucid -> guest, seq written last), the
+ * reply at 0x200 (guest -> Lucid, seq written last, then HC_NOTIFY), the
+ * loader's description at 0x2c0. Static asserts in sym.c. */
+#define SYM_MOD_OP_NONE   0
+#define SYM_MOD_OP_LOAD   1
+#define SYM_MOD_OP_UNLOAD 2
+#define SYM_MOD_OP_SEAL   3
+#define SYM_MOD_OP_CALL   4
+#define SYM_MOD_FLAG_READ_ONLY 1
+#define SYM_MOD_STAGE_DONE   0
+#define SYM_MOD_STAGE_STAGED 1
+#define SYM_MOD_LOADER_MAGIC 0x444f4d53u /* "SMOD" */
+#define SYM_MOD_NAME_LEN 32
+#define SYM_MOD_MESSAGE_LEN 128
+#define SYM_ENOENT  2
+#define SYM_E2BIG   7
+#define SYM_ENOEXEC 8
+#define SYM_ENOMEM  12
+#define SYMCALL_MODULE_COUNTER 0x200
+#define SYM_EXPORTS_MAGIC 0x50584553u /* "SEXP" */
+#define SYM_EXPORT_NAME_LEN 24
+
+struct sym_mod_request {		/* at global page + 0x100 */
+	volatile u32 seq;
+	volatile u32 op;
+	volatile u32 flags;
+	volatile u32 id;
+	volatile u64 size;
+	volatile u64 ro_gpa;
+	volatile u64 ro_size;
+	volatile char name[SYM_MOD_NAME_LEN];
+	volatile u64 arg;
+};
+
+struct sym_mod_reply {			/* at global page + 0x200 */
+	volatile u32 seq;
+	volatile u32 status;
+	volatile u32 id;
+	volatile u32 stage;
+	volatile u64 base;
+	volatile u64 size;
+	volatile u64 init;
+	volatile u64 staged;
+	volatile u64 staged_size;
+	u64 reserved;
+	volatile char message[SYM_MOD_MESSAGE_LEN];
+	/* 0x2c0: the loader */
+	volatile u32 magic;
+	volatile u32 loaded;
+	volatile u64 arena;
+	volatile u64 arena_size;
+	volatile u64 object;
+	volatile u64 object_size;
+	volatile u64 arena_used;
+	volatile u64 polls;
+	u64 reserved2;
+};
+
+struct sym_export {			/* the table at G_EXPORTS: header, then entries */
+	u64 addr;
+	char name[SYM_EXPORT_NAME_LEN];
+};
+struct sym_exports {
+	u32 magic;
+	u32 count;
+	struct sym_export e[];
+};
+
 /* Discovery through the hypercall port (works on every host). Returns the
  * feature bits, or 0 when the VMM is not a symbiotic Lucid (or is too new). */
 u32 sym_discover(void);

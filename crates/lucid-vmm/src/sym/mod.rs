@@ -19,7 +19,7 @@ mod modules;
 mod publish;
 mod symcall;
 
-pub use modules::{ModuleError, ModuleInfo, ModuleOptions};
+pub use modules::{LoaderInfo, ModCounters, ModuleError, ModuleInfo, ModuleOptions};
 pub use publish::{
     GlobalRecord, GuestGlobal, GuestVcpu, HostMemory, LucidGlobal, LucidVcpu, PublishSources,
     SpySnapshot, VcpuRecord,
@@ -42,6 +42,8 @@ pub struct Symbiotic {
     vcpu_count: u32,
     counters: SymCounters,
     publisher: publish::Publisher,
+    /// Module injection's state (modules.rs).
+    modules: modules::Modules,
 }
 
 /// `sym.*` counters.
@@ -73,6 +75,7 @@ impl Symbiotic {
                 registrations_refused: c("spy.registrations_refused"),
                 notifies: c("notifies"),
             },
+            modules: modules::Modules::new(stats, hooks.mmio.clone()),
         });
         let s = sym.clone();
         hooks.add_hypercall(
@@ -147,7 +150,9 @@ impl Symbiotic {
 
     fn notify(&self, event: u64) -> u64 {
         self.counters.notifies.inc();
-        let _ = event;
+        if event == abi::NOTIFY_MODULE_REPLY {
+            self.modules.notify();
+        }
         0
     }
 
