@@ -424,12 +424,7 @@ fn monitor(a: &mut Allowed) -> Result<(), BackendError> {
         SYS_setpriority,
     ]);
     ofd_locks(a)?;
-    // openat(dirfd, path, flags, mode) with no access mode but read and no O_CREAT/O_TRUNC.
-    let read_only = (O_ACCMODE | O_CREAT | O_TRUNC) as u64;
-    a.when(
-        SYS_openat,
-        vec![rule(vec![arg(2, Op::MaskedEq(read_only), 0)?])?],
-    );
+    open_read_only(a)?;
     a.ioctls(&[KVM_ENABLE_CAP(), KVM_CHECK_EXTENSION()])
 }
 
@@ -440,8 +435,45 @@ fn pager(a: &mut Allowed) {
     a.always(&[libc::SYS_pread64, libc::SYS_fadvise64]);
 }
 
-/// The syscalls `role` may make in process `pid`, whose vCPUs are kicked with `kick_signal`.
-pub(crate) fn allowed(role: Role, pid: u32, kick_signal: i32) -> Result<Allowed, BackendError> {
+/// The control API (`lucid-api`): its clients' streams (`accept4` on the listening socket it
+/// was given, `recvfrom`, `sendto` on the connected stream only; `read`, `write`, `poll` and
+/// its shutdown eventfd are in the base list), module files opened read-only (`openat` as the
+/// monitor's), the statistics' probes (`pread64` of KVM's statistics) and, with `socket_dir`,
+/// `unlinkat` in that directory only (its socket file at VM exit). A SymCall it asks for runs
+/// on the vCPU's thread: it only queues the request, kicks the vCPU (`tgkill`) and waits.
+fn api(a: &mut Allowed, socket_dir: Option<i32>) -> Result<(), BackendError> {
+    use libc::*;
+    a.always(&[SYS_accept4, SYS_recvfrom, SYS_pread64]);
+    connected_send(a)?;
+    open_read_only(a)?;
+    if let Some(fd) = socket_dir {
+        a.when(
+            SYS_unlinkat,
+            vec![rule(vec![arg(0, Op::Eq, u64::from(fd as u32))?])?],
+        );
+    }
+    Ok(())
+}
+
+/// `openat(dirfd, path, flags, mode)` with no access mode but read and no `O_CREAT`/`O_TRUNC`.
+fn open_read_only(a: &mut Allowed) -> Result<(), BackendError> {
+    use libc::*;
+    let read_only = (O_ACCMODE | O_CREAT | O_TRUNC) as u64;
+    a.when(
+        SYS_openat,
+        vec![rule(vec![arg(2, Op::MaskedEq(read_only), 0)?])?],
+    );
+    Ok(())
+}
+
+/// The syscalls `role` may make in process `pid`, whose vCPUs are kicked with `kick_signal`;
+/// `socket_dir` is the API's socket directory ([`Role::Api`] only).
+pub(crate) fn allowed(
+    role: Role,
+    pid: u32,
+    kick_signal: i32,
+    socket_dir: Option<i32>,
+) -> Result<Allowed, BackendError> {
     let mut a = Allowed::default();
     base(&mut a, pid, kick_signal)?;
     match role {
@@ -451,6 +483,7 @@ pub(crate) fn allowed(role: Role, pid: u32, kick_signal: i32) -> Result<Allowed,
         Role::Iommu => iommu(&mut a)?,
         Role::Monitor => monitor(&mut a)?,
         Role::Pager => pager(&mut a),
+        Role::Api => api(&mut a, socket_dir)?,
     }
     Ok(a)
 }
@@ -475,7 +508,7 @@ mod tests {
     }
 
     fn has(role: Role, name: &str) -> bool {
-        allowed(role, 1, 34)
+        allowed(role, 1, 34, None)
             .unwrap()
             .numbers()
             .any(|nr| crate::names::name(nr) == Some(name))
@@ -508,8 +541,12 @@ mod tests {
             ] {
                 assert!(!has(role, bad), "{role} may call {bad}");
             }
-            // Only the monitor opens files, and only read-only (checked below).
-            assert_eq!(has(role, "openat"), role == Role::Monitor, "{role} openat");
+            // Only the monitor and the API open files, and only read-only (checked below).
+            assert_eq!(
+                has(role, "openat"),
+                matches!(role, Role::Monitor | Role::Api),
+                "{role} openat"
+            );
             for needed in [
                 "write",
                 "futex",
@@ -522,8 +559,8 @@ mod tests {
             }
         }
         // A vCPU starts back-ends, which inherit its filter.
-        let vcpu = allowed(Role::Vcpu, 1, 34).unwrap();
-        for nr in allowed(Role::Backend, 1, 34).unwrap().numbers() {
+        let vcpu = allowed(Role::Vcpu, 1, 34, None).unwrap();
+        for nr in allowed(Role::Backend, 1, 34, None).unwrap().numbers() {
             assert!(
                 vcpu.numbers().any(|v| v == nr),
                 "{:?}",
@@ -593,7 +630,7 @@ mod tests {
     #[test]
     fn own_policy_only_on_vcpus_and_ofd_locks_by_command() {
         let conditional = |role: Role, nr: c_long| {
-            let a = allowed(role, 1, 34).unwrap();
+            let a = allowed(role, 1, 34, None).unwrap();
             match a.0.get(&nr) {
                 Some(Some(rules)) => Some(rules.len()),
                 Some(None) => None,
@@ -611,6 +648,31 @@ mod tests {
         assert_eq!(conditional(Role::Vcpu, libc::SYS_fcntl), Some(8));
         assert_eq!(conditional(Role::Monitor, libc::SYS_fcntl), Some(8));
         assert_eq!(conditional(Role::Backend, libc::SYS_fcntl), Some(5));
+    }
+
+    /// The API accepts and talks on its socket, starts no thread, touches no disk image, and
+    /// may unlink only in its socket's directory (by descriptor), and only when given one.
+    #[test]
+    fn the_api_talks_on_its_socket_and_unlinks_only_in_its_directory() {
+        for needed in ["accept4", "recvfrom", "sendto", "read", "write", "poll", "pread64"] {
+            assert!(has(Role::Api, needed), "api may not call {needed}");
+        }
+        for bad in ["clone", "pwrite64", "epoll_wait", "socket", "bind", "unlinkat"] {
+            assert!(!has(Role::Api, bad), "api may call {bad}");
+        }
+        let with_dir = allowed(Role::Api, 1, 34, Some(7)).unwrap();
+        match with_dir.0.get(&libc::SYS_unlinkat) {
+            Some(Some(rules)) => assert_eq!(rules.len(), 1),
+            other => panic!("unlinkat: {}", other.is_some()),
+        }
+        for role in Role::ALL {
+            let a = allowed(role, 1, 34, Some(7)).unwrap();
+            assert_eq!(
+                a.0.contains_key(&libc::SYS_unlinkat),
+                role == Role::Api,
+                "{role}"
+            );
+        }
     }
 
     /// The monitor's `openat` rule lets read-only opens through and nothing that writes or
