@@ -252,8 +252,8 @@ fn program(role: Role) -> Result<BpfProgram, SeccompError> {
 /// `socket_dir`: the API's socket directory descriptor ([`confine_api`]).
 fn program_with(role: Role, socket_dir: Option<i32>) -> Result<BpfProgram, SeccompError> {
     let build = |source| SeccompError::Build { role, source };
-    let allowed = rules::allowed(role, std::process::id(), libc::SIGRTMIN(), socket_dir)
-        .map_err(build)?;
+    let allowed =
+        rules::allowed(role, std::process::id(), libc::SIGRTMIN(), socket_dir).map_err(build)?;
     SeccompFilter::new(
         allowed.into_rules(),
         SeccompAction::Trap,

@@ -441,11 +441,13 @@ fn pager(a: &mut Allowed) {
 /// monitor's), the statistics' probes (`pread64` of KVM's statistics) and, with `socket_dir`,
 /// `unlinkat` in that directory only (its socket file at VM exit). A SymCall it asks for runs
 /// on the vCPU's thread: it only queues the request, kicks the vCPU (`tgkill`) and waits.
+/// `ioctl` `FIONBIO`: std makes an accepted stream non-blocking with it.
 fn api(a: &mut Allowed, socket_dir: Option<i32>) -> Result<(), BackendError> {
     use libc::*;
     a.always(&[SYS_accept4, SYS_recvfrom, SYS_pread64]);
     connected_send(a)?;
     open_read_only(a)?;
+    a.ioctls(&[FIONBIO])?;
     if let Some(fd) = socket_dir {
         a.when(
             SYS_unlinkat,
@@ -654,10 +656,19 @@ mod tests {
     /// may unlink only in its socket's directory (by descriptor), and only when given one.
     #[test]
     fn the_api_talks_on_its_socket_and_unlinks_only_in_its_directory() {
-        for needed in ["accept4", "recvfrom", "sendto", "read", "write", "poll", "pread64"] {
+        for needed in [
+            "accept4", "recvfrom", "sendto", "read", "write", "poll", "pread64",
+        ] {
             assert!(has(Role::Api, needed), "api may not call {needed}");
         }
-        for bad in ["clone", "pwrite64", "epoll_wait", "socket", "bind", "unlinkat"] {
+        for bad in [
+            "clone",
+            "pwrite64",
+            "epoll_wait",
+            "socket",
+            "bind",
+            "unlinkat",
+        ] {
             assert!(!has(Role::Api, bad), "api may call {bad}");
         }
         let with_dir = allowed(Role::Api, 1, 34, Some(7)).unwrap();

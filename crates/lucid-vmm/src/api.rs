@@ -346,7 +346,9 @@ impl Server {
                         self.counters.dropped.inc();
                         let _ = self.reply(
                             c,
-                            &self.error("connection closed mid-line: end each request with a newline"),
+                            &self.error(
+                                "connection closed mid-line: end each request with a newline",
+                            ),
                         );
                     }
                     return false;
