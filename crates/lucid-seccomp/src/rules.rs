@@ -10,7 +10,7 @@ use kvm_bindings::{
     kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_enable_cap, kvm_fpu, kvm_interrupt,
     kvm_ioeventfd, kvm_irq_level, kvm_irq_routing, kvm_irqchip, kvm_irqfd, kvm_lapic_state,
     kvm_mp_state, kvm_msi, kvm_msrs, kvm_pit_state2, kvm_regs, kvm_sregs, kvm_translation,
-    kvm_vcpu_events, kvm_xcrs, kvm_xsave, KVMIO,
+    kvm_userspace_memory_region, kvm_vcpu_events, kvm_xcrs, kvm_xsave, KVMIO,
 };
 use libc::c_long;
 use seccompiler::{
@@ -22,6 +22,12 @@ use crate::Role;
 
 // KVM ioctl request numbers (linux/kvm.h), computed from the structures they carry.
 ioctl_io_nr!(KVM_CHECK_EXTENSION, KVMIO, 0x03);
+ioctl_iow_nr!(
+    KVM_SET_USER_MEMORY_REGION,
+    KVMIO,
+    0x46,
+    kvm_userspace_memory_region
+);
 ioctl_iow_nr!(KVM_IRQ_LINE, KVMIO, 0x61, kvm_irq_level);
 ioctl_iowr_nr!(KVM_GET_IRQCHIP, KVMIO, 0x62, kvm_irqchip);
 ioctl_ior_nr!(KVM_SET_IRQCHIP, KVMIO, 0x63, kvm_irqchip);
@@ -153,9 +159,10 @@ fn main_ioctls() -> Vec<u64> {
     ]
 }
 
-/// Syscalls a role may make: always, or only when the arguments match one of the rules.
+/// Syscalls a role may make: always, or only when the arguments match one of the rules; and
+/// the `ioctl` requests among them (for the tests).
 #[derive(Default)]
-pub(crate) struct Allowed(BTreeMap<c_long, Option<Vec<SeccompRule>>>);
+pub(crate) struct Allowed(BTreeMap<c_long, Option<Vec<SeccompRule>>>, Vec<u64>);
 
 impl Allowed {
     fn always(&mut self, nrs: &[c_long]) {
@@ -174,6 +181,7 @@ impl Allowed {
 
     /// `ioctl` with one of these requests (compared as the kernel does, on 32 bits).
     fn ioctls(&mut self, requests: &[u64]) -> Result<(), BackendError> {
+        self.1.extend_from_slice(requests);
         let rules = requests
             .iter()
             .map(|&r| rule(vec![arg(1, Op::Eq, r)?]))
@@ -441,13 +449,16 @@ fn pager(a: &mut Allowed) {
 /// monitor's), the statistics' probes (`pread64` of KVM's statistics) and, with `socket_dir`,
 /// `unlinkat` in that directory only (its socket file at VM exit). A SymCall it asks for runs
 /// on the vCPU's thread: it only queues the request, kicks the vCPU (`tgkill`) and waits.
-/// `ioctl` `FIONBIO`: std makes an accepted stream non-blocking with it.
+/// `ioctl` `FIONBIO`: std makes an accepted stream non-blocking with it. A read-only module
+/// load (`module_load` with `read_only`) places the module's code in a `KVM_MEM_READONLY`
+/// memory slot of its own, added and removed on this thread: `KVM_SET_USER_MEMORY_REGION`
+/// and `KVM_CHECK_EXTENSION` on the VM fd (the only role that may change memory slots).
 fn api(a: &mut Allowed, socket_dir: Option<i32>) -> Result<(), BackendError> {
     use libc::*;
     a.always(&[SYS_accept4, SYS_recvfrom, SYS_pread64]);
     connected_send(a)?;
     open_read_only(a)?;
-    a.ioctls(&[FIONBIO])?;
+    a.ioctls(&[FIONBIO, KVM_SET_USER_MEMORY_REGION(), KVM_CHECK_EXTENSION()])?;
     if let Some(fd) = socket_dir {
         a.when(
             SYS_unlinkat,
@@ -670,6 +681,16 @@ mod tests {
             "unlinkat",
         ] {
             assert!(!has(Role::Api, bad), "api may call {bad}");
+        }
+        // Memory slots: only the API changes them (read-only module slots).
+        assert_eq!(KVM_SET_USER_MEMORY_REGION(), 0x4020_ae46);
+        for role in Role::ALL {
+            let a = allowed(role, 1, 34, None).unwrap();
+            assert_eq!(
+                a.1.contains(&KVM_SET_USER_MEMORY_REGION()),
+                role == Role::Api,
+                "{role}"
+            );
         }
         let with_dir = allowed(Role::Api, 1, 34, Some(7)).unwrap();
         match with_dir.0.get(&libc::SYS_unlinkat) {

@@ -392,10 +392,16 @@ fn wait_for_registration(vm: &mut Vm, key: &str) -> bool {
 /// Unavailable (accepted); at integration, require the registration and the results.
 #[test]
 fn symcall_echo_through_the_api() {
-    // `serve=1`: the guest registers and then waits for Lucid's calls.
+    // The guest registers, then runs its workload for `ms` while Lucid calls it.
     let mut vm = Vm::start_may_end(
         "call",
-        &["--guest", "sym-call", "--symbiotic", "--cmdline", "serve=1"],
+        &[
+            "--guest",
+            "sym-call",
+            "--symbiotic",
+            "--cmdline",
+            "ms=15000",
+        ],
     );
     if !wait_for_registration(&mut vm, "symcall_entry") {
         eprintln!(
@@ -435,10 +441,8 @@ fn symcall_echo_through_the_api() {
 /// require load, list and unload of a built-in module (and set `builtin_modules` in main.rs).
 #[test]
 fn module_load_list_unload_through_the_api() {
-    let mut vm = Vm::start_may_end(
-        "mod",
-        &["--guest", "sym-mod", "--symbiotic", "--cmdline", "serve=1"],
-    );
+    // The guest polls its mailbox until stopped (`ms` 0, its default).
+    let mut vm = Vm::start_may_end("mod", &["--guest", "sym-mod", "--symbiotic"]);
     if !wait_for_registration(&mut vm, "exports") {
         eprintln!(
             "NOTE: sym-mod published no exports (stand-in guest?): {}",
