@@ -183,18 +183,20 @@ fn human(cmd: &SymCmd, r: &Value) -> String {
                     "id", "name", "base", "size", "ro", "init"
                 );
                 for m in list {
+                    let n = |k: &str| m[k].as_u64().unwrap_or(0);
+                    let ro = if m["read_only"] == Value::Bool(true) {
+                        "yes"
+                    } else {
+                        "no"
+                    };
                     out += &format!(
                         "{:>4}  {:<20} {:>#18x} {:>8}  {:<3}  {:>10}\n",
-                        m["id"],
+                        n("id"),
                         m["name"].as_str().unwrap_or("?"),
-                        m["base"].as_u64().unwrap_or(0),
-                        m["size"],
-                        if m["read_only"] == Value::Bool(true) {
-                            "yes"
-                        } else {
-                            "no"
-                        },
-                        m["init_result"],
+                        n("base"),
+                        n("size"),
+                        ro,
+                        n("init_result"),
                     );
                 }
             }
@@ -291,6 +293,22 @@ mod tests {
             request(&load).unwrap(),
             json!({"op":"module_load","builtin":"hello","read_only":true})
         );
+    }
+
+    #[test]
+    fn the_modules_table_lines_up() {
+        let r = json!({"ok":true,"modules":[
+            {"id":1,"name":"hello","base":0x800000,"size":202,"read_only":false,"init_result":7},
+            {"id":12,"name":"counter","base":0x7000_0000u64,"size":8,"read_only":true,"init_result":512},
+        ]});
+        let text = human(&SymCmd::Modules, &r);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert!(lines.iter().all(|l| l.len() == lines[0].len()), "{text}");
+        assert!(lines[2].contains("counter") && lines[2].contains("0x70000000"));
+        assert!(lines[2].contains(" yes "), "{text}");
+        let none = human(&SymCmd::Modules, &json!({"ok":true,"modules":[]}));
+        assert_eq!(none, "no modules loaded\n");
     }
 
     #[test]

@@ -460,11 +460,26 @@ fn module_load_list_unload_through_the_api() {
     let id = info["id"].as_u64().unwrap().to_string();
     let o = vm.sym(&["modules"]);
     assert!(o.stdout.contains("hello"), "{}", o.stdout);
-    assert_eq!(vm.sym(&["unload", &id]).status, Some(0));
+    // Read-only: its code in a read-only memory slot the API thread adds (its seccomp role
+    // allows KVM_SET_USER_MEMORY_REGION for this).
+    let o = vm.sym(&["--json", "load", "--builtin", "counter", "--read-only"]);
+    assert_eq!(o.status, Some(0), "{}", o.stderr);
+    let ro: Value = serde_json::from_str(o.stdout.trim()).unwrap();
+    assert_eq!(ro["read_only"], Value::Bool(true), "{ro}");
+    let ro_id = ro["id"].as_u64().unwrap().to_string();
+    for id in [&id, &ro_id] {
+        assert_eq!(vm.sym(&["unload", id]).status, Some(0));
+    }
     let o = vm.sym(&["modules"]);
     assert!(o.stdout.contains("no modules loaded"), "{}", o.stdout);
-    // A file that is not a module: refused with a reason, and the VM goes on.
+    // Not modules, or bad ones: refused with a reason, and the VM goes on.
     let o = vm.sym(&["load", "/etc/hostname"]);
+    assert_eq!(o.status, Some(1));
+    assert!(o.stderr.contains("module_load:"), "{}", o.stderr);
+    let o = vm.sym(&["load", "--builtin", "badrel"]);
+    assert_eq!(o.status, Some(1));
+    assert!(o.stderr.contains("relocation"), "{}", o.stderr);
+    let o = vm.sym(&["unload", "999"]);
     assert_eq!(o.status, Some(1));
     assert!(vm.running());
     assert_eq!(vm.sym(&["stop"]).status, Some(0));
