@@ -602,65 +602,60 @@ fn read_module(path: &Path) -> Result<Vec<u8>, String> {
 }
 
 /// The SymSpy pages as registered, their fields read as they are now (one load each, not under
-/// the pages' sequence counts: a field being written may show its old or new value).
+/// the records' sequence counts: a field being written may show its old or new value). Same
+/// shape as the spy lane's `Symbiotic::spy_snapshot()` (issue 9), which reads under the
+/// sequence counts: LEAD: serialize that instead once it is merged.
 fn spy_json(sym: &Symbiotic, vcpus: u32) -> Value {
     use abi::page::*;
     let spy = sym.spy();
-    let header = |p: &lucid_sym::SpyPage| {
+    let global = spy.global().map(|p| {
         json!({
             "gpa": p.gpa(),
-            "magic_ok": p.load_u32(H_MAGIC) == MAGIC,
-            "version": p.load_u32(H_VERSION) & 0xffff,
             "generation": p.load_u64(H_GENERATION),
+            "guest": {
+                "phase": p.load_u32(G_PHASE),
+                "symcall_entry": p.load_u64(G_SYMCALL_ENTRY),
+                "symcall_cs": p.load_u32(G_SYMCALL_CS),
+                "symcall_ss": p.load_u32(G_SYMCALL_SS),
+                "symcall_flags": p.load_u64(G_SYMCALL_FLAGS),
+                "exports": p.load_u64(G_EXPORTS),
+                "swap_map": p.load_u64(G_SWAP_MAP),
+                "swap_map_len": p.load_u32(G_SWAP_MAP_LEN),
+                "swap_device": p.load_u32(G_SWAP_DEVICE),
+            },
+            "lucid": {
+                "features": p.load_u32(L_FEATURES),
+                "mem_pressure_permille": p.load_u64(L_MEM_PRESSURE),
+                "mem_available_kib": p.load_u64(L_MEM_AVAILABLE_KIB),
+                "iommu_mode": p.load_u32(L_IOMMU_MODE),
+                "rung": p.load_u32(L_RUNG),
+                "symcalls": p.load_u64(L_SYMCALLS),
+                "publishes": p.load_u64(L_PUBLISHES),
+            },
         })
-    };
-    let global = spy.global().map(|p| {
-        let mut g = header(p);
-        g["guest"] = json!({
-            "seq": p.load_u32(G_SEQ),
-            "phase": p.load_u32(G_PHASE),
-            "symcall_entry": p.load_u64(G_SYMCALL_ENTRY),
-            "exports": p.load_u64(G_EXPORTS),
-            "swap_map": p.load_u64(G_SWAP_MAP),
-            "swap_map_len": p.load_u32(G_SWAP_MAP_LEN),
-            "swap_device": p.load_u32(G_SWAP_DEVICE),
-        });
-        g["lucid"] = json!({
-            "seq": p.load_u32(L_SEQ),
-            "features": p.load_u32(L_FEATURES),
-            "mem_pressure": p.load_u64(L_MEM_PRESSURE),
-            "mem_available_kib": p.load_u64(L_MEM_AVAILABLE_KIB),
-            "iommu_mode": p.load_u32(L_IOMMU_MODE),
-            "rung": p.load_u32(L_RUNG),
-            "symcalls": p.load_u64(L_SYMCALLS),
-            "publishes": p.load_u64(L_PUBLISHES),
-        });
-        g
     });
+    // The registered per-vCPU pages only.
     let per_vcpu: Vec<Value> = (0..vcpus)
-        .map(|n| match spy.vcpu(n) {
-            None => json!({"vcpu": n, "registered": false}),
-            Some(p) => {
-                let mut v = header(p);
-                v["vcpu"] = n.into();
-                v["registered"] = true.into();
-                v["guest"] = json!({
-                    "seq": p.load_u32(V_SEQ),
+        .filter_map(|n| {
+            let p = spy.vcpu(n)?;
+            Some(json!({
+                "vcpu": n,
+                "gpa": p.gpa(),
+                "generation": p.load_u64(H_GENERATION),
+                "guest": {
                     "task": p.load_u32(V_TASK),
                     "counter": p.load_u64(V_COUNTER),
-                    "interrupts_enabled": p.load_u64(V_IF),
+                    "if_enabled": p.load_u64(V_IF) != 0,
                     "symcall_stack": p.load_u64(V_SYMCALL_STACK),
-                    "in_symcall": p.load_u64(V_IN_SYMCALL),
-                });
-                v["lucid"] = json!({
-                    "seq": p.load_u32(W_SEQ),
+                    "in_symcall": p.load_u64(V_IN_SYMCALL) != 0,
+                },
+                "lucid": {
                     "rung": p.load_u32(W_RUNG),
                     "runq_wait_ns": p.load_u64(W_RUNQ_WAIT_NS),
                     "symcalls": p.load_u64(W_SYMCALLS),
                     "publishes": p.load_u64(W_PUBLISHES),
-                });
-                v
-            }
+                },
+            }))
         })
         .collect();
     json!({
