@@ -107,6 +107,12 @@ pub struct VmConfig {
     /// `--symbiotic`: offer the symbiotic interfaces (discovery, SymSpy, SymCall, SwapBypass,
     /// modules; docs/symbiotic.md). Off, their hypercalls are unknown to the guest.
     pub symbiotic: bool,
+    /// `--api-socket`: serve the control API on this Unix socket (`crate::api`;
+    /// docs/symbiotic.md).
+    pub api_socket: Option<PathBuf>,
+    /// Where the control API finds the modules `{"op":"module_load","builtin":NAME}` names
+    /// (the CLI gives the guest kit's).
+    pub builtin_modules: Option<crate::api::BuiltinModules>,
 }
 
 impl VmConfig {
@@ -133,6 +139,8 @@ impl VmConfig {
             swap_mode: lucid_swap::SwapMode::Baseline,
             swap_pager: true,
             symbiotic: false,
+            api_socket: None,
+            builtin_modules: None,
         }
     }
 }

@@ -4,6 +4,7 @@
 #![warn(clippy::print_stdout, clippy::print_stderr)]
 
 mod acpi_pm;
+pub mod api;
 pub mod balloon;
 pub mod builder;
 mod config;

@@ -97,7 +97,8 @@ impl RunReport {
             .iter()
             .filter_map(|(k, v)| {
                 let dev = k.strip_suffix(".requests")?;
-                (!dev.contains('.')).then(|| DeviceCounts {
+                // `api.requests` counts the control API's requests: not a device's.
+                (!dev.contains('.') && dev != "api").then(|| DeviceCounts {
                     name: dev.to_string(),
                     requests: *v,
                     irqs: ["irq.msi_signal", "irq.irqfd", "irq.intx"]

@@ -151,6 +151,8 @@ pub enum VmmError {
     Pools(#[from] crate::pools::PoolsError),
     #[error(transparent)]
     Swap(#[from] crate::swap::SwapError),
+    #[error(transparent)]
+    Api(#[from] crate::api::ApiError),
     #[error("cannot start the vIOMMU's sidecore thread")]
     IommuThread {
         #[source]
@@ -216,6 +218,10 @@ pub struct Vm {
     swap: crate::swap::VmSwap,
     /// The symbiotic interfaces (`VmConfig::symbiotic`).
     sym: Option<Arc<crate::sym::Symbiotic>>,
+    /// The control API's socket, bound while the VM was built (`VmConfig::api_socket`), until
+    /// [`Vm::start`] gives it to its thread.
+    api_socket: Option<crate::api::ApiSocket>,
+    api: Option<crate::api::ApiServer>,
 }
 
 /// The VM's PCI bus and its devices.
@@ -321,6 +327,12 @@ impl Vm {
         if let Some(sym) = &sym {
             sym.set_hv(b.vm().clone());
         }
+        // Bound now, so that a path in use fails the build, not a running VM.
+        let api_socket = config
+            .api_socket
+            .as_deref()
+            .map(crate::api::ApiSocket::bind)
+            .transpose()?;
 
         // The kernel, its command line and the boot tables.
         let image = match &config.kernel {
@@ -424,6 +436,8 @@ impl Vm {
             balloon_manager: None,
             swap,
             sym,
+            api_socket,
+            api: None,
         })
     }
 
@@ -467,6 +481,20 @@ impl Vm {
             .map_err(|source| VmmError::Thread { vcpu: 0, source })?;
         }
         self.start_balloon_manager()?;
+        if let Some(sock) = self.api_socket.take() {
+            let ctx = crate::api::ApiContext {
+                sym: self.sym.clone(),
+                stats: self.stats.clone(),
+                lifecycle: self.lifecycle.clone(),
+                vcpus: self.config.vcpus.into(),
+                builtin_modules: self.config.builtin_modules,
+            };
+            self.api = Some(crate::api::ApiServer::spawn(
+                sock,
+                ctx,
+                self.seccomp.clone(),
+            )?);
+        }
         Ok(())
     }
 
@@ -522,6 +550,10 @@ impl Vm {
     /// Waits until the VM stops, joins the vCPU threads and reports.
     pub fn wait(mut self) -> RunReport {
         let stop = self.lifecycle.wait();
+        // No new requests; one in progress ends when its vCPU stops (joined below).
+        if let Some(api) = &self.api {
+            api.signal_stop();
+        }
         // The monitor's last window, while the vCPU threads are still listed.
         if let Some(pools) = &mut self.pools {
             pools.stop();
@@ -533,6 +565,10 @@ impl Vm {
         if let Some(sym) = &self.sym {
             sym.stop_publisher();
             sym.reset();
+        }
+        // Its socket file goes with it.
+        if let Some(mut api) = self.api.take() {
+            api.stop();
         }
         if let Some(m) = self.balloon_manager.take() {
             m.stop();
@@ -629,6 +665,9 @@ impl Drop for Vm {
     fn drop(&mut self) {
         if !self.threads.is_empty() {
             self.lifecycle.stop(StopReason::Dropped);
+            if let Some(api) = &self.api {
+                api.signal_stop();
+            }
             for t in self.threads.drain(..) {
                 let _ = t.join();
             }
@@ -636,6 +675,7 @@ impl Drop for Vm {
         if let Some(sym) = &self.sym {
             sym.stop_publisher();
         }
+        self.api = None;
         self.pools = None;
         self.balloon_manager = None;
         // The sidecore stops before the devices whose DMA it translates go.

@@ -10,6 +10,7 @@ mod bench_swap;
 mod bench_sym;
 mod logger;
 mod pools_cmd;
+mod sym_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -62,6 +63,9 @@ enum Cmd {
         #[command(subcommand)]
         what: pools_cmd::PoolsCmd,
     },
+    /// Talk to a running VM's control API (`lucid run --api-socket`): SymCalls, modules,
+    /// SymSpy, statistics (docs/symbiotic.md).
+    Sym(sym_cmd::SymArgs),
 }
 
 #[derive(clap::Args)]
@@ -152,6 +156,11 @@ struct RunArgs {
     /// SwapBypass and modules (docs/symbiotic.md).
     #[arg(long)]
     symbiotic: bool,
+    /// Serve the control API on this Unix socket (`lucid sym --socket PATH ...`: SymCalls,
+    /// modules, SymSpy, statistics; docs/symbiotic.md). A stale socket file is replaced; one
+    /// another process listens on is refused.
+    #[arg(long, value_name = "PATH")]
+    api_socket: Option<PathBuf>,
 }
 
 /// What the CLI could not do, for its one error line.
@@ -181,6 +190,8 @@ enum CliError {
     Bench(String),
     #[error("{0}")]
     PoolsCmd(String),
+    #[error("{0}")]
+    Sym(String),
 }
 
 fn parse_backing(s: &str) -> Result<Backing, CliError> {
@@ -220,6 +231,8 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
     config.swap_mode = args.swap_mode;
     config.swap_pager = args.swap_pager == "on";
     config.symbiotic = args.symbiotic;
+    config.api_socket = args.api_socket;
+    config.builtin_modules = Some(lucid_guests::module);
     for b in &args.blk {
         config.pci.push(lucid_vmm::parse_blk(b)?);
     }
@@ -318,6 +331,7 @@ fn main() -> ExitCode {
             .map_err(CliError::from),
         Cmd::Bench { what } => bench::run(what).map_err(CliError::Bench),
         Cmd::Pools { what } => pools_cmd::run(what).map_err(CliError::PoolsCmd),
+        Cmd::Sym(args) => sym_cmd::run(args).map_err(CliError::Sym),
         Cmd::Guests => {
             for n in lucid_guests::NAMES {
                 println!("{n}");

@@ -1,0 +1,706 @@
+//! The control API (`--api-socket PATH`, docs/symbiotic.md): a Unix stream socket served by the
+//! thread `lucid-api`, one JSON object per line each way. It issues SymCalls, loads and unloads
+//! symbiotic modules, shows the SymSpy pages and the statistics of a running VM, and will grow
+//! into the management API.
+//!
+//! Requests (`op`): `symcall` (`vcpu`, `call`: a name or a number, `args`: up to 5),
+//! `module_load` (`path` of a file Lucid reads, or `builtin`; `read_only`), `module_unload`
+//! (`id`), `modules`, `spy`, `stats`, `stop`. Replies: `{"ok":true,...}` or
+//! `{"ok":false,"error":"..."}`. A client's bad input (not JSON, an unknown op, a line over
+//! [`MAX_LINE`] bytes, a disconnect mid-line) costs it an error reply or its connection, never
+//! the VM. Up to [`MAX_CLIENTS`] clients at once; requests are served one at a time.
+//!
+//! Module objects go by path (or built-in name), not inline: the thread opens the file
+//! read-only (its seccomp role allows `openat` without write access) and reads at most
+//! [`MAX_MODULE_BYTES`]. The socket file is created mode 0600, replaced when a dead run left it
+//! (nobody listening), refused when another process listens there, and removed at VM exit.
+
+use std::ffi::CString;
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use lucid_devices::{Lifecycle, StopReason};
+use lucid_seccomp::Seccomp;
+use lucid_stats::{Counter, StatsRegistry};
+use lucid_sym::abi;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::report::error_chain;
+use crate::sym::{ModuleOptions, Symbiotic};
+
+/// The longest request line, newline excluded: module objects go by path, so requests are
+/// small.
+pub const MAX_LINE: usize = 64 << 10;
+/// Clients served at once; more wait in the listen backlog.
+pub const MAX_CLIENTS: usize = 8;
+/// The largest module file `module_load` reads.
+pub const MAX_MODULE_BYTES: u64 = 16 << 20;
+/// How long a reply may wait for a client that does not read before the client is dropped.
+const WRITE_PATIENCE: Duration = Duration::from_secs(2);
+
+/// Finds a built-in module object by name (`lucid_guests::module` in the CLI): lucid-vmm does
+/// not embed the guest kit.
+pub type BuiltinModules = fn(&str) -> Option<&'static [u8]>;
+
+/// Why the control API could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error(
+        "--api-socket {0}: another process is listening there (a running VM?): stop it or \
+         choose another path"
+    )]
+    InUse(PathBuf),
+    #[error("--api-socket {0}: the path exists and is not a socket: Lucid will not replace it")]
+    NotSocket(PathBuf),
+    #[error("--api-socket {0}: the path names no file")]
+    NoFileName(PathBuf),
+    #[error("--api-socket {path}: cannot {what}")]
+    Io {
+        path: PathBuf,
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot start the control API's thread")]
+    Thread(#[source] std::io::Error),
+}
+
+/// The bound socket, before its thread starts. Dropping it removes the socket file (when it is
+/// still the one bound here).
+pub struct ApiSocket {
+    listener: UnixListener,
+    path: PathBuf,
+    /// The socket's directory (`O_PATH`): the file is removed through it, which is all the
+    /// API thread's seccomp role allows.
+    dir: OwnedFd,
+    name: CString,
+    /// (device, inode) of the socket file bound here.
+    id: (u64, u64),
+}
+
+impl ApiSocket {
+    /// Binds `path`: replaces a socket file nobody listens on (a dead run's), refuses a live
+    /// one and anything that is not a socket.
+    pub fn bind(path: &Path) -> Result<Self, ApiError> {
+        let io = |what| {
+            let path = path.to_path_buf();
+            move |source| ApiError::Io { path, what, source }
+        };
+        let name = path
+            .file_name()
+            .ok_or_else(|| ApiError::NoFileName(path.into()))?;
+        let name = CString::new(name.as_bytes()).map_err(|_| ApiError::NoFileName(path.into()))?;
+        match std::fs::symlink_metadata(path) {
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
+            Err(e) => return Err(io("look at the path")(e)),
+            Ok(m) if !m.file_type().is_socket() => return Err(ApiError::NotSocket(path.into())),
+            Ok(_) => match UnixStream::connect(path) {
+                Ok(_) => return Err(ApiError::InUse(path.into())),
+                Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
+                    log::info!(
+                        "--api-socket {}: replacing a stale socket (nobody listens on it)",
+                        path.display()
+                    );
+                    std::fs::remove_file(path).map_err(io("remove the stale socket"))?;
+                }
+                Err(e) => return Err(io("check whether another process listens there")(e)),
+            },
+        }
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let dir: OwnedFd = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
+            .open(dir)
+            .map_err(io("open its directory"))?
+            .into();
+        let listener = UnixListener::bind(path).map_err(io("bind"))?;
+        let mut sock = ApiSocket {
+            listener,
+            path: path.into(),
+            dir,
+            name,
+            id: (0, 0),
+        };
+        // From here a failure drops `sock`, which removes the file once `id` names it.
+        let meta = std::fs::symlink_metadata(path).map_err(io("look at the bound socket"))?;
+        sock.id = (meta.dev(), meta.ino());
+        // Only this user: the API can read files and change the guest.
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+            .map_err(io("make the socket private (mode 0600)"))?;
+        sock.listener
+            .set_nonblocking(true)
+            .map_err(io("make the socket non-blocking"))?;
+        log::info!("control API on {}", path.display());
+        Ok(sock)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for ApiSocket {
+    fn drop(&mut self) {
+        let dir = self.dir.as_raw_fd();
+        // SAFETY: fstatat and unlinkat on a directory descriptor we own and a NUL-terminated
+        // name; `st` is plain data the kernel fills.
+        unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            let ours = libc::fstatat(dir, self.name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW)
+                == 0
+                && (st.st_dev, st.st_ino) == self.id;
+            // Another run may have replaced a socket it found dead: leave its file alone.
+            if ours && libc::unlinkat(dir, self.name.as_ptr(), 0) != 0 {
+                log::warn!(
+                    "cannot remove the API socket {}: {}",
+                    self.path.display(),
+                    std::io::Error::last_os_error()
+                );
+            }
+        }
+    }
+}
+
+/// What the API thread serves.
+pub struct ApiContext {
+    /// The VM's symbiotic state (`--symbiotic`), for SymCalls, modules and SymSpy.
+    pub sym: Option<Arc<Symbiotic>>,
+    pub stats: Arc<StatsRegistry>,
+    /// For `stop`.
+    pub lifecycle: Arc<Lifecycle>,
+    pub vcpus: u32,
+    pub builtin_modules: Option<BuiltinModules>,
+}
+
+/// `api.*` counters.
+struct ApiCounters {
+    connections: Arc<Counter>,
+    requests: Arc<Counter>,
+    errors: Arc<Counter>,
+    /// Clients dropped for bad framing (a line too long, a disconnect mid-line, a stalled
+    /// reader).
+    dropped: Arc<Counter>,
+}
+
+/// The running API thread.
+pub struct ApiServer {
+    thread: Option<JoinHandle<()>>,
+    shutdown: EventFd,
+}
+
+impl ApiServer {
+    /// Starts `lucid-api` on `sock`; it confines itself to the `api` seccomp role.
+    pub fn spawn(
+        sock: ApiSocket,
+        ctx: ApiContext,
+        seccomp: Option<Seccomp>,
+    ) -> Result<Self, ApiError> {
+        let shutdown = EventFd::new(EFD_NONBLOCK).map_err(|source| ApiError::Io {
+            path: sock.path.clone(),
+            what: "create the API thread's shutdown eventfd",
+            source,
+        })?;
+        let wake = shutdown.try_clone().map_err(|source| ApiError::Io {
+            path: sock.path.clone(),
+            what: "create the API thread's shutdown eventfd",
+            source,
+        })?;
+        let c = |n: &str| ctx.stats.counter(format!("api.{n}"));
+        let counters = ApiCounters {
+            connections: c("connections"),
+            requests: c("requests"),
+            errors: c("errors"),
+            dropped: c("clients_dropped"),
+        };
+        let threads = ctx.stats.threads().clone();
+        let lifecycle = ctx.lifecycle.clone();
+        let thread = std::thread::Builder::new()
+            .name("lucid-api".into())
+            .spawn(move || {
+                let _registered = threads.register_current(lucid_stats::ThreadRole::Other);
+                if let Err(e) = lucid_seccomp::confine_api(seccomp.as_ref(), sock.dir.as_fd()) {
+                    return lifecycle.stop(StopReason::error(e));
+                }
+                Server {
+                    sock,
+                    ctx,
+                    counters,
+                    wake,
+                }
+                .run()
+            })
+            .map_err(ApiError::Thread)?;
+        Ok(ApiServer {
+            thread: Some(thread),
+            shutdown,
+        })
+    }
+
+    /// Asks the thread to stop (it closes its clients and removes the socket file).
+    pub fn signal_stop(&self) {
+        let _ = self.shutdown.write(1);
+    }
+
+    /// Stops the thread and waits for it.
+    pub fn stop(&mut self) {
+        self.signal_stop();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+struct Client {
+    stream: UnixStream,
+    buf: Vec<u8>,
+}
+
+struct Server {
+    sock: ApiSocket,
+    ctx: ApiContext,
+    counters: ApiCounters,
+    wake: EventFd,
+}
+
+impl Server {
+    fn run(self) {
+        let mut clients: Vec<Client> = Vec::new();
+        loop {
+            let mut fds = vec![pollfd(self.wake.as_raw_fd())];
+            let listening = clients.len() < MAX_CLIENTS;
+            if listening {
+                fds.push(pollfd(self.sock.listener.as_raw_fd()));
+            }
+            fds.extend(clients.iter().map(|c| pollfd(c.stream.as_raw_fd())));
+            // SAFETY: poll on a valid array of pollfds of descriptors we hold.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == ErrorKind::Interrupted {
+                    continue;
+                }
+                log::error!("control API: poll: {e}; the API stops (the VM goes on)");
+                break;
+            }
+            if fds[0].revents != 0 {
+                break;
+            }
+            let first_client = 1 + usize::from(listening);
+            // Clients first, from the last, so that removing one keeps the others' indices.
+            for i in (0..clients.len()).rev() {
+                if fds[first_client + i].revents != 0 && !self.serve(&mut clients[i]) {
+                    clients.swap_remove(i);
+                }
+            }
+            if listening && fds[1].revents != 0 {
+                self.accept(&mut clients);
+            }
+        }
+        log::debug!("control API: stopping");
+    }
+
+    fn accept(&self, clients: &mut Vec<Client>) {
+        match self.sock.listener.accept() {
+            Ok((stream, _)) => {
+                if let Err(e) = stream.set_nonblocking(true) {
+                    log::warn!("control API: a client: {e}");
+                    return;
+                }
+                self.counters.connections.inc();
+                clients.push(Client {
+                    stream,
+                    buf: Vec::new(),
+                });
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+            Err(e) => log::warn!("control API: accept: {e}"),
+        }
+    }
+
+    /// Reads what `c` sent and answers each complete line; false drops the client.
+    fn serve(&self, c: &mut Client) -> bool {
+        let mut chunk = [0u8; 16 << 10];
+        loop {
+            match c.stream.read(&mut chunk) {
+                Ok(0) => {
+                    if c.buf.iter().any(|b| !b.is_ascii_whitespace()) {
+                        // It may have shut only its sending side: tell it.
+                        self.counters.dropped.inc();
+                        let _ = self.reply(
+                            c,
+                            &self.error(
+                                "connection closed mid-line: end each request with a newline",
+                            ),
+                        );
+                    }
+                    return false;
+                }
+                Ok(n) => c.buf.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return true,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(_) => return false,
+            }
+            while let Some(end) = c.buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = c.buf.drain(..=end).collect();
+                let text = &line[..end];
+                if text.iter().all(u8::is_ascii_whitespace) {
+                    continue;
+                }
+                let reply = self.handle(text);
+                if !self.reply(c, &reply) {
+                    return false;
+                }
+            }
+            if c.buf.len() > MAX_LINE {
+                self.counters.dropped.inc();
+                let e = self.error(&format!(
+                    "request line longer than {MAX_LINE} bytes: send module objects by path; \
+                     closing the connection"
+                ));
+                let _ = self.reply(c, &e);
+                return false;
+            }
+        }
+    }
+
+    /// Writes one reply line; false when the client cannot take it.
+    fn reply(&self, c: &mut Client, v: &Value) -> bool {
+        let mut out = v.to_string().into_bytes();
+        out.push(b'\n');
+        let deadline = Instant::now() + WRITE_PATIENCE;
+        let mut at = 0;
+        while at < out.len() {
+            match c.stream.write(&out[at..]) {
+                Ok(0) => return false,
+                Ok(n) => at += n,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        self.counters.dropped.inc();
+                        log::warn!("control API: a client does not read its replies: dropped");
+                        return false;
+                    }
+                    let mut fd = pollfd(c.stream.as_raw_fd());
+                    fd.events = libc::POLLOUT;
+                    // SAFETY: poll on one valid pollfd.
+                    unsafe { libc::poll(&mut fd, 1, left.as_millis().max(1) as libc::c_int) };
+                }
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+
+    fn error(&self, msg: &str) -> Value {
+        self.counters.errors.inc();
+        json!({"ok": false, "error": msg})
+    }
+
+    fn handle(&self, line: &[u8]) -> Value {
+        self.counters.requests.inc();
+        let req: Request = match serde_json::from_slice(line) {
+            Ok(r) => r,
+            Err(e) => return self.error(&format!("bad request: {e}")),
+        };
+        match self.dispatch(req) {
+            Ok(mut v) => {
+                if let Some(o) = v.as_object_mut() {
+                    o.insert("ok".into(), Value::Bool(true));
+                }
+                v
+            }
+            Err(e) => self.error(&e),
+        }
+    }
+
+    fn sym(&self, what: &str) -> Result<&Arc<Symbiotic>, String> {
+        self.ctx.sym.as_ref().ok_or_else(|| {
+            format!("{what} needs the symbiotic interfaces: this VM runs without --symbiotic")
+        })
+    }
+
+    fn dispatch(&self, req: Request) -> Result<Value, String> {
+        match req {
+            Request::Symcall { vcpu, call, args } => {
+                let sym = self.sym("symcall")?;
+                let nr = call.number()?;
+                if args.len() > 5 {
+                    return Err(format!(
+                        "symcall takes at most 5 args (rdi, rsi, rdx, r10, r8), got {}",
+                        args.len()
+                    ));
+                }
+                if vcpu >= self.ctx.vcpus {
+                    return Err(format!(
+                        "no vCPU {vcpu}: the VM has {} (0..={})",
+                        self.ctx.vcpus,
+                        self.ctx.vcpus - 1
+                    ));
+                }
+                let mut a = [0u64; 5];
+                a[..args.len()].copy_from_slice(&args);
+                let r = sym
+                    .call(vcpu, nr, a)
+                    .map_err(|e| format!("symcall {nr:#x} on vCPU {vcpu}: {}", error_chain(&e)))?;
+                serde_json::to_value(r).map_err(|e| e.to_string())
+            }
+            Request::ModuleLoad {
+                path,
+                builtin,
+                read_only,
+            } => {
+                let sym = self.sym("module_load")?;
+                let bytes: std::borrow::Cow<[u8]> = match (path, builtin) {
+                    (Some(p), None) => read_module(&p)?.into(),
+                    (None, Some(name)) => self.builtin(&name)?.into(),
+                    _ => return Err("module_load takes one of `path` or `builtin`".into()),
+                };
+                let opts = ModuleOptions {
+                    read_only,
+                    ..ModuleOptions::default()
+                };
+                let info = sym
+                    .load_module(&bytes, &opts)
+                    .map_err(|e| format!("module_load: {}", error_chain(&e)))?;
+                serde_json::to_value(info).map_err(|e| e.to_string())
+            }
+            Request::ModuleUnload { id } => {
+                self.sym("module_unload")?
+                    .unload_module(id)
+                    .map_err(|e| format!("module_unload {id}: {}", error_chain(&e)))?;
+                Ok(json!({"id": id}))
+            }
+            Request::Modules => {
+                let list = self.sym("modules")?.modules();
+                Ok(json!({ "modules": list }))
+            }
+            Request::Spy => Ok(spy_json(self.sym("spy")?)),
+            Request::Stats => Ok(json!({
+                "counters": lucid_stats::nest(&self.ctx.stats.snapshot()),
+            })),
+            Request::Stop => {
+                log::info!("control API: stop requested");
+                self.ctx.lifecycle.stop(StopReason::Shutdown);
+                Ok(json!({}))
+            }
+        }
+    }
+
+    fn builtin(&self, name: &str) -> Result<&'static [u8], String> {
+        let find = self
+            .ctx
+            .builtin_modules
+            .ok_or("this Lucid has no built-in modules: load one by path")?;
+        find(name).ok_or_else(|| format!("no built-in module {name:?}"))
+    }
+}
+
+/// One request line.
+#[derive(Debug, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+enum Request {
+    Symcall {
+        #[serde(default)]
+        vcpu: u32,
+        call: CallName,
+        #[serde(default)]
+        args: Vec<u64>,
+    },
+    ModuleLoad {
+        path: Option<PathBuf>,
+        builtin: Option<String>,
+        #[serde(default)]
+        read_only: bool,
+    },
+    ModuleUnload {
+        id: u32,
+    },
+    Modules,
+    Spy,
+    Stats,
+    Stop,
+}
+
+/// A SymCall by name (`echo`, `page_state`, `read_counter`, `slot_live`) or number.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum CallName {
+    Number(u64),
+    Name(String),
+}
+
+impl CallName {
+    fn number(&self) -> Result<u64, String> {
+        match self {
+            CallName::Number(n) => Ok(*n),
+            CallName::Name(s) => call_number(s),
+        }
+    }
+}
+
+/// The SymCall number of `name`: a name, or a number (decimal or 0x hex).
+pub fn call_number(name: &str) -> Result<u64, String> {
+    Ok(match name {
+        "echo" => abi::call::ECHO,
+        "page_state" => abi::call::PAGE_STATE,
+        "read_counter" => abi::call::READ_COUNTER,
+        "slot_live" => abi::call::SLOT_LIVE,
+        s => match s.strip_prefix("0x") {
+            Some(h) => u64::from_str_radix(h, 16),
+            None => s.parse(),
+        }
+        .map_err(|_| {
+            format!("no SymCall {s:?}: echo, page_state, read_counter, slot_live or a number")
+        })?,
+    })
+}
+
+/// Reads a module file: a regular file of at most [`MAX_MODULE_BYTES`].
+fn read_module(path: &Path) -> Result<Vec<u8>, String> {
+    let what = |e: std::io::Error| format!("module {}: {e}", path.display());
+    // O_NONBLOCK: opening a FIFO must not wait for a writer.
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(what)?;
+    let m = f.metadata().map_err(what)?;
+    if !m.is_file() {
+        return Err(format!("module {}: not a regular file", path.display()));
+    }
+    if m.len() > MAX_MODULE_BYTES {
+        return Err(format!(
+            "module {}: {} bytes, more than the {MAX_MODULE_BYTES} Lucid reads",
+            path.display(),
+            m.len()
+        ));
+    }
+    let mut bytes = Vec::with_capacity(m.len() as usize);
+    f.take(MAX_MODULE_BYTES)
+        .read_to_end(&mut bytes)
+        .map_err(what)?;
+    Ok(bytes)
+}
+
+/// The SymSpy pages as registered, their records read under their sequence counts
+/// (`Symbiotic::spy_snapshot`).
+fn spy_json(sym: &Symbiotic) -> Value {
+    serde_json::to_value(sym.spy_snapshot()).unwrap_or(Value::Null)
+}
+
+fn pollfd(fd: i32) -> libc::pollfd {
+    libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<Request, String> {
+        serde_json::from_str(s).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn requests_parse_and_bad_ones_say_why() {
+        match parse(r#"{"op":"symcall","vcpu":1,"call":"echo","args":[1,2,3]}"#).unwrap() {
+            Request::Symcall { vcpu, call, args } => {
+                assert_eq!((vcpu, call.number().unwrap(), args), (1, 0, vec![1, 2, 3]))
+            }
+            r => panic!("{r:?}"),
+        }
+        match parse(r#"{"op":"symcall","call":257}"#).unwrap() {
+            Request::Symcall { vcpu, call, args } => {
+                assert_eq!((vcpu, call.number().unwrap(), args.len()), (0, 257, 0))
+            }
+            r => panic!("{r:?}"),
+        }
+        assert!(matches!(
+            parse(r#"{"op":"module_load","path":"/x.o","read_only":true}"#).unwrap(),
+            Request::ModuleLoad {
+                read_only: true,
+                ..
+            }
+        ));
+        assert!(matches!(parse(r#"{"op":"stats"}"#), Ok(Request::Stats)));
+        let e = parse(r#"{"op":"frobnicate"}"#).unwrap_err();
+        assert!(e.contains("unknown variant `frobnicate`"), "{e}");
+        let e = parse(r#"{"op":"symcall","call":"echo","arg":[1]}"#).unwrap_err();
+        assert!(e.contains("unknown field `arg`"), "{e}");
+        assert!(parse("{not json").is_err());
+        assert!(parse(r#"{"op":"module_unload"}"#).is_err());
+    }
+
+    #[test]
+    fn call_names_and_numbers() {
+        assert_eq!(call_number("echo"), Ok(abi::call::ECHO));
+        assert_eq!(call_number("page_state"), Ok(abi::call::PAGE_STATE));
+        assert_eq!(call_number("read_counter"), Ok(abi::call::READ_COUNTER));
+        assert_eq!(call_number("slot_live"), Ok(abi::call::SLOT_LIVE));
+        assert_eq!(call_number("0x101"), Ok(0x101));
+        assert_eq!(call_number("7"), Ok(7));
+        assert!(call_number("ech0").unwrap_err().contains("no SymCall"));
+    }
+
+    fn tmp(name: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("lucid-api-{}-{name}", std::process::id()))
+    }
+
+    #[test]
+    fn a_stale_socket_is_replaced_a_live_one_refused_and_the_file_removed_on_drop() {
+        let p = tmp("sock");
+        let _ = std::fs::remove_file(&p);
+        // A dead run's socket: bound, then its listener closed.
+        drop(UnixListener::bind(&p).unwrap());
+        assert!(p.exists());
+        let s = ApiSocket::bind(&p).unwrap();
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        // Live: refused, and the file stays.
+        let e = ApiSocket::bind(&p).err().unwrap().to_string();
+        assert!(e.contains("another process is listening"), "{e}");
+        assert!(p.exists());
+        drop(s);
+        assert!(!p.exists(), "removed on drop");
+        // Not a socket: refused and left alone.
+        std::fs::write(&p, b"data").unwrap();
+        let e = ApiSocket::bind(&p).err().unwrap().to_string();
+        assert!(e.contains("not a socket"), "{e}");
+        assert_eq!(std::fs::read(&p).unwrap(), b"data");
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn module_files_must_be_small_regular_files() {
+        assert!(read_module(Path::new("/dev/zero"))
+            .unwrap_err()
+            .contains("not a regular file"));
+        assert!(read_module(Path::new("/nonexistent/x.o")).is_err());
+        let p = tmp("mod.o");
+        std::fs::write(&p, b"\x7fELF").unwrap();
+        assert_eq!(read_module(&p).unwrap(), b"\x7fELF");
+        std::fs::remove_file(&p).unwrap();
+    }
+}
