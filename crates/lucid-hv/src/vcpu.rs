@@ -277,6 +277,16 @@ impl Vcpu {
             .get_tsc_khz()
             .map_err(|e| HvError::Ioctl("KVM_GET_TSC_KHZ", e))
     }
+    pub fn get_vcpu_events(&self) -> Result<kvm_bindings::kvm_vcpu_events, HvError> {
+        self.fd
+            .get_vcpu_events()
+            .map_err(|e| HvError::Ioctl("KVM_GET_VCPU_EVENTS", e))
+    }
+    pub fn set_vcpu_events(&self, ev: &kvm_bindings::kvm_vcpu_events) -> Result<(), HvError> {
+        self.fd
+            .set_vcpu_events(ev)
+            .map_err(|e| HvError::Ioctl("KVM_SET_VCPU_EVENTS", e))
+    }
     /// Injects an exception (used to complete instructions KVM's emulator could not).
     pub fn inject_exception(&self, vector: u8, error_code: Option<u32>) -> Result<(), HvError> {
         let mut ev = self

@@ -1,0 +1,285 @@
+//! SymCall end to end (issue 9 step 3, docs/symbiotic-call.md): a real VM (`lucid_vmm::Vm` in
+//! process, `--symbiotic`, default seccomp) runs the `sym-call` guest, whose CPL3 workload checks
+//! its registers and memory continually; the test thread issues SymCalls into it. Asserts
+//! results, refusals, cut-offs and that the guest ends with `corrupt=0`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lucid_sym::abi::{self, call, page};
+use lucid_vmm::sym::{CallLimits, SymCallError, Symbiotic};
+use lucid_vmm::{KernelSource, SerialOutput, StopReason, Vm, VmConfig};
+
+/// The guest's own call that ends its workload (sym-call.c `SYMCALL_TEST_DONE`).
+const TEST_DONE: u64 = 0x1f0;
+
+struct Guest {
+    vm: Vm,
+    serial: std::path::PathBuf,
+}
+
+fn boot(tag: &str, vcpus: u8, cmdline: &str, symbiotic: bool) -> Guest {
+    let mut c = VmConfig::new(KernelSource::Builtin {
+        name: "sym-call".into(),
+        bytes: lucid_guests::get("sym-call").expect("built-in guest"),
+    });
+    c.cmdline = cmdline.into();
+    c.vcpus = vcpus;
+    c.symbiotic = symbiotic;
+    let serial =
+        std::env::temp_dir().join(format!("lucid-symcall-{}-{tag}.txt", std::process::id()));
+    c.serial = SerialOutput::File(serial.clone());
+    let mut vm = Vm::build(c).expect("build VM");
+    vm.start().expect("start VM");
+    Guest { vm, serial }
+}
+
+impl Guest {
+    fn sym(&self) -> Arc<Symbiotic> {
+        self.vm.sym().expect("--symbiotic").clone()
+    }
+
+    /// Waits until `vcpu` answers an echo (the guest registered its entry and stack there).
+    fn ready(&self, vcpu: u32) {
+        let sym = self.sym();
+        let start = Instant::now();
+        loop {
+            match sym.call(vcpu, call::ECHO, [1, 2, 3, 4, 5]) {
+                Ok(r) => {
+                    assert_eq!((r.status, r.values), (abi::SYM_OK, [15, 1]));
+                    return;
+                }
+                Err(SymCallError::NotRegistered(_))
+                    if start.elapsed() < Duration::from_secs(20) =>
+                {
+                    std::thread::sleep(Duration::from_millis(5))
+                }
+                Err(e) => panic!("vCPU {vcpu} never answered: {e}; serial: {}", self.output()),
+            }
+        }
+    }
+
+    fn output(&self) -> String {
+        std::fs::read_to_string(&self.serial).unwrap_or_default()
+    }
+
+    /// Ends the workload with TEST_DONE (unless `done` is false), waits for the VM and returns
+    /// the serial output after checking the guest's verdict.
+    fn finish(self, done: bool) -> (String, lucid_vmm::RunReport) {
+        if done {
+            let r = self.sym().call(0, TEST_DONE, [0; 5]).expect("TEST_DONE");
+            assert_eq!(r.status, abi::SYM_OK);
+        }
+        let report = self.vm.wait();
+        let out = std::fs::read_to_string(&self.serial).unwrap_or_default();
+        let _ = std::fs::remove_file(&self.serial);
+        assert!(out.contains("sym-call done"), "guest did not finish: {out}");
+        assert!(out.contains(" corrupt=0 "), "guest saw corruption: {out}");
+        assert!(!out.contains("EXCEPTION"), "{out}");
+        assert_eq!(report.stop, StopReason::DebugExit(0), "{out}");
+        (out, report)
+    }
+}
+
+fn field(out: &str, key: &str) -> u64 {
+    out.split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{key}=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key}= in {out}"))
+}
+
+#[test]
+fn echo_is_correct_ten_thousand_times() {
+    let g = boot("echo", 1, "ms=120000", true);
+    g.ready(0);
+    let sym = g.sym();
+    const N: u64 = 10_000;
+    let (mut exits, mut max_exits) = (0, 0);
+    for i in 0..N {
+        let a = [i, i * 3, !i, i << 20, 7];
+        let r = sym.call(0, call::ECHO, a).expect("echo");
+        assert_eq!(r.status, abi::SYM_OK);
+        let sum = a.iter().fold(0u64, |s, v| s.wrapping_add(*v));
+        assert_eq!(r.values, [sum, i], "call {i}");
+        exits += r.exits;
+        max_exits = max_exits.max(r.exits);
+    }
+    // The completion's exit, plus the odd kick that lands after the call began.
+    assert!(
+        exits >= N && max_exits <= 3,
+        "exits {exits}, max {max_exits}"
+    );
+    // READ_COUNTER reaches the guest's counters (index 3 is a constant it set).
+    let r = sym.call(0, call::READ_COUNTER, [3, 0, 0, 0, 0]).unwrap();
+    assert_eq!((r.status, r.values[0]), (abi::SYM_OK, 0x5eed));
+    let r = sym.call(0, call::READ_COUNTER, [99, 0, 0, 0, 0]).unwrap();
+    assert_eq!(r.status, abi::SYM_EINVAL);
+    let r = sym.call(0, 0x77, [0; 5]).unwrap();
+    assert_eq!(r.status, abi::SYM_ENOSYS, "no handler");
+    // Lucid's count of the vCPU's calls is in its SymSpy page.
+    let w = sym.spy().vcpu(0).unwrap().load_u64(page::W_SYMCALLS);
+    assert_eq!(w, sym.symcalls_on(0));
+    assert!(w >= N + 4);
+    let stats = g.vm.stats().snapshot();
+    let (out, _) = g.finish(true);
+    assert!(field(&out, "symcalls_seen") >= N + 4, "{out}");
+    assert!(field(&out, "checks") > 0);
+    assert_eq!(stats["sym.call.busy"], 0);
+    assert_eq!(stats["sym.call.timeouts"], 0);
+    assert!(stats["sym.call.completed"] >= N + 4);
+    assert!(stats["sym.call.exits"] >= N);
+}
+
+/// Calls land right after the guest's PIO exits too (the pending OUT is finished first).
+#[test]
+fn calls_between_pio_exits_leave_the_guest_intact() {
+    let g = boot("pio", 1, "ms=120000 exits_every=300", true);
+    g.ready(0);
+    let sym = g.sym();
+    for i in 0..3000u64 {
+        let r = sym.call(0, call::ECHO, [i, 1, 1, 1, 1]).expect("echo");
+        assert_eq!(r.values, [i + 4, i]);
+    }
+    let (out, report) = g.finish(true);
+    assert!(field(&out, "checks") > 0);
+    assert!(
+        report.counters["vcpu0.exit.io_out"] > 3000,
+        "the guest exits while called"
+    );
+}
+
+#[test]
+fn two_vcpus_are_called_concurrently_from_two_threads() {
+    let g = boot("smp", 2, "cpus=2 ms=120000", true);
+    g.ready(0);
+    g.ready(1);
+    let threads: Vec<_> = (0..2u32)
+        .map(|t| {
+            let sym = g.sym();
+            std::thread::spawn(move || {
+                for i in 0..3000u64 {
+                    // Mostly its own vCPU, every fourth call the other one.
+                    let vcpu = if i % 4 == 3 { 1 - t } else { t };
+                    let a = [i, u64::from(t), 100, 0, 0];
+                    match sym.call(vcpu, call::ECHO, a) {
+                        Ok(r) => assert_eq!(r.values, [i + u64::from(t) + 100, i]),
+                        // The other thread holds that vCPU right now: refused, not queued.
+                        Err(SymCallError::Busy(v)) => assert_eq!(v, vcpu),
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let sym = g.sym();
+    assert!(sym.symcalls_on(0) > 2000 && sym.symcalls_on(1) > 2000);
+    for v in 0..2 {
+        let r = sym
+            .call(v, call::READ_COUNTER, [u64::from(v), 0, 0, 0, 0])
+            .unwrap();
+        assert!(r.values[0] > 0, "vCPU {v}'s workload ran");
+    }
+    let (out, _) = g.finish(true);
+    assert!(field(&out, "symcalls_seen") > 4000, "{out}");
+}
+
+#[test]
+fn misbehaving_handlers_cost_the_call_not_the_vm() {
+    let g = boot("bad", 1, "ms=120000", true);
+    g.ready(0);
+    let sym = g.sym();
+    let short = CallLimits {
+        timeout: Duration::from_millis(300),
+        ..CallLimits::default()
+    };
+    // A looping handler takes no exits: cut off by the deadline. While it runs, a second call
+    // to that vCPU is refused at once.
+    let looping = {
+        let sym = sym.clone();
+        std::thread::spawn(move || sym.call_with(0, call::TEST_LOOP, [0; 5], short))
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    let t = Instant::now();
+    let nested = sym.call(0, call::ECHO, [0; 5]);
+    assert!(matches!(nested, Err(SymCallError::Busy(0))), "{nested:?}");
+    assert!(
+        t.elapsed() < Duration::from_millis(200),
+        "refused, not queued"
+    );
+    let r = looping.join().unwrap();
+    assert!(
+        matches!(r, Err(SymCallError::Timeout { vcpu: 0, .. })),
+        "{r:?}"
+    );
+    // The guest continues: the next call works.
+    assert_eq!(
+        sym.call(0, call::ECHO, [1, 0, 0, 0, 0]).unwrap().values,
+        [1, 1]
+    );
+    // A faulting handler: the guest's exception path reports the #PF.
+    let r = sym
+        .call(0, call::TEST_FAULT, [0; 5])
+        .expect("fault reported");
+    assert_eq!(r.status, abi::SYM_EFAULT);
+    assert_eq!(r.values[0], 14, "#PF");
+    // A handler that smashes its return address: #GP on the ret, or cut off.
+    match sym.call_with(0, call::TEST_SMASH, [0; 5], short) {
+        Ok(r) => assert_eq!(r.status, abi::SYM_EFAULT),
+        Err(SymCallError::Timeout { .. }) => {}
+        Err(e) => panic!("smash: {e}"),
+    }
+    // Again, to see the state was fully put back each time.
+    for _ in 0..3 {
+        assert!(sym.call_with(0, call::TEST_LOOP, [0; 5], short).is_err());
+        assert_eq!(
+            sym.call(0, call::TEST_FAULT, [0; 5]).unwrap().status,
+            abi::SYM_EFAULT
+        );
+        assert_eq!(
+            sym.call(0, call::ECHO, [2, 0, 0, 0, 0]).unwrap().values,
+            [2, 2]
+        );
+    }
+    let stats = g.vm.stats().snapshot();
+    let (out, _) = g.finish(true);
+    assert!(field(&out, "faults_seen") >= 4, "{out}");
+    assert_eq!(stats["sym.call.busy"], 1);
+    assert_eq!(stats["sym.call.timeouts"], 4);
+    assert!(stats["sym.call.faults"] >= 4);
+    assert_eq!(stats["sym.call.stray_returns"], 0);
+}
+
+#[test]
+fn a_guest_without_a_symcall_entry_is_not_called() {
+    let g = boot("unreg", 1, "ms=1500 register=0", true);
+    let sym = g.sym();
+    std::thread::sleep(Duration::from_millis(300));
+    for _ in 0..10 {
+        let r = sym.call(0, call::ECHO, [0; 5]);
+        assert!(matches!(r, Err(SymCallError::NotRegistered(0))), "{r:?}");
+    }
+    assert!(matches!(
+        sym.call(5, call::ECHO, [0; 5]),
+        Err(SymCallError::NoVcpu(5))
+    ));
+    let stats = g.vm.stats().snapshot();
+    assert_eq!(stats["sym.call.not_registered"], 10);
+    let (out, _) = g.finish(false);
+    assert_eq!(field(&out, "symcalls_seen"), 0);
+}
+
+#[test]
+fn without_symbiotic_there_is_nothing_to_call() {
+    let mut c = VmConfig::new(KernelSource::Builtin {
+        name: "sym-call".into(),
+        bytes: lucid_guests::get("sym-call").expect("built-in guest"),
+    });
+    c.serial = SerialOutput::File(
+        std::env::temp_dir().join(format!("lucid-symcall-{}-plain.txt", std::process::id())),
+    );
+    let vm = Vm::build(c).expect("build VM");
+    assert!(vm.sym().is_none());
+}
