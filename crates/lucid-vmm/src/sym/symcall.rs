@@ -343,6 +343,10 @@ impl Symbiotic {
             return Err(SymCallError::Stopped);
         }
         let entry = self.entry(vcpu).ok_or(SymCallError::NotRegistered(vcpu))?;
+        // The kick that queued this call has been served: a call issued right after the last
+        // one finds the vCPU still in userspace, with `immediate_exit` still set, and would
+        // otherwise pay an empty KVM_RUN. (A deadline kick cleared here is repeated.)
+        ctx.vcpu.clear_immediate_exit();
         // 2. Save.
         let saved = Saved {
             regs: ctx.vcpu.get_regs().map_err(|e| state("read", e))?,

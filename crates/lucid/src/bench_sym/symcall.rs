@@ -1,8 +1,144 @@
-//! `lucid bench sym`, part `symcall`. LEAD: stand-in; its lane replaces this file.
+//! `lucid bench sym`, part `symcall`: SymCall latency, cold and warm, against one userspace exit
+//! round trip on the same host (docs/symbiotic-call.md). Two VMs in this process, one after the
+//! other: `pio-ping` (the exit round trip, measured by the guest) and `sym-call` (its workload
+//! runs at CPL3 while this thread issues `echo` calls, timed here, on the calling thread).
+
+use std::time::{Duration, Instant};
+
+use lucid_sym::abi::{self, call};
+use lucid_vmm::sym::SymCallError;
+use lucid_vmm::{KernelSource, SerialOutput, Vm, VmConfig};
+use serde_json::json;
 
 use super::{Figures, Opts};
 
+/// The `sym-call` guest's own call that ends its workload.
+const TEST_DONE: u64 = 0x1f0;
+
+fn config(
+    guest: &str,
+    cmdline: &str,
+    symbiotic: bool,
+    serial: &std::path::Path,
+) -> Result<VmConfig, String> {
+    let bytes = lucid_guests::get(guest).ok_or(format!("no built-in guest {guest}"))?;
+    let mut c = VmConfig::new(KernelSource::Builtin {
+        name: guest.into(),
+        bytes,
+    });
+    c.cmdline = cmdline.into();
+    c.symbiotic = symbiotic;
+    c.serial = SerialOutput::File(serial.to_path_buf());
+    Ok(c)
+}
+
+fn serial_path(tag: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!(
+        "lucid-bench-symcall-{}-{tag}.txt",
+        std::process::id()
+    ))
+}
+
+/// One userspace exit round trip (ns), as the `pio-ping` guest measures it.
+fn exit_round_trip_ns(count: u64) -> Result<f64, String> {
+    let serial = serial_path("ping");
+    let mut vm = Vm::build(config(
+        "pio-ping",
+        &format!("count={count}"),
+        false,
+        &serial,
+    )?)
+    .map_err(|e| format!("pio-ping: {e}"))?;
+    vm.start().map_err(|e| format!("pio-ping: {e}"))?;
+    vm.wait();
+    let out = std::fs::read_to_string(&serial).unwrap_or_default();
+    let _ = std::fs::remove_file(&serial);
+    crate::bench::field(&out, "pio-ping", "ns_per_exit")
+        .ok_or(format!("pio-ping printed no ns_per_exit: {out}"))
+}
+
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+fn us(ns: f64) -> f64 {
+    (ns / 10.0).round() / 100.0
+}
+
 pub fn run(opts: &Opts) -> Result<Figures, String> {
-    let _ = opts.quick;
-    Err("not built yet".into())
+    let n: usize = if opts.quick { 1000 } else { 10_000 };
+    let exit_ns = exit_round_trip_ns(if opts.quick { 10_000 } else { 100_000 })?;
+
+    let serial = serial_path("call");
+    let mut vm = Vm::build(config("sym-call", "ms=300000", true, &serial)?)
+        .map_err(|e| format!("sym-call: {e}"))?;
+    vm.start().map_err(|e| format!("sym-call: {e}"))?;
+    let sym = vm.sym().ok_or("no symbiotic state")?.clone();
+    let result = (|| -> Result<Figures, String> {
+        // Cold: the first call once the guest registered (it polls until then).
+        let start = Instant::now();
+        let (cold_ns, cold_exits) = loop {
+            let t = Instant::now();
+            match sym.call(0, call::ECHO, [1, 2, 3, 4, 5]) {
+                Ok(r) => break (t.elapsed().as_nanos() as f64, r.exits),
+                Err(SymCallError::NotRegistered(_))
+                    if start.elapsed() < Duration::from_secs(20) =>
+                {
+                    std::thread::sleep(Duration::from_millis(2))
+                }
+                Err(e) => return Err(format!("sym-call: {e}")),
+            }
+        };
+        let mut wall = Vec::with_capacity(n);
+        let mut inside = Vec::with_capacity(n);
+        let mut exits = 0u64;
+        for i in 0..n as u64 {
+            let t = Instant::now();
+            let r = sym
+                .call(0, call::ECHO, [i, 0, 0, 0, 0])
+                .map_err(|e| format!("sym-call: {e}"))?;
+            wall.push(t.elapsed().as_nanos() as f64);
+            if r.status != abi::SYM_OK || r.values != [i, i] {
+                return Err(format!("echo {i} returned {r:?}"));
+            }
+            inside.push(r.ns as f64);
+            exits += r.exits;
+        }
+        wall.sort_by(f64::total_cmp);
+        inside.sort_by(f64::total_cmp);
+        let warm = quantile(&wall, 0.5);
+        Ok(vec![
+            ("symcall_cold_us".into(), json!(us(cold_ns))),
+            ("symcall_cold_exits".into(), json!(cold_exits)),
+            ("symcall_warm_us".into(), json!(us(warm))),
+            ("symcall_p99_us".into(), json!(us(quantile(&wall, 0.99)))),
+            (
+                "symcall_warm_vcpu_us".into(),
+                json!(us(quantile(&inside, 0.5))),
+            ),
+            ("symcall_calls".into(), json!(n)),
+            (
+                "symcall_exits_per_call".into(),
+                json!((exits as f64 / n as f64 * 100.0).round() / 100.0),
+            ),
+            ("exit_round_trip_us".into(), json!(us(exit_ns))),
+            (
+                "symcall_warm_over_exit".into(),
+                json!((warm / exit_ns * 100.0).round() / 100.0),
+            ),
+        ])
+    })();
+    let _ = sym.call(0, TEST_DONE, [0; 5]);
+    vm.wait();
+    let out = std::fs::read_to_string(&serial).unwrap_or_default();
+    let _ = std::fs::remove_file(&serial);
+    let mut figures = result?;
+    if !out.contains(" corrupt=0 ") {
+        return Err(format!("the sym-call guest did not end cleanly: {out}"));
+    }
+    figures.push(("symcall_guest_corrupt".into(), json!(0)));
+    Ok(figures)
 }
