@@ -302,6 +302,12 @@ impl VcpuCtx {
         ) {
             return LoopEnd::Condition;
         }
+        self.run_empty()
+    }
+
+    /// One KVM_RUN that does not enter the guest (`immediate_exit`): finishes a pending exit
+    /// and, with [`lucid_hv::Vcpu::set_state_sync`] on, mirrors the vCPU state in kvm_run.
+    pub fn run_empty(&mut self) -> LoopEnd {
         self.handle.immediate_exit.set();
         self.run_until(|reason| reason == "interrupted")
     }
@@ -328,6 +334,15 @@ impl VcpuCtx {
                 }
                 r
             };
+            // State handed to the next KVM_RUN through kvm_run (a SymCall's restore) is
+            // written now, so that a request reading or writing the vCPU sees the live state.
+            if req.is_some() {
+                if let Err(source) = self.vcpu.flush_synced_state() {
+                    let vcpu = self.vcpu.id();
+                    self.lifecycle
+                        .stop(StopReason::error(VcpuFault::Run { vcpu, source }));
+                }
+            }
             match req {
                 Some(Request::Pause(ack)) => {
                     self.paused = true;
@@ -439,16 +454,24 @@ impl VcpuCtx {
                 source,
             })
         };
-        let mut regs = match self.vcpu.get_regs() {
-            Ok(r) => r,
-            Err(e) => return self.lifecycle.stop(fault(u64::MAX, "read", e)),
+        // With the state mirrored in kvm_run (during a SymCall) no ioctl is needed.
+        let sync = self.vcpu.state_sync();
+        let mut regs = if sync {
+            self.vcpu.synced_state().regs
+        } else {
+            match self.vcpu.get_regs() {
+                Ok(r) => r,
+                Err(e) => return self.lifecycle.stop(fault(u64::MAX, "read", e)),
+            }
         };
         let nr = regs.rax;
         regs.rax = self
             .hooks
             .hypercall(vcpu, &regs)
             .unwrap_or(HYPERCALL_UNKNOWN);
-        if let Err(e) = self.vcpu.set_regs(&regs) {
+        if sync {
+            self.vcpu.put_synced_state(Some(&regs), None, None);
+        } else if let Err(e) = self.vcpu.set_regs(&regs) {
             self.lifecycle.stop(fault(nr, "write", e));
         }
     }

@@ -338,49 +338,68 @@ impl Symbiotic {
         let vcpu = ctx.id();
         let slot = &self.calls.slots[vcpu as usize];
         let state = |what, source: HvError| SymCallError::State { vcpu, what, source };
-        // 1. The instruction of the last exit lands in the interrupted context, not the call's.
-        if ctx.complete_pending_exit() == LoopEnd::Stopped {
-            return Err(SymCallError::Stopped);
-        }
         let entry = self.entry(vcpu).ok_or(SymCallError::NotRegistered(vcpu))?;
-        // The kick that queued this call has been served: a call issued right after the last
-        // one finds the vCPU still in userspace, with `immediate_exit` still set, and would
-        // otherwise pay an empty KVM_RUN. (A deadline kick cleared here is repeated.)
-        ctx.vcpu.clear_immediate_exit();
-        // 2. Save.
-        let saved = Saved {
-            regs: ctx.vcpu.get_regs().map_err(|e| state("read", e))?,
-            sregs: ctx.vcpu.get_sregs().map_err(|e| state("read", e))?,
-            events: ctx.vcpu.get_vcpu_events().map_err(|e| state("read", e))?,
-            mp_state: ctx.vcpu.get_mp_state().map_err(|e| state("read", e))?,
+        // 1 + 2. Finish the last exit's instruction (it belongs to the interrupted context),
+        // then save. With KVM's state mirror one empty KVM_RUN does both; otherwise the pending
+        // exit is finished only if there is one, and the state read with GET ioctls.
+        let sync = ctx.vcpu.can_sync_state();
+        let saved = if sync {
+            ctx.vcpu.set_state_sync(true);
+            if ctx.run_empty() == LoopEnd::Stopped {
+                ctx.vcpu.set_state_sync(false);
+                return Err(SymCallError::Stopped);
+            }
+            let s = ctx.vcpu.synced_state();
+            Saved {
+                mp_state: mp_state(ctx, &s.sregs).map_err(|e| state("read", e))?,
+                regs: s.regs,
+                sregs: s.sregs,
+                events: s.events,
+            }
+        } else {
+            if ctx.complete_pending_exit() == LoopEnd::Stopped {
+                return Err(SymCallError::Stopped);
+            }
+            // The kick that queued this call has been served: a call issued right after the
+            // last one finds the vCPU still in userspace with `immediate_exit` set, and would
+            // pay an empty KVM_RUN. (A deadline kick cleared here is repeated.)
+            ctx.vcpu.clear_immediate_exit();
+            let sregs = ctx.vcpu.get_sregs().map_err(|e| state("read", e))?;
+            Saved {
+                regs: ctx.vcpu.get_regs().map_err(|e| state("read", e))?,
+                events: ctx.vcpu.get_vcpu_events().map_err(|e| state("read", e))?,
+                mp_state: mp_state(ctx, &sregs).map_err(|e| state("read", e))?,
+                sregs,
+            }
         };
         // A nested loop on a paused vCPU would wait for a resume: lift the pause meanwhile.
         let was_paused = ctx.set_paused(false);
         *slot.ret.lock().unwrap_or_else(|e| e.into_inner()) = None;
         let mut exits = 0;
-        let loaded = load(ctx, &saved, &entry, nr, &args);
+        let loaded = load(ctx, sync, &saved, &entry, nr, &args);
         let outcome = match loaded {
             Ok(changed) => {
                 slot.running.store(true, Ordering::SeqCst);
                 let (outcome, n) = self.run_handler(ctx, slot, started, limits);
                 exits = n;
                 slot.running.store(false, Ordering::SeqCst);
-                // The completion's OUT is finished before the restore replaces everything.
-                if !matches!(outcome, Outcome::Stopped) {
-                    ctx.complete_pending_exit();
-                }
                 Ok((outcome, changed))
             }
             Err(e) => Err(e),
         };
-        // 5. Restore (also after a failed load: part of it may have been written).
+        // 5. Restore (also after a failed load: part of it may have been written). The
+        // completion's OUT is left unfinished: KVM finishes a fast OUT at the next entry only
+        // if RIP still points at it, and the restored RIP is the interrupted context's.
         let (sregs_changed, events_changed) = match &outcome {
             Ok((Outcome::Returned([status, ..]), changed)) => {
                 (changed.sregs || *status == abi::SYM_EFAULT, changed.events)
             }
             _ => (true, true),
         };
-        let restored = restore(ctx, &saved, sregs_changed, events_changed);
+        let restored = restore(ctx, sync, &saved, sregs_changed, events_changed);
+        if sync {
+            ctx.vcpu.set_state_sync(false);
+        }
         ctx.set_paused(was_paused);
         let (outcome, _) = outcome.map_err(|e| state("load", e))?;
         restored.map_err(|e| state("restore", e))?;
@@ -478,12 +497,25 @@ fn flat_segment(sel: u16, code: bool) -> kvm_segment {
     }
 }
 
+/// The multiprocessing state: a vCPU at CPL3 runs (HLT faults there), so only one elsewhere
+/// needs the ioctl.
+fn mp_state(ctx: &VcpuCtx, sregs: &kvm_sregs) -> Result<kvm_mp_state, HvError> {
+    if sregs.cs.selector & 3 == 3 {
+        return Ok(kvm_mp_state {
+            mp_state: KVM_MP_STATE_RUNNABLE,
+        });
+    }
+    ctx.vcpu.get_mp_state()
+}
+
 /// 3. Loads the upcall context: entry, stack, flags (IF off, IOPL as registered), call number
 /// and arguments; CS/SS only if they differ from the interrupted ones (the fast path: a guest
-/// interrupted at CPL3 with the user selectors needs no SET_SREGS); no pending event or
-/// interrupt shadow; runnable.
+/// interrupted at CPL3 with the user selectors needs no segment load); no pending event or
+/// interrupt shadow; runnable. With `sync`, the state goes to the handler's KVM_RUN through
+/// kvm_run instead of SET ioctls.
 fn load(
     ctx: &mut VcpuCtx,
+    sync: bool,
     saved: &Saved,
     entry: &Entry,
     nr: u64,
@@ -493,14 +525,16 @@ fn load(
         sregs: false,
         events: false,
     };
+    let mut sregs = None;
     if saved.sregs.cs.selector != entry.cs || saved.sregs.ss.selector != entry.ss {
         let mut s = saved.sregs;
         s.cs = flat_segment(entry.cs, true);
         s.ss = flat_segment(entry.ss, false);
         changed.sregs = true;
-        ctx.vcpu.set_sregs(&s)?;
+        sregs = Some(s);
     }
     let e = &saved.events;
+    let mut events = None;
     if e.exception.injected != 0
         || e.exception.pending != 0
         || e.interrupt.injected != 0
@@ -516,7 +550,7 @@ fn load(
         ev.nmi.injected = 0;
         ev.flags = KVM_VCPUEVENT_VALID_SHADOW;
         changed.events = true;
-        ctx.vcpu.set_vcpu_events(&ev)?;
+        events = Some(ev);
     }
     if saved.mp_state.mp_state != KVM_MP_STATE_RUNNABLE {
         ctx.vcpu.set_mp_state(kvm_mp_state {
@@ -533,21 +567,47 @@ fn load(
     r.rdx = args[2];
     r.r10 = args[3];
     r.r8 = args[4];
+    if sync {
+        ctx.vcpu
+            .put_synced_state(Some(&r), sregs.as_ref(), events.as_ref());
+        return Ok(changed);
+    }
+    if let Some(s) = &sregs {
+        ctx.vcpu.set_sregs(s)?;
+    }
+    if let Some(ev) = &events {
+        ctx.vcpu.set_vcpu_events(ev)?;
+    }
     ctx.vcpu.set_regs(&r)?;
     Ok(changed)
 }
 
 /// 5. Puts back what the call changed: registers always, the rest when the load or the
-/// handler may have changed it.
-fn restore(ctx: &mut VcpuCtx, saved: &Saved, sregs: bool, events: bool) -> Result<(), HvError> {
+/// handler may have changed it. With `sync`, through kvm_run for the next KVM_RUN (a request
+/// run before that flushes it with the SET ioctls).
+fn restore(
+    ctx: &mut VcpuCtx,
+    sync: bool,
+    saved: &Saved,
+    sregs: bool,
+    events: bool,
+) -> Result<(), HvError> {
+    if saved.mp_state.mp_state != KVM_MP_STATE_RUNNABLE {
+        ctx.vcpu.set_mp_state(saved.mp_state)?;
+    }
+    if sync {
+        ctx.vcpu.put_synced_state(
+            Some(&saved.regs),
+            sregs.then_some(&saved.sregs),
+            events.then_some(&saved.events),
+        );
+        return Ok(());
+    }
     if sregs {
         ctx.vcpu.set_sregs(&saved.sregs)?;
     }
     if events {
         ctx.vcpu.set_vcpu_events(&saved.events)?;
-    }
-    if saved.mp_state.mp_state != KVM_MP_STATE_RUNNABLE {
-        ctx.vcpu.set_mp_state(saved.mp_state)?;
     }
     ctx.vcpu.set_regs(&saved.regs)
 }
