@@ -11,14 +11,19 @@
  * exit every exits_every=K iterations, so SymCalls land both in the middle
  * of guest compute and right after an exit. Any difference: "corrupt" and
  * exit 1. Parameters: cpus=1|2 (1), ms, exits_every (0), register=0 (run
- * without registering SymCall: every call must be refused).
+ * without registering SymCall: every call must be refused), selfcall=N
+ * (hypercall N once before the workload, for a test hook).
  * Prints "sym-call ready cpus=N" once the calls may start and at the end
  * "sym-call done checks=N corrupt=0 symcalls_seen=M faults_seen=F".
  */
 #include "libcflat.h"
 #include "symcall.h"
 
-#define SYMCALL_TEST_DONE 0x1f0	/* this guest's own: ends the workload */
+/* this guest's own calls */
+#define SYMCALL_TEST_DONE  0x1f0	/* ends the workload */
+#define SYMCALL_TEST_EXITS 0x1f1	/* PIO exits forever (the exit bound) */
+#define SYMCALL_TEST_HC    0x1f2	/* value 0 = hypercall arg0's result (a hook
+					 * the test installs, which calls back) */
 
 static struct sym_global global;
 static struct sym_vcpu vpages[2];
@@ -53,6 +58,19 @@ static u64 __attribute__((noinline)) test_smash(const u64 a[5], u64 out[2])
 	 * so the ret raises #GP */
 	for (int i = 0; i < 8; i++)
 		frame[i] = 0xdead00000000dea0ULL + i;
+	return SYM_OK;
+}
+
+static u64 test_exits(const u64 a[5], u64 out[2])
+{
+	for (;;)
+		outb(LUCID_NOP_PORT, 0);
+	return SYM_OK;
+}
+
+static u64 test_hc(const u64 a[5], u64 out[2])
+{
+	out[0] = lucid_hypercall(a[0], 0, 0, 0);
 	return SYM_OK;
 }
 
@@ -224,6 +242,8 @@ int main(void)
 	symcall_register(SYMCALL_TEST_FAULT, test_fault);
 	symcall_register(SYMCALL_TEST_SMASH, test_smash);
 	symcall_register(SYMCALL_TEST_DONE, test_done);
+	symcall_register(SYMCALL_TEST_EXITS, test_exits);
+	symcall_register(SYMCALL_TEST_HC, test_hc);
 	if (do_register)
 		symcall_init(&global);
 	tsc_khz();
@@ -243,6 +263,11 @@ int main(void)
 			return 2;
 		}
 	}
+	/* selfcall=N: hypercall N once, before the workload (a test's hook calls
+	 * back into this vCPU from its own thread and reports what it got) */
+	if (param_present("selfcall"))
+		printf("sym-call selfcall=%lu\n",
+		       lucid_hypercall(param_u64("selfcall", 0), 0, 0, 0));
 	printf("sym-call ready cpus=%u registered=%d\n", cpus, do_register);
 	u64 checks = workload(0);
 	if (cpus == 2) {

@@ -10,8 +10,11 @@ use lucid_sym::abi::{self, call, page};
 use lucid_vmm::sym::{CallLimits, SymCallError, Symbiotic};
 use lucid_vmm::{KernelSource, SerialOutput, StopReason, Vm, VmConfig};
 
-/// The guest's own call that ends its workload (sym-call.c `SYMCALL_TEST_DONE`).
+/// The guest's own calls (sym-call.c): end the workload; PIO exits forever; make hypercall
+/// arg0 and return its result.
 const TEST_DONE: u64 = 0x1f0;
+const TEST_EXITS: u64 = 0x1f1;
+const TEST_HC: u64 = 0x1f2;
 
 struct Guest {
     vm: Vm,
@@ -19,6 +22,17 @@ struct Guest {
 }
 
 fn boot(tag: &str, vcpus: u8, cmdline: &str, symbiotic: bool) -> Guest {
+    boot_with(tag, vcpus, cmdline, symbiotic, |_| {})
+}
+
+/// As [`boot`], with `setup` run on the VM between its build and its start.
+fn boot_with(
+    tag: &str,
+    vcpus: u8,
+    cmdline: &str,
+    symbiotic: bool,
+    setup: impl FnOnce(&Vm),
+) -> Guest {
     let mut c = VmConfig::new(KernelSource::Builtin {
         name: "sym-call".into(),
         bytes: lucid_guests::get("sym-call").expect("built-in guest"),
@@ -30,6 +44,7 @@ fn boot(tag: &str, vcpus: u8, cmdline: &str, symbiotic: bool) -> Guest {
         std::env::temp_dir().join(format!("lucid-symcall-{}-{tag}.txt", std::process::id()));
     c.serial = SerialOutput::File(serial.clone());
     let mut vm = Vm::build(c).expect("build VM");
+    setup(&vm);
     vm.start().expect("start VM");
     Guest { vm, serial }
 }
@@ -292,4 +307,54 @@ fn without_symbiotic_there_is_nothing_to_call() {
     );
     let vm = Vm::build(c).expect("build VM");
     assert!(vm.sym().is_none());
+}
+
+/// A call issued on the vCPU's own thread (from an exit handler: here a hypercall hook) is
+/// refused at once, inside a SymCall or not, instead of waiting for itself; a handler that keeps
+/// exiting is cut off by the exit bound.
+#[test]
+fn own_thread_calls_are_refused_and_the_exit_bound_holds() {
+    let g = boot_with("self", 1, "ms=120000 selfcall=64", true, |vm| {
+        let sym = vm.sym().expect("--symbiotic").clone();
+        for nr in [64u64, 65] {
+            let s = sym.clone();
+            let hook = move |vcpu: u32, _: &lucid_hv::kvm_bindings::kvm_regs| -> u64 {
+                match s.call(vcpu, call::ECHO, [0; 5]) {
+                    Err(SymCallError::Busy(_)) => 1,
+                    Ok(_) => 2,
+                    Err(_) => 3,
+                }
+            };
+            vm.hooks().add_hypercall(nr, Arc::new(hook));
+        }
+    });
+    g.ready(0);
+    let sym = g.sym();
+    // Outside a call (the guest's boot) and inside one (a handler's hypercall).
+    assert!(g.output().contains("sym-call selfcall=1"), "{}", g.output());
+    let r = sym.call(0, TEST_HC, [65, 0, 0, 0, 0]).unwrap();
+    assert_eq!((r.status, r.values[0]), (abi::SYM_OK, 1));
+    let bounded = CallLimits {
+        timeout: Duration::from_secs(5),
+        max_exits: 500,
+    };
+    let r = sym.call_with(0, TEST_EXITS, [0; 5], bounded);
+    assert!(
+        matches!(
+            r,
+            Err(SymCallError::TooManyExits {
+                vcpu: 0,
+                exits: 500
+            })
+        ),
+        "{r:?}"
+    );
+    assert_eq!(
+        sym.call(0, call::ECHO, [3, 0, 0, 0, 0]).unwrap().values,
+        [3, 3]
+    );
+    let stats = g.vm.stats().snapshot();
+    g.finish(true);
+    assert_eq!(stats["sym.call.busy"], 2);
+    assert_eq!(stats["sym.call.too_many_exits"], 1);
 }
