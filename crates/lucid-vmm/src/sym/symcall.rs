@@ -434,7 +434,7 @@ impl Symbiotic {
         }
     }
 
-    /// 4. Runs the guest until `HC_RETURN` on this vCPU or a bound; returns how it ended and
+    /// Step 4: runs the guest until `HC_RETURN` on this vCPU or a bound; returns how it ended and
     /// the exits taken.
     fn run_handler(
         &self,
@@ -508,7 +508,7 @@ fn mp_state(ctx: &VcpuCtx, sregs: &kvm_sregs) -> Result<kvm_mp_state, HvError> {
     ctx.vcpu.get_mp_state()
 }
 
-/// 3. Loads the upcall context: entry, stack, flags (IF off, IOPL as registered), call number
+/// Step 3: loads the upcall context: entry, stack, flags (IF off, IOPL as registered), call number
 /// and arguments; CS/SS only if they differ from the interrupted ones (the fast path: a guest
 /// interrupted at CPL3 with the user selectors needs no segment load); no pending event or
 /// interrupt shadow; runnable. With `sync`, the state goes to the handler's KVM_RUN through
@@ -582,7 +582,7 @@ fn load(
     Ok(changed)
 }
 
-/// 5. Puts back what the call changed: registers always, the rest when the load or the
+/// Step 5: puts back what the call changed: registers always, the rest when the load or the
 /// handler may have changed it. With `sync`, through kvm_run for the next KVM_RUN (a request
 /// run before that flushes it with the SET ioctls).
 fn restore(
