@@ -268,11 +268,40 @@ fn misbehaving_handlers_cost_the_call_not_the_vm() {
             [2, 2]
         );
     }
+    // A vCPU held outside the guest past the deadline (here: another request sleeping on its
+    // thread) never takes the call up: the caller gives up on time, the call never runs.
+    let h = g.vm.vcpus()[0].clone();
+    let holder =
+        std::thread::spawn(move || h.call(|_| std::thread::sleep(Duration::from_millis(400))));
+    std::thread::sleep(Duration::from_millis(50));
+    let quick = CallLimits {
+        timeout: Duration::from_millis(100),
+        ..CallLimits::default()
+    };
+    let t = Instant::now();
+    let r = sym.call_with(0, call::ECHO, [0; 5], quick);
+    assert!(matches!(r, Err(SymCallError::Timeout { .. })), "{r:?}");
+    assert!(
+        t.elapsed() < Duration::from_millis(300),
+        "{:?}",
+        t.elapsed()
+    );
+    holder.join().unwrap().unwrap();
+    let before = sym.symcalls_on(0);
+    assert_eq!(
+        sym.call(0, call::ECHO, [4, 0, 0, 0, 0]).unwrap().values,
+        [4, 4]
+    );
+    assert_eq!(
+        sym.symcalls_on(0),
+        before + 1,
+        "the abandoned call did not run"
+    );
     let stats = g.vm.stats().snapshot();
     let (out, _) = g.finish(true);
     assert!(field(&out, "faults_seen") >= 4, "{out}");
     assert_eq!(stats["sym.call.busy"], 1);
-    assert_eq!(stats["sym.call.timeouts"], 4);
+    assert_eq!(stats["sym.call.timeouts"], 5);
     assert!(stats["sym.call.faults"] >= 4);
     assert_eq!(stats["sym.call.stray_returns"], 0);
 }

@@ -9,7 +9,7 @@
 //! vCPU out of KVM_RUN once the deadline has passed. Whatever the handler did, the guest
 //! resumes where it was with its registers intact.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -86,6 +86,10 @@ impl Default for CallLimits {
 /// After the deadline the caller kicks the vCPU this often until the call ends: the vCPU
 /// checks the time after every exit, and a kick guarantees one.
 const KICK_EVERY: Duration = Duration::from_millis(2);
+/// A request's phases (see `call_with`).
+const QUEUED: u8 = 0;
+const RUNNING: u8 = 1;
+const ABANDONED: u8 = 2;
 /// Torn reads of a SymSpy record tolerated before the record counts as absent.
 const READ_TRIES: u32 = 1000;
 
@@ -238,9 +242,18 @@ impl Symbiotic {
             return Err(SymCallError::Stopped);
         };
         let (tx, rx) = mpsc::channel();
+        // Queued -> running, or queued -> abandoned by a caller whose deadline passed before
+        // the vCPU took the request up (it was held in a long exit handler): the request then
+        // does nothing when it runs.
+        let phase = Arc::new(AtomicU8::new(QUEUED));
+        let p = phase.clone();
         handle
             .submit(move |ctx| {
-                let _ = tx.send(me.run_call(ctx, nr, args, limits));
+                if p.compare_exchange(QUEUED, RUNNING, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+                {
+                    let _ = tx.send(me.run_call(ctx, nr, args, limits));
+                }
             })
             .map_err(|_| SymCallError::Gone(vcpu))?;
         let asked = Instant::now();
@@ -252,6 +265,15 @@ impl Symbiotic {
                 Ok(r) => break r,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     if Instant::now() >= deadline {
+                        if phase
+                            .compare_exchange(QUEUED, ABANDONED, Ordering::SeqCst, Ordering::SeqCst)
+                            .is_ok()
+                        {
+                            break Err(SymCallError::Timeout {
+                                vcpu,
+                                ms: limits.timeout.as_millis() as u64,
+                            });
+                        }
                         handle.kick();
                     }
                 }
