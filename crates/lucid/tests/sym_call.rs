@@ -3,6 +3,8 @@
 //! its registers and memory continually; the test thread issues SymCalls into it. Asserts
 //! results, refusals, cut-offs and that the guest ends with `corrupt=0`.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -386,4 +388,37 @@ fn own_thread_calls_are_refused_and_the_exit_bound_holds() {
     g.finish(true);
     assert_eq!(stats["sym.call.busy"], 2);
     assert_eq!(stats["sym.call.too_many_exits"], 1);
+}
+
+/// The `lucid` binary: with `--symbiotic` the guest registers and runs its checked workload
+/// (nobody calls it); without, it is told nothing is offered and says so.
+#[test]
+fn the_cli_offers_symcall_only_with_symbiotic() {
+    let limit = Duration::from_secs(30);
+    let on = common::lucid(
+        &[
+            "run",
+            "--guest",
+            "sym-call",
+            "--symbiotic",
+            "--cmdline",
+            "ms=200",
+        ],
+        limit,
+    );
+    assert!(
+        on.stdout.contains("sym-call done"),
+        "{}{}",
+        on.stdout,
+        on.stderr
+    );
+    assert!(on.stdout.contains(" corrupt=0 "), "{}", on.stdout);
+    assert_eq!(on.status, Some(1), "exit code 0: (0 << 1) | 1");
+    assert_eq!(on.counter("sym.call.calls"), 0);
+    let off = common::lucid(
+        &["run", "--guest", "sym-call", "--cmdline", "ms=200"],
+        limit,
+    );
+    assert!(off.stdout.contains("sym: not offered"), "{}", off.stdout);
+    assert_eq!(off.status, Some(5), "exit code 2: (2 << 1) | 1");
 }
