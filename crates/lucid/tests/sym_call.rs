@@ -254,7 +254,7 @@ fn misbehaving_handlers_cost_the_call_not_the_vm() {
     assert_eq!(r.values[0], 14, "#PF");
     // A handler that smashes its return address: #GP on the ret, or cut off.
     match sym.call_with(0, call::TEST_SMASH, [0; 5], short) {
-        Ok(r) => assert_eq!(r.status, abi::SYM_EFAULT),
+        Ok(r) => assert_eq!((r.status, r.values[0]), (abi::SYM_EFAULT, 13), "#GP"),
         Err(SymCallError::Timeout { .. }) => {}
         Err(e) => panic!("smash: {e}"),
     }
