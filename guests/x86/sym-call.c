@@ -12,7 +12,8 @@
  * of guest compute and right after an exit. Any difference: "corrupt" and
  * exit 1. Parameters: cpus=1|2 (1), ms, exits_every (0), register=0 (run
  * without registering SymCall: every call must be refused), selfcall=N
- * (hypercall N once before the workload, for a test hook).
+ * (hypercall N once before the workload, for a test hook), stray=1 (an
+ * HC_RETURN outside any call first).
  * Prints "sym-call ready cpus=N" once the calls may start and at the end
  * "sym-call done checks=N corrupt=0 symcalls_seen=M faults_seen=F".
  */
@@ -268,6 +269,10 @@ int main(void)
 	if (param_present("selfcall"))
 		printf("sym-call selfcall=%lu\n",
 		       lucid_hypercall(param_u64("selfcall", 0), 0, 0, 0));
+	/* stray=1: an HC_RETURN outside any call (Lucid refuses it: -EINVAL) */
+	if (param_u64("stray", 0))
+		printf("sym-call stray=%ld\n",
+		       (long)lucid_hypercall(SYM_HC_RETURN, SYM_OK, 0, 0));
 	printf("sym-call ready cpus=%u registered=%d\n", cpus, do_register);
 	u64 checks = workload(0);
 	if (cpus == 2) {

@@ -341,10 +341,10 @@ fn without_symbiotic_there_is_nothing_to_call() {
 
 /// A call issued on the vCPU's own thread (from an exit handler: here a hypercall hook) is
 /// refused at once, inside a SymCall or not, instead of waiting for itself; a handler that keeps
-/// exiting is cut off by the exit bound.
+/// exiting is cut off by the exit bound; an `HC_RETURN` outside a call is refused.
 #[test]
 fn own_thread_calls_are_refused_and_the_exit_bound_holds() {
-    let g = boot_with("self", 1, "ms=120000 selfcall=64", true, |vm| {
+    let g = boot_with("self", 1, "ms=120000 selfcall=64 stray=1", true, |vm| {
         let sym = vm.sym().expect("--symbiotic").clone();
         for nr in [64u64, 65] {
             let s = sym.clone();
@@ -367,6 +367,8 @@ fn own_thread_calls_are_refused_and_the_exit_bound_holds() {
         std::thread::sleep(Duration::from_millis(5));
     }
     assert!(g.output().contains("sym-call selfcall=1"), "{}", g.output());
+    // An HC_RETURN outside a call is refused and counted.
+    assert!(g.output().contains("sym-call stray=-22"), "{}", g.output());
     let r = sym.call(0, TEST_HC, [65, 0, 0, 0, 0]).unwrap();
     assert_eq!((r.status, r.values[0]), (abi::SYM_OK, 1));
     let bounded = CallLimits {
@@ -392,6 +394,7 @@ fn own_thread_calls_are_refused_and_the_exit_bound_holds() {
     g.finish(true);
     assert_eq!(stats["sym.call.busy"], 2);
     assert_eq!(stats["sym.call.too_many_exits"], 1);
+    assert_eq!(stats["sym.call.stray_returns"], 1);
 }
 
 /// The `lucid` binary: with `--symbiotic` the guest registers and runs its checked workload

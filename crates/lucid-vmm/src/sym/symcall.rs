@@ -633,3 +633,64 @@ fn restore(
     }
     ctx.vcpu.set_regs(&saved.regs)
 }
+
+#[cfg(test)]
+mod tests {
+    //! What can be checked without a vCPU: refusals, stray returns, descriptors.
+
+    use lucid_mem::vm_memory::GuestAddress;
+    use lucid_mem::GuestMemoryMmap;
+
+    use super::*;
+    use crate::hooks::ExitHooks;
+
+    fn sym() -> (Arc<Symbiotic>, Arc<StatsRegistry>) {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let stats = StatsRegistry::new();
+        (
+            Symbiotic::install(&ExitHooks::new(), &mem, 2, &stats),
+            stats,
+        )
+    }
+
+    #[test]
+    fn calls_need_a_vcpu() {
+        let (s, stats) = sym();
+        // No vCPU handles yet (the VM is not built), and none numbered 7 ever.
+        assert!(matches!(
+            s.call(0, abi::call::ECHO, [0; 5]),
+            Err(SymCallError::NoVcpu(0))
+        ));
+        assert!(matches!(
+            s.call(7, abi::call::ECHO, [0; 5]),
+            Err(SymCallError::NoVcpu(7))
+        ));
+        assert_eq!(stats.snapshot()["sym.call.calls"], 2);
+        assert_eq!(s.symcalls_on(7), 0);
+    }
+
+    #[test]
+    fn a_return_outside_a_call_is_refused_and_counted() {
+        let (s, stats) = sym();
+        assert_eq!(s.symcall_return(0, 0, 1, 2), abi::neg(abi::SYM_EINVAL));
+        assert_eq!(s.symcall_return(9, 0, 1, 2), abi::neg(abi::SYM_EINVAL));
+        assert_eq!(stats.snapshot()["sym.call.stray_returns"], 2);
+        // During a call the values land in the vCPU's slot.
+        let slot = &s.calls.slots[1];
+        slot.running.store(true, Ordering::SeqCst);
+        assert_eq!(s.symcall_return(1, 14, 13, 0x1234), 0);
+        assert_eq!(*slot.ret.lock().unwrap(), Some([14, 13, 0x1234]));
+    }
+
+    #[test]
+    fn loaded_segments_are_flat_64_bit() {
+        let cs = flat_segment(0x2b, true);
+        assert_eq!(
+            (cs.dpl, cs.l, cs.db, cs.type_, cs.present),
+            (3, 1, 0, 0xb, 1)
+        );
+        let ss = flat_segment(0x23, false);
+        assert_eq!((ss.dpl, ss.l, ss.db, ss.type_), (3, 0, 1, 0x3));
+        assert_eq!(flat_segment(0x18, true).dpl, 0);
+    }
+}
