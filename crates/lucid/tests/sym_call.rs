@@ -133,10 +133,24 @@ fn echo_is_correct_ten_thousand_times() {
     assert_eq!(r.status, abi::SYM_EINVAL);
     let r = sym.call(0, 0x77, [0; 5]).unwrap();
     assert_eq!(r.status, abi::SYM_ENOSYS, "no handler");
+    // A paused vCPU serves calls and stays paused: its workload does not move meanwhile.
+    let h = g.vm.vcpus()[0].clone();
+    h.pause().unwrap();
+    let c1 = sym
+        .call(0, call::READ_COUNTER, [2, 0, 0, 0, 0])
+        .unwrap()
+        .values[0];
+    std::thread::sleep(Duration::from_millis(50));
+    let c2 = sym
+        .call(0, call::READ_COUNTER, [2, 0, 0, 0, 0])
+        .unwrap()
+        .values[0];
+    assert_eq!(c1, c2, "rounds while paused");
+    h.resume().unwrap();
     // Lucid's count of the vCPU's calls is in its SymSpy page.
     let w = sym.spy().vcpu(0).unwrap().load_u64(page::W_SYMCALLS);
     assert_eq!(w, sym.symcalls_on(0));
-    assert!(w >= N + 4);
+    assert!(w >= N + 6);
     let stats = g.vm.stats().snapshot();
     let (out, _) = g.finish(true);
     assert!(field(&out, "symcalls_seen") >= N + 4, "{out}");
@@ -170,14 +184,19 @@ fn two_vcpus_are_called_concurrently_from_two_threads() {
     let g = boot("smp", 2, "cpus=2 ms=120000", true);
     g.ready(0);
     g.ready(1);
+    // Phase 1: 2000 calls each to its own vCPU (never refused: nobody else calls it then).
+    // Phase 2, after both finished phase 1: every fourth call goes to the other vCPU.
+    let phase2 = Arc::new(std::sync::Barrier::new(2));
     let threads: Vec<_> = (0..2u32)
         .map(|t| {
             let sym = g.sym();
+            let phase2 = phase2.clone();
             std::thread::spawn(move || {
                 let mut busy = 0;
                 for i in 0..3000u64 {
-                    // 2000 calls to its own vCPU (never refused: nobody else calls it then),
-                    // then every fourth call to the other one.
+                    if i == 2000 {
+                        phase2.wait();
+                    }
                     let vcpu = if i >= 2000 && i % 4 == 3 { 1 - t } else { t };
                     let a = [i, u64::from(t), 100, 0, 0];
                     match sym.call(vcpu, call::ECHO, a) {

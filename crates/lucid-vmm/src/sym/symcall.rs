@@ -361,41 +361,20 @@ impl Symbiotic {
         let slot = &self.calls.slots[vcpu as usize];
         let state = |what, source: HvError| SymCallError::State { vcpu, what, source };
         let entry = self.entry(vcpu).ok_or(SymCallError::NotRegistered(vcpu))?;
-        // 1 + 2. Finish the last exit's instruction (it belongs to the interrupted context),
-        // then save. With KVM's state mirror one empty KVM_RUN does both; otherwise the pending
-        // exit is finished only if there is one, and the state read with GET ioctls.
-        let sync = ctx.vcpu.can_sync_state();
-        let saved = if sync {
-            ctx.vcpu.set_state_sync(true);
-            if ctx.run_empty() == LoopEnd::Stopped {
-                ctx.vcpu.set_state_sync(false);
-                return Err(SymCallError::Stopped);
-            }
-            let s = ctx.vcpu.synced_state();
-            Saved {
-                mp_state: mp_state(ctx, &s.sregs).map_err(|e| state("read", e))?,
-                regs: s.regs,
-                sregs: s.sregs,
-                events: s.events,
-            }
-        } else {
-            if ctx.complete_pending_exit() == LoopEnd::Stopped {
-                return Err(SymCallError::Stopped);
-            }
-            // The kick that queued this call has been served: a call issued right after the
-            // last one finds the vCPU still in userspace with `immediate_exit` set, and would
-            // pay an empty KVM_RUN. (A deadline kick cleared here is repeated.)
-            ctx.vcpu.clear_immediate_exit();
-            let sregs = ctx.vcpu.get_sregs().map_err(|e| state("read", e))?;
-            Saved {
-                regs: ctx.vcpu.get_regs().map_err(|e| state("read", e))?,
-                events: ctx.vcpu.get_vcpu_events().map_err(|e| state("read", e))?,
-                mp_state: mp_state(ctx, &sregs).map_err(|e| state("read", e))?,
-                sregs,
-            }
-        };
         // A nested loop on a paused vCPU would wait for a resume: lift the pause meanwhile.
         let was_paused = ctx.set_paused(false);
+        let sync = ctx.vcpu.can_sync_state();
+        let saved = match save(ctx, sync) {
+            Ok(s) => s,
+            Err(e) => {
+                ctx.vcpu.set_state_sync(false);
+                ctx.set_paused(was_paused);
+                return Err(match e {
+                    None => SymCallError::Stopped,
+                    Some(e) => state("read", e),
+                });
+            }
+        };
         *slot.ret.lock().unwrap_or_else(|e| e.into_inner()) = None;
         let mut exits = 0;
         let loaded = load(ctx, sync, &saved, &entry, nr, &args);
@@ -517,6 +496,40 @@ fn flat_segment(sel: u16, code: bool) -> kvm_segment {
         unusable: 0,
         padding: 0,
     }
+}
+
+/// Steps 1 and 2: finishes the last exit's instruction (it belongs to the interrupted
+/// context), then saves. With KVM's state mirror one empty KVM_RUN does both; otherwise the
+/// pending exit is finished only if there is one, and the state read with GET ioctls. `None`:
+/// the VM is stopping.
+fn save(ctx: &mut VcpuCtx, sync: bool) -> Result<Saved, Option<HvError>> {
+    if sync {
+        ctx.vcpu.set_state_sync(true);
+        if ctx.run_empty() == LoopEnd::Stopped {
+            return Err(None);
+        }
+        let s = ctx.vcpu.synced_state();
+        return Ok(Saved {
+            mp_state: mp_state(ctx, &s.sregs)?,
+            regs: s.regs,
+            sregs: s.sregs,
+            events: s.events,
+        });
+    }
+    if ctx.complete_pending_exit() == LoopEnd::Stopped {
+        return Err(None);
+    }
+    // The kick that queued this call has been served: a call issued right after the last one
+    // finds the vCPU still in userspace with `immediate_exit` set, and would pay an empty
+    // KVM_RUN. (A deadline kick cleared here is repeated.)
+    ctx.vcpu.clear_immediate_exit();
+    let sregs = ctx.vcpu.get_sregs()?;
+    Ok(Saved {
+        regs: ctx.vcpu.get_regs()?,
+        events: ctx.vcpu.get_vcpu_events()?,
+        mp_state: mp_state(ctx, &sregs)?,
+        sregs,
+    })
 }
 
 /// The multiprocessing state: a vCPU at CPL3 runs (HLT faults there), so only one elsewhere
