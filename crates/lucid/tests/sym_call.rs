@@ -448,3 +448,30 @@ fn the_cli_offers_symcall_only_with_symbiotic() {
     assert!(off.stdout.contains("sym: not offered"), "{}", off.stdout);
     assert_eq!(off.status, Some(5), "exit code 2: (2 << 1) | 1");
 }
+
+/// Without KVM's state mirror (hosts without `KVM_CAP_SYNC_REGS`) the same calls go through
+/// GET/SET ioctls: echo, a fault, a loop and calls right after PIO exits, guest intact.
+#[test]
+fn the_ioctl_path_keeps_the_guest_intact_too() {
+    let g = boot("ioctl", 1, "ms=120000 exits_every=300", true);
+    let sym = g.sym();
+    sym.set_state_mirror(false);
+    g.ready(0);
+    for i in 0..2000u64 {
+        let r = sym.call(0, call::ECHO, [i, 2, 0, 0, 0]).expect("echo");
+        assert_eq!(r.values, [i + 2, i]);
+    }
+    let r = sym.call(0, call::TEST_FAULT, [0; 5]).unwrap();
+    assert_eq!((r.status, r.values[0]), (abi::SYM_EFAULT, 14));
+    let short = CallLimits {
+        timeout: Duration::from_millis(100),
+        ..CallLimits::default()
+    };
+    let r = sym.call_with(0, call::TEST_LOOP, [0; 5], short);
+    assert!(matches!(r, Err(SymCallError::Timeout { .. })), "{r:?}");
+    assert_eq!(
+        sym.call(0, call::ECHO, [5, 0, 0, 0, 0]).unwrap().values,
+        [5, 5]
+    );
+    g.finish(true);
+}

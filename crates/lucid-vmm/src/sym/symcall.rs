@@ -124,6 +124,8 @@ struct Slot {
 pub struct Calls {
     slots: Vec<Slot>,
     limits: Mutex<CallLimits>,
+    /// Use KVM's kvm_run state mirror when the host has it (off: GET/SET ioctls throughout).
+    mirror: AtomicBool,
     pub counters: CallCounters,
 }
 
@@ -133,6 +135,7 @@ impl Calls {
         Calls {
             slots: (0..vcpus).map(|_| Slot::default()).collect(),
             limits: Mutex::new(CallLimits::default()),
+            mirror: AtomicBool::new(true),
             counters: CallCounters {
                 calls: c("calls"),
                 completed: c("completed"),
@@ -195,6 +198,13 @@ impl Symbiotic {
     /// The limits later [`Symbiotic::call`]s get.
     pub fn set_call_limits(&self, limits: CallLimits) {
         *self.calls.limits.lock().unwrap_or_else(|e| e.into_inner()) = limits;
+    }
+
+    /// Whether calls may use KVM's kvm_run state mirror (`KVM_CAP_SYNC_REGS`; on by default
+    /// where the host has it). Off, every part of the state goes through GET/SET ioctls: the
+    /// path hosts without the capability take, kept switchable to test and measure it.
+    pub fn set_state_mirror(&self, on: bool) {
+        self.calls.mirror.store(on, Ordering::Relaxed);
     }
 
     /// SymCalls completed on `vcpu` (what `W_SYMCALLS` holds).
@@ -363,7 +373,7 @@ impl Symbiotic {
         let entry = self.entry(vcpu).ok_or(SymCallError::NotRegistered(vcpu))?;
         // A nested loop on a paused vCPU would wait for a resume: lift the pause meanwhile.
         let was_paused = ctx.set_paused(false);
-        let sync = ctx.vcpu.can_sync_state();
+        let sync = ctx.vcpu.can_sync_state() && self.calls.mirror.load(Ordering::Relaxed);
         let saved = match save(ctx, sync) {
             Ok(s) => s,
             Err(e) => {

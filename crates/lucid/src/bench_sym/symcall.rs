@@ -113,7 +113,23 @@ pub fn run(opts: &Opts) -> Result<Figures, String> {
         wall.sort_by(f64::total_cmp);
         inside.sort_by(f64::total_cmp);
         let warm = quantile(&wall, 0.5);
+        // The same calls without KVM's kvm_run state mirror (GET/SET ioctls: hosts without
+        // KVM_CAP_SYNC_REGS), to show what the mirror saves.
+        sym.set_state_mirror(false);
+        let mut ioctl = Vec::with_capacity(n / 4);
+        for i in 0..(n / 4) as u64 {
+            let t = Instant::now();
+            sym.call(0, call::ECHO, [i, 0, 0, 0, 0])
+                .map_err(|e| format!("sym-call: {e}"))?;
+            ioctl.push(t.elapsed().as_nanos() as f64);
+        }
+        sym.set_state_mirror(true);
+        ioctl.sort_by(f64::total_cmp);
         Ok(vec![
+            (
+                "symcall_warm_ioctl_path_us".into(),
+                json!(us(quantile(&ioctl, 0.5))),
+            ),
             ("symcall_cold_us".into(), json!(us(cold_ns))),
             ("symcall_cold_exits".into(), json!(cold_exits)),
             ("symcall_warm_us".into(), json!(us(warm))),
