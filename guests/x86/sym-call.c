@@ -25,11 +25,14 @@
 #define SYMCALL_TEST_EXITS 0x1f1	/* PIO exits forever (the exit bound) */
 #define SYMCALL_TEST_HC    0x1f2	/* value 0 = hypercall arg0's result (a hook
 					 * the test installs, which calls back) */
+#define SYMCALL_TEST_TOUCH 0x1f3	/* the workload writes arg0 MiB of RAM from
+					 * 32 MiB on, then bumps its page's counter */
 
 static struct sym_global global;
 static struct sym_vcpu vpages[2];
 static volatile u64 counters[4];	/* READ_COUNTER: checks cpu0, cpu1, rounds, 0x5eed */
 static volatile int done_flag;
+static volatile u64 touch_mib;
 static volatile u64 corrupt_total;
 static volatile u32 ap_state;		/* 1 registered, 2 finished */
 static u64 run_ms, exits_every;
@@ -73,6 +76,28 @@ static u64 test_hc(const u64 a[5], u64 out[2])
 {
 	out[0] = lucid_hypercall(a[0], 0, 0, 0);
 	return SYM_OK;
+}
+
+static u64 test_touch(const u64 a[5], u64 out[2])
+{
+	touch_mib = a[0];
+	return SYM_OK;
+}
+
+/* Writes touch_mib MiB from 32 MiB on (what RAM there is), one word per
+ * 4 KiB page, then publishes the count of touches in the vCPU page's
+ * counter (Lucid reads it without a call, so the next call is cold). */
+static void touch_memory(void)
+{
+	u64 start = 32ULL << 20, end = ram_region_end(start), n = touch_mib << 20;
+	if (end && start + n > end)
+		n = end - start;
+	for (u64 a = start; end && a < start + n; a += 4096)
+		*(volatile u64 *)a = a;
+	touch_mib = 0;
+	sym_seq_begin(&vpages[0].seq);
+	vpages[0].counter++;
+	sym_seq_end(&vpages[0].seq);
 }
 
 static u64 test_done(const u64 a[5], u64 out[2])
@@ -178,6 +203,8 @@ static u64 workload(u32 cpu)
 			break;
 		}
 		checks += 20000;
+		if (cpu == 0 && touch_mib)
+			touch_memory();
 		counters[cpu] = checks;
 		counters[2] = round;
 	}
@@ -245,6 +272,7 @@ int main(void)
 	symcall_register(SYMCALL_TEST_DONE, test_done);
 	symcall_register(SYMCALL_TEST_EXITS, test_exits);
 	symcall_register(SYMCALL_TEST_HC, test_hc);
+	symcall_register(SYMCALL_TEST_TOUCH, test_touch);
 	if (do_register)
 		symcall_init(&global);
 	tsc_khz();
