@@ -5,7 +5,7 @@ use kvm_bindings::{
     kvm_fpu, kvm_lapic_state, kvm_mp_state, kvm_regs, kvm_run, kvm_sregs, CpuId,
     KVM_INTERNAL_ERROR_EMULATION,
 };
-use kvm_ioctls::{VcpuExit, VcpuFd};
+use kvm_ioctls::{SyncReg, VcpuExit, VcpuFd};
 
 use std::sync::Arc;
 
@@ -122,18 +122,22 @@ pub struct Vcpu {
     /// Address of the kvm_run mapping, kept as an integer so that reading exit details does not
     /// borrow `fd` while `run`'s borrow is alive.
     run_addr: usize,
+    /// Whether KVM mirrors registers, segment registers and events in the kvm_run page
+    /// (`KVM_CAP_SYNC_REGS`): see [`Vcpu::set_state_sync`].
+    can_sync: bool,
     /// The VM and its guest memory: a vCPU fd keeps the kernel's VM (and its memory slots)
     /// alive, so it keeps the memory those slots point into alive too. Dropped after `fd`.
     _vm: Arc<VmInner>,
 }
 
 impl Vcpu {
-    pub(crate) fn new(id: u32, mut fd: VcpuFd, vm: Arc<VmInner>) -> Self {
+    pub(crate) fn new(id: u32, mut fd: VcpuFd, vm: Arc<VmInner>, can_sync: bool) -> Self {
         let run_addr = fd.get_kvm_run() as *mut kvm_run as usize;
         Vcpu {
             id,
             fd,
             run_addr,
+            can_sync,
             _vm: vm,
         }
     }
@@ -277,6 +281,111 @@ impl Vcpu {
             .get_tsc_khz()
             .map_err(|e| HvError::Ioctl("KVM_GET_TSC_KHZ", e))
     }
+    pub fn get_vcpu_events(&self) -> Result<kvm_bindings::kvm_vcpu_events, HvError> {
+        self.fd
+            .get_vcpu_events()
+            .map_err(|e| HvError::Ioctl("KVM_GET_VCPU_EVENTS", e))
+    }
+    pub fn set_vcpu_events(&self, ev: &kvm_bindings::kvm_vcpu_events) -> Result<(), HvError> {
+        self.fd
+            .set_vcpu_events(ev)
+            .map_err(|e| HvError::Ioctl("KVM_SET_VCPU_EVENTS", e))
+    }
+    /// Whether [`Vcpu::set_state_sync`] is available (`KVM_CAP_SYNC_REGS` with registers,
+    /// segment registers and events).
+    pub fn can_sync_state(&self) -> bool {
+        self.can_sync
+    }
+
+    /// With `on`, every KVM_RUN leaves the registers, segment registers and events in the
+    /// kvm_run page ([`Vcpu::synced_state`]) and [`Vcpu::put_synced_state`] hands changed ones
+    /// to the next KVM_RUN: no GET/SET ioctl each (which cost microseconds apiece on some
+    /// hosts). KVM_RUN with `immediate_exit` set then also reads the state, and finishes a
+    /// pending exit, in one ioctl.
+    pub fn set_state_sync(&mut self, on: bool) {
+        for r in [
+            SyncReg::Register,
+            SyncReg::SystemRegister,
+            SyncReg::VcpuEvents,
+        ] {
+            if on {
+                self.fd.set_sync_valid_reg(r);
+            } else {
+                self.fd.clear_sync_valid_reg(r);
+            }
+        }
+    }
+
+    /// Whether [`Vcpu::set_state_sync`] is on.
+    pub fn state_sync(&self) -> bool {
+        // SAFETY: run_addr is this vCPU's live kvm_run mapping; the field is plain data only
+        // this thread and KVM (inside KVM_RUN, on this thread) access.
+        unsafe { (*(self.run_addr as *const kvm_run)).kvm_valid_regs != 0 }
+    }
+
+    /// The state KVM left in kvm_run at the last exit (with [`Vcpu::set_state_sync`] on), as
+    /// changed by [`Vcpu::put_synced_state`] since.
+    pub fn synced_state(&self) -> kvm_bindings::kvm_sync_regs {
+        self.fd.sync_regs()
+    }
+
+    /// Hands state to the next KVM_RUN through kvm_run (each part given is marked dirty).
+    /// Until then GET ioctls would not see it: [`Vcpu::flush_synced_state`] writes it at once.
+    pub fn put_synced_state(
+        &mut self,
+        regs: Option<&kvm_regs>,
+        sregs: Option<&kvm_sregs>,
+        events: Option<&kvm_bindings::kvm_vcpu_events>,
+    ) {
+        let s = self.fd.sync_regs_mut();
+        if let Some(r) = regs {
+            s.regs = *r;
+        }
+        if let Some(r) = sregs {
+            s.sregs = *r;
+        }
+        if let Some(e) = events {
+            s.events = *e;
+        }
+        if regs.is_some() {
+            self.fd.set_sync_dirty_reg(SyncReg::Register);
+        }
+        if sregs.is_some() {
+            self.fd.set_sync_dirty_reg(SyncReg::SystemRegister);
+        }
+        if events.is_some() {
+            self.fd.set_sync_dirty_reg(SyncReg::VcpuEvents);
+        }
+    }
+
+    /// Writes state left dirty by [`Vcpu::put_synced_state`] with the SET ioctls now, so that
+    /// code about to read or write the vCPU through ioctls sees it.
+    pub fn flush_synced_state(&mut self) -> Result<(), HvError> {
+        // SAFETY: as in `state_sync`.
+        let dirty = unsafe { (*(self.run_addr as *const kvm_run)).kvm_dirty_regs };
+        if dirty == 0 {
+            return Ok(());
+        }
+        let s = self.fd.sync_regs();
+        if dirty & u64::from(kvm_bindings::KVM_SYNC_X86_SREGS) != 0 {
+            self.set_sregs(&s.sregs)?;
+        }
+        if dirty & u64::from(kvm_bindings::KVM_SYNC_X86_EVENTS) != 0 {
+            self.set_vcpu_events(&s.events)?;
+        }
+        if dirty & u64::from(kvm_bindings::KVM_SYNC_X86_REGS) != 0 {
+            self.set_regs(&s.regs)?;
+        }
+        for r in [
+            SyncReg::Register,
+            SyncReg::SystemRegister,
+            SyncReg::VcpuEvents,
+        ] {
+            self.fd.clear_sync_dirty_reg(r);
+        }
+        Ok(())
+    }
+
     /// Injects an exception (used to complete instructions KVM's emulator could not).
     pub fn inject_exception(&self, vector: u8, error_code: Option<u32>) -> Result<(), HvError> {
         let mut ev = self

@@ -203,7 +203,18 @@ impl Vm {
             .fd
             .create_vcpu(id as u64)
             .map_err(|e| HvError::Ioctl("KVM_CREATE_VCPU", e))?;
-        Ok(Vcpu::new(id, fd, self.inner.clone()))
+        // KVM_CHECK_EXTENSION answers with the state KVM can mirror in kvm_run.
+        let all = u64::from(
+            kvm_bindings::KVM_SYNC_X86_REGS
+                | kvm_bindings::KVM_SYNC_X86_SREGS
+                | kvm_bindings::KVM_SYNC_X86_EVENTS,
+        );
+        let offered = self
+            .inner
+            .fd
+            .check_extension_raw(u64::from(kvm_bindings::KVM_CAP_SYNC_REGS));
+        let can_sync = offered > 0 && (offered as u64) & all == all;
+        Ok(Vcpu::new(id, fd, self.inner.clone(), can_sync))
     }
 
     /// A guest write of `len` bytes (or any size for `len == 0`) to `addr` signals `fd` in the

@@ -147,6 +147,20 @@ impl VcpuHandle {
         rx.recv().map_err(|_| VcpuError::Gone(self.id))
     }
 
+    /// Queues `f` to run on the vCPU thread between two guest entries and returns at once
+    /// (the caller waits for its result its own way: SymCall waits with a deadline and kicks).
+    pub fn submit(&self, f: impl FnOnce(&mut VcpuCtx) + Send + 'static) -> Result<(), VcpuError> {
+        self.push(Request::Call(Box::new(f)))
+    }
+
+    /// Whether the calling thread is this vCPU's own thread (code in its exit handlers), which
+    /// must not wait for a request it would have to serve itself.
+    pub fn is_current_thread(&self) -> bool {
+        let thread = self.thread.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: pthread_self has no preconditions; pthread_equal compares two thread ids.
+        thread.is_some_and(|t| unsafe { libc::pthread_equal(t, libc::pthread_self()) } != 0)
+    }
+
     pub fn get_regs(&self) -> Result<kvm_regs, VcpuError> {
         Ok(self.call(|c| c.vcpu.get_regs())??)
     }
@@ -222,6 +236,9 @@ pub struct VcpuCtx {
     counters: VcpuCounters,
     emulator: Emulator,
     paused: bool,
+    /// The reason of the last exit the loop dispatched (`Exit::reason`), "" before the first:
+    /// an I/O, MMIO or MSR exit leaves its instruction for the next KVM_RUN to finish.
+    last_exit: &'static str,
     /// Memory-fault waits in a row that found no memory (`absorb_memory_fault`).
     dry_waits: u32,
 }
@@ -253,6 +270,7 @@ impl VcpuCtx {
             counters: VcpuCounters::new(stats, id),
             emulator,
             paused: false,
+            last_exit: "",
             dry_waits: 0,
         };
         (ctx, handle)
@@ -260,6 +278,38 @@ impl VcpuCtx {
 
     pub fn id(&self) -> u32 {
         self.vcpu.id()
+    }
+
+    /// Whether the vCPU is paused; code run on it (a SymCall) may lift the pause for a while,
+    /// as a nested loop would otherwise wait for a resume.
+    pub(crate) fn set_paused(&mut self, paused: bool) -> bool {
+        std::mem::replace(&mut self.paused, paused)
+    }
+
+    pub fn last_exit(&self) -> &'static str {
+        self.last_exit
+    }
+
+    /// Finishes the instruction of the last exit if it was I/O, MMIO or an MSR access: KVM
+    /// completes it (an IN's data to its register, the skip past an OUT) at the next KVM_RUN,
+    /// so one run with `immediate_exit` set completes it and returns at once. Until then the
+    /// registers KVM reports are not the guest's final ones. Other exits the loop meets on the
+    /// way (an MMIO access split in two) are dispatched as usual.
+    pub fn complete_pending_exit(&mut self) -> LoopEnd {
+        if !matches!(
+            self.last_exit,
+            "io_in" | "io_out" | "mmio_read" | "mmio_write" | "msr_read" | "msr_write"
+        ) {
+            return LoopEnd::Condition;
+        }
+        self.run_empty()
+    }
+
+    /// One KVM_RUN that does not enter the guest (`immediate_exit`): finishes a pending exit
+    /// and, with [`lucid_hv::Vcpu::set_state_sync`] on, mirrors the vCPU state in kvm_run.
+    pub fn run_empty(&mut self) -> LoopEnd {
+        self.handle.immediate_exit.set();
+        self.run_until(|reason| reason == "interrupted")
     }
 
     /// The vCPU thread's body: runs the guest until the VM stops.
@@ -284,6 +334,15 @@ impl VcpuCtx {
                 }
                 r
             };
+            // State handed to the next KVM_RUN through kvm_run (a SymCall's restore) is
+            // written now, so that a request reading or writing the vCPU sees the live state.
+            if req.is_some() {
+                if let Err(source) = self.vcpu.flush_synced_state() {
+                    let vcpu = self.vcpu.id();
+                    self.lifecycle
+                        .stop(StopReason::error(VcpuFault::Run { vcpu, source }));
+                }
+            }
             match req {
                 Some(Request::Pause(ack)) => {
                     self.paused = true;
@@ -376,6 +435,7 @@ impl VcpuCtx {
             self.counters
                 .in_vmm_ns
                 .add(left.elapsed().as_nanos() as u64);
+            self.last_exit = reason;
             if until(reason) {
                 return LoopEnd::Condition;
             }
@@ -394,16 +454,24 @@ impl VcpuCtx {
                 source,
             })
         };
-        let mut regs = match self.vcpu.get_regs() {
-            Ok(r) => r,
-            Err(e) => return self.lifecycle.stop(fault(u64::MAX, "read", e)),
+        // With the state mirrored in kvm_run (during a SymCall) no ioctl is needed.
+        let sync = self.vcpu.state_sync();
+        let mut regs = if sync {
+            self.vcpu.synced_state().regs
+        } else {
+            match self.vcpu.get_regs() {
+                Ok(r) => r,
+                Err(e) => return self.lifecycle.stop(fault(u64::MAX, "read", e)),
+            }
         };
         let nr = regs.rax;
         regs.rax = self
             .hooks
             .hypercall(vcpu, &regs)
             .unwrap_or(HYPERCALL_UNKNOWN);
-        if let Err(e) = self.vcpu.set_regs(&regs) {
+        if sync {
+            self.vcpu.put_synced_state(Some(&regs), None, None);
+        } else if let Err(e) = self.vcpu.set_regs(&regs) {
             self.lifecycle.stop(fault(nr, "write", e));
         }
     }

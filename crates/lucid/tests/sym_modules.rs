@@ -320,7 +320,6 @@ fn a_guest_without_a_loader_gets_a_clear_error() {
 /// Modules and SymCall together: the `counter` module's init registers a SymCall handler, so
 /// Lucid calls into a module it injected; unloading unregisters it (the call then gets ENOSYS).
 #[test]
-#[ignore = "needs the call lane's SymCall runtime (Symbiotic::call); un-ignore after the merge"]
 fn lucid_calls_into_an_injected_module_through_symcall() {
     let _turn = common::one_at_a_time();
     let g = Guest::start("symcall", "");

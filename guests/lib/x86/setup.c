@@ -5,6 +5,7 @@
  * main(); application processors go to smp.c.
  */
 #include "libcflat.h"
+#include "symcall.h"
 
 struct hvm_start_info {
 	u32 magic, version, flags, nr_modules;
@@ -143,6 +144,7 @@ void exception_report(void)
 {
 	extern volatile int print_lock;
 	static int nested;
+	symcall_exception();		/* a SymCall handler's fault ends the call */
 	if (nested++)			/* faulted while reporting: just exit */
 		outl(LUCID_EXIT_PORT, EXIT_EXCEPTION);
 	print_lock = 0;			/* the faulting code may have held it */

@@ -6,6 +6,8 @@
 
 static u8 symcall_stacks[MAX_CPUS][SYMCALL_STACK] __attribute__((aligned(64)));
 static struct sym_vcpu *symcall_vcpu[MAX_CPUS];
+/* CPU c runs a handler (the exception path's test: v->in_symcall needs a page) */
+static volatile u8 symcall_active[MAX_CPUS];
 static struct {
 	u64 nr;
 	symcall_fn fn;
@@ -13,6 +15,7 @@ static struct {
 static volatile u64 *counters;
 static u32 ncounters;
 volatile u64 symcall_count;
+volatile u64 symcall_faults;
 
 void symcall_entry(void);
 void symcall_dispatch(u64 nr, u64 a0, u64 a1, u64 a2, u64 a3, u64 a4)
@@ -58,6 +61,8 @@ void symcall_dispatch(u64 nr, u64 a0, u64 a1, u64 a2, u64 a3, u64 a4)
 	u64 out[2] = { 0, 0 };
 	u64 status = SYM_ENOSYS;
 
+	if (cpu < MAX_CPUS)
+		symcall_active[cpu] = 1;
 	if (v)
 		v->in_symcall = 1;
 	for (int i = 0; i < SYMCALL_MAX_HANDLERS; i++) {
@@ -68,6 +73,8 @@ void symcall_dispatch(u64 nr, u64 a0, u64 a1, u64 a2, u64 a3, u64 a4)
 	}
 	if (v)
 		v->in_symcall = 0;
+	if (cpu < MAX_CPUS)
+		symcall_active[cpu] = 0;
 	__atomic_fetch_add(&symcall_count, 1, __ATOMIC_RELAXED);
 	lucid_hypercall(SYM_HC_RETURN, status, out[0], out[1]);
 	for (;;)		/* Lucid restored the interrupted context */
@@ -119,4 +126,32 @@ void symcall_attach_cpu(struct sym_vcpu *v, u32 cpu)
 	sym_seq_begin(&v->seq);
 	v->symcall_stack = (u64)&symcall_stacks[cpu][SYMCALL_STACK];
 	sym_seq_end(&v->seq);
+}
+
+/*
+ * The exception path (setup.c exception_report, at CPL3 on the exception
+ * stack): a fault whose stack pointer lies in a CPU's SymCall stack while
+ * that CPU runs a handler ends the call with SYM_EFAULT (value 0 = vector,
+ * value 1 = faulting rip) instead of the guest; Lucid then restores the
+ * interrupted context. A handler that left its stack altogether (rsp
+ * elsewhere) is not recognised: the guest reports the exception and exits.
+ * exc_info and the exception stack are shared: two CPUs faulting at once
+ * would mix their records (the kit's exception path is single-CPU).
+ */
+void symcall_exception(void)
+{
+	u64 rsp = exc_info.rsp, base = (u64)symcall_stacks;
+
+	if (rsp <= base || rsp > base + sizeof(symcall_stacks))
+		return;
+	u64 cpu = (rsp - 1 - base) / SYMCALL_STACK;
+	if (!symcall_active[cpu])
+		return;
+	symcall_active[cpu] = 0;
+	if (symcall_vcpu[cpu])
+		symcall_vcpu[cpu]->in_symcall = 0;
+	__atomic_fetch_add(&symcall_faults, 1, __ATOMIC_RELAXED);
+	lucid_hypercall(SYM_HC_RETURN, SYM_EFAULT, exc_info.vector, exc_info.rip);
+	for (;;)		/* Lucid restored the interrupted context */
+		cpu_relax();
 }

@@ -22,7 +22,16 @@ void symcall_attach_cpu(struct sym_vcpu *v, u32 cpu);
 int symcall_register(u64 nr, symcall_fn fn);
 /* Counters READ_COUNTER returns (index < n). */
 void symcall_set_counters(volatile u64 *counters, u32 n);
-/* Calls completed by this guest's handlers (any CPU). */
+/* Calls completed by this guest's handlers (any CPU), and those its
+ * exception path ended with SYM_EFAULT. */
 extern volatile u64 symcall_count;
+extern volatile u64 symcall_faults;
+/* Called first by the kit's exception path (setup.c): if the fault hit a
+ * SymCall handler, ends the call with SYM_EFAULT and never returns.
+ * Interrupts: under PVM CPL3 runs with IF=1 whatever the entry's RFLAGS
+ * say, so an interrupt may arrive during a handler; the kit's stubs take
+ * it on the IST1 stack at CPL0, note it pending and return, so the handler
+ * only loses time (the vector is seen by the interrupted code later). */
+void symcall_exception(void);
 
 #endif

@@ -7,7 +7,7 @@
 //! Files: `mod.rs` (state, discovery, registration), `publish.rs` (Lucid's half of SymSpy),
 //! `symcall.rs` (upcalls), `modules.rs` (module injection), `swapcache.rs` (SwapBypass wiring).
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use lucid_hv::kvm_bindings::kvm_regs;
 use lucid_mem::GuestMemoryMmap;
@@ -24,7 +24,7 @@ pub use publish::{
     GlobalRecord, GuestGlobal, GuestVcpu, HostMemory, LucidGlobal, LucidVcpu, PublishSources,
     SpySnapshot, VcpuRecord,
 };
-pub use symcall::{SymCallError, SymReturn};
+pub use symcall::{CallCounters, CallLimits, SymCallError, SymReturn};
 
 use crate::hooks::ExitHooks;
 use crate::vcpu::VcpuHandle;
@@ -44,6 +44,10 @@ pub struct Symbiotic {
     publisher: publish::Publisher,
     /// Module injection's state (modules.rs).
     modules: modules::Modules,
+    /// SymCall: per-vCPU call slots, limits, `sym.call.*` counters.
+    calls: symcall::Calls,
+    /// This VM's own `Arc`, for the closures a SymCall runs on a vCPU thread.
+    me: Weak<Symbiotic>,
 }
 
 /// `sym.*` counters.
@@ -63,7 +67,9 @@ impl Symbiotic {
         stats: &StatsRegistry,
     ) -> Arc<Self> {
         let c = |n: &str| stats.counter(format!("sym.{n}"));
-        let sym = Arc::new(Symbiotic {
+        let sym = Arc::new_cyclic(|me| Symbiotic {
+            me: me.clone(),
+            calls: symcall::Calls::new(vcpus, stats),
             mem: mem.clone(),
             spy: Mutex::new(Registrations::new(vcpus)),
             vcpus: OnceLock::new(),
@@ -86,6 +92,11 @@ impl Symbiotic {
         hooks.add_hypercall(
             abi::HC_REGISTER,
             Arc::new(move |vcpu: u32, r: &kvm_regs| s.register(vcpu, r.rdi, r.rsi)),
+        );
+        let s = sym.clone();
+        hooks.add_hypercall(
+            abi::HC_RETURN,
+            Arc::new(move |vcpu: u32, r: &kvm_regs| s.symcall_return(vcpu, r.rdi, r.rsi, r.r8)),
         );
         let s = sym.clone();
         hooks.add_hypercall(

@@ -69,7 +69,6 @@ pub(super) struct Publisher {
     /// Each vCPU thread's `schedstat`, opened by that thread before it confined itself.
     schedstat: Mutex<Vec<Option<File>>>,
     symcalls: Arc<Counter>,
-    vcpu_symcalls: Vec<Arc<Counter>>,
     publishes: Arc<Counter>,
     reads: Arc<Counter>,
     torn_reads: Arc<Counter>,
@@ -87,9 +86,6 @@ impl Publisher {
             sources: Mutex::new(PublishSources::default()),
             schedstat: Mutex::new((0..vcpus).map(|_| None).collect()),
             symcalls: stats.counter("sym.call.completed"),
-            vcpu_symcalls: (0..vcpus)
-                .map(|n| stats.counter(format!("sym.call.vcpu{n}.completed")))
-                .collect(),
             publishes: stats.counter("sym.spy.publishes"),
             reads: stats.counter("sym.spy.reads"),
             torn_reads: stats.counter("sym.spy.torn_reads"),
@@ -221,11 +217,7 @@ impl Symbiotic {
             .unwrap_or_else(|e| e.into_inner())
             .rung;
         let wait = self.publisher.runq_wait_ns(vcpu);
-        let symcalls = self
-            .publisher
-            .vcpu_symcalls
-            .get(vcpu as usize)
-            .map_or(0, |c| c.get());
+        let symcalls = self.symcalls_on(vcpu);
         p.write_record(page::W_SEQ, |p| {
             p.store_u32(page::W_RUNG, rung);
             p.store_u64(page::W_RUNQ_WAIT_NS, wait);
