@@ -5,9 +5,11 @@
 //! - [`abi`]: the numbers and byte layouts shared with the guests (`guests/lib/x86/sym.h`).
 //! - [`spy`]: SymSpy pages, read and written without exits, only through atomic accessors.
 //! - [`cpuid`]: the hypervisor CPUID leaves for hosts that intercept CPUID.
+//! - [`swapcache`]: SwapBypass's swap cache (LRU, write-back, liveness), pure logic.
 
 pub mod abi;
 pub mod cpuid;
 pub mod spy;
+pub mod swapcache;
 
 pub use spy::{Registrations, SpyError, SpyPage};
