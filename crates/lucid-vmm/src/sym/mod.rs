@@ -16,9 +16,12 @@ use lucid_sym::abi;
 use lucid_sym::Registrations;
 
 mod modules;
+mod swapcache;
 mod symcall;
 
 pub use modules::{ModuleError, ModuleInfo, ModuleOptions};
+pub(crate) use swapcache::check_swapcache;
+pub use swapcache::SwapCacheDevice;
 pub use symcall::{SymCallError, SymReturn};
 
 use crate::hooks::ExitHooks;
