@@ -2,7 +2,9 @@
 //! write-back LRU cache of 4 KiB swap slots in front of a swap disk.
 //!
 //! Writes land in the cache (dirty); reads hit it or miss (the caller reads the disk; misses are
-//! not inserted, as in Palacios's cache); discards drop cached slots; when the cache is full
+//! not inserted, as in Palacios's cache); a slot read from the cache moves to the cold end of
+//! the LRU list (a swap slot is read once: the guest frees it after the swap-in, so it is the
+//! best victim, and a dead one costs no write); discards drop cached slots; when the cache is full
 //! the least recently used slot is evicted, and a dirty one is written back only if the guest
 //! still needs it (asked through [`SwapBackend::live`]: a SymCall in the VMM, a mock in tests):
 //! a dead slot is dropped unwritten, a write-back avoided. [`SwapCache::flush`] writes back
@@ -75,7 +77,10 @@ pub struct SwapCache {
     map: HashMap<u64, Entry>,
     /// tick → slot, oldest first.
     lru: BTreeMap<u64, u64>,
+    /// Next tick of a use (grows from the middle of the range).
     tick: u64,
+    /// Next tick of a demotion (shrinks from the middle: older than any use).
+    cold: u64,
     stats: SwapCacheStats,
 }
 
@@ -89,7 +94,8 @@ impl SwapCache {
             free: (0..capacity).rev().collect(),
             map: HashMap::new(),
             lru: BTreeMap::new(),
-            tick: 0,
+            tick: 1 << 62,
+            cold: 1 << 62,
             stats: SwapCacheStats::default(),
         }
     }
@@ -130,6 +136,17 @@ impl SwapCache {
     fn touch(&mut self, slot: u64) {
         self.tick += 1;
         let tick = self.tick;
+        self.set_tick(slot, tick);
+    }
+
+    /// Makes `slot` the next victim.
+    fn demote(&mut self, slot: u64) {
+        self.cold -= 1;
+        let tick = self.cold;
+        self.set_tick(slot, tick);
+    }
+
+    fn set_tick(&mut self, slot: u64, tick: u64) {
         if let Some(e) = self.map.get_mut(&slot) {
             self.lru.remove(&e.tick);
             e.tick = tick;
@@ -220,8 +237,9 @@ impl SwapCache {
         Ok(())
     }
 
-    /// A guest read of one slot into `out` (`SLOT_SIZE` bytes): true on a hit. On a miss
-    /// `out` is untouched; the caller reads the disk and reports it with [`Self::read_disk`].
+    /// A guest read of one slot into `out` (`SLOT_SIZE` bytes): true on a hit, and the slot
+    /// becomes the next victim. On a miss `out` is untouched; the caller reads the disk and
+    /// reports it with [`Self::read_disk`].
     pub fn read(&mut self, slot: u64, out: &mut [u8]) -> bool {
         assert_eq!(out.len(), SLOT_SIZE, "swap cache reads whole slots");
         let Some(buf) = self.map.get(&slot).map(|e| e.buf) else {
@@ -229,7 +247,7 @@ impl SwapCache {
             return false;
         };
         out.copy_from_slice(self.buf(buf));
-        self.touch(slot);
+        self.demote(slot);
         self.stats.hits += 1;
         self.stats.bytes_read_cache += SLOT_SIZE as u64;
         true
@@ -364,9 +382,8 @@ mod tests {
         let mut m = Mock::default();
         c.write(1, &page(1), &mut m).unwrap();
         c.write(2, &page(2), &mut m).unwrap();
-        // Touch 1: 2 becomes the LRU.
-        let mut out = page(0);
-        assert!(c.read(1, &mut out));
+        // Rewrite 1: 2 becomes the LRU.
+        c.write(1, &page(1), &mut m).unwrap();
         c.write(3, &page(3), &mut m).unwrap();
         assert!(!c.contains(2) && c.contains(1) && c.contains(3));
         assert_eq!(m.disk.get(&2), Some(&page(2)));
@@ -374,6 +391,22 @@ mod tests {
         let s = c.stats();
         assert_eq!((s.evictions, s.writebacks, s.writebacks_avoided), (1, 1, 0));
         assert_eq!(s.bytes_written_disk, SLOT_SIZE as u64);
+    }
+
+    #[test]
+    fn a_read_slot_is_the_next_victim() {
+        let mut c = SwapCache::new(3);
+        let mut m = Mock::default();
+        for s in 1..=3 {
+            c.write(s, &page(s as u8), &mut m).unwrap();
+        }
+        let mut out = page(0);
+        assert!(c.read(3, &mut out));
+        m.dead.insert(3); // the guest freed it after the swap-in
+        c.write(4, &page(4), &mut m).unwrap();
+        assert!(!c.contains(3) && c.contains(1) && c.contains(2));
+        assert_eq!(m.asked, vec![3]);
+        assert_eq!(c.stats().writebacks_avoided, 1);
     }
 
     #[test]
