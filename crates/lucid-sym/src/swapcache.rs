@@ -47,8 +47,12 @@ pub struct SwapCacheStats {
     pub writes_cached: u64,
     /// Dirty slots written to the disk (evictions and flushes).
     pub writebacks: u64,
-    /// Dirty slots the guest said were dead, dropped without a write.
+    /// Dirty slots the guest said were dead, dropped without a write (evictions and flushes).
     pub writebacks_avoided: u64,
+    /// Of `writebacks`, those made by flushes (the rest by evictions).
+    pub flush_writebacks: u64,
+    /// Of `writebacks_avoided`, those at flushes.
+    pub flush_writebacks_avoided: u64,
     /// Cached slots dropped by a guest discard or write-zeroes.
     pub discards: u64,
     /// Slots evicted to make room (clean or dirty).
@@ -297,7 +301,13 @@ impl SwapCache {
         dirty.sort_unstable();
         for (slot, _) in dirty {
             let buf = self.map[&slot].buf;
-            if self.write_back_if_live(slot, buf, be)? {
+            let written = self.write_back_if_live(slot, buf, be)?;
+            if written {
+                self.stats.flush_writebacks += 1;
+            } else {
+                self.stats.flush_writebacks_avoided += 1;
+            }
+            if written {
                 if let Some(e) = self.map.get_mut(&slot) {
                     e.dirty = false;
                 }
@@ -485,6 +495,7 @@ mod tests {
         assert_eq!(c.len(), 3);
         let s = c.stats();
         assert_eq!((s.writebacks, s.writebacks_avoided), (3, 1));
+        assert_eq!((s.flush_writebacks, s.flush_writebacks_avoided), (3, 1));
         // A second flush has nothing to do.
         c.flush(&mut m).unwrap();
         assert_eq!(c.stats().writebacks, 3);
@@ -568,6 +579,10 @@ mod tests {
         }
         let s = c.stats();
         assert!(s.writebacks_avoided > 0 && s.writebacks > 0);
+        assert!(
+            s.writebacks - s.flush_writebacks + s.writebacks_avoided - s.flush_writebacks_avoided
+                <= s.evictions
+        );
         assert!(c.len() <= 16);
     }
 }

@@ -62,6 +62,8 @@ struct SwapCounters {
     writes_cached: Arc<Counter>,
     writebacks: Arc<Counter>,
     writebacks_avoided: Arc<Counter>,
+    flush_writebacks: Arc<Counter>,
+    flush_writebacks_avoided: Arc<Counter>,
     discards: Arc<Counter>,
     evictions: Arc<Counter>,
     bytes_read_cache: Arc<Counter>,
@@ -112,6 +114,8 @@ impl SwapCacheDevice {
                 writes_cached: c("writes_cached"),
                 writebacks: c("writebacks"),
                 writebacks_avoided: c("writebacks_avoided"),
+                flush_writebacks: c("flush_writebacks"),
+                flush_writebacks_avoided: c("flush_writebacks_avoided"),
                 discards: c("discards"),
                 evictions: c("evictions"),
                 bytes_read_cache: c("bytes_read_cache"),
@@ -172,6 +176,8 @@ impl SwapCacheDevice {
         c.writes_cached.set(s.writes_cached);
         c.writebacks.set(s.writebacks);
         c.writebacks_avoided.set(s.writebacks_avoided);
+        c.flush_writebacks.set(s.flush_writebacks);
+        c.flush_writebacks_avoided.set(s.flush_writebacks_avoided);
         c.discards.set(s.discards);
         c.evictions.set(s.evictions);
         c.bytes_read_cache.set(s.bytes_read_cache);
