@@ -165,7 +165,10 @@ fn swapcache_is_refused_without_symbiotic_and_on_l0() {
         (true, "swapcache=4,bs=512", "bs"),
     ] {
         let (o, img) = run("refused", sym, blk, "mib=1 resident_mib=1");
-        assert!(!o.stdout.contains("sym-swap: start"), "{blk}: the VM must not start");
+        assert!(
+            !o.stdout.contains("sym-swap: start"),
+            "{blk}: the VM must not start"
+        );
         assert!(o.stderr.contains(want), "{blk}: {}", o.stderr);
         assert!(!o.stderr.contains("panicked"), "{}", o.stderr);
         std::fs::remove_file(img).unwrap();
