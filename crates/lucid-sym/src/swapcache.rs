@@ -16,6 +16,8 @@ use std::collections::{BTreeMap, HashMap};
 
 /// Bytes per slot: the swap disk's block size and the guest's page size.
 pub const SLOT_SIZE: usize = 4096;
+/// Slots per arena chunk (1 MiB).
+const CHUNK_SLOTS: usize = 256;
 
 /// What the guest says about a slot's content.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,8 +77,9 @@ struct Entry {
 /// A write-back LRU cache of `capacity` swap slots.
 pub struct SwapCache {
     capacity: usize,
-    /// `capacity * SLOT_SIZE` bytes, allocated on first use.
-    arena: Vec<u8>,
+    /// Slot buffers in chunks of `CHUNK_SLOTS`, each allocated when first used, so a large
+    /// cache costs host memory only as it fills.
+    chunks: Vec<Vec<u8>>,
     free: Vec<usize>,
     map: HashMap<u64, Entry>,
     /// tick → slot, oldest first.
@@ -94,7 +97,7 @@ impl SwapCache {
     pub fn new(capacity: usize) -> SwapCache {
         SwapCache {
             capacity,
-            arena: Vec::new(),
+            chunks: Vec::new(),
             free: (0..capacity).rev().collect(),
             map: HashMap::new(),
             lru: BTreeMap::new(),
@@ -131,10 +134,11 @@ impl SwapCache {
     }
 
     fn buf(&mut self, i: usize) -> &mut [u8] {
-        if self.arena.is_empty() {
-            self.arena = vec![0; self.capacity * SLOT_SIZE];
+        let (c, o) = (i / CHUNK_SLOTS, i % CHUNK_SLOTS * SLOT_SIZE);
+        while self.chunks.len() <= c {
+            self.chunks.push(vec![0; CHUNK_SLOTS * SLOT_SIZE]);
         }
-        &mut self.arena[i * SLOT_SIZE..(i + 1) * SLOT_SIZE]
+        &mut self.chunks[c][o..o + SLOT_SIZE]
     }
 
     fn touch(&mut self, slot: u64) {
@@ -174,8 +178,8 @@ impl SwapCache {
                 if l == Liveness::Unknown {
                     self.stats.liveness_unknown += 1;
                 }
-                let start = buf * SLOT_SIZE;
-                be.write_back(slot, &self.arena[start..start + SLOT_SIZE])?;
+                let (c, o) = (buf / CHUNK_SLOTS, buf % CHUNK_SLOTS * SLOT_SIZE);
+                be.write_back(slot, &self.chunks[c][o..o + SLOT_SIZE])?;
                 self.stats.writebacks += 1;
                 self.stats.bytes_written_disk += SLOT_SIZE as u64;
                 Ok(true)
