@@ -29,6 +29,9 @@ use crate::vm::ConfigError;
 
 /// Largest swap map Lucid reads (entries): 4 GiB of guest pages.
 const MAX_MAP_ENTRIES: u64 = 1 << 20;
+/// Slots the SymSpy map can vouch for (64 GiB of swap; a 2 MiB bitset at most): a slot above
+/// gets no answer from the map (so it is written back), whatever the guest wrote there.
+const MAX_MAP_SLOTS: u64 = 1 << 24;
 
 /// Refuses `swapcache=` where it cannot work: without `--symbiotic`, on rung L0, or on more
 /// than one disk (its counters are one set).
@@ -94,6 +97,10 @@ struct State {
     scratch: Vec<u8>,
     /// Reused buffer for the swap map.
     map: Vec<u8>,
+    /// Live slots by the swap map, one bit each: built at a request's first liveness question
+    /// and used for the rest of that request (a flush asks about every dirty slot); the guest
+    /// may change its map between requests, so each request builds it afresh.
+    live: Vec<u64>,
 }
 
 impl SwapCacheDevice {
@@ -105,6 +112,7 @@ impl SwapCacheDevice {
                 cache: SwapCache::new(slots as usize),
                 scratch: vec![0; 2 * SLOT_SIZE],
                 map: Vec::new(),
+                live: Vec::new(),
             }),
             sym: OnceLock::new(),
             pci_slot,
@@ -155,6 +163,7 @@ impl SwapCacheDevice {
             cache,
             scratch,
             map,
+            live,
         } = &mut *st;
         let mut be = Be {
             file,
@@ -162,6 +171,8 @@ impl SwapCacheDevice {
             pci_slot: self.pci_slot,
             scratch,
             map,
+            live,
+            live_built: None,
             c: &self.c,
         };
         let r = f(cache, &mut be);
@@ -195,6 +206,9 @@ struct Be<'a> {
     pci_slot: u32,
     scratch: &'a mut Vec<u8>,
     map: &'a mut Vec<u8>,
+    live: &'a mut Vec<u64>,
+    /// Whether `live` was built in this request (`Some(false)`: no usable map).
+    live_built: Option<bool>,
     c: &'a SwapCounters,
 }
 
@@ -208,6 +222,22 @@ impl Be<'_> {
     /// Liveness from the swap map in SymSpy, read without an exit; `None` if the guest
     /// published none for this disk.
     fn live_from_spy(&mut self, sym: &Symbiotic, slot: u64) -> Option<Liveness> {
+        if self.live_built.is_none() {
+            self.live_built = Some(self.build_live(sym).is_some());
+        }
+        if self.live_built != Some(true) || slot >= MAX_MAP_SLOTS {
+            return None;
+        }
+        let word = self.live.get((slot / 64) as usize).copied().unwrap_or(0);
+        Some(if word >> (slot % 64) & 1 != 0 {
+            Liveness::Live
+        } else {
+            Liveness::Dead
+        })
+    }
+
+    /// Reads the guest's swap map into the `live` bitset (one pass over the map).
+    fn build_live(&mut self, sym: &Symbiotic) -> Option<()> {
         let (gpa, len) = {
             let spy = sym.spy();
             let g = spy.global()?;
@@ -225,12 +255,19 @@ impl Be<'_> {
         self.map.resize(len as usize * 4, 0);
         // A map outside RAM is the guest's error: no answer, so the slot is written back.
         sym.memory().read_slice(self.map, GuestAddress(gpa)).ok()?;
-        let want = u32::try_from(slot + 1).ok()?;
-        let live = self
-            .map
-            .chunks_exact(4)
-            .any(|e| u32::from_le_bytes([e[0], e[1], e[2], e[3]]) == want);
-        Some(if live { Liveness::Live } else { Liveness::Dead })
+        self.live.clear();
+        for e in self.map.chunks_exact(4) {
+            let v = u32::from_le_bytes([e[0], e[1], e[2], e[3]]);
+            if v == 0 || u64::from(v) > MAX_MAP_SLOTS {
+                continue;
+            }
+            let s = (v - 1) as usize;
+            if self.live.len() <= s / 64 {
+                self.live.resize(s / 64 + 1, 0);
+            }
+            self.live[s / 64] |= 1 << (s % 64);
+        }
+        Some(())
     }
 }
 
