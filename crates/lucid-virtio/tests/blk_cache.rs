@@ -11,6 +11,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex};
 
 use common::blkdrv::*;
+use common::Guest;
 use lucid_virtio::blk::{req::*, BlockCache};
 
 /// Keeps every written 4 KiB block in memory; records the calls.
@@ -149,4 +150,26 @@ fn large_requests_arrive_in_pieces() {
             "write 2097152 1048576"
         ]
     );
+}
+
+#[test]
+fn behind_a_viommu_the_data_goes_through_the_translator() {
+    const OFF: u64 = 32 << 20;
+    let img = Image::new(IMAGE);
+    let mut c = cfg(&img);
+    c.logical_block_size = 4096;
+    let cache = Arc::new(MemCache::default());
+    let g = Guest::new();
+    let iommu = g.behind_iommu(OFF);
+    let mut b = Blk::build_cached(g, OFF, c, cache.clone());
+    let data: Vec<u8> = (0..4096u32).map(|i| (i % 253) as u8).collect();
+    assert_eq!(b.write(16, &data), VIRTIO_BLK_S_OK);
+    assert!(
+        cache.blocks.lock().unwrap()[&(16 * 512)] == data,
+        "the cache got the guest's data"
+    );
+    let (st, back) = b.read(16, 4096);
+    assert_eq!(st, VIRTIO_BLK_S_OK);
+    assert!(back == data);
+    assert!(iommu.translations.load(std::sync::atomic::Ordering::SeqCst) > 0);
 }

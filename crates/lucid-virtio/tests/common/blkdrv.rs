@@ -122,10 +122,19 @@ impl Blk {
         cfg: BlockConfig,
         cache: std::sync::Arc<dyn lucid_virtio::blk::BlockCache>,
     ) -> Blk {
-        let g = Guest::new();
+        Self::build_cached(Guest::new(), 0, cfg, cache)
+    }
+
+    /// [`Blk::with_cache`] on guest `g` whose device addresses are guest-physical + `dev_off`.
+    pub fn build_cached(
+        g: Guest,
+        dev_off: u64,
+        cfg: BlockConfig,
+        cache: std::sync::Arc<dyn lucid_virtio::blk::BlockCache>,
+    ) -> Blk {
         let mut dev = Block::new("blk0".into(), cfg).unwrap();
         dev.set_cache(cache);
-        let (vq, (q, kick)) = Vq::at(&g.mem, 0x10000, 256, 0);
+        let (vq, (q, kick)) = Vq::at(&g.mem, 0x10000, 256, dev_off);
         let feats = dev.features() & !VIRTIO_RING_F_EVENT_IDX;
         dev.activate(g.ctx(
             vec![(0, q, kick)],
