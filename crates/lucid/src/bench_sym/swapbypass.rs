@@ -29,6 +29,8 @@ struct Run {
     swapins: u64,
     swapouts: u64,
     swap: serde_json::Map<String, Value>,
+    /// `sym.call.*`: the SymCalls the liveness questions cost.
+    call: serde_json::Map<String, Value>,
 }
 
 /// A temporary disk image, removed on drop.
@@ -121,15 +123,15 @@ fn run_on(
                 .join("; ")
         ));
     };
-    let swap = counters["counters"]["sym"]["swap"]
-        .as_object()
-        .cloned()
-        .unwrap_or_default();
+    let sym = &counters["counters"]["sym"];
+    let swap = sym["swap"].as_object().cloned().unwrap_or_default();
+    let call = sym["call"].as_object().cloned().unwrap_or_default();
     Ok(Run {
         ms,
         swapins,
         swapouts,
         swap,
+        call,
     })
 }
 
@@ -238,6 +240,26 @@ pub fn run(opts: &Opts) -> Result<Figures, String> {
             json!(c(&small, "liveness_spy")),
         ),
     ];
+    // Mean SymCall time of the small-cache run's liveness questions (none: the SymSpy map
+    // answered).
+    let calls = small
+        .call
+        .get("completed")
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    let ns = small
+        .call
+        .get("ns_total")
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    f.push((
+        "swapbypass_liveness_call_us".into(),
+        if calls == 0 {
+            Value::Null
+        } else {
+            json!((ns as f64 / calls as f64 / 10.0).round() / 100.0)
+        },
+    ));
     f.push((
         "swapbypass_workload".into(),
         json!(format!(
