@@ -321,7 +321,14 @@ impl Vm {
             .iter()
             .enumerate()
             .find(|(_, d)| d.swapcache_mib > 0)
-            .map(|(i, d)| crate::sym::SwapCacheDevice::new(d.swapcache_mib, i as u32 + 1, &stats));
+            .map(|(i, d)| {
+                crate::sym::SwapCacheDevice::new(
+                    d.swapcache_mib,
+                    i as u32 + 1,
+                    d.swapcache_spy_first,
+                    &stats,
+                )
+            });
         let pci = match (&router, has_pci) {
             (Some(router), true) => Some(attach_pci(
                 &config,

@@ -150,6 +150,22 @@ fn full_cache_writes_back_and_avoids_dead_slots() {
 }
 
 #[test]
+fn liveness_from_the_spy_map_needs_no_symcall() {
+    let (o, img) = run(
+        "spy",
+        true,
+        "swapcache=1,liveness=spy",
+        "mib=8 resident_mib=2 passes=3 pattern=rand discard_batch=256",
+    );
+    intact(&o, "spy");
+    assert!(o.counter("sym.swap.writebacks_avoided") > 0);
+    assert!(o.counter("sym.swap.liveness_spy") > 0);
+    assert_eq!(o.counter("sym.swap.liveness_symcall"), 0);
+    assert_eq!(o.counter("sym.call.calls"), 0, "no SymCall asked");
+    std::fs::remove_file(img).unwrap();
+}
+
+#[test]
 fn the_same_guest_without_symbiotic_is_the_baseline() {
     let (o, img) = run(
         "base",

@@ -3,7 +3,8 @@
 //! through the device's [`BlockCache`] seam, on its worker thread.
 //!
 //! Before a dirty slot leaves the cache unwritten Lucid asks the guest whether the slot is still
-//! live: first by SymCall `SLOT_LIVE` on vCPU 0 (from the worker thread, never a vCPU thread:
+//! live (with `liveness=spy` the SymSpy map below is asked first, the SymCall only when the
+//! guest published none): first by SymCall `SLOT_LIVE` on vCPU 0 (from the worker thread, never a vCPU thread:
 //! the option is refused on rung L0), else, when the call fails (no SymCall entry, the call
 //! runtime not available, a timeout), from the swap map the guest publishes in SymSpy
 //! (`G_SWAP_MAP`/`G_SWAP_MAP_LEN`, for the disk at PCI slot `G_SWAP_DEVICE`), read without an
@@ -88,6 +89,8 @@ pub struct SwapCacheDevice {
     sym: OnceLock<Weak<Symbiotic>>,
     /// The disk's PCI slot (what the guest publishes in `G_SWAP_DEVICE`).
     pci_slot: u32,
+    /// Ask the SymSpy map before the SymCall (`liveness=spy`).
+    spy_first: bool,
     c: SwapCounters,
 }
 
@@ -104,7 +107,7 @@ struct State {
 }
 
 impl SwapCacheDevice {
-    pub fn new(mib: u32, pci_slot: u32, stats: &StatsRegistry) -> Arc<Self> {
+    pub fn new(mib: u32, pci_slot: u32, spy_first: bool, stats: &StatsRegistry) -> Arc<Self> {
         let c = |n: &str| stats.counter(format!("sym.swap.{n}"));
         let slots = (u64::from(mib) << 20) / SLOT_SIZE as u64;
         let dev = SwapCacheDevice {
@@ -116,6 +119,7 @@ impl SwapCacheDevice {
             }),
             sym: OnceLock::new(),
             pci_slot,
+            spy_first,
             c: SwapCounters {
                 hits: c("hits"),
                 misses: c("misses"),
@@ -169,6 +173,7 @@ impl SwapCacheDevice {
             file,
             sym: sym.as_deref(),
             pci_slot: self.pci_slot,
+            spy_first: self.spy_first,
             scratch,
             map,
             live,
@@ -204,6 +209,7 @@ struct Be<'a> {
     file: &'a File,
     sym: Option<&'a Symbiotic>,
     pci_slot: u32,
+    spy_first: bool,
     scratch: &'a mut Vec<u8>,
     map: &'a mut Vec<u8>,
     live: &'a mut Vec<u64>,
@@ -283,6 +289,12 @@ impl SwapBackend for Be<'_> {
         let Some(sym) = self.sym else {
             return Liveness::Unknown;
         };
+        if self.spy_first {
+            if let Some(l) = self.live_from_spy(sym, slot) {
+                self.c.liveness_spy.inc();
+                return l;
+            }
+        }
         match sym.call(0, abi::call::SLOT_LIVE, [slot, 0, 0, 0, 0]) {
             Ok(r) if r.status == abi::SYM_OK => {
                 self.c.liveness_symcall.inc();
@@ -300,6 +312,9 @@ impl SwapBackend for Be<'_> {
                 self.c.symcall_errors.inc();
                 log::debug!("sym.swap: SLOT_LIVE({slot}): {e}");
             }
+        }
+        if self.spy_first {
+            return Liveness::Unknown;
         }
         match self.live_from_spy(sym, slot) {
             Some(l) => {

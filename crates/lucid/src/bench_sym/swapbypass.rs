@@ -9,6 +9,8 @@
 //!   cache saves on the VMM's own path, with no disk latency in the baseline.
 //! - `swapbypass_small_cache_speedup`: random touches with a cache of a quarter of the swapped
 //!   set (write-backs happen; some avoided because the guest freed the slot).
+//! - `swapbypass_small_cache_spy_speedup`: the same with `liveness=spy` (the SymSpy swap map
+//!   answers liveness without an exit; SymCall only when there is no map).
 //!
 //! Each `lucid run` is a child process of this binary; times are the guest's own (TSC) for the
 //! workload only. The disk's latency on a shared host varies a lot from run to run, so each
@@ -67,7 +69,7 @@ fn run_one(
     swapcache_mib: Option<u64>,
     cmdline: &str,
 ) -> Result<Run, String> {
-    run_on(exe, tag, Disk::Direct, disk_mib, swapcache_mib, cmdline)
+    run_on(exe, tag, Disk::Direct, disk_mib, swapcache_mib, "", cmdline)
 }
 
 fn run_on(
@@ -76,6 +78,7 @@ fn run_on(
     disk: Disk,
     disk_mib: u64,
     swapcache_mib: Option<u64>,
+    extra: &str,
     cmdline: &str,
 ) -> Result<Run, String> {
     let (dir, opts) = match disk {
@@ -91,7 +94,7 @@ fn run_on(
     let mut cmd = Command::new(exe);
     cmd.args(["run", "--guest", "sym-swap", "--memory", "256"]);
     if let Some(mib) = swapcache_mib {
-        blk.push_str(&format!(",swapcache={mib}"));
+        blk.push_str(&format!(",swapcache={mib}{extra}"));
         cmd.arg("--symbiotic");
     }
     let out = cmd
@@ -185,10 +188,27 @@ pub fn run(opts: &Opts) -> Result<Figures, String> {
     };
     let (base, hot) = pair("seq", mib, &seq)?;
     let ram = (0..reps)
-        .map(|i| run_on(&exe, &format!("ram-{i}"), Disk::Ram, disk, None, &seq))
+        .map(|i| run_on(&exe, &format!("ram-{i}"), Disk::Ram, disk, None, "", &seq))
         .collect::<Result<Vec<_>, _>>()
         .map(median);
-    let (base_rand, small) = pair("rand", ((mib - resident) / 4).max(1), &rand)?;
+    let small_mib = ((mib - resident) / 4).max(1);
+    let (base_rand, small) = pair("rand", small_mib, &rand)?;
+    // The same small cache asking the SymSpy map first (no exit per liveness question).
+    let spy = (0..reps)
+        .map(|i| {
+            let tag = format!("rand-spy-{i}");
+            run_on(
+                &exe,
+                &tag,
+                Disk::Direct,
+                disk,
+                Some(small_mib),
+                ",liveness=spy",
+                &rand,
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(median)?;
     let c = |r: &Run, k: &str| r.swap.get(k).and_then(Value::as_u64).unwrap_or(0);
     let mut f: Figures = vec![
         ("swapbypass_speedup".into(), ratio(base.ms, hot.ms)),
@@ -215,6 +235,11 @@ pub fn run(opts: &Opts) -> Result<Figures, String> {
             json!(base_rand.ms),
         ),
         ("swapbypass_small_cache_ms".into(), json!(small.ms)),
+        ("swapbypass_small_cache_spy_ms".into(), json!(spy.ms)),
+        (
+            "swapbypass_small_cache_spy_speedup".into(),
+            ratio(base_rand.ms, spy.ms),
+        ),
         (
             "swapbypass_small_cache_hits".into(),
             json!(c(&small, "hits")),
