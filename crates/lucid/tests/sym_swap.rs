@@ -15,10 +15,20 @@ use common::*;
 
 const LIMIT: Duration = Duration::from_secs(60);
 
+/// A disk image, removed when the test ends (passed or not).
+struct Img(std::path::PathBuf);
+
+impl Drop for Img {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// A run of sym-swap with `blk` options (`path=` added) and guest `cmdline`.
-fn run(tag: &str, sym: bool, blk: &str, cmdline: &str) -> (Outcome, std::path::PathBuf) {
-    let img = disk(tag, 16);
-    let blk = format!("path={},{blk}", img.display());
+fn run(tag: &str, sym: bool, blk: &str, cmdline: &str) -> (Outcome, Img) {
+    let img = Img(disk(tag, 16));
+    let img_path = &img.0;
+    let blk = format!("path={},{blk}", img_path.display());
     let mut args = vec![
         "run",
         "--guest",
@@ -91,7 +101,7 @@ fn hot_cache_serves_every_swap_in() {
         "nothing reached the disk"
     );
     assert_eq!(o.counter("sym.swap.discards"), num(&o, "discards"));
-    std::fs::remove_file(img).unwrap();
+    drop(img);
 }
 
 #[test]
@@ -111,7 +121,7 @@ fn cold_cache_misses_and_still_reads_back_every_byte() {
         o.counter("sym.swap.bytes_read_disk"),
         num(&o, "swapins") * 4096
     );
-    std::fs::remove_file(img).unwrap();
+    drop(img);
 }
 
 #[test]
@@ -146,7 +156,7 @@ fn full_cache_writes_back_and_avoids_dead_slots() {
         o.counter("sym.swap.liveness_symcall") + o.counter("sym.swap.liveness_spy")
             >= o.counter("sym.swap.writebacks_avoided")
     );
-    std::fs::remove_file(img).unwrap();
+    drop(img);
 }
 
 #[test]
@@ -162,7 +172,7 @@ fn liveness_from_the_spy_map_needs_no_symcall() {
     assert!(o.counter("sym.swap.liveness_spy") > 0);
     assert_eq!(o.counter("sym.swap.liveness_symcall"), 0);
     assert_eq!(o.counter("sym.call.calls"), 0, "no SymCall asked");
-    std::fs::remove_file(img).unwrap();
+    drop(img);
 }
 
 #[test]
@@ -178,7 +188,7 @@ fn the_same_guest_without_symbiotic_is_the_baseline() {
     assert_eq!(num(&o, "mismatches"), 0);
     assert!(num(&o, "swapins") > 0);
     assert_eq!(o.counter("sym.swap.writes_cached"), 0, "no cache");
-    std::fs::remove_file(img).unwrap();
+    drop(img);
 }
 
 #[test]
@@ -195,7 +205,7 @@ fn swapcache_is_refused_without_symbiotic_and_on_l0() {
         );
         assert!(o.stderr.contains(want), "{blk}: {}", o.stderr);
         assert!(!o.stderr.contains("panicked"), "{}", o.stderr);
-        std::fs::remove_file(img).unwrap();
+        drop(img);
     }
 }
 
@@ -220,7 +230,8 @@ fn page_ok(w: &[u64], page: u64, ver: u64) -> bool {
 #[test]
 fn kill_9_after_the_guest_flushed_loses_nothing_flushed() {
     // A cache larger than the swap traffic: before the flush nothing is on the disk.
-    let img = disk("kill9", 16);
+    let guard = Img(disk("kill9", 16));
+    let img = guard.0.clone();
     let stats = tmp("kill9-stats.json");
     let mut child = Command::new(env!("CARGO_BIN_EXE_lucid"))
         .args([
@@ -276,7 +287,7 @@ fn kill_9_after_the_guest_flushed_loses_nothing_flushed() {
     // Every non-zero slot of the image holds a swapped page, whole and at its last version,
     // each page once; together they are the guest's swapped set.
     let data = std::fs::read(&img).unwrap();
-    std::fs::remove_file(&img).unwrap();
+    drop(guard);
     let (mut found, mut sum) = (0u64, 0u64);
     let mut pages = std::collections::HashSet::new();
     for (slot, s) in data.chunks_exact(4096).enumerate() {
