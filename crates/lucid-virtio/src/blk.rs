@@ -18,6 +18,11 @@
 //! `O_DIRECT`: every transfer goes through a 4 KiB-aligned bounce buffer at block-aligned file
 //! offsets, and the host page cache holds no copy of what the guest reads or writes.
 //!
+//! A [`BlockCache`] (SwapBypass's swap cache, docs/symbiotic-swap.md) takes over the image I/O
+//! of reads, writes, discards and flushes instead: the device still moves the data between guest
+//! memory and its bounce buffer through the DMA path (so it works under a vIOMMU too), and the
+//! cache decides what reaches the file. With a cache the data hook is not consulted.
+//!
 //! Statuses: `OK`; `IOERR` for a request the device refuses (range past capacity or not aligned
 //! to the logical block size, zero or non-512-multiple length, data in a descriptor of the wrong
 //! direction, a write on a read-only device, a DMA address outside guest memory, a host I/O
@@ -152,6 +157,28 @@ pub trait BlockDataHook: Send + Sync {
     fn after_flush(&self, _file: &File) {}
 }
 
+/// Takes over a disk's image I/O (SwapBypass's swap cache). Called on the device's worker
+/// thread, one request at a time, in order, with the request's data already gathered from (or
+/// to be scattered into) guest memory by the device through the DMA path. Offsets and lengths
+/// are whole logical blocks inside the disk; `buf` is 4 KiB-aligned (fit for `O_DIRECT`) and
+/// at most 1 MiB, so a large request arrives in pieces.
+pub trait BlockCache: Send + Sync {
+    /// A guest read: fill all of `buf` with image bytes `off..off+buf.len()` (from the cache,
+    /// or from `file` for what it does not hold).
+    fn read(&self, file: &File, off: u64, buf: &mut [u8]) -> std::io::Result<()>;
+
+    /// A guest write of `data` to image offset `off`: the cache keeps it or writes `file`.
+    fn write(&self, file: &File, off: u64, data: &[u8]) -> std::io::Result<()>;
+
+    /// Before a guest discard or write-zeroes of `off..off+len` reaches the file (afterwards
+    /// the range reads as zeros): cached copies of it must go.
+    fn discard(&self, file: &File, off: u64, len: u64);
+
+    /// A guest flush, before the device syncs the file: everything the guest still needs must
+    /// be written to `file` by the time this returns.
+    fn flush(&self, file: &File) -> std::io::Result<()>;
+}
+
 /// A virtio-blk device.
 pub struct Block {
     name: String,
@@ -161,6 +188,7 @@ pub struct Block {
     config: [u8; CONFIG_SIZE],
     worker: WorkerSlot,
     hook: Option<Arc<dyn BlockDataHook>>,
+    cache: Option<Arc<dyn BlockCache>>,
 }
 
 impl Block {
@@ -228,6 +256,7 @@ impl Block {
             config: [0; CONFIG_SIZE],
             worker: WorkerSlot::default(),
             hook: None,
+            cache: None,
         };
         blk.config = blk.build_config();
         Ok(blk)
@@ -237,6 +266,12 @@ impl Block {
     /// VMM sets it before the driver starts the device.
     pub fn set_data_hook(&mut self, hook: Arc<dyn BlockDataHook>) {
         self.hook = Some(hook);
+    }
+
+    /// Installs a block cache (SwapBypass); it applies from the next activation, so the VMM
+    /// sets it before the driver starts the device. With a cache the data hook is not used.
+    pub fn set_cache(&mut self, cache: Arc<dyn BlockCache>) {
+        self.cache = Some(cache);
     }
 
     /// The logical block size the device offers (512 or 4096).
@@ -325,7 +360,12 @@ impl VirtioDevice for Block {
             lbs: u64::from(self.cfg.logical_block_size),
             read_only: self.cfg.read_only,
             direct: self.cfg.direct,
-            hook: self.hook.clone(),
+            hook: if self.cache.is_some() {
+                None
+            } else {
+                self.hook.clone()
+            },
+            cache: self.cache.clone(),
             id: self.cfg.id.as_bytes().to_vec(),
             bounce: Vec::new(),
             readable: Vec::new(),
@@ -363,6 +403,7 @@ struct BlkBackend {
     /// The image is open `O_DIRECT`: file transfers are block-aligned, from an aligned buffer.
     direct: bool,
     hook: Option<Arc<dyn BlockDataHook>>,
+    cache: Option<Arc<dyn BlockCache>>,
     id: Vec<u8>,
     /// Bounce buffer storage; [`BlkBackend::bounce`] hands out a `BOUNCE_ALIGN`-aligned window.
     bounce: Vec<u8>,
@@ -546,6 +587,11 @@ impl BlkBackend {
                 Ok(0)
             }
             VIRTIO_BLK_T_FLUSH => {
+                if let Some(cache) = &self.cache {
+                    cache
+                        .flush(&self.file)
+                        .map_err(file_err("cache flush", 0))?;
+                }
                 if !self.read_only {
                     // SAFETY: fdatasync on a descriptor we own; no memory is involved.
                     if unsafe { libc::fdatasync(self.file.as_raw_fd()) } != 0 {
@@ -611,6 +657,9 @@ impl BlkBackend {
                 }
                 let hook = self.active_hook(io);
                 for (off, len, unmap) in ranges {
+                    if let Some(cache) = &self.cache {
+                        cache.discard(&self.file, off, len);
+                    }
                     if let Some(hook) = &hook {
                         hook.before_change(&self.file, off, len)
                             .map_err(file_err("before_change", off))?;
@@ -667,6 +716,9 @@ impl BlkBackend {
     /// A read of image bytes `off..` into `regions`: the hook (if any) is offered each
     /// guest-contiguous run inside guest RAM; what it does not place is copied.
     fn read_into(&mut self, io: &Io, off: u64, regions: &[Region]) -> Result<(), ReqError> {
+        if let Some(cache) = self.cache.clone() {
+            return self.cached_read(io, &cache, off, regions);
+        }
         let Some(hook) = self.active_hook(io) else {
             return self.copy_in(io, off, regions);
         };
@@ -738,6 +790,9 @@ impl BlkBackend {
     /// A guest write of `regions` to image offset `off` (block-aligned): the hook hears of it
     /// before the file changes and after each guest-contiguous run reached it.
     fn write_from(&mut self, io: &Io, off: u64, regions: &[Region]) -> Result<(), ReqError> {
+        if let Some(cache) = self.cache.clone() {
+            return self.cached_write(io, &cache, off, regions);
+        }
         let hook = self.active_hook(io);
         let total: u64 = regions.iter().map(|r| r.1).sum();
         let file = self.file.clone();
@@ -760,6 +815,52 @@ impl BlkBackend {
                 hook.after_write(&file, pos, gpa, len);
                 pos += len;
             }
+        }
+        Ok(())
+    }
+
+    /// A read through the block cache, in bounce-sized pieces.
+    fn cached_read(
+        &mut self,
+        io: &Io,
+        cache: &Arc<dyn BlockCache>,
+        off: u64,
+        regions: &[Region],
+    ) -> Result<(), ReqError> {
+        let total: u64 = regions.iter().map(|r| r.1).sum();
+        let file = self.file.clone();
+        let mut cur = (0usize, 0u64);
+        let mut done = 0u64;
+        while done < total {
+            let buf = self.bounce(total - done);
+            cache
+                .read(&file, off + done, buf)
+                .map_err(file_err("cache read", off + done))?;
+            scatter_at(io, regions, &mut cur, buf)?;
+            done += buf.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// A write through the block cache, in bounce-sized pieces.
+    fn cached_write(
+        &mut self,
+        io: &Io,
+        cache: &Arc<dyn BlockCache>,
+        off: u64,
+        regions: &[Region],
+    ) -> Result<(), ReqError> {
+        let total: u64 = regions.iter().map(|r| r.1).sum();
+        let file = self.file.clone();
+        let mut cur = (0usize, 0u64);
+        let mut done = 0u64;
+        while done < total {
+            let buf = self.bounce(total - done);
+            gather_at(io, regions, &mut cur, buf)?;
+            cache
+                .write(&file, off + done, buf)
+                .map_err(file_err("cache write", off + done))?;
+            done += buf.len() as u64;
         }
         Ok(())
     }

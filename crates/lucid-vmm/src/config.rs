@@ -26,6 +26,13 @@ pub struct PciDeviceConfig {
     pub coalescing: Coalescing,
     /// L4: the polling thread sleeps this long when its rings are idle (0 spins).
     pub poll_idle_us: u32,
+    /// `swapcache=MiB` on a `--blk`: SwapBypass's swap cache of this many MiB in front of the
+    /// disk (docs/symbiotic-swap.md); 0 = none. Needs `--symbiotic`, 4096-byte blocks and a
+    /// rung with a worker thread (L1 or above).
+    pub swapcache_mib: u32,
+    /// `liveness=spy`: the swap cache asks the SymSpy swap map before SymCall `SLOT_LIVE`
+    /// (no exit per question); default SymCall first.
+    pub swapcache_spy_first: bool,
 }
 
 impl PciDeviceConfig {
@@ -35,6 +42,8 @@ impl PciDeviceConfig {
             rung: Rung::default(),
             coalescing: Coalescing::default(),
             poll_idle_us: 0,
+            swapcache_mib: 0,
+            swapcache_spy_first: false,
         }
     }
 }
@@ -205,7 +214,9 @@ pub fn parse_device(s: &str) -> Result<PlatformPciDevice, DeviceOptionError> {
 }
 
 /// Parses `--blk path=FILE[,ro=on|off][,bs=512|4096][,id=STR][,cache=none|writeback]
-/// [,rung=L0..L4|L4p][,coalesce=N:USEC][,poll_us=N]`. `cache=none` opens the image `O_DIRECT`. Never panics, whatever the input (a fuzz target calls it).
+/// [,rung=L0..L4|L4p][,coalesce=N:USEC][,poll_us=N][,swapcache=MiB]`. `cache=none` opens the image `O_DIRECT`;
+/// `swapcache=MiB` puts SwapBypass's swap cache in front of the disk (it implies `bs=4096`);
+/// `liveness=symcall|spy` picks what the cache asks first whether a slot is live. Never panics, whatever the input (a fuzz target calls it).
 pub fn parse_blk(s: &str) -> Result<PciDeviceConfig, DeviceOptionError> {
     const OPT: &str = "--blk";
     let mut cfg = BlockConfig {
@@ -216,12 +227,30 @@ pub fn parse_blk(s: &str) -> Result<PciDeviceConfig, DeviceOptionError> {
         direct: false,
     };
     let mut common = Common::default();
+    let mut swapcache_mib = 0u32;
+    let mut spy_first = None;
+    let mut bs_given = false;
     for (k, v) in pairs(OPT, s)? {
         let bad = |key, expected| bad_value(OPT, key, v, expected);
         match k {
             "path" | "file" => cfg.path = PathBuf::from(v),
+            "swapcache" => {
+                swapcache_mib = v
+                    .parse()
+                    .ok()
+                    .filter(|&m| (1..=65536).contains(&m))
+                    .ok_or(bad("swapcache", "a cache size in MiB, 1 to 65536"))?
+            }
+            "liveness" => {
+                spy_first = Some(match v {
+                    "symcall" => false,
+                    "spy" => true,
+                    _ => return Err(bad("liveness", "symcall or spy")),
+                })
+            }
             "ro" | "readonly" => cfg.read_only = parse_bool(v).ok_or(bad("ro", "on or off"))?,
             "bs" | "block_size" => {
+                bs_given = true;
                 cfg.logical_block_size = match v {
                     "512" => 512,
                     "4096" | "4k" | "4K" => 4096,
@@ -241,7 +270,7 @@ pub fn parse_blk(s: &str) -> Result<PciDeviceConfig, DeviceOptionError> {
                 OPT,
                 k,
                 v,
-                "path, ro, bs, id, cache, rung, coalesce, poll_us",
+                "path, ro, bs, id, cache, rung, coalesce, poll_us, swapcache, liveness",
             )?,
         }
     }
@@ -252,7 +281,42 @@ pub fn parse_blk(s: &str) -> Result<PciDeviceConfig, DeviceOptionError> {
             what: "path=FILE",
         });
     }
-    Ok(common.finish(PciDeviceKind::Block(cfg)))
+    if swapcache_mib > 0 {
+        // Swap slots are 4 KiB: the cache sees only whole, aligned slots.
+        if bs_given && cfg.logical_block_size != 4096 {
+            return Err(bad_value(
+                OPT,
+                "bs",
+                "512",
+                "4096 with swapcache= (the swap cache's slots are 4 KiB)",
+            ));
+        }
+        if cfg.read_only {
+            return Err(bad_value(
+                OPT,
+                "ro",
+                "on",
+                "off with swapcache= (a swap disk is written)",
+            ));
+        }
+        cfg.logical_block_size = 4096;
+    }
+    if spy_first.is_some() && swapcache_mib == 0 {
+        return Err(bad_value(
+            OPT,
+            "liveness",
+            if spy_first == Some(true) {
+                "spy"
+            } else {
+                "symcall"
+            },
+            "given only with swapcache=",
+        ));
+    }
+    let mut d = common.finish(PciDeviceKind::Block(cfg));
+    d.swapcache_mib = swapcache_mib;
+    d.swapcache_spy_first = spy_first.unwrap_or(false);
+    Ok(d)
 }
 
 /// Parses `--net backend=tap:IFNAME|echo|sink[,rate=MBIT][,mac=52:54:00:..][,rung=..]
@@ -462,6 +526,8 @@ impl Common {
             rung: self.rung.unwrap_or_default(),
             coalescing: self.coalescing,
             poll_idle_us: self.poll_idle_us,
+            swapcache_mib: 0,
+            swapcache_spy_first: false,
         }
     }
 }
@@ -555,6 +621,37 @@ mod tests {
             "size",
         ] {
             assert!(parse_balloon(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn blk_swapcache_option() {
+        let d = parse_blk("path=/tmp/s.img,swapcache=64,cache=none").unwrap();
+        assert_eq!(d.swapcache_mib, 64);
+        let PciDeviceKind::Block(b) = d.kind else {
+            panic!()
+        };
+        assert_eq!(b.logical_block_size, 4096, "swapcache implies bs=4096");
+        assert!(b.direct);
+        assert!(parse_blk("path=/tmp/s.img,swapcache=8,bs=4096").is_ok());
+        assert_eq!(parse_blk("path=/tmp/s.img").unwrap().swapcache_mib, 0);
+        let d = parse_blk("path=/tmp/s.img,swapcache=8,liveness=spy").unwrap();
+        assert!(d.swapcache_spy_first);
+        assert!(
+            !parse_blk("path=/tmp/s.img,swapcache=8")
+                .unwrap()
+                .swapcache_spy_first
+        );
+        for bad in [
+            "path=/tmp/s.img,swapcache=0",
+            "path=/tmp/s.img,swapcache=x",
+            "path=/tmp/s.img,swapcache=99999999",
+            "path=/tmp/s.img,swapcache=8,bs=512",
+            "path=/tmp/s.img,swapcache=8,ro=on",
+            "path=/tmp/s.img,liveness=spy",
+            "path=/tmp/s.img,swapcache=8,liveness=maybe",
+        ] {
+            assert!(parse_blk(bad).is_err(), "{bad}");
         }
     }
 

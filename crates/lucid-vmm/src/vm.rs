@@ -181,6 +181,18 @@ pub enum ConfigError {
         disk: usize,
         block_size: u32,
     },
+    #[error(
+        "blk{0}: swapcache= is SwapBypass, a symbiotic interface: add --symbiotic (or drop \
+         swapcache=)"
+    )]
+    SwapCacheNotSymbiotic(usize),
+    #[error(
+        "blk{0}: swapcache= needs a back-end thread (its liveness SymCalls must not run on a \
+         vCPU thread), and rung L0 serves requests on the vCPU thread: use rung=L1 or above"
+    )]
+    SwapCacheRung(usize),
+    #[error("swapcache= given on {0} disks: a VM has one swap-cached disk at most")]
+    SwapCacheCount(usize),
 }
 
 /// A built VM.
@@ -309,9 +321,30 @@ impl Vm {
         // Devices: the platform's, then PCI (only when there are PCI devices): virtio devices,
         // then the others (`--device`).
         let platform = platform_devices(&config, b.vm(), &hooks, &lifecycle, &stats, &seccomp)?;
+        // SwapBypass's swap cache (`--blk ...,swapcache=MiB`), on the disk that asks for it.
+        let swapcache = config
+            .pci
+            .iter()
+            .enumerate()
+            .find(|(_, d)| d.swapcache_mib > 0)
+            .map(|(i, d)| {
+                crate::sym::SwapCacheDevice::new(
+                    d.swapcache_mib,
+                    i as u32 + 1,
+                    d.swapcache_spy_first,
+                    &stats,
+                )
+            });
         let pci = match (&router, has_pci) {
             (Some(router), true) => Some(attach_pci(
-                &config, &b, router, &dma, &hooks, &stats, &swap,
+                &config,
+                &b,
+                router,
+                &dma,
+                &hooks,
+                &stats,
+                &swap,
+                swapcache.as_ref(),
             )?),
             _ => None,
         };
@@ -326,6 +359,9 @@ impl Vm {
         });
         if let Some(sym) = &sym {
             sym.set_hv(b.vm().clone());
+        }
+        if let (Some(c), Some(s)) = (&swapcache, &sym) {
+            c.set_sym(s);
         }
         // Bound now, so that a path in use fails the build, not a running VM.
         let api_socket = config
@@ -784,6 +820,8 @@ fn add_hypercalls(hooks: &ExitHooks, backend: Backend) -> Arc<AtomicU64> {
 
 /// Builds the PCI root complex (0xCF8 ports and ECAM), then each configured virtio device on its
 /// rung, attached in order from slot 1.
+// The VM's parts a device needs, passed one by one: a struct would only rename them.
+#[allow(clippy::too_many_arguments)]
 fn attach_pci(
     config: &VmConfig,
     b: &VmBuilder,
@@ -792,6 +830,7 @@ fn attach_pci(
     hooks: &Arc<ExitHooks>,
     stats: &Arc<StatsRegistry>,
     swap: &crate::swap::VmSwap,
+    swapcache: Option<&Arc<crate::sym::SwapCacheDevice>>,
 ) -> Result<PciBus, VmmError> {
     // The Swap Mapper on every disk (none in baseline mode); pages the balloon gives back go
     // through it when there is one (it forgets the image blocks they showed), else through guest
@@ -841,6 +880,9 @@ fn attach_pci(
                     })?;
                 if let Some(h) = &blk_hook {
                     blk.set_data_hook(h.clone());
+                }
+                if let Some(c) = swapcache.filter(|_| d.swapcache_mib > 0) {
+                    blk.set_cache(c.clone());
                 }
                 Box::new(blk)
             }
@@ -986,6 +1028,7 @@ fn check_config(c: &VmConfig) -> Result<(), ConfigError> {
     if edus > 1 {
         return Err(ConfigError::EduCount(edus));
     }
+    crate::sym::check_swapcache(c)?;
     if let Some((disk, block_size)) = crate::swap::disk_refused_by(c) {
         return Err(ConfigError::SwapBlockSize {
             mode: c.swap_mode,
@@ -1252,5 +1295,26 @@ mod tests {
         assert_eq!(check_config(&c), Err(ConfigError::EduCount(2)));
         c.platform_pci.pop();
         assert_eq!(check_config(&c), Ok(()));
+    }
+
+    #[test]
+    fn swapcache_needs_symbiotic_a_worker_and_one_disk() {
+        let disk = |rung| {
+            let mut d = crate::config::parse_blk("path=/tmp/x.img,swapcache=8").unwrap();
+            d.rung = rung;
+            d
+        };
+        let mut c = VmConfig::new(KernelSource::File("/k".into()));
+        c.pci = vec![disk(lucid_pci::Rung::L1)];
+        assert_eq!(check_config(&c), Err(ConfigError::SwapCacheNotSymbiotic(0)));
+        c.symbiotic = true;
+        assert_eq!(check_config(&c), Ok(()));
+        c.pci = vec![disk(lucid_pci::Rung::L0)];
+        assert_eq!(check_config(&c), Err(ConfigError::SwapCacheRung(0)));
+        c.pci = vec![
+            disk(lucid_pci::Rung::L1),
+            disk(lucid_pci::Rung::L4 { guest_polls: false }),
+        ];
+        assert_eq!(check_config(&c), Err(ConfigError::SwapCacheCount(2)));
     }
 }

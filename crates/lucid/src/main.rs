@@ -95,8 +95,8 @@ struct RunArgs {
     #[arg(long)]
     stats_json: Option<PathBuf>,
     /// A virtio-blk disk on PCI (repeatable):
-    /// path=FILE[,ro=on][,bs=512|4096][,id=STR][,cache=none][,rung=L0|L1|L2|L3|L4|L4p][,coalesce=N:USEC][,poll_us=N]
-    /// (cache=none: the image is opened O_DIRECT)
+    /// path=FILE[,ro=on][,bs=512|4096][,id=STR][,cache=none][,rung=L0|L1|L2|L3|L4|L4p][,coalesce=N:USEC][,poll_us=N][,swapcache=MiB][,liveness=symcall|spy]
+    /// (cache=none: the image is opened O_DIRECT; swapcache=MiB: SwapBypass's swap cache, with --symbiotic)
     #[arg(long = "blk", value_name = "OPTS")]
     blk: Vec<String>,
     /// A virtio-net NIC on PCI (repeatable):

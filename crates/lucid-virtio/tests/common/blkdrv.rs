@@ -117,6 +117,40 @@ impl Blk {
         }
     }
 
+    /// A device with a block cache (SwapBypass's seam) installed before activation.
+    pub fn with_cache(
+        cfg: BlockConfig,
+        cache: std::sync::Arc<dyn lucid_virtio::blk::BlockCache>,
+    ) -> Blk {
+        Self::build_cached(Guest::new(), 0, cfg, cache)
+    }
+
+    /// [`Blk::with_cache`] on guest `g` whose device addresses are guest-physical + `dev_off`.
+    pub fn build_cached(
+        g: Guest,
+        dev_off: u64,
+        cfg: BlockConfig,
+        cache: std::sync::Arc<dyn lucid_virtio::blk::BlockCache>,
+    ) -> Blk {
+        let mut dev = Block::new("blk0".into(), cfg).unwrap();
+        dev.set_cache(cache);
+        let (vq, (q, kick)) = Vq::at(&g.mem, 0x10000, 256, dev_off);
+        let feats = dev.features() & !VIRTIO_RING_F_EVENT_IDX;
+        dev.activate(g.ctx(
+            vec![(0, q, kick)],
+            feats,
+            Notify::Kicks,
+            Coalescing::default(),
+        ))
+        .unwrap();
+        Blk {
+            g,
+            vq,
+            dev,
+            poll: false,
+        }
+    }
+
     /// Publishes a request: header, then `data` buffers, then a status byte. Returns the head
     /// and the status address.
     pub fn submit(&mut self, rtype: u32, sector: u64, data: &[(u64, u32, bool)]) -> (u16, u64) {

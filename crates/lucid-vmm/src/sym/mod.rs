@@ -17,6 +17,7 @@ use lucid_sym::Registrations;
 
 mod modules;
 mod publish;
+mod swapcache;
 mod symcall;
 
 pub use modules::{LoaderInfo, ModCounters, ModuleError, ModuleInfo, ModuleOptions};
@@ -24,6 +25,8 @@ pub use publish::{
     GlobalRecord, GuestGlobal, GuestVcpu, HostMemory, LucidGlobal, LucidVcpu, PublishSources,
     SpySnapshot, VcpuRecord,
 };
+pub(crate) use swapcache::check_swapcache;
+pub use swapcache::SwapCacheDevice;
 pub use symcall::{CallCounters, CallLimits, SymCallError, SymReturn};
 
 use crate::hooks::ExitHooks;
