@@ -85,6 +85,8 @@ impl Default for CallLimits {
 
 /// After the deadline the caller kicks the vCPU this often until the call ends: the vCPU
 /// checks the time after every exit, and a kick guarantees one.
+/// How long a caller polls for its result before it sleeps.
+const SPIN_FOR: Duration = Duration::from_micros(300);
 const KICK_EVERY: Duration = Duration::from_millis(2);
 /// A request's phases (see `call_with`).
 const QUEUED: u8 = 0;
@@ -268,7 +270,24 @@ impl Symbiotic {
             .map_err(|_| SymCallError::Gone(vcpu))?;
         let asked = Instant::now();
         let deadline = asked + limits.timeout;
+        // A warm call takes a few tens of µs: polling for that long costs less than the
+        // futex wake-up of a sleeping caller (measured: 76 against 50 µs per call here). The
+        // yield leaves the CPU to the vCPU thread when both share one.
+        let mut early = None;
+        while asked.elapsed() < SPIN_FOR {
+            match rx.try_recv() {
+                Ok(r) => {
+                    early = Some(r);
+                    break;
+                }
+                Err(mpsc::TryRecvError::Empty) => std::thread::yield_now(),
+                Err(mpsc::TryRecvError::Disconnected) => break,
+            }
+        }
         let result = loop {
+            if let Some(r) = early.take() {
+                break r;
+            }
             let now = Instant::now();
             let wait = deadline.saturating_duration_since(now).max(KICK_EVERY);
             match rx.recv_timeout(wait) {
