@@ -196,6 +196,7 @@ impl ConsoleOut {
     /// buffered or in flight.
     pub fn flush(&self, patience: Duration) -> usize {
         let s = &self.shared;
+        let started = Instant::now();
         let mut st = lock(&s.state);
         loop {
             let pending = st.buf.len();
@@ -207,7 +208,10 @@ impl ConsoleOut {
                 // waiting for progress.
                 return pending;
             }
-            let idle = st.progress.elapsed();
+            // Patience counts from the flush too: the last progress may be long ago because
+            // nothing was printed since, and a writer thread starved of CPU for a moment has
+            // not stalled.
+            let idle = st.progress.elapsed().min(started.elapsed());
             if idle >= patience {
                 return pending + st.in_flight;
             }

@@ -90,7 +90,16 @@ impl Guest {
         let report = self.vm.wait();
         let out = std::fs::read_to_string(&self.serial).unwrap_or_default();
         let _ = std::fs::remove_file(&self.serial);
-        assert!(out.contains("sym-call done"), "guest did not finish: {out}");
+        assert!(
+            out.contains("sym-call done"),
+            "guest did not finish ({:?}; serial counters {:?}): {out}",
+            report.stop,
+            report
+                .counters
+                .iter()
+                .filter(|(k, _)| k.starts_with("serial."))
+                .collect::<Vec<_>>()
+        );
         assert!(out.contains(" corrupt=0 "), "guest saw corruption: {out}");
         assert!(!out.contains("EXCEPTION"), "{out}");
         assert_eq!(report.stop, StopReason::DebugExit(0), "{out}");
@@ -393,6 +402,7 @@ fn own_thread_calls_are_refused_and_the_exit_bound_holds() {
     let bounded = CallLimits {
         timeout: Duration::from_secs(5),
         max_exits: 500,
+        ..CallLimits::default()
     };
     let r = sym.call_with(0, TEST_EXITS, [0; 5], bounded);
     assert!(

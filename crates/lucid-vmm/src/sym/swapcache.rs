@@ -295,7 +295,13 @@ impl SwapBackend for Be<'_> {
                 return l;
             }
         }
-        match sym.call(0, abi::call::SLOT_LIVE, [slot, 0, 0, 0, 0]) {
+        // No polling: a write-back asks in bulk, and a polling back-end takes a CPU from the
+        // vCPUs (of this VM and others) on a small host.
+        let limits = super::CallLimits {
+            poll: std::time::Duration::ZERO,
+            ..sym.call_limits()
+        };
+        match sym.call_with(0, abi::call::SLOT_LIVE, [slot, 0, 0, 0, 0], limits) {
             Ok(r) if r.status == abi::SYM_OK => {
                 self.c.liveness_symcall.inc();
                 return if r.values[0] != 0 {
