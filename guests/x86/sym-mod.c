@@ -1,5 +1,5 @@
 /*
- * sym-mod: the symbiotic module loader's guest (docs/symbiotic-mod.md).
+ * sym-mod: the symbiotic module loader's guest (docs/symbiotic.md §7).
  * Discovers Lucid, registers its SymSpy pages and SymCall entry, starts the
  * module loader (symmod.c) on an arena in RAM and polls the mailbox at CPL3
  * until `ms` milliseconds passed (0: until the VM is stopped).

@@ -1,4 +1,4 @@
-//! Lucid's own checks of a symbiotic module before it goes near the guest (docs/symbiotic-mod.md):
+//! Lucid's own checks of a symbiotic module before it goes near the guest (docs/symbiotic.md §7):
 //! an ELF64 x86-64 relocatable object (`gcc -c -mcmodel=small -fno-pic`) whose headers,
 //! sections, symbols and relocations are in bounds, whose relocation types are the five the
 //! guest loader applies, and which defines `module_init` and `module_exit`. The guest's loader

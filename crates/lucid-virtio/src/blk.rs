@@ -18,7 +18,7 @@
 //! `O_DIRECT`: every transfer goes through a 4 KiB-aligned bounce buffer at block-aligned file
 //! offsets, and the host page cache holds no copy of what the guest reads or writes.
 //!
-//! A [`BlockCache`] (SwapBypass's swap cache, docs/symbiotic-swap.md) takes over the image I/O
+//! A [`BlockCache`] (SwapBypass's swap cache, docs/symbiotic.md §6) takes over the image I/O
 //! of reads, writes, discards and flushes instead: the device still moves the data between guest
 //! memory and its bounce buffer through the DMA path (so it works under a vIOMMU too), and the
 //! cache decides what reaches the file. With a cache the data hook is not consulted.

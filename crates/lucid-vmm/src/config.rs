@@ -27,7 +27,7 @@ pub struct PciDeviceConfig {
     /// L4: the polling thread sleeps this long when its rings are idle (0 spins).
     pub poll_idle_us: u32,
     /// `swapcache=MiB` on a `--blk`: SwapBypass's swap cache of this many MiB in front of the
-    /// disk (docs/symbiotic-swap.md); 0 = none. Needs `--symbiotic`, 4096-byte blocks and a
+    /// disk (docs/symbiotic.md §6); 0 = none. Needs `--symbiotic`, 4096-byte blocks and a
     /// rung with a worker thread (L1 or above).
     pub swapcache_mib: u32,
     /// `liveness=spy`: the swap cache asks the SymSpy swap map before SymCall `SLOT_LIVE`

@@ -1,5 +1,5 @@
 /*
- * Symbiotic modules, guest side (docs/symbiotic-mod.md): the loader that
+ * Symbiotic modules, guest side (docs/symbiotic.md §7): the loader that
  * takes a relocatable ELF object Lucid copied into the object buffer, links
  * it in the module arena against the guest's exports and runs its init;
  * later runs its exit and frees it. Requests come through the module

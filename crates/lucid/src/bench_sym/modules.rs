@@ -1,4 +1,4 @@
-//! `lucid bench sym`, part `modules` (docs/symbiotic-mod.md): what loading a symbiotic module
+//! `lucid bench sym`, part `modules` (docs/symbiotic.md §7): what loading a symbiotic module
 //! into a running guest costs. One in-process VM runs the `sym-mod` guest (the kit's loader);
 //! Lucid loads and unloads the kit's `quiet` module (no console output, so the figures are the
 //! loader's and the mailbox's) repeatedly, in ordinary and in read-only placement, and calls

@@ -1,4 +1,4 @@
-//! `lucid bench sym`, part `swapbypass` (docs/symbiotic-swap.md): the `sym-swap` guest's
+//! `lucid bench sym`, part `swapbypass` (docs/symbiotic.md §6): the `sym-swap` guest's
 //! workload swapping to a plain virtio-blk disk (`cache=none`, so the host page cache does not
 //! hide the disk) against the same with SwapBypass's swap cache in front, in one run.
 //!

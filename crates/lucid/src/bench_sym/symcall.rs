@@ -1,5 +1,5 @@
 //! `lucid bench sym`, part `symcall`: SymCall latency, cold and warm, against one userspace exit
-//! round trip on the same host (docs/symbiotic-call.md). VMs in this process, one after the
+//! round trip on the same host (docs/symbiotic.md §5). VMs in this process, one after the
 //! other: `pio-ping` (the exit round trip, measured by the guest), `sym-call` (its workload runs
 //! at CPL3 while this thread issues `echo` calls, timed here, on the calling thread), and
 //! `pio-ping` again; the exit round trip is the mean of the two.
