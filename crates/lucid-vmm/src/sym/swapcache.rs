@@ -58,22 +58,47 @@ pub(crate) fn check_swapcache(c: &VmConfig) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// Declares the `sym.swap.*` counters that mirror [`SwapCacheStats`] fields of the same name,
+/// once: their struct, registration and update.
+macro_rules! mirrored_counters {
+    ($($f:ident),* $(,)?) => {
+        /// `sym.swap.*` counters mirroring the cache's own counts after each request.
+        struct Mirrored {
+            $($f: Arc<Counter>,)*
+        }
+
+        impl Mirrored {
+            fn new(c: impl Fn(&str) -> Arc<Counter>) -> Self {
+                Mirrored { $($f: c(stringify!($f)),)* }
+            }
+
+            fn set(&self, s: &SwapCacheStats) {
+                $(self.$f.set(s.$f);)*
+            }
+        }
+    };
+}
+
+mirrored_counters!(
+    hits,
+    misses,
+    writes_cached,
+    writebacks,
+    writebacks_avoided,
+    flush_writebacks,
+    flush_writebacks_avoided,
+    discards,
+    evictions,
+    bytes_read_cache,
+    bytes_read_disk,
+    bytes_written_disk,
+    liveness_unknown,
+);
+
 /// `sym.swap.*` counters: the cache's own counts, mirrored after each request, and how
 /// liveness questions were answered.
 struct SwapCounters {
-    hits: Arc<Counter>,
-    misses: Arc<Counter>,
-    writes_cached: Arc<Counter>,
-    writebacks: Arc<Counter>,
-    writebacks_avoided: Arc<Counter>,
-    flush_writebacks: Arc<Counter>,
-    flush_writebacks_avoided: Arc<Counter>,
-    discards: Arc<Counter>,
-    evictions: Arc<Counter>,
-    bytes_read_cache: Arc<Counter>,
-    bytes_read_disk: Arc<Counter>,
-    bytes_written_disk: Arc<Counter>,
-    liveness_unknown: Arc<Counter>,
+    cache: Mirrored,
     liveness_symcall: Arc<Counter>,
     liveness_spy: Arc<Counter>,
     symcall_errors: Arc<Counter>,
@@ -121,19 +146,7 @@ impl SwapCacheDevice {
             pci_slot,
             spy_first,
             c: SwapCounters {
-                hits: c("hits"),
-                misses: c("misses"),
-                writes_cached: c("writes_cached"),
-                writebacks: c("writebacks"),
-                writebacks_avoided: c("writebacks_avoided"),
-                flush_writebacks: c("flush_writebacks"),
-                flush_writebacks_avoided: c("flush_writebacks_avoided"),
-                discards: c("discards"),
-                evictions: c("evictions"),
-                bytes_read_cache: c("bytes_read_cache"),
-                bytes_read_disk: c("bytes_read_disk"),
-                bytes_written_disk: c("bytes_written_disk"),
-                liveness_unknown: c("liveness_unknown"),
+                cache: Mirrored::new(c),
                 liveness_symcall: c("liveness_symcall"),
                 liveness_spy: c("liveness_spy"),
                 symcall_errors: c("symcall_errors"),
@@ -186,21 +199,8 @@ impl SwapCacheDevice {
     }
 
     fn mirror(&self, s: SwapCacheStats, len: usize) {
-        let c = &self.c;
-        c.hits.set(s.hits);
-        c.misses.set(s.misses);
-        c.writes_cached.set(s.writes_cached);
-        c.writebacks.set(s.writebacks);
-        c.writebacks_avoided.set(s.writebacks_avoided);
-        c.flush_writebacks.set(s.flush_writebacks);
-        c.flush_writebacks_avoided.set(s.flush_writebacks_avoided);
-        c.discards.set(s.discards);
-        c.evictions.set(s.evictions);
-        c.bytes_read_cache.set(s.bytes_read_cache);
-        c.bytes_read_disk.set(s.bytes_read_disk);
-        c.bytes_written_disk.set(s.bytes_written_disk);
-        c.liveness_unknown.set(s.liveness_unknown);
-        c.cached_slots.set(len as u64);
+        self.c.cache.set(&s);
+        self.c.cached_slots.set(len as u64);
     }
 }
 
