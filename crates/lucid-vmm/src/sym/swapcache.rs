@@ -24,7 +24,7 @@ use lucid_sym::abi;
 use lucid_sym::swapcache::{Liveness, SwapBackend, SwapCache, SwapCacheStats, SLOT_SIZE};
 use lucid_virtio::blk::BlockCache;
 
-use super::Symbiotic;
+use super::{SymCallError, Symbiotic};
 use crate::config::{PciDeviceKind, VmConfig};
 use crate::vm::ConfigError;
 
@@ -191,6 +191,7 @@ impl SwapCacheDevice {
             map,
             live,
             live_built: None,
+            calls_off: false,
             c: &self.c,
         };
         let r = f(cache, &mut be);
@@ -215,6 +216,10 @@ struct Be<'a> {
     live: &'a mut Vec<u64>,
     /// Whether `live` was built in this request (`Some(false)`: no usable map).
     live_built: Option<bool>,
+    /// A SymCall was cut off in this request (timeout, too many exits, vCPU gone): ask no
+    /// more by SymCall until the next request, or a flush of many dirty slots would wait the
+    /// call timeout once per slot.
+    calls_off: bool,
     c: &'a SwapCounters,
 }
 
@@ -301,7 +306,11 @@ impl SwapBackend for Be<'_> {
             poll: std::time::Duration::ZERO,
             ..sym.call_limits()
         };
-        match sym.call_with(0, abi::call::SLOT_LIVE, [slot, 0, 0, 0, 0], limits) {
+        let call = match self.calls_off {
+            true => Err(SymCallError::Unavailable),
+            false => sym.call_with(0, abi::call::SLOT_LIVE, [slot, 0, 0, 0, 0], limits),
+        };
+        match call {
             Ok(r) if r.status == abi::SYM_OK => {
                 self.c.liveness_symcall.inc();
                 return if r.values[0] != 0 {
@@ -314,9 +323,17 @@ impl SwapBackend for Be<'_> {
                 self.c.symcall_errors.inc();
                 log::debug!("sym.swap: SLOT_LIVE({slot}) returned status {}", r.status);
             }
+            Err(SymCallError::Unavailable) if self.calls_off => {}
             Err(e) => {
                 self.c.symcall_errors.inc();
                 log::debug!("sym.swap: SLOT_LIVE({slot}): {e}");
+                self.calls_off = matches!(
+                    e,
+                    SymCallError::Timeout { .. }
+                        | SymCallError::TooManyExits { .. }
+                        | SymCallError::Gone(_)
+                        | SymCallError::Stopped
+                );
             }
         }
         if self.spy_first {

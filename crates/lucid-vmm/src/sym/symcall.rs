@@ -92,6 +92,12 @@ impl Default for CallLimits {
 /// After the deadline the caller kicks the vCPU this often until the call ends: the vCPU
 /// checks the time after every exit, and a kick guarantees one.
 const KICK_EVERY: Duration = Duration::from_millis(2);
+/// How long past its deadline a caller still waits for a call its vCPU took up. A vCPU kicked
+/// out of KVM_RUN comes back within a few ms; one that does not is held in an exit handler,
+/// possibly one waiting for the caller itself (the guest's handler resets the disk whose
+/// back-end thread asked: the reset joins that thread), so the caller gives up rather than
+/// wait forever. The call then ends on the vCPU whenever that handler returns.
+const RUNNING_GRACE: Duration = Duration::from_secs(1);
 /// A request's phases (see `call_with`).
 const QUEUED: u8 = 0;
 const RUNNING: u8 = 1;
@@ -306,6 +312,17 @@ impl Symbiotic {
                             .compare_exchange(QUEUED, ABANDONED, Ordering::SeqCst, Ordering::SeqCst)
                             .is_ok()
                         {
+                            break Err(SymCallError::Timeout {
+                                vcpu,
+                                ms: limits.timeout.as_millis() as u64,
+                            });
+                        }
+                        if Instant::now() >= deadline + RUNNING_GRACE {
+                            log::warn!(
+                                "sym: the SymCall on vCPU {vcpu} is still running {} ms past \
+                                 its deadline (the vCPU is held in an exit handler): given up",
+                                RUNNING_GRACE.as_millis()
+                            );
                             break Err(SymCallError::Timeout {
                                 vcpu,
                                 ms: limits.timeout.as_millis() as u64,
