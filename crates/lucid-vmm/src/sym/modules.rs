@@ -487,8 +487,7 @@ impl Symbiotic {
             },
         );
         // The id is the guest's word: one it reuses replaces the old record, whose read-only
-        // slot must leave KVM before its memory goes (a slot over freed memory would show the
-        // guest whatever Lucid maps there next).
+        // slot, MMIO guard and window would otherwise stay taken for the VM's life.
         if let Some(old) = old {
             log::warn!(
                 "sym: the guest reused module id {} for {}",
@@ -610,10 +609,8 @@ impl Symbiotic {
     fn remove_window(&self, st: &mut State, w: RoWindow) {
         if let Some(hv) = self.modules.hv.get() {
             if let Err(e) = hv.unmap_slot(RO_SLOT_BASE + w.index) {
-                // The slot may still map the memory: keep it (leaked) rather than free it
-                // under the guest, and keep the window taken.
+                // The slot is still in place: keep its window taken (and guarded).
                 log::warn!("sym: removing the read-only slot of {:#x}: {e}", w.gpa);
-                std::mem::forget(w);
                 return;
             }
         }
