@@ -60,14 +60,6 @@
 #include "libcflat.h"
 #include "virtio.h"
 
-#define BLK_T_IN		0
-#define BLK_T_OUT		1
-#define BLK_T_FLUSH		4
-#define BLK_T_DISCARD		11
-#define BLK_T_WRITE_ZEROES	13
-#define VIRTIO_BLK_F_DISCARD	13
-#define VIRTIO_BLK_F_WRITE_ZEROES 14
-
 #define BS		4096ul
 #define WORDS		(BS / 8)
 #define VER_ZERO	0xffffu
@@ -75,18 +67,6 @@
 #define QD_MAX		32
 #define SEGS_MAX	64
 #define PRIV_SALT	0x5a17c0de5a17c0deull
-
-struct blk_hdr {
-	u32 type;
-	u32 reserved;
-	u64 sector;
-};
-
-struct dwz {			/* discard / write-zeroes segment */
-	u64 sector;
-	u32 num_sectors;
-	u32 flags;
-};
 
 struct seg {
 	u64 addr;
@@ -96,7 +76,7 @@ struct seg {
 struct req {
 	struct blk_hdr *hdr;
 	volatile u8 *status;
-	struct dwz *dwz;
+	struct blk_dwz *dwz;
 	int busy;
 	u16 head;
 	u32 type;
@@ -112,16 +92,6 @@ static u64 timeout_tsc, seed, io_errors, mismatches, cap_blocks;
 
 /* ---------------- block content ---------------- */
 
-static u64 mix(u64 x)
-{
-	x ^= x >> 31;
-	x *= 0x7fb5d329728ea185ull;
-	x ^= x >> 27;
-	x *= 0x81dadef4bc2dd44dull;
-	x ^= x >> 33;
-	return x;
-}
-
 static u64 tok_seed = 1, toks[16];
 
 static void tokens(u64 s)
@@ -129,13 +99,13 @@ static void tokens(u64 s)
 	if (tok_seed == s)
 		return;
 	for (int j = 0; j < 16; j++)
-		toks[j] = mix(s + (u64)(j + 1) * 0x9e3779b97f4a7c15ull);
+		toks[j] = mix64(s + (u64)(j + 1) * 0x9e3779b97f4a7c15ull);
 	tok_seed = s;
 }
 
 static u64 stream_start(u64 b, u64 s, u64 v)
 {
-	return mix(b ^ (s << 1) ^ (v << 48)) | 1;
+	return mix64(b ^ (s << 1) ^ (v << 48)) | 1;
 }
 
 static inline u64 xs(u64 x)
@@ -309,7 +279,7 @@ static struct req *submit(u32 type, u64 sector, const struct seg *sg, int nseg, 
 		r->dwz->num_sectors = nblk * (BS / 512);
 		r->dwz->flags = 0;
 		d->addr = (u64)r->dwz;
-		d->len = sizeof(struct dwz);
+		d->len = sizeof(struct blk_dwz);
 		d = &q->desc[d->next];
 	} else {
 		for (int i = 0; i < ndata; i++) {
@@ -372,7 +342,7 @@ static int setup_device(void)
 	for (int i = 0; i < QD_MAX; i++) {
 		reqs[i].hdr = (struct blk_hdr *)(hdrs + 64 * i);
 		reqs[i].status = hdrs + 64 * i + 16;
-		reqs[i].dwz = (struct dwz *)(hdrs + 64 * i + 32);
+		reqs[i].dwz = (struct blk_dwz *)(hdrs + 64 * i + 32);
 	}
 	return 0;
 }
@@ -596,7 +566,7 @@ static void mode_reread(u64 iters)
 
 static inline u64 anon_word(u64 f, u64 i)
 {
-	return mix((f << 9 | i) ^ seed ^ 0xa11c);
+	return mix64((f << 9 | i) ^ seed ^ 0xa11c);
 }
 
 static void mode_alloc(u64 mib)
@@ -838,13 +808,13 @@ static void settle(void)
 static void pressure(u64 mib, u64 base, u64 round)
 {
 	for (u64 a = 0; a < mib << 20; a += 64)
-		*(volatile u64 *)(base + a) = mix(a ^ round ^ seed);
+		*(volatile u64 *)(base + a) = mix64(a ^ round ^ seed);
 }
 
 static void pressure_check(u64 mib, u64 base, u64 round)
 {
 	for (u64 a = 0; a < mib << 20; a += 64) {
-		u64 got = *(volatile u64 *)(base + a), e = mix(a ^ round ^ seed);
+		u64 got = *(volatile u64 *)(base + a), e = mix64(a ^ round ^ seed);
 		if (got != e) {
 			if (mismatches < 10)
 				printf("MISMATCH what=scratch addr=%#lx expected=%#lx got=%#lx\n", base + a,

@@ -38,26 +38,9 @@
 #include "sym.h"
 #include "symcall.h"
 
-#define BLK_T_IN	0
-#define BLK_T_OUT	1
-#define BLK_T_FLUSH	4
-#define BLK_T_DISCARD	11
-#define BLK_F_DISCARD	13
 #define PAGE		4096
 #define SECT_PER_PAGE	(PAGE / 512)
 #define MAX_SEG		16	/* Lucid's max_discard_seg */
-
-struct blk_hdr {
-	u32 type;
-	u32 reserved;
-	u64 sector;
-};
-
-struct discard_seg {
-	u64 sector;
-	u32 num;
-	u32 flags;
-};
 
 static struct sym_global g_page;
 static struct sym_vcpu v_page;
@@ -66,7 +49,7 @@ static struct virtio_dev dev;
 static struct virtq *q;
 static struct blk_hdr *hdr;
 static volatile u8 *status;
-static struct discard_seg *segs;
+static struct blk_dwz *segs;
 static u64 timeout_tsc, io_errors;
 
 static u64 npages, nframes, nslots;
@@ -81,19 +64,9 @@ static u32 *pending, npending, discard_batch;
 static u64 fifo, frames_used;
 static u64 swapouts, swapins, discards, mismatches;
 
-static u64 mix(u64 x)
-{
-	x ^= x >> 31;
-	x *= 0x7fb5d329728ea185ull;
-	x ^= x >> 27;
-	x *= 0x81dadef4bc2dd44dull;
-	x ^= x >> 33;
-	return x;
-}
-
 static void fill(u64 *w, u64 page, u32 ver)
 {
-	u64 base = mix(page * 0x100000001ull ^ ver);
+	u64 base = mix64(page * 0x100000001ull ^ ver);
 	w[0] = page;
 	w[1] = ver;
 	for (int k = 2; k < PAGE / 8; k++)
@@ -102,7 +75,7 @@ static void fill(u64 *w, u64 page, u32 ver)
 
 static void verify(const u64 *w, u64 page, u32 ver, const char *where)
 {
-	u64 base = mix(page * 0x100000001ull ^ ver);
+	u64 base = mix64(page * 0x100000001ull ^ ver);
 	int bad = w[0] != page || w[1] != ver;
 	for (int k = 2; k < PAGE / 8 && !bad; k++)
 		bad = w[k] != base + k * 0x9e3779b97f4a7c15ull;
@@ -181,10 +154,10 @@ static void discard_pending(void)
 		u32 n = npending - done < MAX_SEG ? npending - done : MAX_SEG;
 		for (u32 i = 0; i < n; i++) {
 			segs[i].sector = (u64)pending[done + i] * SECT_PER_PAGE;
-			segs[i].num = SECT_PER_PAGE;
+			segs[i].num_sectors = SECT_PER_PAGE;
 			segs[i].flags = 0;
 		}
-		if (virtio_has(&dev, BLK_F_DISCARD))
+		if (virtio_has(&dev, VIRTIO_BLK_F_DISCARD))
 			blk_req(BLK_T_DISCARD, 0, segs, n * sizeof(*segs), 0);
 		for (u32 i = 0; i < n; i++)
 			free_slots[nfree++] = pending[done + i];
@@ -324,10 +297,7 @@ static u64 rng_state;
 
 static u64 rng(void)
 {
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 7;
-	rng_state ^= rng_state << 17;
-	return rng_state;
+	return xorshift64(&rng_state);
 }
 
 int main(void)
@@ -351,7 +321,7 @@ int main(void)
 		return 2;
 	if (virtio_iommu_setup(dev.pci.bdf))
 		return 2;
-	if (virtio_init(&dev, (1ull << VIRTIO_BLK_F_FLUSH) | (1ull << BLK_F_DISCARD) |
+	if (virtio_init(&dev, (1ull << VIRTIO_BLK_F_FLUSH) | (1ull << VIRTIO_BLK_F_DISCARD) |
 				      (1ull << VIRTIO_BLK_F_BLK_SIZE)))
 		return 2;
 	if (virtio_setup_queue(&dev, 0, 64, 1))

@@ -31,17 +31,6 @@
 #include "libcflat.h"
 #include "virtio.h"
 
-#define BLK_T_IN	0
-#define BLK_T_OUT	1
-#define BLK_T_FLUSH	4
-#define BLK_T_GET_ID	8
-
-struct blk_hdr {
-	u32 type;
-	u32 reserved;
-	u64 sector;
-};
-
 struct slot {
 	struct blk_hdr *hdr;
 	volatile u8 *status;
@@ -61,23 +50,13 @@ static struct slot *slots;
 static u16 *head2slot;
 static int nslots;
 
-static u64 mix(u64 x)
-{
-	x ^= x >> 31;
-	x *= 0x7fb5d329728ea185ull;
-	x ^= x >> 27;
-	x *= 0x81dadef4bc2dd44dull;
-	x ^= x >> 33;
-	return x;
-}
-
 static void fill(u64 *w, u64 sector, u64 nsect)
 {
 	for (u64 s = 0; s < nsect; s++, w += 64) {
 		u64 sec = sector + s;
 		w[0] = sec;
 		w[1] = seed;
-		u64 base = mix(sec ^ (seed << 1));
+		u64 base = mix64(sec ^ (seed << 1));
 		for (int k = 2; k < 64; k++)
 			w[k] = base + k * 0x9e3779b97f4a7c15ull;
 	}
@@ -108,10 +87,7 @@ static u64 rng_state;
 
 static u64 rng(void)
 {
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 7;
-	rng_state ^= rng_state << 17;
-	return rng_state;
+	return xorshift64(&rng_state);
 }
 
 /* queue one request on slot s; data NULL for flush */

@@ -24,11 +24,6 @@
 #define FAR_ADDR	0xfff000000000ull	/* outside any guest memory */
 #define QSZ		16
 
-struct blk_hdr {
-	u32 type, reserved;
-	u64 sector;
-};
-
 static struct virtio_dev blk, net;
 static u64 timeout_tsc;
 static u8 *scratch;		/* 64 KiB: hdr @0, status @64, data @4096, canary */

@@ -15,7 +15,8 @@ pub const VER_ZERO: u64 = 0xffff;
 /// The guest's default seed (`seed=`).
 pub const DEFAULT_SEED: u64 = 0x5eed;
 
-fn mix(mut x: u64) -> u64 {
+/// The kit's `mix64` (guests/lib/x86/libcflat.h): the block guests' data-pattern hash.
+pub fn mix64(mut x: u64) -> u64 {
     x ^= x >> 31;
     x = x.wrapping_mul(0x7fb5_d329_728e_a185);
     x ^= x >> 27;
@@ -38,9 +39,9 @@ pub fn fill(out: &mut [u8; BLOCK], b: u64, s: u64, v: u64) {
         return;
     }
     let toks: Vec<u64> = (1..=16u64)
-        .map(|j| mix(s.wrapping_add(j.wrapping_mul(0x9e37_79b9_7f4a_7c15))))
+        .map(|j| mix64(s.wrapping_add(j.wrapping_mul(0x9e37_79b9_7f4a_7c15))))
         .collect();
-    let mut x = mix(b ^ (s << 1) ^ (v << 48)) | 1;
+    let mut x = mix64(b ^ (s << 1) ^ (v << 48)) | 1;
     for (i, w) in out.chunks_exact_mut(8).enumerate() {
         let word = match i {
             0 => b,

@@ -22,6 +22,7 @@ const EHDR: usize = 64;
 const SHDR: usize = 64;
 const SYM: usize = 24;
 const RELA: usize = 24;
+const SHT_NULL: u32 = 0;
 const SHT_SYMTAB: u32 = 2;
 const SHT_STRTAB: u32 = 3;
 const SHT_RELA: u32 = 4;
@@ -190,7 +191,8 @@ pub fn check(b: &[u8], limits: &Limits) -> Result<ObjectInfo, ModuleCheckError> 
         });
     }
     for (i, s) in sh.iter().enumerate() {
-        if s.kind != SHT_NOBITS && i != 0 {
+        // Section 0 too, unless it is the null section: one posing as a table is read.
+        if s.kind != SHT_NOBITS && !(i == 0 && s.kind == SHT_NULL) {
             span(|| format!("section {i}"), s.offset, s.size, len)?;
         }
         if s.align > 1 && !s.align.is_power_of_two() {
@@ -453,6 +455,33 @@ mod tests {
         b[60..62].copy_from_slice(&6u16.to_le_bytes());
         b[62..64].copy_from_slice(&5u16.to_le_bytes());
         b
+    }
+
+    #[test]
+    fn a_section_0_posing_as_a_table_is_bounds_checked_too() {
+        let good = object(R_X86_64_PC32);
+        let shoff = u64_at(&good, 40) as usize;
+        // Section 0 as the section-name table, or as the only symbol table (.symtab, section
+        // 3, made PROGBITS), pointing past the end of the object.
+        for kind in [SHT_SYMTAB, SHT_STRTAB] {
+            let mut b = good.clone();
+            b[shoff + 4..shoff + 8].copy_from_slice(&kind.to_le_bytes());
+            b[shoff + 24..shoff + 32].copy_from_slice(&(u64::MAX - 8).to_le_bytes());
+            b[shoff + 32..shoff + 40].copy_from_slice(&(2 * SYM as u64).to_le_bytes());
+            b[shoff + 40..shoff + 44].copy_from_slice(&4u32.to_le_bytes());
+            b[shoff + 56..shoff + 64].copy_from_slice(&(SYM as u64).to_le_bytes());
+            if kind == SHT_STRTAB {
+                b[62..64].copy_from_slice(&0u16.to_le_bytes());
+            } else {
+                let sym = shoff + 3 * SHDR;
+                b[sym + 4..sym + 8].copy_from_slice(&1u32.to_le_bytes());
+            }
+            let r = check(&b, &LIMITS);
+            assert!(
+                matches!(r, Err(ModuleCheckError::OutOfBounds { .. })),
+                "kind {kind}: {r:?}"
+            );
+        }
     }
 
     #[test]

@@ -705,6 +705,22 @@ impl BlkBackend {
         &mut self.bounce[start..start + n]
     }
 
+    /// Runs `step(piece, done)` over `total` bytes in bounce-sized pieces of the bounce buffer,
+    /// `done` the bytes before the piece.
+    fn in_pieces(
+        &mut self,
+        total: u64,
+        mut step: impl FnMut(&mut [u8], u64) -> Result<(), ReqError>,
+    ) -> Result<(), ReqError> {
+        let mut done = 0u64;
+        while done < total {
+            let buf = self.bounce(total - done);
+            step(buf, done)?;
+            done += buf.len() as u64;
+        }
+        Ok(())
+    }
+
     /// The data hook, while device addresses are guest-physical (no vIOMMU translator).
     fn active_hook(&self, io: &Io) -> Option<Arc<dyn BlockDataHook>> {
         self.hook
@@ -801,14 +817,11 @@ impl BlkBackend {
                 .map_err(file_err("before_change", off))?;
         }
         let mut cur = (0usize, 0u64);
-        let mut done = 0u64;
-        while done < total {
-            let buf = self.bounce(total - done);
+        self.in_pieces(total, |buf, done| {
             gather_at(io, regions, &mut cur, buf)?;
             file.write_all_at(buf, off + done)
-                .map_err(file_err("write", off + done))?;
-            done += buf.len() as u64;
-        }
+                .map_err(file_err("write", off + done))
+        })?;
         if let Some(hook) = &hook {
             let mut pos = off;
             for (gpa, len) in guest_runs(regions) {
@@ -830,16 +843,12 @@ impl BlkBackend {
         let total: u64 = regions.iter().map(|r| r.1).sum();
         let file = self.file.clone();
         let mut cur = (0usize, 0u64);
-        let mut done = 0u64;
-        while done < total {
-            let buf = self.bounce(total - done);
+        self.in_pieces(total, |buf, done| {
             cache
                 .read(&file, off + done, buf)
                 .map_err(file_err("cache read", off + done))?;
-            scatter_at(io, regions, &mut cur, buf)?;
-            done += buf.len() as u64;
-        }
-        Ok(())
+            Ok(scatter_at(io, regions, &mut cur, buf)?)
+        })
     }
 
     /// A write through the block cache, in bounce-sized pieces.
@@ -853,16 +862,12 @@ impl BlkBackend {
         let total: u64 = regions.iter().map(|r| r.1).sum();
         let file = self.file.clone();
         let mut cur = (0usize, 0u64);
-        let mut done = 0u64;
-        while done < total {
-            let buf = self.bounce(total - done);
+        self.in_pieces(total, |buf, done| {
             gather_at(io, regions, &mut cur, buf)?;
             cache
                 .write(&file, off + done, buf)
-                .map_err(file_err("cache write", off + done))?;
-            done += buf.len() as u64;
-        }
-        Ok(())
+                .map_err(file_err("cache write", off + done))
+        })
     }
 
     /// Makes `len` bytes at `off` read as zeros; `dealloc` frees the blocks (a hole) rather
@@ -880,15 +885,11 @@ impl BlkBackend {
         }
         // Not supported by this file system (or a block device): write zeros.
         let file = self.file.clone();
-        let mut done = 0u64;
-        while done < len {
-            let buf = self.bounce(len - done);
+        self.in_pieces(len, |buf, done| {
             buf.fill(0);
             file.write_all_at(buf, off + done)
-                .map_err(file_err("write", off + done))?;
-            done += buf.len() as u64;
-        }
-        Ok(())
+                .map_err(file_err("write", off + done))
+        })
     }
 }
 

@@ -174,3 +174,41 @@ pub fn field<'a>(out: &'a str, prefix: &str, key: &str) -> Option<&'a str> {
     line.split_whitespace()
         .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
 }
+
+/// Spawns `cmd` (a `lucid run` of a guest that ends by holding), hands each stdout line to
+/// `on_line` until one starts with `stop` or `limit` passes (also when the guest goes quiet),
+/// then kills it with SIGKILL: nothing more gets written back. For the kill -9 durability tests.
+pub fn run_until_then_kill(
+    mut cmd: Command,
+    stop: &str,
+    limit: Duration,
+    mut on_line: impl FnMut(&str),
+) {
+    use std::io::{BufRead, BufReader};
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let deadline = Instant::now() + limit;
+    while let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        on_line(&line);
+        if line.starts_with(stop) {
+            break;
+        }
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    drop(rx);
+    reader.join().unwrap();
+}

@@ -3,11 +3,10 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
-use common::{disk, lucid, one_at_a_time, tmp, Outcome};
+use common::{disk, lucid, one_at_a_time, run_until_then_kill, tmp, Outcome};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -300,34 +299,22 @@ fn a_completed_flush_survives_kill_9_of_lucid() {
     let _turn = one_at_a_time();
     let img = disk("flush", 8);
     let stats = tmp("flush-stats.json");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_lucid"))
-        .args(["run", "--guest", "virtio-blk", "--blk"])
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lucid"));
+    cmd.args(["run", "--guest", "virtio-blk", "--blk"])
         .arg(format!("path={},rung=L1", img.display()))
         .args([
             "--cmdline",
             "op=write pattern=seq bs=4096 qd=4 count=512 verify=1 flush=1 hold=1 seed=0x1234",
             "--stats-json",
         ])
-        .arg(&stats)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let out = child.stdout.take().unwrap();
-    let deadline = Instant::now() + LIMIT;
+        .arg(&stats);
     let mut flushed = false;
-    for line in BufReader::new(out).lines() {
-        let line = line.unwrap();
+    run_until_then_kill(cmd, "virtio-blk: holding", LIMIT, |line| {
         if line.starts_with("virtio-blk flush status=0") {
             flushed = true;
         }
-        if line.starts_with("virtio-blk: holding") || Instant::now() > deadline {
-            break;
-        }
-    }
+    });
     assert!(flushed, "the guest's flush completed");
-    child.kill().unwrap(); // SIGKILL: no chance to write anything back
-    child.wait().unwrap();
     let data = std::fs::read(&img).unwrap();
     for sector in 0..(512 * 4096 / 512) {
         let w = &data[sector * 512..sector * 512 + 16];

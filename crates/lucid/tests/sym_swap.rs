@@ -7,9 +7,8 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use common::*;
 
@@ -210,17 +209,8 @@ fn swapcache_is_refused_without_symbiotic_and_on_l0() {
 }
 
 /// The guest's page content (guests/x86/sym-swap.c `fill`).
-fn mix(mut x: u64) -> u64 {
-    x ^= x >> 31;
-    x = x.wrapping_mul(0x7fb5_d329_728e_a185);
-    x ^= x >> 27;
-    x = x.wrapping_mul(0x81da_def4_bc2d_d44d);
-    x ^= x >> 33;
-    x
-}
-
 fn page_ok(w: &[u64], page: u64, ver: u64) -> bool {
-    let base = mix(page.wrapping_mul(0x1_0000_0001) ^ ver);
+    let base = lucid_guests::pagecache::mix64(page.wrapping_mul(0x1_0000_0001) ^ ver);
     w[0] == page
         && w[1] == ver
         && (2..512)
@@ -233,45 +223,33 @@ fn kill_9_after_the_guest_flushed_loses_nothing_flushed() {
     let guard = Img(disk("kill9", 16));
     let img = guard.0.clone();
     let stats = tmp("kill9-stats.json");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_lucid"))
-        .args([
-            "run",
-            "--guest",
-            "sym-swap",
-            "--memory",
-            "64",
-            "--symbiotic",
-            "--blk",
-        ])
-        .arg(format!("path={},swapcache=16", img.display()))
-        .args([
-            "--cmdline",
-            "mib=8 resident_mib=2 passes=2 pattern=rand flush=1 hold=1",
-            "--stats-json",
-        ])
-        .arg(&stats)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let out = child.stdout.take().unwrap();
-    let deadline = Instant::now() + LIMIT;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lucid"));
+    cmd.args([
+        "run",
+        "--guest",
+        "sym-swap",
+        "--memory",
+        "64",
+        "--symbiotic",
+        "--blk",
+    ])
+    .arg(format!("path={},swapcache=16", img.display()))
+    .args([
+        "--cmdline",
+        "mib=8 resident_mib=2 passes=2 pattern=rand flush=1 hold=1",
+        "--stats-json",
+    ])
+    .arg(&stats);
     let mut flushed = None;
     let mut mismatches = None;
-    for line in BufReader::new(out).lines() {
-        let line = line.unwrap();
+    run_until_then_kill(cmd, "sym-swap: holding", LIMIT, |line| {
         if line.starts_with("sym-swap flushed") {
-            flushed = Some(line.clone());
+            flushed = Some(line.to_string());
         }
         if line.starts_with("sym-swap mib=") {
-            mismatches = field(&line, "sym-swap mib=", "mismatches").map(str::to_string);
+            mismatches = field(line, "sym-swap mib=", "mismatches").map(str::to_string);
         }
-        if line.starts_with("sym-swap: holding") || Instant::now() > deadline {
-            break;
-        }
-    }
-    child.kill().unwrap(); // SIGKILL: no chance to write anything back
-    child.wait().unwrap();
+    });
     let _ = std::fs::remove_file(&stats);
     let flushed = flushed.expect("the guest flushed");
     assert_eq!(mismatches.as_deref(), Some("0"));

@@ -67,6 +67,28 @@ void udelay(u64 us);			/* busy wait (needs tsc_khz) */
 /* print v/1000 as a decimal with 3 digits after the point, into buf */
 const char *fmt_milli(char *buf, u64 v_milli);
 
+/* ---- test patterns ---- */
+/* a 64-bit finalizer (splitmix-style): the block guests' data-pattern hash */
+static inline u64 mix64(u64 x)
+{
+	x ^= x >> 31;
+	x *= 0x7fb5d329728ea185ull;
+	x ^= x >> 27;
+	x *= 0x81dadef4bc2dd44dull;
+	x ^= x >> 33;
+	return x;
+}
+
+/* xorshift64: the next value of *state (never 0 if it starts non-zero) */
+static inline u64 xorshift64(u64 *state)
+{
+	u64 x = *state;
+	x ^= x << 13;
+	x ^= x >> 7;
+	x ^= x << 17;
+	return *state = x;
+}
+
 /* ---- CPL0 gates ---- */
 /* run fn(arg) at CPL0 (interrupts off) and return its result; keep fn tiny.
  * Implemented with int3 (vector 3 is the gate, not a debug trap). */

@@ -41,8 +41,31 @@
 #define VIRTIO_BLK_F_RO		5
 #define VIRTIO_BLK_F_BLK_SIZE	6
 #define VIRTIO_BLK_F_FLUSH	9
+#define VIRTIO_BLK_F_DISCARD	13
+#define VIRTIO_BLK_F_WRITE_ZEROES 14
 #define VIRTIO_NET_F_MAC	5
 #define VIRTIO_NET_F_STATUS	16
+
+/* virtio-blk requests: the header, then data, then a status byte the device writes */
+#define BLK_T_IN		0
+#define BLK_T_OUT		1
+#define BLK_T_FLUSH		4
+#define BLK_T_GET_ID		8
+#define BLK_T_DISCARD		11
+#define BLK_T_WRITE_ZEROES	13
+
+struct blk_hdr {
+	u32 type;
+	u32 reserved;
+	u64 sector;
+};
+
+/* the data of a DISCARD / WRITE_ZEROES request: one per range */
+struct blk_dwz {
+	u64 sector;
+	u32 num_sectors;
+	u32 flags;
+};
 
 /* PCI vendor capability cfg_type */
 #define VIRTIO_PCI_CAP_COMMON	1

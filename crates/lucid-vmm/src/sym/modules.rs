@@ -479,13 +479,25 @@ impl Symbiotic {
         };
         self.modules.counters.loads.inc();
         self.modules.counters.bytes.add(bytes.len() as u64);
-        st.loaded.insert(
+        let old = st.loaded.insert(
             info.id,
             Loaded {
                 info: info.clone(),
                 ro: window,
             },
         );
+        // The id is the guest's word: one it reuses replaces the old record, whose read-only
+        // slot, MMIO guard and window would otherwise stay taken for the VM's life.
+        if let Some(old) = old {
+            log::warn!(
+                "sym: the guest reused module id {} for {}",
+                info.id,
+                info.name
+            );
+            if let Some(ro) = old.ro {
+                self.remove_window(&mut st, ro);
+            }
+        }
         Ok(info)
     }
 
@@ -577,15 +589,10 @@ impl Symbiotic {
             name: "",
             arg: 0,
         };
-        let undo = |w: RoWindow, st: &mut State| {
-            let _ = hv.unmap_slot(RO_SLOT_BASE + w.index);
-            self.modules.mmio.remove(w.gpa);
-            st.ro_used &= !(1 << w.index);
-        };
         match self.round_trip(st, page, &req, timeout) {
             Ok(r) if r.status == 0 => Ok((window, r)),
             Ok(r) => {
-                undo(window, st);
+                self.remove_window(st, window);
                 self.modules.counters.refused_guest.inc();
                 Err(ModuleError::Guest {
                     status: r.status,
@@ -593,7 +600,7 @@ impl Symbiotic {
                 })
             }
             Err(e) => {
-                undo(window, st);
+                self.remove_window(st, window);
                 Err(e)
             }
         }
@@ -602,7 +609,9 @@ impl Symbiotic {
     fn remove_window(&self, st: &mut State, w: RoWindow) {
         if let Some(hv) = self.modules.hv.get() {
             if let Err(e) = hv.unmap_slot(RO_SLOT_BASE + w.index) {
+                // The slot is still in place: keep its window taken (and guarded).
                 log::warn!("sym: removing the read-only slot of {:#x}: {e}", w.gpa);
+                return;
             }
         }
         self.modules.mmio.remove(w.gpa);

@@ -203,7 +203,10 @@ impl Symbiotic {
             p.store_u32(page::L_IOMMU_MODE, iommu);
             p.store_u32(page::L_RUNG, rung);
             p.store_u64(page::L_SYMCALLS, symcalls);
-            p.store_u64(page::L_PUBLISHES, p.load_u64(page::L_PUBLISHES) + 1);
+            p.store_u64(
+                page::L_PUBLISHES,
+                p.load_u64(page::L_PUBLISHES).wrapping_add(1),
+            );
         });
         self.publisher.publishes.inc();
     }
@@ -222,7 +225,10 @@ impl Symbiotic {
             p.store_u32(page::W_RUNG, rung);
             p.store_u64(page::W_RUNQ_WAIT_NS, wait);
             p.store_u64(page::W_SYMCALLS, symcalls);
-            p.store_u64(page::W_PUBLISHES, p.load_u64(page::W_PUBLISHES) + 1);
+            p.store_u64(
+                page::W_PUBLISHES,
+                p.load_u64(page::W_PUBLISHES).wrapping_add(1),
+            );
         });
         self.publisher.publishes.inc();
     }
@@ -470,6 +476,28 @@ mod tests {
         assert_eq!(meminfo_pressure("garbage"), None);
         assert_eq!(schedstat_wait_ns("123 456 7\n"), Some(456));
         assert_eq!(schedstat_wait_ns("123"), None);
+    }
+
+    #[test]
+    fn guest_written_publish_counts_wrap_instead_of_panicking() {
+        use lucid_mem::vm_memory::GuestAddress;
+        use lucid_sym::abi;
+        let mem = lucid_mem::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let stats = lucid_stats::StatsRegistry::new();
+        let sym = Symbiotic::install(&crate::hooks::ExitHooks::new(), &mem, 1, &stats);
+        for (gpa, kind, line) in [
+            (0x1000, abi::REGISTER_GLOBAL, page::L_PUBLISHES),
+            (0x2000, abi::REGISTER_VCPU, page::W_PUBLISHES),
+        ] {
+            let p = SpyPage::new(&mem, gpa).unwrap();
+            p.store_u32(page::H_MAGIC, page::MAGIC);
+            p.store_u32(page::H_VERSION, abi::VERSION as u32 | (kind as u32) << 16);
+            p.store_u32(page::H_VCPU, 0);
+            // The guest owns the memory of Lucid's lines too.
+            p.store_u64(line, u64::MAX);
+            assert_eq!(sym.register(0, kind, gpa), 0);
+            assert_eq!(p.load_u64(line), 0);
+        }
     }
 
     #[test]

@@ -24,7 +24,7 @@ use lucid_sym::abi;
 use lucid_sym::swapcache::{Liveness, SwapBackend, SwapCache, SwapCacheStats, SLOT_SIZE};
 use lucid_virtio::blk::BlockCache;
 
-use super::Symbiotic;
+use super::{SymCallError, Symbiotic};
 use crate::config::{PciDeviceKind, VmConfig};
 use crate::vm::ConfigError;
 
@@ -58,22 +58,47 @@ pub(crate) fn check_swapcache(c: &VmConfig) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// Declares the `sym.swap.*` counters that mirror [`SwapCacheStats`] fields of the same name,
+/// once: their struct, registration and update.
+macro_rules! mirrored_counters {
+    ($($f:ident),* $(,)?) => {
+        /// `sym.swap.*` counters mirroring the cache's own counts after each request.
+        struct Mirrored {
+            $($f: Arc<Counter>,)*
+        }
+
+        impl Mirrored {
+            fn new(c: impl Fn(&str) -> Arc<Counter>) -> Self {
+                Mirrored { $($f: c(stringify!($f)),)* }
+            }
+
+            fn set(&self, s: &SwapCacheStats) {
+                $(self.$f.set(s.$f);)*
+            }
+        }
+    };
+}
+
+mirrored_counters!(
+    hits,
+    misses,
+    writes_cached,
+    writebacks,
+    writebacks_avoided,
+    flush_writebacks,
+    flush_writebacks_avoided,
+    discards,
+    evictions,
+    bytes_read_cache,
+    bytes_read_disk,
+    bytes_written_disk,
+    liveness_unknown,
+);
+
 /// `sym.swap.*` counters: the cache's own counts, mirrored after each request, and how
 /// liveness questions were answered.
 struct SwapCounters {
-    hits: Arc<Counter>,
-    misses: Arc<Counter>,
-    writes_cached: Arc<Counter>,
-    writebacks: Arc<Counter>,
-    writebacks_avoided: Arc<Counter>,
-    flush_writebacks: Arc<Counter>,
-    flush_writebacks_avoided: Arc<Counter>,
-    discards: Arc<Counter>,
-    evictions: Arc<Counter>,
-    bytes_read_cache: Arc<Counter>,
-    bytes_read_disk: Arc<Counter>,
-    bytes_written_disk: Arc<Counter>,
-    liveness_unknown: Arc<Counter>,
+    cache: Mirrored,
     liveness_symcall: Arc<Counter>,
     liveness_spy: Arc<Counter>,
     symcall_errors: Arc<Counter>,
@@ -121,19 +146,7 @@ impl SwapCacheDevice {
             pci_slot,
             spy_first,
             c: SwapCounters {
-                hits: c("hits"),
-                misses: c("misses"),
-                writes_cached: c("writes_cached"),
-                writebacks: c("writebacks"),
-                writebacks_avoided: c("writebacks_avoided"),
-                flush_writebacks: c("flush_writebacks"),
-                flush_writebacks_avoided: c("flush_writebacks_avoided"),
-                discards: c("discards"),
-                evictions: c("evictions"),
-                bytes_read_cache: c("bytes_read_cache"),
-                bytes_read_disk: c("bytes_read_disk"),
-                bytes_written_disk: c("bytes_written_disk"),
-                liveness_unknown: c("liveness_unknown"),
+                cache: Mirrored::new(c),
                 liveness_symcall: c("liveness_symcall"),
                 liveness_spy: c("liveness_spy"),
                 symcall_errors: c("symcall_errors"),
@@ -178,6 +191,7 @@ impl SwapCacheDevice {
             map,
             live,
             live_built: None,
+            calls_off: false,
             c: &self.c,
         };
         let r = f(cache, &mut be);
@@ -186,21 +200,8 @@ impl SwapCacheDevice {
     }
 
     fn mirror(&self, s: SwapCacheStats, len: usize) {
-        let c = &self.c;
-        c.hits.set(s.hits);
-        c.misses.set(s.misses);
-        c.writes_cached.set(s.writes_cached);
-        c.writebacks.set(s.writebacks);
-        c.writebacks_avoided.set(s.writebacks_avoided);
-        c.flush_writebacks.set(s.flush_writebacks);
-        c.flush_writebacks_avoided.set(s.flush_writebacks_avoided);
-        c.discards.set(s.discards);
-        c.evictions.set(s.evictions);
-        c.bytes_read_cache.set(s.bytes_read_cache);
-        c.bytes_read_disk.set(s.bytes_read_disk);
-        c.bytes_written_disk.set(s.bytes_written_disk);
-        c.liveness_unknown.set(s.liveness_unknown);
-        c.cached_slots.set(len as u64);
+        self.c.cache.set(&s);
+        self.c.cached_slots.set(len as u64);
     }
 }
 
@@ -215,6 +216,10 @@ struct Be<'a> {
     live: &'a mut Vec<u64>,
     /// Whether `live` was built in this request (`Some(false)`: no usable map).
     live_built: Option<bool>,
+    /// A SymCall was cut off in this request (timeout, too many exits, vCPU gone): ask no
+    /// more by SymCall until the next request, or a flush of many dirty slots would wait the
+    /// call timeout once per slot.
+    calls_off: bool,
     c: &'a SwapCounters,
 }
 
@@ -301,7 +306,11 @@ impl SwapBackend for Be<'_> {
             poll: std::time::Duration::ZERO,
             ..sym.call_limits()
         };
-        match sym.call_with(0, abi::call::SLOT_LIVE, [slot, 0, 0, 0, 0], limits) {
+        let call = match self.calls_off {
+            true => Err(SymCallError::Unavailable),
+            false => sym.call_with(0, abi::call::SLOT_LIVE, [slot, 0, 0, 0, 0], limits),
+        };
+        match call {
             Ok(r) if r.status == abi::SYM_OK => {
                 self.c.liveness_symcall.inc();
                 return if r.values[0] != 0 {
@@ -314,9 +323,17 @@ impl SwapBackend for Be<'_> {
                 self.c.symcall_errors.inc();
                 log::debug!("sym.swap: SLOT_LIVE({slot}) returned status {}", r.status);
             }
+            Err(SymCallError::Unavailable) if self.calls_off => {}
             Err(e) => {
                 self.c.symcall_errors.inc();
                 log::debug!("sym.swap: SLOT_LIVE({slot}): {e}");
+                self.calls_off = matches!(
+                    e,
+                    SymCallError::Timeout { .. }
+                        | SymCallError::TooManyExits { .. }
+                        | SymCallError::Gone(_)
+                        | SymCallError::Stopped
+                );
             }
         }
         if self.spy_first {

@@ -92,10 +92,21 @@ impl Default for CallLimits {
 /// After the deadline the caller kicks the vCPU this often until the call ends: the vCPU
 /// checks the time after every exit, and a kick guarantees one.
 const KICK_EVERY: Duration = Duration::from_millis(2);
+/// How long past its deadline a caller still waits for a call its vCPU took up. A vCPU kicked
+/// out of KVM_RUN comes back within a few ms; one that does not is held in an exit handler,
+/// possibly one waiting for the caller itself (the guest's handler resets the disk whose
+/// back-end thread asked: the reset joins that thread), so the caller gives up rather than
+/// wait forever. The call then ends on the vCPU whenever that handler returns.
+const RUNNING_GRACE: Duration = Duration::from_secs(1);
 /// A request's phases (see `call_with`).
 const QUEUED: u8 = 0;
 const RUNNING: u8 = 1;
 const ABANDONED: u8 = 2;
+/// The vCPU finished the call.
+const DONE: u8 = 3;
+/// The caller stopped waiting for a running call (`RUNNING_GRACE`): the vCPU frees the slot
+/// when the call ends, so that no other call nests inside it meanwhile.
+const GAVE_UP: u8 = 4;
 /// Torn reads of a SymSpy record tolerated before the record counts as absent.
 const READ_TRIES: u32 = 1000;
 
@@ -158,11 +169,19 @@ impl Calls {
     }
 }
 
-/// Clears a slot's `active` flag however the call ends.
-struct ActiveGuard<'a>(&'a AtomicBool);
+/// Clears a slot's `active` flag however the call ends, unless the vCPU is left to.
+struct ActiveGuard<'a>(Option<&'a AtomicBool>);
+impl ActiveGuard<'_> {
+    /// The call goes on after the caller leaves: the vCPU clears the flag.
+    fn leave_to_vcpu(&mut self) {
+        self.0 = None;
+    }
+}
 impl Drop for ActiveGuard<'_> {
     fn drop(&mut self) {
-        self.0.store(false, Ordering::SeqCst);
+        if let Some(a) = self.0 {
+            a.store(false, Ordering::SeqCst);
+        }
     }
 }
 
@@ -253,7 +272,7 @@ impl Symbiotic {
             c.busy.inc();
             return Err(SymCallError::Busy(vcpu));
         }
-        let _active = ActiveGuard(&slot.active);
+        let mut active = ActiveGuard(Some(&slot.active));
         // From the vCPU's own thread the request would wait for itself.
         if handle.is_current_thread() {
             c.busy.inc();
@@ -273,7 +292,16 @@ impl Symbiotic {
                 if p.compare_exchange(QUEUED, RUNNING, Ordering::SeqCst, Ordering::SeqCst)
                     .is_ok()
                 {
-                    let _ = tx.send(me.run_call(ctx, nr, args, limits));
+                    let r = me.run_call(ctx, nr, args, limits);
+                    if p.compare_exchange(RUNNING, DONE, Ordering::SeqCst, Ordering::SeqCst)
+                        .is_err()
+                    {
+                        // GAVE_UP: the caller has left; the slot is free only now.
+                        if let Some(s) = me.calls.slots.get(vcpu as usize) {
+                            s.active.store(false, Ordering::SeqCst);
+                        }
+                    }
+                    let _ = tx.send(r);
                 }
             })
             .map_err(|_| SymCallError::Gone(vcpu))?;
@@ -306,6 +334,27 @@ impl Symbiotic {
                             .compare_exchange(QUEUED, ABANDONED, Ordering::SeqCst, Ordering::SeqCst)
                             .is_ok()
                         {
+                            break Err(SymCallError::Timeout {
+                                vcpu,
+                                ms: limits.timeout.as_millis() as u64,
+                            });
+                        }
+                        if Instant::now() >= deadline + RUNNING_GRACE
+                            && phase
+                                .compare_exchange(
+                                    RUNNING,
+                                    GAVE_UP,
+                                    Ordering::SeqCst,
+                                    Ordering::SeqCst,
+                                )
+                                .is_ok()
+                        {
+                            active.leave_to_vcpu();
+                            log::warn!(
+                                "sym: the SymCall on vCPU {vcpu} is still running {} ms past \
+                                 its deadline (the vCPU is held in an exit handler): given up",
+                                RUNNING_GRACE.as_millis()
+                            );
                             break Err(SymCallError::Timeout {
                                 vcpu,
                                 ms: limits.timeout.as_millis() as u64,
