@@ -2,7 +2,9 @@
 //! them and the monitor can read their `schedstat`. A thread registers itself (only it knows its
 //! own TID) and is dropped from the list when its guard goes.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
 
 /// What a Lucid thread does, as the pools see it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -111,6 +113,50 @@ impl Drop for ThreadGuard {
     }
 }
 
+/// A named background thread that runs until it is asked to stop: its body polls the stop flag
+/// it is given. Stopping sets the flag, unparks the thread (one sleeping in `park_timeout` wakes
+/// at once) and joins it; dropping stops it too.
+pub struct Background {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Background {
+    pub fn spawn(
+        name: &str,
+        body: impl FnOnce(&AtomicBool) + Send + 'static,
+    ) -> std::io::Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || body(&flag))?;
+        Ok(Background {
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops the thread and waits for it (no-op once stopped). From the thread itself (its body
+    /// dropped the last owner of this handle) it only sets the flag: a thread cannot join itself.
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            if t.thread().id() == std::thread::current().id() {
+                return;
+            }
+            t.thread().unpark();
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -155,5 +201,33 @@ mod tests {
             .join()
             .unwrap();
         assert_eq!(*seen.lock().unwrap(), vec![(true, ThreadRole::Vcpu(3))]);
+    }
+
+    #[test]
+    fn a_background_thread_stops_when_asked_and_when_dropped() {
+        use std::sync::atomic::AtomicU32;
+        let ran = Arc::new(AtomicU32::new(0));
+        let r = ran.clone();
+        let mut t = Background::spawn("lucid-test-bg", move |stop| {
+            while !stop.load(Ordering::Acquire) {
+                std::thread::park_timeout(std::time::Duration::from_secs(60));
+            }
+            r.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+        t.stop();
+        assert_eq!(ran.load(Ordering::SeqCst), 1);
+        t.stop();
+        let r = ran.clone();
+        drop(
+            Background::spawn("lucid-test-bg", move |stop| {
+                while !stop.load(Ordering::Acquire) {
+                    std::thread::park_timeout(std::time::Duration::from_secs(60));
+                }
+                r.fetch_add(1, Ordering::SeqCst);
+            })
+            .unwrap(),
+        );
+        assert_eq!(ran.load(Ordering::SeqCst), 2);
     }
 }

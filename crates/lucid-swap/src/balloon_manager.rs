@@ -16,9 +16,8 @@
 //! Counters, under `balloon.manager.`: `ticks`, `inflations`, `deflations` (target changes),
 //! `usage_bytes` and `limit_bytes` (gauges: the latest pressure).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lucid_stats::{Counter, StatsRegistry};
@@ -145,8 +144,7 @@ struct ManagerCounters {
 
 /// The running manager thread; stopped (and joined) by [`BalloonManager::stop`] or on drop.
 pub struct BalloonManager {
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    thread: lucid_stats::Background,
 }
 
 impl BalloonManager {
@@ -170,47 +168,26 @@ impl BalloonManager {
             limit: c("limit_bytes"),
         };
         let threads = stats.threads().clone();
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread_stop = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("lucid-balloonm".into())
-            .spawn(move || {
-                let _registered = threads.register_current(lucid_stats::ThreadRole::Other);
-                if let Err(e) = confine() {
-                    log::error!("balloon manager: cannot confine its thread: {e}");
-                    return;
+        let thread = lucid_stats::Background::spawn("lucid-balloonm", move |thread_stop| {
+            let _registered = threads.register_current(lucid_stats::ThreadRole::Other);
+            if let Err(e) = confine() {
+                log::error!("balloon manager: cannot confine its thread: {e}");
+                return;
+            }
+            let mut last_change = Instant::now();
+            while !thread_stop.load(Ordering::Acquire) {
+                if tick(&ctl, &*source, &policy, &counters, last_change.elapsed()) {
+                    last_change = Instant::now();
                 }
-                let mut last_change = Instant::now();
-                while !thread_stop.load(Ordering::Acquire) {
-                    if tick(&ctl, &*source, &policy, &counters, last_change.elapsed()) {
-                        last_change = Instant::now();
-                    }
-                    std::thread::park_timeout(period);
-                }
-            })?;
-        Ok(BalloonManager {
-            stop,
-            thread: Some(thread),
-        })
+                std::thread::park_timeout(period);
+            }
+        })?;
+        Ok(BalloonManager { thread })
     }
 
     /// Stops the thread and waits for it.
     pub fn stop(mut self) {
-        self.halt();
-    }
-
-    fn halt(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            t.thread().unpark();
-            let _ = t.join();
-        }
-    }
-}
-
-impl Drop for BalloonManager {
-    fn drop(&mut self) {
-        self.halt();
+        self.thread.stop();
     }
 }
 

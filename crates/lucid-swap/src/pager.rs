@@ -33,7 +33,6 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lucid_stats::{Counter, StatsRegistry};
@@ -185,8 +184,7 @@ impl Files {
 
 /// The running `lucid-pager` thread; dropping it stops it (and turns the OOM killer back on).
 pub struct Pager {
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    thread: lucid_stats::Background,
 }
 
 impl Pager {
@@ -242,43 +240,23 @@ impl Pager {
             config.limit >> 20
         );
         let threads = stats.threads().clone();
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread_stop = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("lucid-pager".into())
-            .spawn(move || {
-                let _registered = threads.register_current(lucid_stats::ThreadRole::Other);
-                touch_stack();
-                if let Err(e) = confine() {
-                    log::error!("pager: cannot confine its thread: {e}");
-                    files.set_oom_kill_disable(false);
-                    return;
-                }
-                run(&files, &clock, &config, &counters, &thread_stop);
+        let thread = lucid_stats::Background::spawn("lucid-pager", move |thread_stop| {
+            let _registered = threads.register_current(lucid_stats::ThreadRole::Other);
+            touch_stack();
+            if let Err(e) = confine() {
+                log::error!("pager: cannot confine its thread: {e}");
                 files.set_oom_kill_disable(false);
-            })?;
-        Ok(Pager {
-            stop,
-            thread: Some(thread),
-        })
+                return;
+            }
+            run(&files, &clock, &config, &counters, thread_stop);
+            files.set_oom_kill_disable(false);
+        })?;
+        Ok(Pager { thread })
     }
 
     /// Stops the thread and waits for it.
     pub fn stop(mut self) {
-        self.halt();
-    }
-
-    fn halt(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-impl Drop for Pager {
-    fn drop(&mut self) {
-        self.halt();
+        self.thread.stop();
     }
 }
 

@@ -12,9 +12,8 @@
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use lucid_devices::Lifecycle;
@@ -72,8 +71,8 @@ pub(super) struct Publisher {
     publishes: Arc<Counter>,
     reads: Arc<Counter>,
     torn_reads: Arc<Counter>,
-    stop: Arc<AtomicBool>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    /// `lucid-symspy`, while it runs.
+    thread: Mutex<Option<lucid_stats::Background>>,
 }
 
 impl Publisher {
@@ -89,7 +88,6 @@ impl Publisher {
             publishes: stats.counter("sym.spy.publishes"),
             reads: stats.counter("sym.spy.reads"),
             torn_reads: stats.counter("sym.spy.torn_reads"),
-            stop: Arc::new(AtomicBool::new(false)),
             thread: Mutex::new(None),
         }
     }
@@ -256,23 +254,20 @@ impl Symbiotic {
         threads: Arc<lucid_stats::ThreadRegistry>,
     ) -> std::io::Result<()> {
         let sym = self.clone();
-        let stop = self.publisher.stop.clone();
-        let t = std::thread::Builder::new()
-            .name("lucid-symspy".into())
-            .spawn(move || {
-                let _registered = threads.register_current(ThreadRole::Other);
-                if let Err(e) = lucid_seccomp::confine(seccomp.as_ref(), Role::Pager) {
-                    log::error!("lucid-symspy: {e}: Lucid's SymSpy lines are not republished");
-                    return;
+        let t = lucid_stats::Background::spawn("lucid-symspy", move |stop| {
+            let _registered = threads.register_current(ThreadRole::Other);
+            if let Err(e) = lucid_seccomp::confine(seccomp.as_ref(), Role::Pager) {
+                log::error!("lucid-symspy: {e}: Lucid's SymSpy lines are not republished");
+                return;
+            }
+            loop {
+                std::thread::park_timeout(PERIOD);
+                if stop.load(Ordering::Acquire) || lifecycle.is_stopping() {
+                    break;
                 }
-                loop {
-                    std::thread::park_timeout(PERIOD);
-                    if stop.load(Ordering::Acquire) || lifecycle.is_stopping() {
-                        break;
-                    }
-                    sym.publish();
-                }
-            })?;
+                sym.publish();
+            }
+        })?;
         *self
             .publisher
             .thread
@@ -283,16 +278,14 @@ impl Symbiotic {
 
     /// Stops and joins `lucid-symspy` (no-op when it is not running).
     pub fn stop_publisher(&self) {
-        self.publisher.stop.store(true, Ordering::Release);
         let t = self
             .publisher
             .thread
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        if let Some(t) = t {
-            t.thread().unpark();
-            let _ = t.join();
+        if let Some(mut t) = t {
+            t.stop();
         }
     }
 
