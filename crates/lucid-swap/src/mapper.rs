@@ -521,6 +521,18 @@ impl SwapMapper {
             .collect())
     }
 
+    /// How many anonymous pages of `gpa..gpa+len` are in host swap now (0 when pagemap
+    /// cannot tell).
+    fn swapped_out(&self, gpa: u64, len: u64) -> u64 {
+        self.pagemap(gpa, len)
+            .map(|v| {
+                v.iter()
+                    .filter(|&&e| e & PM_SWAP != 0 && e & PM_FILE == 0)
+                    .count() as u64
+            })
+            .unwrap_or(0)
+    }
+
     fn madvise(&self, gpa: u64, len: u64, advice: libc::c_int) -> io::Result<()> {
         let host = self.host(gpa);
         // SAFETY: `host..host+len` is guest RAM this mapper's GuestRam owns (callers pass
@@ -834,14 +846,7 @@ impl SwapMapper {
         hi: u64,
     ) -> io::Result<()> {
         let len = p.end - p.gpa;
-        let swapped = self
-            .pagemap(p.gpa, len)
-            .map(|v| {
-                v.iter()
-                    .filter(|&&e| e & PM_SWAP != 0 && e & PM_FILE == 0)
-                    .count()
-            })
-            .unwrap_or(0) as u64;
+        let swapped = self.swapped_out(p.gpa, len);
         // SAFETY: fadvise on a borrowed fd; no memory is touched.
         unsafe {
             libc::posix_fadvise(
@@ -887,14 +892,7 @@ impl SwapMapper {
     /// A piece that is an image hole: fresh anonymous zero pages, nothing read.
     fn zero_piece(&self, st: &mut State, p: &Piece, lo: u64, hi: u64) -> io::Result<()> {
         let len = p.end - p.gpa;
-        let swapped = self
-            .pagemap(p.gpa, len)
-            .map(|v| {
-                v.iter()
-                    .filter(|&&e| e & PM_SWAP != 0 && e & PM_FILE == 0)
-                    .count()
-            })
-            .unwrap_or(0) as u64;
+        let swapped = self.swapped_out(p.gpa, len);
         self.remap_tracked(st, p.gpa, p.end, (lo, hi), None)
             .map_err(io::Error::other)?;
         for g in (p.gpa..p.end).step_by(PAGE as usize) {
@@ -1171,14 +1169,7 @@ impl SwapMapper {
             return Err(MemError::BadRemap { gpa, len });
         };
         let mut st = self.lock();
-        let swapped = self
-            .pagemap(gpa, len)
-            .map(|v| {
-                v.iter()
-                    .filter(|&&e| e & PM_SWAP != 0 && e & PM_FILE == 0)
-                    .count()
-            })
-            .unwrap_or(0) as u64;
+        let swapped = self.swapped_out(gpa, len);
         if Self::vmas_after(&st, gpa, gpa + len, lo, hi, None) <= self.budget.max_vmas.max(st.vmas)
         {
             self.remap_tracked(&mut st, gpa, gpa + len, (lo, hi), None)?;
