@@ -6,11 +6,14 @@
 //! - [`mapper`]: the Swap Mapper (image blocks mapped over guest pages) and false-read prevention.
 //! - [`pager`]: keeps the cgroup under its limit with `MADV_PAGEOUT` where the kernel's own
 //!   limit reclaim fails (this PVM host).
+//! - [`guard`]: a process outside the limit that frees guest RAM when every Lucid thread waits
+//!   for memory (cgroup v1's `oom_kill_disable`).
 //! - [`balloon_manager`]: sizes a virtio-balloon from host memory pressure.
 
 #![warn(clippy::print_stdout, clippy::print_stderr)]
 
 pub mod balloon_manager;
+pub mod guard;
 pub mod host;
 pub mod limit;
 pub mod mapper;

@@ -356,6 +356,11 @@ impl MemoryLimit {
         &self.dir
     }
 
+    /// The cgroup.procs of the cgroup this process came from (outside the limit).
+    pub fn home_procs(&self) -> PathBuf {
+        self.parent.join("cgroup.procs")
+    }
+
     pub fn version(&self) -> CgroupVersion {
         self.version
     }
@@ -420,8 +425,9 @@ impl MemoryLimit {
         let mut ctl = fs::OpenOptions::new()
             .write(true)
             .open(self.dir.join("cgroup.event_control"))?;
-        // The kernel keeps its own reference to the usage file; ours may close.
-        write!(ctl, "{} {} {bytes}", efd.as_raw_fd(), ufd.as_raw_fd())?;
+        // The kernel keeps its own reference to the usage file; ours may close. One write:
+        // the kernel parses each write whole (`write!` would split it at the spaces).
+        ctl.write_all(format!("{} {} {bytes}", efd.as_raw_fd(), ufd.as_raw_fd()).as_bytes())?;
         Ok(efd)
     }
 }

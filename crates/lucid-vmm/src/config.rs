@@ -122,6 +122,10 @@ pub struct VmConfig {
     /// Where the control API finds the modules `{"op":"module_load","builtin":NAME}` names
     /// (the CLI gives the guest kit's).
     pub builtin_modules: Option<crate::api::BuiltinModules>,
+    /// The command that runs `lucid_swap::guard::serve` (the CLI: `lucid __oom-guard`): with a
+    /// cgroup v1 limit and the pager, a process outside the limit that frees guest RAM when
+    /// every Lucid thread waits for memory. None: no guard.
+    pub oom_guard: Option<fn() -> std::process::Command>,
 }
 
 impl VmConfig {
@@ -150,6 +154,7 @@ impl VmConfig {
             symbiotic: false,
             api_socket: None,
             builtin_modules: None,
+            oom_guard: None,
         }
     }
 }

@@ -33,7 +33,7 @@ pub use vm::{
     hypercall, ConfigError, PciBus, Vm, VmmError, DEFAULT_LINUX_CMDLINE, PVM_LINUX_CMDLINE,
 };
 
-pub use {lucid_boot, lucid_hv, lucid_iommu, lucid_pools};
+pub use {lucid_boot, lucid_hv, lucid_iommu, lucid_pools, lucid_swap};
 
 pub use lucid_devices::{BadSerialOption, SerialOutput, StopReason};
 pub use lucid_mem::Backing;

@@ -48,15 +48,20 @@ pub enum SwapError {
 
 /// The swap side of a VM, kept by [`crate::Vm`] for its lifetime.
 pub(crate) struct VmSwap {
-    /// Dropped last: the process leaves the cgroup when the VM goes.
-    limit: Option<Arc<MemoryLimit>>,
     mapper: Option<Arc<SwapMapper>>,
     phases: Option<Arc<Phases>>,
     /// Stops (joins its thread, turns the OOM killer back on) when the VM is dropped.
     pager: Option<lucid_swap::pager::Pager>,
     pager_on: bool,
+    /// Runs `lucid __oom-guard` (cgroup v1 with a pager; `VmConfig::oom_guard`).
+    guard_command: Option<fn() -> std::process::Command>,
+    /// Killed and reaped when the VM is dropped.
+    guard: Option<lucid_swap::guard::OomGuard>,
     /// The disk images (the pager drops their unmapped page cache).
     images: Vec<std::path::PathBuf>,
+    /// Dropped last (fields drop in order): the process leaves the cgroup, and the cgroup is
+    /// removed, after the pager has stopped writing its oom_control.
+    limit: Option<Arc<MemoryLimit>>,
 }
 
 impl VmSwap {
@@ -127,6 +132,8 @@ impl VmSwap {
             phases,
             pager: None,
             pager_on: config.swap_pager,
+            guard_command: config.oom_guard,
+            guard: None,
             images: config
                 .pci
                 .iter()
@@ -166,7 +173,7 @@ impl VmSwap {
         seccomp: Option<lucid_seccomp::Seccomp>,
     ) -> Result<(), SwapError> {
         use lucid_swap::pager::{Pager, PagerConfig};
-        let Some(limit) = self.limit.as_ref().filter(|_| self.pager_on) else {
+        let Some(limit) = self.limit.clone().filter(|_| self.pager_on) else {
             return Ok(());
         };
         if self.pager.is_some() {
@@ -188,7 +195,7 @@ impl VmSwap {
             .map(|r| (r.host_addr, r.size))
             .collect();
         let pager = Pager::spawn(
-            limit,
+            &limit,
             ranges,
             images,
             PagerConfig::for_limit(limit.limit_bytes()),
@@ -200,6 +207,7 @@ impl VmSwap {
         )
         .map_err(SwapError::Pager)?;
         self.pager = Some(pager);
+        self.start_guard(&limit, &own_ranges, stats);
         // KVM's fault path gets EFAULT, not a wait, when the cgroup refuses a charge: the vCPU
         // waits for the pager and retries instead of the VM dying.
         if let Ok(usage) = limit.usage_file() {
@@ -211,6 +219,38 @@ impl VmSwap {
             }));
         }
         Ok(())
+    }
+
+    /// Starts the OOM guard (cgroup v1 only: v2 has no `oom_kill_disable`, so nothing sleeps
+    /// at the limit). A guard that cannot start costs a warning, not the VM.
+    fn start_guard(&mut self, limit: &MemoryLimit, ram: &[(u64, u64)], stats: &StatsRegistry) {
+        use lucid_swap::guard::{GuardConfig, OomGuard};
+        let Some(command) = self.guard_command else {
+            return;
+        };
+        if limit.version() != lucid_swap::limit::CgroupVersion::V1 {
+            return;
+        }
+        let config = GuardConfig {
+            pid: std::process::id(),
+            memcg: limit.path().to_path_buf(),
+            home_procs: limit.home_procs(),
+            limit: limit.limit_bytes(),
+            headroom: lucid_swap::pager::PagerConfig::for_limit(limit.limit_bytes()).headroom,
+            chunks: lucid_swap::pager::chunks(ram, 2 << 20),
+            grace: std::time::Duration::from_millis(200),
+            stall: lucid_swap::pager::PagerConfig::for_limit(limit.limit_bytes()).stall,
+        };
+        match OomGuard::spawn(command(), &config, stats) {
+            Ok(g) => {
+                log::debug!("oom guard: process {}", g.pid());
+                self.guard = Some(g);
+            }
+            Err(e) => log::warn!(
+                "--memory-limit: cannot start the OOM guard ({e}): if every thread of this VM \
+                 waits for memory at once, it hangs"
+            ),
+        }
     }
 
     /// The VM stopped: the phase the guest was in ends now. The pager keeps the cgroup under

@@ -233,6 +233,7 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
     config.symbiotic = args.symbiotic;
     config.api_socket = args.api_socket;
     config.builtin_modules = Some(lucid_guests::module);
+    config.oom_guard = Some(oom_guard_command);
     for b in &args.blk {
         config.pci.push(lucid_vmm::parse_blk(b)?);
     }
@@ -306,7 +307,19 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
     Ok(ExitCode::from(code as u8))
 }
 
+/// This very binary serving as the VM's OOM guard (`lucid_swap::guard`).
+fn oom_guard_command() -> std::process::Command {
+    let mut c = std::process::Command::new("/proc/self/exe");
+    c.arg(lucid_vmm::lucid_swap::guard::ARGV1);
+    c
+}
+
 fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some(lucid_vmm::lucid_swap::guard::ARGV1) {
+        logger::install(log::LevelFilter::Info, log::LevelFilter::Info, false);
+        return ExitCode::from(lucid_vmm::lucid_swap::guard::serve(&argv[2..]) as u8);
+    }
     let cli = Cli::parse();
     let level = logger::level(cli.log_level, cli.quiet, cli.verbose);
     // A benchmark builds dozens of VMs: their per-VM decisions (info) are noise there unless
