@@ -46,6 +46,9 @@ pub const MAX_CLIENTS: usize = 8;
 pub const MAX_MODULE_BYTES: u64 = 16 << 20;
 /// How long a reply may wait for a client that does not read before the client is dropped.
 const WRITE_PATIENCE: Duration = Duration::from_secs(2);
+/// The longest `timeout_ms` a `symcall` request may ask for: requests are served one at a time,
+/// so one call must not hold the other clients for long (`lucid sym` waits 30 s for a reply).
+pub const MAX_SYMCALL_TIMEOUT_MS: u64 = 10_000;
 
 /// Finds a built-in module object by name (`lucid_guests::module` in the CLI): lucid-vmm does
 /// not embed the guest kit.
@@ -440,7 +443,12 @@ impl Server {
 
     fn dispatch(&self, req: Request) -> Result<Value, String> {
         match req {
-            Request::Symcall { vcpu, call, args } => {
+            Request::Symcall {
+                vcpu,
+                call,
+                args,
+                timeout_ms,
+            } => {
                 let sym = self.sym("symcall")?;
                 let nr = call.number()?;
                 if args.len() > 5 {
@@ -456,10 +464,19 @@ impl Server {
                         self.ctx.vcpus - 1
                     ));
                 }
+                let mut limits = sym.call_limits();
+                if let Some(ms) = timeout_ms {
+                    if !(1..=MAX_SYMCALL_TIMEOUT_MS).contains(&ms) {
+                        return Err(format!(
+                            "symcall timeout_ms must be 1..={MAX_SYMCALL_TIMEOUT_MS}, got {ms}"
+                        ));
+                    }
+                    limits.timeout = Duration::from_millis(ms);
+                }
                 let mut a = [0u64; 5];
                 a[..args.len()].copy_from_slice(&args);
                 let r = sym
-                    .call(vcpu, nr, a)
+                    .call_with(vcpu, nr, a, limits)
                     .map_err(|e| format!("symcall {nr:#x} on vCPU {vcpu}: {}", error_chain(&e)))?;
                 serde_json::to_value(r).map_err(|e| e.to_string())
             }
@@ -524,6 +541,9 @@ enum Request {
         call: CallName,
         #[serde(default)]
         args: Vec<u64>,
+        /// The call's time bound in ms (default: the VM's, [`Symbiotic::call_limits`]).
+        #[serde(default)]
+        timeout_ms: Option<u64>,
     },
     ModuleLoad {
         path: Option<PathBuf>,
@@ -626,14 +646,26 @@ mod tests {
     #[test]
     fn requests_parse_and_bad_ones_say_why() {
         match parse(r#"{"op":"symcall","vcpu":1,"call":"echo","args":[1,2,3]}"#).unwrap() {
-            Request::Symcall { vcpu, call, args } => {
-                assert_eq!((vcpu, call.number().unwrap(), args), (1, 0, vec![1, 2, 3]))
+            Request::Symcall {
+                vcpu,
+                call,
+                args,
+                timeout_ms,
+            } => {
+                assert_eq!((vcpu, call.number().unwrap(), args), (1, 0, vec![1, 2, 3]));
+                assert_eq!(timeout_ms, None);
             }
             r => panic!("{r:?}"),
         }
-        match parse(r#"{"op":"symcall","call":257}"#).unwrap() {
-            Request::Symcall { vcpu, call, args } => {
-                assert_eq!((vcpu, call.number().unwrap(), args.len()), (0, 257, 0))
+        match parse(r#"{"op":"symcall","call":257,"timeout_ms":5000}"#).unwrap() {
+            Request::Symcall {
+                vcpu,
+                call,
+                args,
+                timeout_ms,
+            } => {
+                assert_eq!((vcpu, call.number().unwrap(), args.len()), (0, 257, 0));
+                assert_eq!(timeout_ms, Some(5000));
             }
             r => panic!("{r:?}"),
         }

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-/// How long the client waits for a reply (a SymCall is bounded at 100 ms, a module load by the
-/// guest loader's timeout).
+/// How long the client waits for a reply (a SymCall is bounded by its timeout, 1 s by default
+/// and at most 10 s, a module load by the guest loader's timeout).
 const REPLY_PATIENCE: Duration = Duration::from_secs(30);
 
 #[derive(clap::Args)]
@@ -37,6 +37,9 @@ enum SymCmd {
         call: String,
         /// Up to 5 arguments (rdi, rsi, rdx, r10, r8), decimal or 0x hex.
         args: Vec<String>,
+        /// Cut the call off after this many ms (1-10000; default: the VM's bound, 1 s).
+        #[arg(long, value_name = "MS")]
+        timeout_ms: Option<u64>,
     },
     /// Load a module (an ELF64 relocatable object) into the running guest.
     Load {
@@ -73,7 +76,12 @@ fn number(s: &str) -> Result<u64, String> {
 /// The request line of `cmd`.
 fn request(cmd: &SymCmd) -> Result<Value, String> {
     Ok(match cmd {
-        SymCmd::Call { vcpu, call, args } => {
+        SymCmd::Call {
+            vcpu,
+            call,
+            args,
+            timeout_ms,
+        } => {
             if args.len() > 5 {
                 return Err(format!(
                     "a SymCall takes at most 5 arguments, got {}",
@@ -89,7 +97,11 @@ fn request(cmd: &SymCmd) -> Result<Value, String> {
                 Ok(n) => json!(n),
                 Err(_) => json!(call),
             };
-            json!({"op": "symcall", "vcpu": vcpu, "call": call, "args": args})
+            let mut req = json!({"op": "symcall", "vcpu": vcpu, "call": call, "args": args});
+            if let Some(ms) = timeout_ms {
+                req["timeout_ms"] = json!(ms);
+            }
+            req
         }
         SymCmd::Load {
             file,
@@ -261,6 +273,7 @@ mod tests {
             vcpu: 1,
             call: "echo".into(),
             args: vec!["1".into(), "0x10".into()],
+            timeout_ms: None,
         };
         assert_eq!(
             request(&call).unwrap(),
@@ -270,18 +283,22 @@ mod tests {
             vcpu: 0,
             call: "0x101".into(),
             args: vec![],
+            timeout_ms: Some(5000),
         };
         assert_eq!(request(&call).unwrap()["call"], json!(0x101));
+        assert_eq!(request(&call).unwrap()["timeout_ms"], json!(5000));
         let bad = SymCmd::Call {
             vcpu: 0,
             call: "echo".into(),
             args: vec!["x".into()],
+            timeout_ms: None,
         };
         assert!(request(&bad).unwrap_err().contains("not a number"));
         let six = SymCmd::Call {
             vcpu: 0,
             call: "echo".into(),
             args: vec!["1".into(); 6],
+            timeout_ms: None,
         };
         assert!(request(&six).unwrap_err().contains("at most 5"));
         let load = SymCmd::Load {

@@ -6,9 +6,9 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use lucid_vmm::sym::{ModuleError, ModuleOptions, Symbiotic};
+use lucid_vmm::sym::{CallLimits, ModuleError, ModuleOptions, Symbiotic};
 use lucid_vmm::{KernelSource, SerialOutput, StopReason, Vm, VmConfig};
 
 struct Guest {
@@ -28,6 +28,12 @@ impl Guest {
         c.symbiotic = true;
         c.serial = SerialOutput::File(serial.clone());
         let mut vm = Vm::build(c).expect("build the VM");
+        // The SymCalls here must complete: a busy host may leave the vCPU thread unscheduled
+        // for longer than the default bound, which is no fault of the call.
+        vm.sym().expect("symbiotic VM").set_call_limits(CallLimits {
+            timeout: Duration::from_secs(10),
+            ..CallLimits::default()
+        });
         vm.start().expect("start the VM");
         Guest { vm, serial }
     }
@@ -257,8 +263,19 @@ fn read_only_module_cannot_be_written_by_the_guest() {
 #[test]
 fn a_loader_that_does_not_answer_times_out_and_the_vm_carries_on() {
     let _turn = common::one_at_a_time();
-    let g = Guest::start("timeout", "poll_after_ms=2000");
+    let g = Guest::start("timeout", "poll_after_ms=3000");
     let sym = g.sym();
+    // The load's timeout also covers waiting for the loader to show up: wait for it first
+    // (however slowly the guest boots), so that the short load below times out on the loader
+    // that does not poll yet (it starts polling 3 s after it registered).
+    let start = Instant::now();
+    while sym.module_loader().is_none() {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the guest's loader never registered"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let quick = ModuleOptions {
         timeout: Some(Duration::from_millis(300)),
         ..Default::default()

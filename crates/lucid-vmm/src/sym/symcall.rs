@@ -68,7 +68,11 @@ pub enum SymCallError {
 /// Bounds of one call: it is cut off (and the guest state restored) past either.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CallLimits {
-    /// Wall time from the request to the completion (queueing on the vCPU included).
+    /// Wall time from the request to the completion (queueing on the vCPU included). The
+    /// default, 1 s, is far above a call's cost (tens of µs) and covers a vCPU thread that the
+    /// host does not schedule for a while: on a busy or CPU-quota-throttled host (cgroup
+    /// `cpu.max` periods are 100 ms) a thread can wait longer than 100 ms to run, and a bound
+    /// that short cut off calls whose handler did nothing wrong.
     pub timeout: Duration,
     /// Userspace exits while the handler runs (kicks included).
     pub max_exits: u64,
@@ -82,7 +86,7 @@ pub struct CallLimits {
 impl Default for CallLimits {
     fn default() -> Self {
         CallLimits {
-            timeout: Duration::from_millis(100),
+            timeout: Duration::from_secs(1),
             max_exits: 10_000,
             poll: Duration::from_micros(300),
         }
@@ -214,7 +218,7 @@ enum Outcome {
 impl Symbiotic {
     /// Runs call `nr` with `args` (rdi, rsi, rdx, r10, r8) in the guest on `vcpu`, from any
     /// thread except that vCPU's own exit handlers (a back-end thread, the control API), with
-    /// this VM's limits ([`Symbiotic::set_call_limits`]; 100 ms, 10 000 exits by default).
+    /// this VM's limits ([`Symbiotic::set_call_limits`]; 1 s, 10 000 exits by default).
     pub fn call(&self, vcpu: u32, nr: u64, args: [u64; 5]) -> Result<SymReturn, SymCallError> {
         let limits = *self.calls.limits.lock().unwrap_or_else(|e| e.into_inner());
         self.call_with(vcpu, nr, args, limits)
