@@ -696,10 +696,15 @@ impl Worker {
         // Started by a confined vCPU (the guest's activation), the thread confines itself too,
         // after every reset as at the first activation.
         let seccomp = lucid_seccomp::Seccomp::of_this_thread();
+        // Activation returns once the thread is registered (and so placed by the scheduling
+        // pools' hook): a VM that stops right after an activation never leaves a back-end
+        // the pools did not see (they stop placing threads as the VM stops).
+        let (registered_tx, registered_rx) = std::sync::mpsc::sync_channel::<()>(1);
         let thread = std::thread::Builder::new()
             .name(format!("lucid-{name}-io"))
             .spawn(move || {
                 let _registered = threads.register_current(lucid_stats::ThreadRole::Backend);
+                let _ = registered_tx.send(());
                 let mut run = Run {
                     io,
                     backend,
@@ -717,6 +722,8 @@ impl Worker {
                 }
             })
             .map_err(thread_err)?;
+        // Err only if the thread ended before it registered (it cannot: nothing comes before).
+        let _ = registered_rx.recv();
         Ok(Worker {
             stop,
             stop_evt,
