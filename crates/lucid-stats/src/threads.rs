@@ -93,6 +93,15 @@ impl ThreadRegistry {
         *self.on_register.write().unwrap_or_else(|e| e.into_inner()) = hook;
     }
 
+    /// Whether thread `tid` is registered now (it has not ended).
+    pub fn is_registered(&self, tid: i32) -> bool {
+        self.threads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|t| t.tid == tid)
+    }
+
     /// Every registered thread, in registration order.
     pub fn list(&self) -> Vec<ThreadInfo> {
         self.threads

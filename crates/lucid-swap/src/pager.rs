@@ -13,8 +13,10 @@
 //! uses), until usage is under a low-water mark (limit − 2 × headroom). While it runs, v1's
 //! `memory.oom_control` is 1 (`oom_kill_disable`): a vCPU that outruns the pager waits in the
 //! kernel until the pager frees memory instead of being killed. If the pager frees nothing for
-//! [`PagerConfig::stall`] (swap full), it sets `oom_control` back to 0, so the VM gets a clear
-//! OOM kill instead of a hang, and counts a stall. In mapper modes, `MADV_PAGEOUT` drops clean
+//! [`PagerConfig::stall`] *and* has paged out every chunk of guest RAM in that time (a whole
+//! fruitless sweep: swap full, nothing left to move), it sets `oom_control` back to 0, so the VM
+//! gets a clear OOM kill instead of a hang, and counts a stall. Time alone is no evidence: a
+//! pager thread that a busy host did not run for seconds has not tried. In mapper modes, `MADV_PAGEOUT` drops clean
 //! file-backed guest pages without writing swap.
 //!
 //! The thread allocates nothing in its loop and touches its stack first: it runs in the same
@@ -49,7 +51,8 @@ pub struct PagerConfig {
     /// Bytes of guest RAM per `MADV_PAGEOUT`.
     pub chunk: u64,
     /// Time without freeing anything, at or above the high mark, after which the OOM killer is
-    /// turned back on.
+    /// turned back on, provided the pager paged out all of guest RAM in that time
+    /// ([`PagerConfig::stalled`]).
     pub stall: Duration,
     /// The longest sleep between two usage checks.
     pub poll: Duration,
@@ -75,6 +78,18 @@ impl PagerConfig {
     /// Usage under which paging stops.
     pub fn low(&self) -> u64 {
         self.limit.saturating_sub(2 * self.headroom)
+    }
+
+    /// Whether paging cannot progress: nothing freed for `stall` and, in that time,
+    /// `fruitless_chunks` paged out without freeing anything, at least every one of the
+    /// `clock_chunks` of guest RAM (a whole sweep).
+    pub fn stalled(
+        &self,
+        since_progress: Duration,
+        fruitless_chunks: usize,
+        clock_chunks: usize,
+    ) -> bool {
+        since_progress >= self.stall && fruitless_chunks >= clock_chunks
     }
 }
 
@@ -295,6 +310,9 @@ fn run(files: &Files, clock: &[(u64, u64)], cfg: &PagerConfig, c: &Counters, sto
         }
         c.wakeups.inc();
         let mut last_progress = Instant::now();
+        // Chunks paged out since the last progress (for a stall), and since then or the last
+        // fruitless sweep (for the next cache drop).
+        let mut fruitless = 0usize;
         let mut idle_sweep = 0usize;
         while usage > cfg.low() && !stop.load(Ordering::Acquire) {
             let (addr, len) = clock[hand];
@@ -307,17 +325,21 @@ fn run(files: &Files, clock: &[(u64, u64)], cfg: &PagerConfig, c: &Counters, sto
             if now < usage {
                 c.bytes.add(usage - now);
                 last_progress = Instant::now();
+                fruitless = 0;
                 idle_sweep = 0;
             } else {
+                fruitless += 1;
                 idle_sweep += 1;
             }
             usage = now;
             if usage < cfg.high() {
                 last_progress = Instant::now();
+                fruitless = 0;
             }
-            if !oom_kill_on && last_progress.elapsed() >= cfg.stall {
-                // Nothing freed for a while at the limit: swap is full or nothing is left to
-                // page out. A clear OOM kill beats a VM hung in the kernel.
+            if !oom_kill_on && cfg.stalled(last_progress.elapsed(), fruitless, clock.len()) {
+                // Nothing freed for a while at the limit, though every chunk of guest RAM was
+                // paged out since: swap is full or nothing is left to page out. A clear OOM
+                // kill beats a VM hung in the kernel.
                 c.stalls.inc();
                 let stat = files
                     .stat
@@ -333,10 +355,10 @@ fn run(files: &Files, clock: &[(u64, u64)], cfg: &PagerConfig, c: &Counters, sto
                     })
                     .unwrap_or_default();
                 log::warn!(
-                    "pager: {} MiB in use, nothing freed for {:?}: turning the OOM killer back \
-                     on (is swap full?) [{stat}]",
+                    "pager: {} MiB in use, nothing freed for {:?} over {fruitless} chunks (all \
+                     of guest RAM): turning the OOM killer back on (is swap full?) [{stat}]",
                     usage >> 20,
-                    cfg.stall
+                    last_progress.elapsed()
                 );
                 files.set_oom_kill_disable(false);
                 oom_kill_on = true;
@@ -371,6 +393,13 @@ mod tests {
         assert_eq!(c.headroom, 4 << 20);
         assert_eq!(c.high(), 60 << 20);
         assert_eq!(c.low(), 56 << 20);
+        // A stall needs the time and a whole fruitless sweep: a pager that was not run for
+        // seconds has not tried, and one that freed nothing in one pass may see writeback end.
+        let s = Duration::from_secs(3);
+        assert!(!c.stalled(s, 10, 32), "the pager did not get to try");
+        assert!(!c.stalled(s - Duration::from_millis(1), 32, 32));
+        assert!(c.stalled(s, 32, 32));
+        assert!(c.stalled(s * 2, 500, 32));
         let c = PagerConfig::for_limit(1 << 30);
         assert_eq!(c.headroom, 64 << 20);
         let v = chunks(&[(0x1000_0000, 5 << 20), (0x2000_0000, 1 << 20)], 2 << 20);

@@ -22,7 +22,8 @@
 //! `requests` (chains completed), `bytes_read` / `bytes_written` (payload the device read from /
 //! wrote into guest buffers: blk writes / blk reads, net tx / net rx), `irqs` (signalled),
 //! `irqs_coalesced` (completions covered by another's interrupt), `irqs_suppressed` (completions
-//! for which the driver asked for none), `errors`; net adds `tx_packets`, `tx_bytes`,
+//! for which the driver asked for none), `irqs_early` (coalescing: interrupts raised with fewer
+//! than its count pending, by the time cap, at idle or at a stop), `errors`; net adds `tx_packets`, `tx_bytes`,
 //! `tx_dropped`, `tx_dropped_fault`, `rx_packets`, `rx_bytes`, `rx_dropped_no_buffers`,
 //! `rx_dropped_too_big`, `rx_dropped_fault`.
 //! Every completion is counted in exactly one of `irqs`, `irqs_coalesced`, `irqs_suppressed`

@@ -86,6 +86,9 @@ pub(crate) struct Counters {
     pub irqs_coalesced: Arc<Counter>,
     /// Completions for which the driver asked for no interrupt.
     pub irqs_suppressed: Arc<Counter>,
+    /// Coalescing: interrupts raised with fewer than `max_completions` pending (the time cap,
+    /// the device going idle without one, a stop); every other one covers at least that many.
+    pub irqs_early: Arc<Counter>,
     /// Requests failed, malformed chains, back-end errors.
     pub errors: Arc<Counter>,
 }
@@ -102,6 +105,7 @@ impl Counters {
             irqs: c("irqs"),
             irqs_coalesced: c("irqs_coalesced"),
             irqs_suppressed: c("irqs_suppressed"),
+            irqs_early: c("irqs_early"),
             errors: c("errors"),
         }
     }
@@ -436,12 +440,17 @@ impl Io {
     }
 
     fn flush(&mut self, qi: usize) {
+        let early =
+            self.coalescing_on() && self.queues[qi].pending < self.coalescing.max_completions;
         let wq = &mut self.queues[qi];
         if wq.pending == 0 {
             return;
         }
         if wq.wanted {
             self.interrupt.signal_queue(wq.index);
+            if early {
+                self.c.irqs_early.inc();
+            }
             self.c.irqs.inc();
             self.c.irqs_coalesced.add(u64::from(wq.pending - 1));
         } else {
@@ -687,10 +696,15 @@ impl Worker {
         // Started by a confined vCPU (the guest's activation), the thread confines itself too,
         // after every reset as at the first activation.
         let seccomp = lucid_seccomp::Seccomp::of_this_thread();
+        // Activation returns once the thread is registered (and so placed by the scheduling
+        // pools' hook): a VM that stops right after an activation never leaves a back-end
+        // the pools did not see (they stop placing threads as the VM stops).
+        let (registered_tx, registered_rx) = std::sync::mpsc::sync_channel::<()>(1);
         let thread = std::thread::Builder::new()
             .name(format!("lucid-{name}-io"))
             .spawn(move || {
                 let _registered = threads.register_current(lucid_stats::ThreadRole::Backend);
+                let _ = registered_tx.send(());
                 let mut run = Run {
                     io,
                     backend,
@@ -708,6 +722,8 @@ impl Worker {
                 }
             })
             .map_err(thread_err)?;
+        // Err only if the thread ended before it registered (it cannot: nothing comes before).
+        let _ = registered_rx.recv();
         Ok(Worker {
             stop,
             stop_evt,

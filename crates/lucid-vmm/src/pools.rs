@@ -243,6 +243,12 @@ impl Shared {
     /// Places thread `t` (with its pool's policy) if it is not where it belongs.
     fn place(&self, t: &ThreadInfo) {
         let mut st = lock(&self.state);
+        // The monitor places the threads of a sample taken at its window's start: one that has
+        // ended since may already be reaped (its no-op slot given on), and must not ask again.
+        // Checked under the state lock: a live thread has not been reaped.
+        if !self.stats.threads().is_registered(t.tid) {
+            return;
+        }
         let Some(target) = self.target(&t.role, st.current) else {
             return;
         };

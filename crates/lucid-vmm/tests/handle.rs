@@ -19,11 +19,35 @@ fn config(guest: &str, cmdline: &str) -> VmConfig {
     c
 }
 
+/// Waits (up to 60 s) until the serial file `path` has `line`: the guest got that far.
+fn wait_serial(path: &std::path::Path, line: &str) {
+    let end = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = std::fs::read_to_string(path).unwrap_or_default();
+        if out.contains(line) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "no `{line}` on serial: {out}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 #[test]
 fn pause_read_write_registers_and_resume() {
-    let mut vm = Vm::build(config("spin", "")).unwrap();
+    let mut c = config("spin", "");
+    // Its own serial file: other tests here run the spin guest at the same time.
+    let serial = std::env::temp_dir().join(format!(
+        "lucid-handle-{}-spin-pause.txt",
+        std::process::id()
+    ));
+    c.serial = SerialOutput::File(serial.clone());
+    let mut vm = Vm::build(c).unwrap();
     vm.start().unwrap();
-    std::thread::sleep(Duration::from_millis(500));
+    // In its CPL3 loop once it said so (every byte it prints is an exit, at CPL3 too).
+    wait_serial(&serial, "spin: looping forever\n");
     let h = vm.vcpus()[0].clone();
     h.pause().unwrap();
     let r1 = h.get_regs().unwrap();
@@ -49,6 +73,7 @@ fn pause_read_write_registers_and_resume() {
     assert_eq!(report.stop, StopReason::Signal(15));
     // After the VM stopped, the handle says so instead of blocking.
     assert!(h.get_regs().is_err());
+    let _ = std::fs::remove_file(serial);
 }
 
 /// A paused vCPU sleeps until a request comes: each call is served on its wake-up, none waits

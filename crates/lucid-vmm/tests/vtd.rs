@@ -163,16 +163,31 @@ fn sidecore_threads() -> usize {
         .count()
 }
 
+/// The number of `lucid-vtd-sc` threads once it is `want` (or after 30 s): a thread names
+/// itself once it runs, and one joined can linger in /proc/self/task until the kernel reaps it.
+fn sidecore_threads_settle(want: usize) -> usize {
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let n = sidecore_threads();
+        if n == want || std::time::Instant::now() > end {
+            return n;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
 #[test]
 fn the_sidecore_thread_lives_as_long_as_the_vm() {
     let _one = SIDECORE.lock().unwrap_or_else(|e| e.into_inner());
-    assert_eq!(sidecore_threads(), 0);
+    assert_eq!(sidecore_threads_settle(0), 0);
     let mut vm = Vm::build(config("spin", "", "sc-life", Some(EmulationMode::Sidecore))).unwrap();
     vm.start().unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert_eq!(sidecore_threads_settle(1), 1);
+    // Exactly one, and it stays while the VM runs.
+    std::thread::sleep(std::time::Duration::from_millis(50));
     assert_eq!(sidecore_threads(), 1);
     drop(vm);
-    assert_eq!(sidecore_threads(), 0);
+    assert_eq!(sidecore_threads_settle(0), 0);
     // Samecore has none.
     let vm = Vm::build(config(
         "hello",

@@ -121,6 +121,10 @@ fn the_guest_inflates_to_the_cli_size_and_the_host_gets_the_memory_back() {
     assert_eq!(c("balloon.stats.total_memory"), 256 * MIB);
 }
 
+/// The CLI's default pressure (this process's resident set against it plus the host's
+/// MemAvailable, `ProcessPressure`): the manager deflates while MemAvailable exceeds ~11% of the
+/// VM's RSS (a few tens of MiB here) and would inflate only below ~5% of it, a host about to
+/// run out of memory, so `inflations == 0` does not race anything a test run does.
 #[test]
 fn the_manager_deflates_when_the_host_has_room_and_the_guest_follows() {
     let o = lucid(
@@ -158,16 +162,22 @@ fn the_manager_deflates_when_the_host_has_room_and_the_guest_follows() {
     assert!(o.counter("balloon.stats_updates") >= 2);
 }
 
-/// A host whose pressure the test sets.
+/// A host whose pressure the test sets: the VM uses `base` less what the balloon gave back
+/// (as a real host would see it), so the manager converges instead of inflating once more on
+/// every tick. Counts the manager's reads (one per tick).
 struct Scripted {
-    usage: AtomicU64,
+    base: AtomicU64,
     limit: AtomicU64,
+    balloon: std::sync::OnceLock<lucid_virtio::balloon::BalloonControl>,
+    reads: AtomicU64,
 }
 
 impl PressureSource for Scripted {
     fn pressure(&self) -> Pressure {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        let returned = self.balloon.get().map_or(0, |b| b.actual_pages() * 4096);
         Pressure {
-            usage: self.usage.load(Ordering::SeqCst),
+            usage: self.base.load(Ordering::SeqCst).saturating_sub(returned),
             limit: self.limit.load(Ordering::SeqCst),
         }
     }
@@ -194,17 +204,30 @@ fn under_pressure_the_manager_inflates_and_with_room_it_deflates() {
     c.balloon = Some(lucid_vmm::parse_balloon("size=0,manager=on,stats=on").unwrap());
     assert!(c.seccomp);
     let host = Arc::new(Scripted {
-        usage: AtomicU64::new(300 * MIB),
+        base: AtomicU64::new(300 * MIB),
         limit: AtomicU64::new(256 * MIB),
+        balloon: std::sync::OnceLock::new(),
+        reads: AtomicU64::new(0),
     });
     let mut vm = Vm::build(c).unwrap();
     vm.set_pressure_source(host.clone());
     let ctl = vm.balloon().unwrap().clone();
+    assert!(host.balloon.set(ctl.clone()).is_ok());
     vm.start().unwrap();
-    // 300 MiB used of 256: the manager inflates by the excess over the limit less headroom.
+    // 300 MiB used of 256: the manager inflates by the excess over the limit less headroom
+    // (5% of it: 12.8 MiB), so the guest settles at 300 - 243.2 = 56.8 MiB.
     wait("the guest to inflate", || ctl.actual_pages() > 0);
-    wait("the guest to reach the target", || {
-        ctl.actual_pages() == ctl.target_pages()
+    // Settled: the guest holds the target and the target outlived three of the manager's ticks.
+    let mut settled = None;
+    wait("the balloon to settle", || {
+        let (target, reads) = (ctl.target_pages(), host.reads.load(Ordering::SeqCst));
+        match settled {
+            Some((t, r)) if t == target && ctl.actual_pages() == target => reads >= r + 3,
+            _ => {
+                settled = (ctl.actual_pages() == target).then_some((target, reads));
+                false
+            }
+        }
     });
     let inflated = ctl.actual_pages();
     assert!(
@@ -214,7 +237,7 @@ fn under_pressure_the_manager_inflates_and_with_room_it_deflates() {
     // The guest's statistics reach the manager's side.
     wait("statistics", || ctl.stats().is_some());
     // Room to spare: the manager deflates to nothing and the guest follows, then stops.
-    host.usage.store(100 * MIB, Ordering::SeqCst);
+    host.base.store(100 * MIB, Ordering::SeqCst);
     wait("the guest to deflate", || {
         ctl.target_pages() == 0 && ctl.actual_pages() == 0
     });

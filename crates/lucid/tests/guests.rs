@@ -135,7 +135,12 @@ fn memtouch_on_anonymous_memfd_and_file_backing() {
 #[test]
 fn smp_sees_every_vcpu() {
     for n in [2u8, 4] {
-        let o = guest("smp", &["--vcpus", &n.to_string()]);
+        // The guest waits timeout_ms of wall time for its APs (5 s by default); 4 vCPUs on 2
+        // busy cores can take longer to be scheduled, which is not what this checks.
+        let o = guest(
+            "smp",
+            &["--vcpus", &n.to_string(), "--cmdline", "timeout_ms=30000"],
+        );
         assert!(
             o.stdout.contains(&format!("smp: {n} of {n} cpus up")),
             "{n} vCPUs: {}\n{}",
@@ -344,7 +349,28 @@ fn sigterm_stops_a_guest_that_never_exits() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_secs(2));
+    // Lucid blocks SIGTERM in every thread (for its signal thread) before any vCPU starts: once
+    // lucid-vcpu0 exists, the signal stops the VM however slowly the rest came up.
+    let pid = child.id();
+    let vcpu_up = || {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|t| {
+                std::fs::read_to_string(t.path().join("comm"))
+                    .is_ok_and(|c| c.trim() == "lucid-vcpu0")
+            })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !vcpu_up() {
+        assert!(child.try_wait().unwrap().is_none(), "Lucid ended early");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no lucid-vcpu0 thread"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // SAFETY: sending SIGTERM to our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
@@ -542,7 +568,10 @@ fn kvm_hypercall_at_cpl0_returns_to_the_guest() {
         ("vmmcall", 12345),
         ("vmcall", 12345),
     ] {
-        let cmdline = format!("insn={insn} nr={nr} watch_ms=5000");
+        // The watcher gives up after watch_ms of wall time: generous, since on a busy host the
+        // caller's vCPU thread may not run for seconds (a call that never returns still ends
+        // the run, in 30 s, within the 60 s limit).
+        let cmdline = format!("insn={insn} nr={nr} watch_ms=30000");
         let o = guest("kvm-hypercall", &["--vcpus", "2", "--cmdline", &cmdline]);
         assert_eq!(o.status, Some(1), "{cmdline}: {}\n{}", o.stdout, o.stderr);
         let result = o

@@ -272,7 +272,10 @@ fn l4_with_a_polling_guest_stays_below_005_exits_per_io() {
 /// probe guests submit and reap in batches, which the device already answers with one interrupt
 /// per batch, so the per-N bound itself is shown where completions arrive one by one: the
 /// device-level test `coalescing_by_count_lowers_interrupts_per_completion` in
-/// crates/lucid-virtio/tests/worker.rs, and `lucid bench io`.
+/// crates/lucid-virtio/tests/worker.rs, and `lucid bench io`. Here, within each run (two runs'
+/// interrupt counts depend on how the host scheduled each): with `coalesce=8:2000` every
+/// interrupt covers at least 8 completions except those the time cap (or the device going idle)
+/// raised early, and without coalescing none is early.
 #[test]
 fn coalescing_never_adds_interrupts_and_accounts_for_every_completion() {
     let _turn = one_at_a_time();
@@ -290,7 +293,14 @@ fn coalescing_never_adds_interrupts_and_accounts_for_every_completion() {
             "every completion is signalled, folded or suppressed"
         );
     }
-    assert!(coal.counter("blk0.irq.irqfd") <= plain.counter("blk0.irq.irqfd"));
+    assert_eq!(plain.counter("blk0.irqs_early"), 0);
+    let (irqs, early) = (coal.counter("blk0.irqs"), coal.counter("blk0.irqs_early"));
+    let signalled = irqs + coal.counter("blk0.irqs_coalesced");
+    assert!(
+        irqs <= signalled.div_ceil(8) + early,
+        "{irqs} interrupts ({early} early) for {signalled} signalled completions: {:?}",
+        coal.stats
+    );
     std::fs::remove_file(img).unwrap();
 }
 

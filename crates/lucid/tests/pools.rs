@@ -343,7 +343,14 @@ fn a_vm_in_a_named_pool_has_its_vcpu_and_backend_threads_there() {
         .iter()
         .find(|t| t.comm == "lucid")
         .expect("main thread");
-    assert_eq!(main.cpus, "0-1", "{seen:?}");
+    // What it inherited: this thread's CPUs (all of the host's, whatever their number).
+    let ours = std::fs::read_to_string("/proc/thread-self/status").unwrap();
+    let ours = ours
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .map(str::trim)
+        .unwrap();
+    assert_eq!(main.cpus, ours, "{seen:?}");
     assert!(listed(&vm_json), "vms/{pid}.json: {vm_json}");
     assert_eq!(vm_json["pool"], "cpu");
     assert_eq!(vm_json["pinned"], true);
@@ -437,8 +444,16 @@ fn back_ends_go_to_the_back_end_pool_and_vcpus_to_the_vms() {
     assert_eq!(out.counter("pools.current"), 1);
 }
 
-/// `vms/<pid>.json` of a VM once it lists thread `name` (the monitor's first window), or Null.
-fn vm_record(pools: &TestPools, pid: u32, name: &str, limit: Duration) -> serde_json::Value {
+/// `vms/<pid>.json` of a VM once it lists thread `name` (from the monitor's first window on)
+/// with an entry that satisfies `done` (the record is rewritten once per monitor window, after
+/// the kernel state a test may have seen); what it last read when `limit` passed.
+fn vm_record_until(
+    pools: &TestPools,
+    pid: u32,
+    name: &str,
+    limit: Duration,
+    done: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
     let path = pools.dir.join(format!("vms/{pid}.json"));
     let start = Instant::now();
     loop {
@@ -446,10 +461,10 @@ fn vm_record(pools: &TestPools, pid: u32, name: &str, limit: Duration) -> serde_
             .ok()
             .and_then(|s| serde_json::from_str(&s).ok())
             .unwrap_or(serde_json::Value::Null);
-        let listed = v["threads"]
+        let ok = v["threads"]
             .as_array()
-            .is_some_and(|ts| ts.iter().any(|t| t["name"] == name));
-        if listed || start.elapsed() > limit {
+            .is_some_and(|ts| ts.iter().any(|t| t["name"] == name && done(t)));
+        if ok || start.elapsed() > limit {
             return v;
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -509,8 +524,15 @@ fn the_noop_pool_admits_one_back_end_per_cpu_host_wide_and_the_next_when_one_exi
     let a_admitted = until(&mut a, Duration::from_secs(60), admitted);
     let mut b = start_vm(&img_b, &stats_b);
     let pid_b = b.id();
-    // B's back-end asked (its record says waiting) and stays where it started, not FIFO.
-    let rec_b = vm_record(&pools, pid_b, "lucid-blk0-io", Duration::from_secs(30));
+    // B's back-end asked (its record says waiting once it was placed) and stays where it
+    // started, not FIFO.
+    let rec_b = vm_record_until(
+        &pools,
+        pid_b,
+        "lucid-blk0-io",
+        Duration::from_secs(30),
+        |t| t["admission"].is_string(),
+    );
     let b_thread = |rec: &serde_json::Value| {
         rec["threads"]
             .as_array()
@@ -520,7 +542,18 @@ fn the_noop_pool_admits_one_back_end_per_cpu_host_wide_and_the_next_when_one_exi
     let b_waiting = b_thread(&rec_b)["admission"] == "waiting";
     let b_seen = tasks(pid_b);
     let b_kernel = kernel(&b_seen, "lucid-blk0-io");
-    let report = pools.show();
+    // `pools show` reads the records: wait for a window of each VM that shows the states.
+    let start = Instant::now();
+    let report = loop {
+        let r = pools.show();
+        let adm = |pid, name| shown_thread(&r, pid, name).map(|t| t["admission"].clone());
+        let settled = adm(pid_a, "lucid-blk0-io") == Some("admitted".into())
+            && adm(pid_b, "lucid-blk0-io") == Some("waiting".into());
+        if settled || start.elapsed() > Duration::from_secs(30) {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
     let a_after = tasks(pid_a);
     let a_still_admitted = admitted(&a_after);
 
@@ -529,7 +562,14 @@ fn the_noop_pool_admits_one_back_end_per_cpu_host_wide_and_the_next_when_one_exi
     unsafe { libc::kill(pid_a as i32, libc::SIGTERM) };
     let out_a = finish(a, &stats_a);
     let b_admitted = until(&mut b, Duration::from_secs(30), admitted);
-    let rec_b_after = vm_record(&pools, pid_b, "lucid-blk0-io", Duration::from_secs(5));
+    // The kernel state comes first; the record says so at the end of that monitor window.
+    let rec_b_after = vm_record_until(
+        &pools,
+        pid_b,
+        "lucid-blk0-io",
+        Duration::from_secs(30),
+        |t| t["admission"] == "admitted",
+    );
     // SAFETY: as above.
     unsafe { libc::kill(pid_b as i32, libc::SIGTERM) };
     let out_b = finish(b, &stats_b);

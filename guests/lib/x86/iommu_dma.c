@@ -83,6 +83,31 @@ static void window(u64 t_unmap)
 		iommu_stats.window_max_us = us;
 }
 
+/* Every check of the limits (a poll, or a flush decided anywhere) notes its
+ * time: a check leaves only mappings younger than LIMIT_US, so a flush is
+ * decided at most LIMIT_US + one gap between checks after the oldest unmap,
+ * however long the vCPU was not running in that gap. */
+static u64 checked_at;
+
+static void checked(u64 now)
+{
+	if (checked_at) {
+		u64 us = tsc_to_ns(now - checked_at) / 1000;
+		if (us > iommu_stats.check_gap_max_us)
+			iommu_stats.check_gap_max_us = us;
+	}
+	checked_at = now;
+}
+
+/* a flush of stale mappings whose oldest was unmapped at t_oldest, decided now */
+static void decided(u64 t_oldest, u64 now)
+{
+	u64 us = tsc_to_ns(now - t_oldest) / 1000;
+	if (us > iommu_stats.decide_max_us)
+		iommu_stats.decide_max_us = us;
+	checked(now);
+}
+
 static void stale_inc(void)
 {
 	if (++iommu_stats.stale > iommu_stats.stale_max)
@@ -277,6 +302,7 @@ static void deferred_flush(void)
 {
 	if (pend_head == pend_tail)
 		return;
+	decided(pend[pend_head % NPEND].t, rdtsc());
 	vtd_inv_iotlb_domain(iommu_domain.did);
 	vtd_qi_sync();
 	iommu_stats.flushes++;
@@ -293,6 +319,9 @@ static void teardown_evict(int all)
 {
 	u64 now = rdtsc();
 	int evicted[64], k = 0;
+	if (list_head == NIL)
+		return;
+	decided(recs[list_head].t_unmap, now);
 	while (list_head != NIL) {
 		struct rec *e = &recs[list_head];
 		if (!all && (u64)list_len <= quota && now - e->t_unmap < LIMIT_US * tsc_ms / 1000)
@@ -318,7 +347,9 @@ static void teardown_evict(int all)
 		iommu_stats.stale--;
 		rec_free(evicted[i]);
 	}
-	if (list_head != NIL && (all || (u64)list_len > quota))
+	/* a full batch may leave mappings past the quota or the time limit */
+	if (list_head != NIL && (all || (u64)list_len > quota ||
+				 rdtsc() - recs[list_head].t_unmap >= LIMIT_US * tsc_ms / 1000))
 		teardown_evict(all);
 }
 
@@ -328,17 +359,25 @@ void iommu_dma_poll(void)
 	case IOMMU_ASYNC:
 		async_reap(0);
 		break;
-	case IOMMU_DEFERRED:
+	case IOMMU_DEFERRED: {
+		u64 now = rdtsc();
 		if (pend_tail - pend_head >= DEFER_MAX ||
-		    (pend_head != pend_tail && rdtsc() - pend[pend_head % NPEND].t >= LIMIT_US * tsc_ms / 1000))
+		    (pend_head != pend_tail && now - pend[pend_head % NPEND].t >= LIMIT_US * tsc_ms / 1000))
 			deferred_flush();
+		else
+			checked(now);
 		break;
+	}
 	case IOMMU_TEARDOWN256:
-	case IOMMU_TEARDOWN4096:
+	case IOMMU_TEARDOWN4096: {
+		u64 now = rdtsc();
 		if (list_head != NIL &&
-		    ((u64)list_len > quota || rdtsc() - recs[list_head].t_unmap >= LIMIT_US * tsc_ms / 1000))
+		    ((u64)list_len > quota || now - recs[list_head].t_unmap >= LIMIT_US * tsc_ms / 1000))
 			teardown_evict(0);
+		else
+			checked(now);
 		break;
+	}
 	}
 }
 
@@ -369,6 +408,7 @@ int iommu_dma_init(int strategy)
 	for (int i = 0; i < NREC; i++)
 		recs[i].next_i = i + 1 < NREC ? i + 1 : NIL;
 	free_rec = 0;
+	checked_at = 0;
 	list_head = list_tail = NIL;
 	list_len = 0;
 	cache_cap = param_u64("shared_cache", 256);
@@ -530,12 +570,12 @@ void iommu_dma_report(void)
 	struct iommu_dma_stats *s = &iommu_stats;
 	printf("iommu-dma strategy=%s maps=%lu unmaps=%lu map_cycles=%lu unmap_cycles=%lu "
 	       "cycles_per_map=%lu cycles_per_unmap=%lu reuse_hits=%lu stale=%lu stale_max=%lu "
-	       "window_max_us=%lu flushes=%lu faults_seen=%lu qi_descs=%lu qi_waits=%lu "
-	       "qi_timeouts=%lu fault_irqs=%lu\n",
+	       "window_max_us=%lu decide_max_us=%lu check_gap_max_us=%lu flushes=%lu faults_seen=%lu "
+	       "qi_descs=%lu qi_waits=%lu qi_timeouts=%lu fault_irqs=%lu\n",
 	       iommu_strategy_name(iommu_strategy), s->maps, s->unmaps, s->map_cycles,
 	       s->unmap_cycles, s->maps ? s->map_cycles / s->maps : 0,
 	       s->unmaps ? s->unmap_cycles / s->unmaps : 0, s->reuse_hits, s->stale, s->stale_max,
-	       s->window_max_us, s->flushes, s->faults_seen, vtd.qi_submitted, vtd.qi_waits,
+	       s->window_max_us, s->decide_max_us, s->check_gap_max_us, s->flushes, s->faults_seen, vtd.qi_submitted, vtd.qi_waits,
 	       vtd.qi_timeouts, vtd_fault_irqs);
 	if (lucid_present()) {
 		lucid_hypercall(LUCID_HC_REPORT, LUCID_REPORT_MAPS, s->maps, 0);

@@ -47,6 +47,10 @@ enum iommu_strategy {
 struct iommu_dma_stats {
 	u64 maps, unmaps, map_cycles, unmap_cycles, reuse_hits;
 	u64 stale, stale_max, window_max_us;
+	/* the policy's part of the window: the oldest stale mapping's age when a
+	 * flush was decided, and the longest gap between two checks of the limits
+	 * (deferred / teardown); decide_max_us < 9 ms + check_gap_max_us */
+	u64 decide_max_us, check_gap_max_us;
 	u64 flushes;		/* invalidation batches (deferred) / evictions (teardown) */
 	u64 faults_seen;
 };
