@@ -318,9 +318,7 @@ impl Guard {
     }
 
     fn usage(&self) -> Option<u64> {
-        let mut buf = [0u8; 32];
-        let n = self.usage.read_at(&mut buf, 0).ok()?;
-        std::str::from_utf8(&buf[..n]).ok()?.trim().parse().ok()
+        crate::limit::pread_u64(&self.usage)
     }
 
     /// Waits for an OOM notification (or a second, as a fallback); false when the VM exited

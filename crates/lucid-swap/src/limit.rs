@@ -446,6 +446,15 @@ pub fn pread_to_string(f: &File) -> io::Result<String> {
     Ok(String::from_utf8_lossy(&out).into_owned())
 }
 
+/// A number file such as memory.usage_in_bytes through an open descriptor, from offset 0. It
+/// allocates nothing: the pager and the vCPUs' fault hook call it at the limit, where a fresh
+/// page of their own would wait for memory like the guest's.
+pub fn pread_u64(f: &File) -> Option<u64> {
+    let mut buf = [0u8; 32];
+    let n = f.read_at(&mut buf, 0).ok()?;
+    std::str::from_utf8(&buf[..n]).ok()?.trim().parse().ok()
+}
+
 /// `key value` lines (memory.stat, /proc/vmstat) as a map.
 pub fn parse_stat(s: &str) -> BTreeMap<String, u64> {
     s.lines()

@@ -32,7 +32,6 @@
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -146,9 +145,7 @@ struct Files {
 
 impl Files {
     fn usage(&self) -> Option<u64> {
-        let mut buf = [0u8; 32];
-        let n = self.usage.read_at(&mut buf, 0).ok()?;
-        std::str::from_utf8(&buf[..n]).ok()?.trim().parse().ok()
+        crate::limit::pread_u64(&self.usage)
     }
 
     /// Drops the disk images' page cache that no guest page maps any more (`FADV_DONTNEED`

@@ -394,10 +394,7 @@ struct WaitForPager {
 
 impl WaitForPager {
     fn usage(&self) -> Option<u64> {
-        use std::os::unix::fs::FileExt;
-        let mut buf = [0u8; 32];
-        let n = self.usage.read_at(&mut buf, 0).ok()?;
-        std::str::from_utf8(&buf[..n]).ok()?.trim().parse().ok()
+        lucid_swap::limit::pread_u64(&self.usage)
     }
 
     fn page_out_one(&self) {

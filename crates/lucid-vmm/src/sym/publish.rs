@@ -11,7 +11,6 @@
 //! only.
 
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -103,7 +102,11 @@ impl Publisher {
                 };
             }
         }
-        let Some(text) = self.meminfo.as_ref().and_then(pread_string) else {
+        let Some(text) = self
+            .meminfo
+            .as_ref()
+            .and_then(|f| lucid_swap::limit::pread_to_string(f).ok())
+        else {
             return HostMemory::default();
         };
         meminfo_pressure(&text).unwrap_or_default()
@@ -114,17 +117,10 @@ impl Publisher {
         files
             .get(vcpu as usize)
             .and_then(Option::as_ref)
-            .and_then(pread_string)
+            .and_then(|f| lucid_swap::limit::pread_to_string(f).ok())
             .and_then(|s| schedstat_wait_ns(&s))
             .unwrap_or(0)
     }
-}
-
-fn pread_string(f: &File) -> Option<String> {
-    let mut buf = vec![0u8; 8192];
-    let n = f.read_at(&mut buf, 0).ok()?;
-    buf.truncate(n);
-    String::from_utf8(buf).ok()
 }
 
 /// `/proc/meminfo` text: used (MemTotal - MemAvailable) per mille of MemTotal, and MemAvailable.
@@ -496,7 +492,7 @@ mod tests {
     #[test]
     fn this_hosts_meminfo_reads() {
         let f = File::open("/proc/meminfo").unwrap();
-        let m = meminfo_pressure(&pread_string(&f).unwrap()).unwrap();
+        let m = meminfo_pressure(&lucid_swap::limit::pread_to_string(&f).unwrap()).unwrap();
         assert!(m.pressure_permille <= 1000 && m.available_kib > 0);
     }
 }
