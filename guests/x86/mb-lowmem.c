@@ -1,7 +1,7 @@
 /*
  * mb-lowmem: a multiboot v1 kernel (ELF32) linked in low memory, 0x1000 up
  * to about 0x7c00 (lib/x86/low.lds), as real-mode test kernels are. Checks:
- * its bss (which covers where Lucid used to put the multiboot info) is zero,
+ * its bss (which covers the boot information's usual place, 0x7000) is zero,
  * so nothing was written into it; none of the boot information (info block,
  * command line, memory map, loader name, modules) overlaps the image; the
  * memory map calls the image RAM; and a round trip through real mode reads

@@ -1,6 +1,6 @@
 /*
  * pagecache: a guest OS with a page cache over virtio-blk, for the VSWAPPER
- * workloads (issue 8). The guest believes it has all of --memory: 4 KiB
+ * workloads (docs/vswapper.md). The guest believes it has all of --memory: 4 KiB
  * frames from cache_base up to the end of RAM hold cached disk blocks (and,
  * in mode=alloc, "process" memory), while the host may keep far less of it
  * resident (--memory-limit). Every byte the guest reads is checked.

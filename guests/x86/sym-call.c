@@ -1,5 +1,5 @@
 /*
- * sym-call: the SymCall test guest (issue 9, docs/symbiotic.md §5).
+ * sym-call: the SymCall test guest (docs/symbiotic.md §5).
  * Discovers Lucid's symbiotic interfaces, registers the global page and one
  * page per CPU (on that CPU), publishes the SymCall entry and each CPU's
  * stack, registers the misbehaving test handlers (TEST_LOOP spins forever,

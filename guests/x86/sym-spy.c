@@ -1,5 +1,5 @@
 /*
- * sym-spy: SymSpy end to end (issue 9, docs/symbiotic.md §4).
+ * sym-spy: SymSpy end to end (docs/symbiotic.md §4).
  *
  * Discovers Lucid through both paths and prints
  *   "sym-spy discover_hc=F discover_cpuid=F backend=B" (feature bits, 0 =

@@ -1,6 +1,6 @@
 /*
  * sym-swap: an application-level swapper at CPL3 over a virtio-blk swap
- * disk, the guest half of SwapBypass (issue 9; docs/symbiotic.md §6).
+ * disk, the guest half of SwapBypass (docs/symbiotic.md §6).
  *
  * A working set of `mib` MiB of 4 KiB pages lives in `resident_mib` MiB of
  * frames; a page evicted from its frame (FIFO) is written to a swap slot

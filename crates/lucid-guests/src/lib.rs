@@ -63,7 +63,7 @@ guests!(
     "sym-mod",
 );
 
-/// Symbiotic modules (issue 9, docs/symbiotic.md §7): ELF64 relocatable objects built with
+/// Symbiotic modules (docs/symbiotic.md §7): ELF64 relocatable objects built with
 /// `gcc -c` from `guests/modules/<name>.c`, loaded into a running `sym-mod` guest. `hello`
 /// `counter` and `quiet` (no console output: the benchmark's) are good; `badrel` (a GOT relocation), `nosym` (calls a symbol the guest does
 /// not export) and `bigbss` (a 64 MiB .bss) are refused.

@@ -78,7 +78,7 @@ impl GsiRouter {
         let max = vm
             .fd()
             .check_extension_raw(kvm_bindings::KVM_CAP_IRQ_ROUTING.into());
-        // KVM_CAP_IRQ_ROUTING reports the number of GSIs (KVM_MAX_IRQ_ROUTES, 4096 today).
+        // KVM_CAP_IRQ_ROUTING reports the number of GSIs (KVM_MAX_IRQ_ROUTES, e.g. 4096).
         let max_gsi = if max > FIRST_MSI_GSI as i32 {
             max as u32
         } else {

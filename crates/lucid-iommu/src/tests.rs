@@ -375,10 +375,10 @@ fn walks_3_and_4_levels_2m_pages_and_permissions() {
     assert_eq!(e.frcd(3).1 >> 32 & 0xff, 0x6);
 }
 
-/// Fuzz regression (the `vtd` target, in its first 2,400 inputs): a leaf pointing outside guest
-/// RAM translated to a guest-physical address outside it (minimized: a 2 MiB leaf at
-/// 0x2_0120_0000, IOVA 0x20_1ff8 translated to 0x2_0120_1ff8), cached and handed to the pinner. Such a leaf is now `Unbacked`: nothing recorded (hardware
-/// would end the access in an unsupported request), cached, pinned, or counted as a map.
+/// Found by the `vtd` fuzz target: a leaf pointing outside guest RAM (minimized: a 2 MiB leaf at
+/// 0x2_0120_0000, IOVA 0x20_1ff8 to 0x2_0120_1ff8) must not translate, be cached, be handed to
+/// the pinner or count as a map. It is `Unbacked`: nothing recorded (hardware would end the
+/// access in an unsupported request).
 #[test]
 fn a_leaf_outside_guest_ram_does_not_translate() {
     let e = Env::new(samecore(PinPolicy::Map));

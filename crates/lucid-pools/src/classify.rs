@@ -1,5 +1,5 @@
 //! Labels a VM CPU-bound or I/O-bound from the monitor's windows and says when to move it
-//! (research note §4, "Classifier"). Pure: it sees only [`Observation`]s and the time, so it is
+//! (docs/scheduling.md). Pure: it sees only [`Observation`]s and the time, so it is
 //! tested with synthetic windows.
 //!
 //! Each window gives the VM's CPU demand ((CPU + run-queue wait) / wall, per vCPU), its I/O rate
@@ -47,7 +47,7 @@ impl std::fmt::Display for Label {
     }
 }
 
-/// Thresholds and timing. [`Default`] is the research note's values.
+/// Thresholds and timing. [`Default`] holds the values docs/scheduling.md gives.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ClassifierConfig {
     /// EWMA weight of the newest window.

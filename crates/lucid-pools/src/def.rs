@@ -43,7 +43,7 @@ pub const ENV_CGROUP: &str = "LUCID_POOLS_CGROUP";
 /// Env var forcing a placement backend (`v1`, `v2` or `affinity`) instead of detecting one.
 pub const ENV_BACKEND: &str = "LUCID_POOLS_BACKEND";
 
-/// Scheduling policy of a pool (research note §4).
+/// Scheduling policy of a pool (docs/scheduling.md, "Pools and policies").
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Policy {

@@ -1,4 +1,4 @@
-//! The per-VM monitor (research note §4, "Monitor"): every window it samples each of the VM's
+//! The per-VM monitor (docs/scheduling.md): every window it samples each of the VM's
 //! threads' `schedstat` (CPU time, run-queue wait, timeslices) and context switches, and the
 //! VM's stats registry (back-end bytes, kicks, interrupts, KVM's exit statistics), and turns two
 //! samples into a [`Window`]: rates, the vCPUs' demand, and **ms lost per MB** both ways:

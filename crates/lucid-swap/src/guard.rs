@@ -6,7 +6,7 @@
 //! freed. The limit reclaim swaps Lucid's own heap and stack pages out first (guest pages all
 //! look recently used on PVM hosts), so the pager itself can fault on one; if the vCPUs are
 //! asleep too, nothing in the process frees memory again and the VM hangs for good (about one
-//! run in ten of the over-limit test before this guard). A thread cannot escape: a process's
+//! run in ten of the over-limit test without this guard). A thread cannot escape: a process's
 //! charges go to the cgroup of its address space. So the guard is another process, in the
 //! parent cgroup, that pages the VM's guest RAM out with `process_madvise(MADV_PAGEOUT)`,
 //! which uncharges it and wakes the sleepers.

@@ -116,7 +116,7 @@ pub mod page {
     pub const L_SYMCALLS: u64 = 0x0a0; // u64: SymCalls completed
     pub const L_PUBLISHES: u64 = 0x0a8; // u64: times Lucid published this line
 
-    /// The module mailbox (issue 9 step 5): requests 0x100..0x200 (Lucid -> guest), replies
+    /// The module mailbox (docs/symbiotic.md §7): requests 0x100..0x200 (Lucid -> guest), replies
     /// 0x200..0x300 (guest -> Lucid). Layout in `crate::abi::module`.
     pub const MAILBOX: u64 = 0x100;
     pub const MAILBOX_REPLY: u64 = 0x200;
@@ -148,7 +148,7 @@ pub const CPUID_LEAF_INFO: u32 = 0x4000_0101;
 /// The 12-byte signature in ebx, ecx, edx of `CPUID_LEAF`.
 pub const CPUID_SIGNATURE: &[u8; 12] = b"LucidSymbiot";
 
-/// The module mailbox (issue 9 step 5, docs/symbiotic.md §7): one request at a time. Lucid
+/// The module mailbox (docs/symbiotic.md §7): one request at a time. Lucid
 /// fills a request (0x100..0x200) and bumps `R_SEQ` last; the guest's loader (`symmod_poll`)
 /// sees a new sequence, does the work, fills the reply (0x200..0x2c0) with `P_SEQ` = the
 /// request's sequence written last, and raises `HC_NOTIFY(NOTIFY_MODULE_REPLY)`. The loader's

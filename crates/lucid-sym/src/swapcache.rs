@@ -1,4 +1,4 @@
-//! SwapBypass's swap cache, the pure logic (issue 9 step 4; docs/symbiotic.md §6): a
+//! SwapBypass's swap cache, the pure logic (docs/symbiotic.md §6): a
 //! write-back LRU cache of 4 KiB swap slots in front of a swap disk.
 //!
 //! Writes land in the cache (dirty); reads hit it or miss (the caller reads the disk; misses are

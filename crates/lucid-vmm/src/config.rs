@@ -200,7 +200,7 @@ pub enum DeviceOptionError {
     NoOptions { device: &'static str, pair: String },
 }
 
-/// Parses `--device NAME[,KEY=VALUE..]`. The one device today is `edu`, which takes no options.
+/// Parses `--device NAME[,KEY=VALUE..]`. The only device is `edu`, which takes no options.
 /// Never panics, whatever the input (a fuzz target calls it).
 pub fn parse_device(s: &str) -> Result<PlatformPciDevice, DeviceOptionError> {
     let mut parts = s.split(',').filter(|p| !p.is_empty());
@@ -433,7 +433,8 @@ pub fn parse_balloon(s: &str) -> Result<BalloonConfig, DeviceOptionError> {
 }
 
 /// Parses `--iommu vtd[,mode=samecore|sidecore][,pin=all|map|deferred]` (defaults: samecore,
-/// pin=all, today's pinning). Never panics, whatever the input (a fuzz target calls it).
+/// pin=all: every guest page pinned at start). Never panics, whatever the input (a fuzz target
+/// calls it).
 pub fn parse_iommu(s: &str) -> Result<VtdConfig, DeviceOptionError> {
     const OPT: &str = "--iommu";
     let (model, rest) = s.split_once(',').unwrap_or((s, ""));

@@ -390,7 +390,7 @@ impl Shared {
             .set(waiting as u64);
     }
 
-    /// One window of the `io` boost ladder (research note §4): a thread that woke in the window
+    /// One window of the `io` boost ladder (docs/scheduling.md): a thread that woke in the window
     /// climbs one step (nice -1, max -3), one that ran its slices out loses its boost, a quiet
     /// one decays a step.
     fn boost(&self, w: &Window) {

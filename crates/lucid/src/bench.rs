@@ -33,7 +33,7 @@ pub enum BenchCmd {
     /// The vIOMMU: no IOMMU vs samecore and sidecore VT-d emulation, each with the guest's
     /// mapping strategies (the paper's Table 1), plus map cost, risk bounds and pinning.
     Iommu(crate::bench_iommu::IommuArgs),
-    /// Scheduling pools (issue 10): configurations D, P2, P3', PS for N I/O + N CPU guests,
+    /// Scheduling pools: configurations D, P2, P3', PS for N I/O + N CPU guests,
     /// link utilisation, CPU passes/s, ms lost per MB both ways, the low-noise probe.
     Pools(crate::bench_pools::PoolsArgs),
     /// VSWAPPER: baseline, mapper, vswapper, balloon and balloon+vswapper under memory limits,

@@ -1,5 +1,5 @@
-//! `lucid bench pools`: co-existing scheduling policies measured on this host (issue 10,
-//! docs/scheduling.md, research note §4 "Reproducing on 2 cores").
+//! `lucid bench pools`: co-existing scheduling policies measured on this host
+//! (docs/scheduling.md).
 //!
 //! For N = 1..4, N I/O guests (`stream` over virtio-net into a sink paced to the link rate) and
 //! N CPU guests (`cpu`) run as separate `lucid run` processes under each configuration:
@@ -586,12 +586,12 @@ fn point(
     }))
 }
 
-/// ms lost per MB both ways from a VM's `monitor.*` counters (lane P2's monitor). The key names
-/// are matched loosely (`guest_to_backend` / `backend_to_guest`; a `_us`/`_ns`/`_milli` scale in
-/// the name is undone) so that the bench follows the monitor's final naming.
+/// ms lost per MB both ways from a VM's `monitor.*` counters. The key names are matched loosely
+/// (`guest_to_backend` / `backend_to_guest`; a `_us`/`_ns`/`_milli` scale in the name is undone)
+/// so that the bench does not depend on the monitor's exact key names.
 fn monitor_figures(counters: &Value) -> Result<(f64, f64), String> {
     let Some(m) = counters.get("monitor") else {
-        return Err("this lucid has no monitor (monitor.* in --stats-json; lane P2)".into());
+        return Err("this lucid has no monitor (monitor.* in --stats-json)".into());
     };
     let flat: BTreeMap<String, f64> = lucid_stats::flatten(m)
         .into_iter()
@@ -700,7 +700,7 @@ fn noise_probe(
         }
         if !f.low_noise {
             return Err(
-                "this lucid has no `run --low-noise` (lane P2 of issue 10); run with \
+                "this lucid has no `run --low-noise` (see docs/scheduling.md); run with \
                         --manual to pin the vCPU from the bench"
                     .to_string(),
             );

@@ -1,4 +1,4 @@
-//! `lucid bench swap`: VSWAPPER's evaluation (issue 8; the paper's Figs. 4.3, 4.9-4.11) in one
+//! `lucid bench swap`: VSWAPPER's evaluation (the paper's Figs. 4.3, 4.9-4.11) in one
 //! run, on one image and under the same limits: the `pagecache` guest believes it has
 //! `--memory` while Lucid limits the host side (`--memory-limit`), with each configuration —
 //! `baseline`, `mapper`, `vswapper`, `balloon` (baseline swapping plus a virtio-balloon the guest

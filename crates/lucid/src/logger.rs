@@ -1,5 +1,5 @@
 //! The CLI's logger: every `log` record from Lucid's crates becomes one line on stderr, in the
-//! form the CLI has always printed (`lucid: warning: ...`). The level comes from the command
+//! form scripts and tests match on (`lucid: warning: ...`). The level comes from the command
 //! line (`-q`, `-v`, `--log-level`).
 
 use std::collections::HashSet;

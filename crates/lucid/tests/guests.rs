@@ -159,8 +159,8 @@ fn missing_kernel_is_one_clear_error() {
     assert!(!o.stderr.contains("panicked"), "{}", o.stderr);
 }
 
-/// `--kernel /dev/zero` used to read forever; a FIFO blocked the open; a directory, a huge sparse
-/// file: each is one clear error, at once.
+/// `--kernel /dev/zero` would read forever, a FIFO would block the open, a directory or a huge
+/// sparse file would fail late: each is refused with one clear error before anything is read.
 #[test]
 fn kernel_and_initrd_that_are_not_regular_files_are_refused() {
     let fifo = tmp("kernel.fifo");

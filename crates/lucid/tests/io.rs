@@ -158,16 +158,15 @@ fn net_echo_returns_every_packet_intact_on_every_rung() {
     rr_on_every_rung(2000, LIMIT);
 }
 
-/// The lost reply of `lucid bench io` (issue 11): the echo of a request can reach the guest
-/// before the request's tx completion does (the device completes tx first, but both can land
-/// between the guest's two looks). The probe guest's rr loop then held its next send back (one
-/// request in flight until the tx completion is reaped), reaped, and waited for a reply to a
-/// request it never sent: a timeout, about once per million round trips. `reap_late=1` makes the
-/// guest look for each reply before reaping its tx completion, so every reply overtakes it: the
-/// old loop timed out on the first packet. `preempt_us` stalls the guest inside the natural
-/// window instead, as a preempted vCPU would (before the fix: a timeout within two packets on
-/// L0, L1 and L4p); whether the window is hit then depends on timing, so only the absence of a
-/// timeout is asserted for it.
+/// The echo of a request can reach the guest before the request's tx completion does (the
+/// device completes tx first, but both can land between the guest's two looks). A guest rr loop
+/// that holds its next send back until the tx completion is reaped would then wait for a reply
+/// to a request it never sent: a timeout, about once per million round trips
+/// (docs/exit-ladder.md). `reap_late=1` makes the guest look for each reply before reaping its
+/// tx completion, so every reply overtakes it (such a loop times out on the first packet).
+/// `preempt_us` stalls the guest inside the natural window instead, as a preempted vCPU would
+/// (such a loop times out within two packets on L0, L1 and L4p); whether the window is hit then
+/// depends on timing, so only the absence of a timeout is asserted for it.
 #[test]
 fn net_rr_survives_replies_that_overtake_their_tx_completion() {
     let _turn = one_at_a_time();

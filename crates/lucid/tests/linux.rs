@@ -3,7 +3,7 @@
 //! kernel (`work-linux/small/vmlinux`) whose own drivers drive Lucid's devices, checked through
 //! `lucid-linux-client` (crates/lucid/src/bin/linux_client/main.rs).
 //!
-//! On a host whose KVM emulates guest kernel code (PVM, see shared/PLATFORM.md) Linux runs about
+//! On a host whose KVM emulates guest kernel code (PVM, docs/foundation.md) Linux runs about
 //! a thousand times slower than native: these tests look for boot milestones on the serial
 //! console within a time limit, then stop Lucid with SIGTERM.
 //!

@@ -397,7 +397,7 @@ fn a_vm_in_a_named_pool_has_its_vcpu_and_backend_threads_there() {
     assert_eq!(out.counter("pools.current"), 1);
 }
 
-/// The research note's P2 layout: a back-ends pool (`backends=on`) on CPU 0 takes the VM's
+/// The P2 layout (docs/scheduling.md): a back-ends pool (`backends=on`) on CPU 0 takes the VM's
 /// back-end thread while its vCPU runs in the VM's pool on CPU 1.
 #[test]
 fn back_ends_go_to_the_back_end_pool_and_vcpus_to_the_vms() {

@@ -1,4 +1,4 @@
-//! The pools workloads under Lucid on real KVM (issue 10): each guest runs and reports, and its
+//! The pools workloads under Lucid on real KVM: each guest runs and reports, and its
 //! figures agree with the VMM's counters and with the host twin; no timing assertions.
 
 mod common;

@@ -1,4 +1,4 @@
-//! VSWAPPER end to end on real KVM (issue 8): the `pagecache` guest (a guest OS with a page cache
+//! VSWAPPER end to end on real KVM: the `pagecache` guest (a guest OS with a page cache
 //! over virtio-blk, every byte it reads checked) under a per-VM memory limit with each swap mode.
 //!
 //! - The guest's workloads pass with no limit (they and the host twin of their data agree), and

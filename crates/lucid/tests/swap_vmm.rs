@@ -142,12 +142,11 @@ fn every_swap_mode_runs_under_a_memory_limit_with_phases() {
 /// under the limit.
 ///
 /// A vCPU can outrun the pager: KVM's fault path then gets `EFAULT` from the cgroup's refused
-/// charge (not a wait, even with `oom_kill_disable`), which killed the VM about one run in two
-/// before the vCPU loop learnt to wait for the pager and retry (`MemoryFaultHook`).
+/// charge (not a wait, even with `oom_kill_disable`), which would kill the VM about one run in
+/// two if the vCPU loop did not wait for the pager and retry (`MemoryFaultHook`).
 ///
-/// It failed about one run in ten (a hang until the test's timeout) until the OOM guard: every
-/// Lucid thread, the pager included, asleep in the kernel waiting for memory at the limit
-/// (docs/vswapper.md §7).
+/// Without the OOM guard it hangs about one run in ten: every Lucid thread, the pager included,
+/// asleep in the kernel waiting for memory at the limit (docs/vswapper.md §7).
 #[test]
 fn a_guest_over_its_limit_is_swapped_and_intact() {
     let _turn = turn();

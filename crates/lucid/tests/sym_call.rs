@@ -1,4 +1,4 @@
-//! SymCall end to end (issue 9 step 3, docs/symbiotic.md §5): a real VM (`lucid_vmm::Vm` in
+//! SymCall end to end (docs/symbiotic.md §5): a real VM (`lucid_vmm::Vm` in
 //! process, `--symbiotic`, default seccomp) runs the `sym-call` guest, whose CPL3 workload checks
 //! its registers and memory continually; the test thread issues SymCalls into it. Asserts
 //! results, refusals, cut-offs and that the guest ends with `corrupt=0`.

@@ -1,4 +1,4 @@
-//! Symbiotic modules (issue 9 step 5, docs/symbiotic.md §7) on real KVM: the `sym-mod` guest
+//! Symbiotic modules (docs/symbiotic.md §7) on real KVM: the `sym-mod` guest
 //! runs the kit's module loader; Lucid loads, calls and unloads the kit's modules through the
 //! SymSpy mailbox, refuses bad ones (its own checks and the guest loader's), places a module
 //! in a read-only memory slot the guest cannot write, and survives a guest that never answers.

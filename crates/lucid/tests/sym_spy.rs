@@ -1,4 +1,4 @@
-//! SymSpy end to end on real KVM with the `sym-spy` probe guest (issue 9, step 2): discovery on
+//! SymSpy end to end on real KVM with the `sym-spy` probe guest: discovery on
 //! and off, zero exits for 10^6 guest updates, consistent records read by Lucid while the guest
 //! writes, per-vCPU pages registered from their own vCPU, bad registrations refused.
 

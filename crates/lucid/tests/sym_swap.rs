@@ -1,4 +1,4 @@
-//! SwapBypass end to end (issue 9 step 4, docs/symbiotic.md §6): the `sym-swap` guest swaps
+//! SwapBypass end to end (docs/symbiotic.md §6): the `sym-swap` guest swaps
 //! its own pages to a virtio-blk disk with Lucid's swap cache in front (`swapcache=MiB`) and
 //! verifies every byte it reads back. Hot (the cache holds all swap traffic), cold (a tiny
 //! cache) and full (write-backs, some avoided because the guest freed the slot); a `kill -9`

@@ -1,4 +1,4 @@
-//! Symbiotic modules (issue 9 step 5, docs/symbiotic.md §7): Lucid injects a relocatable module
+//! Symbiotic modules (docs/symbiotic.md §7): Lucid injects a relocatable module
 //! into a running guest. Lucid checks the object (`lucid_sym::module::check`), copies it into the
 //! object buffer the guest's loader published, posts a request in the SymSpy mailbox and waits
 //! for the reply (`HC_NOTIFY(NOTIFY_MODULE_REPLY)` wakes it); the guest's loader links it

@@ -1,4 +1,4 @@
-//! SwapBypass in the VMM (issue 9 step 4, docs/symbiotic.md §6): the swap cache
+//! SwapBypass in the VMM (docs/symbiotic.md §6): the swap cache
 //! (`lucid_sym::swapcache`) in front of a virtio-blk swap disk (`--blk ...,swapcache=MiB`),
 //! through the device's [`BlockCache`] seam, on its worker thread.
 //!

@@ -1,5 +1,5 @@
-//! SymCall: Lucid runs a function in the guest on a chosen vCPU and gets its result (issue 9
-//! step 3, docs/symbiotic.md §5).
+//! SymCall: Lucid runs a function in the guest on a chosen vCPU and gets its result
+//! (docs/symbiotic.md §5).
 //!
 //! A call runs on the vCPU's own thread through [`VcpuHandle::submit`]: it finishes the pending
 //! exit, saves the vCPU state, loads the entry the guest published in SymSpy, runs the

@@ -1,5 +1,5 @@
-//! `lucid bench sym`: the symbiotic mechanisms against the exits they save (issue 9,
-//! docs/symbiotic.md). Each part measures in its own file and returns `key = value` figures;
+//! `lucid bench sym`: the symbiotic mechanisms against the exits they save
+//! (docs/symbiotic.md). Each part measures in its own file and returns `key = value` figures;
 //! this file runs the parts and prints them (one JSON object with `--json`).
 
 use std::process::ExitCode;

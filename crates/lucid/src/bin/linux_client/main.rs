@@ -20,7 +20,7 @@
 //! VT-d: the boot adds the DMAR and intel-iommu milestones, and the `iommu` check wants them all,
 //! no DMA or interrupt fault and translations counted; the report has every `iommu.*` counter.
 //!
-//! On a host whose KVM is PVM (see shared/PLATFORM.md) no guest system call works, so the checks
+//! On a host whose KVM is PVM (docs/foundation.md) no guest system call works, so the checks
 //! of the first boot need none: the kernel mounts the root filesystem and loads `/sbin/init` (a
 //! 124-byte ELF that spins without a system call), reads both GPT headers of the second disk and
 //! checks their CRCs, sends its log by `netconsole` to a UDP listener here, and answers ICMP
