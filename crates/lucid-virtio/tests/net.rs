@@ -244,7 +244,7 @@ fn d_stat(g: &Guest, n: &str) -> u64 {
     g.stat(&format!("net0.{n}"))
 }
 
-/// For `valgrind --tool=callgrind` (docs/exit-ladder.md, defect 6): kick mode only, no spinning
+/// For `valgrind --tool=callgrind` (docs/exit-ladder.md): kick mode only, no spinning
 /// device thread, `LUCID_RR_SIZE` bytes (default 1500) and `LUCID_RR_STRESS` round trips
 /// (default 2000); read the inclusive count of `NetWorker::process_queue`.
 #[test]
