@@ -1,5 +1,5 @@
-//! A KVM VM: memory slots, the in-kernel irqchip and PIT, vCPU creation, and the exitless paths
-//! (ioeventfd, irqfd, MSI) that devices use.
+//! A KVM VM: memory slots, the in-kernel irqchip and PIT, vCPU creation, and the paths that keep
+//! a device's notifications and interrupts out of userspace (ioeventfd, irqfd, MSI routing).
 
 use std::sync::{Arc, Mutex};
 
