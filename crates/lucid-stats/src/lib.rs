@@ -6,8 +6,11 @@
 
 #![warn(clippy::print_stdout, clippy::print_stderr)]
 
+pub mod cgroup;
+mod median;
 mod threads;
 
+pub use median::{into_median_by, median, median_by};
 pub use threads::{Background, ThreadGuard, ThreadInfo, ThreadRegistry, ThreadRole};
 
 use std::collections::BTreeMap;
