@@ -145,7 +145,10 @@ pub fn loop_ns_per_iter(
         let (t, _) = lvm.run(final_iters)?;
         samples.push(t.as_secs_f64() * 1e9 / f64::from(final_iters));
     }
-    Ok((lucid_stats::median(&mut samples).unwrap_or(f64::NAN), final_iters))
+    Ok((
+        lucid_stats::median(&mut samples).unwrap_or(f64::NAN),
+        final_iters,
+    ))
 }
 
 /// The host's own CPUID leaf 1 (as seen by this process).

@@ -70,12 +70,7 @@ pub fn parse_mountinfo(text: &str) -> Vec<CgroupMount> {
             let dash = f.iter().position(|&x| x == "-")?;
             let (mnt, fstype) = (f.get(4)?, *f.get(dash + 1)?);
             let v1_controllers = match fstype {
-                "cgroup" => Some(
-                    f.get(dash + 3)?
-                        .split(',')
-                        .map(str::to_string)
-                        .collect(),
-                ),
+                "cgroup" => Some(f.get(dash + 3)?.split(',').map(str::to_string).collect()),
                 "cgroup2" => None,
                 _ => return None,
             };
@@ -137,9 +132,15 @@ mod tests {
             ]
         );
         assert_eq!(m[0].v1_controllers, None);
-        assert_eq!(m[1].v1_controllers, Some(vec!["rw".into(), "cpuset".into()]));
+        assert_eq!(
+            m[1].v1_controllers,
+            Some(vec!["rw".into(), "cpuset".into()])
+        );
         // An optional field (`master:3`) before the dash does not shift the fields after it.
-        assert_eq!(m[2].v1_controllers, Some(vec!["rw".into(), "memory".into()]));
+        assert_eq!(
+            m[2].v1_controllers,
+            Some(vec!["rw".into(), "memory".into()])
+        );
         assert!(parse_mountinfo("garbage\n1 2 3\n").is_empty());
     }
 

@@ -37,7 +37,10 @@ mod tests {
         assert_eq!(median(&mut [1.0, f64::NAN, 2.0]), Some(2.0));
         let mut runs = [(5, 'a'), (1, 'b'), (5, 'c'), (9, 'd')];
         assert_eq!(median_by(&mut runs, |a, b| a.0.cmp(&b.0)), Some(&(5, 'c')));
-        assert_eq!(into_median_by(runs.to_vec(), |a, b| a.0.cmp(&b.0)), Some((5, 'c')));
+        assert_eq!(
+            into_median_by(runs.to_vec(), |a, b| a.0.cmp(&b.0)),
+            Some((5, 'c'))
+        );
         assert_eq!(into_median_by(Vec::<u8>::new(), u8::cmp), None);
     }
 }

@@ -184,7 +184,6 @@ impl MemoryController {
     }
 }
 
-
 /// Total host swap in bytes (the sum of /proc/swaps' sizes; 0 when there is none).
 pub fn swap_total_bytes() -> u64 {
     fs::read_to_string("/proc/swaps")

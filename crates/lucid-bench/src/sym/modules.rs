@@ -18,7 +18,9 @@ use super::{Figures, Opts};
 
 /// The median, 0 for no samples.
 fn median_or_0(mut v: Vec<u64>) -> u64 {
-    lucid_stats::median_by(&mut v, u64::cmp).copied().unwrap_or(0)
+    lucid_stats::median_by(&mut v, u64::cmp)
+        .copied()
+        .unwrap_or(0)
 }
 
 fn exits(vm: &Vm) -> u64 {
@@ -93,9 +95,15 @@ pub fn run(opts: &Opts) -> Result<Figures, String> {
         Ok::<Figures, String>(vec![
             ("module_load_us".into(), Value::from(median_or_0(load))),
             ("module_unload_us".into(), Value::from(median_or_0(unload))),
-            ("module_ro_load_us".into(), Value::from(median_or_0(ro_load))),
+            (
+                "module_ro_load_us".into(),
+                Value::from(median_or_0(ro_load)),
+            ),
             ("module_call_us".into(), Value::from(median_or_0(call))),
-            ("module_load_exits".into(), Value::from(median_or_0(load_exits))),
+            (
+                "module_load_exits".into(),
+                Value::from(median_or_0(load_exits)),
+            ),
             (
                 "module_unload_exits".into(),
                 Value::from(median_or_0(unload_exits)),
