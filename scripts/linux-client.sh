@@ -39,7 +39,7 @@ while [ $# -gt 0 ]; do
 done
 
 cd "$repo_root"
-cargo build --release -q -p lucid --bin lucid --bin lucid-linux-client
+cargo build --release -q -p lucid -p lucid-linux-client
 if [ ! -e "$wl/small/vmlinux" ]; then
     echo "linux-client: no kernel in $wl/small: building it (scripts/linux-guest.sh)" >&2
     scripts/linux-guest.sh "$wl" >/dev/null

@@ -221,11 +221,6 @@ impl ConsoleOut {
                     .0;
         }
     }
-
-    /// Bytes waiting for the reader.
-    pub fn buffered(&self) -> usize {
-        lock(&self.shared.state).buf.len()
-    }
 }
 
 impl Drop for ConsoleOut {

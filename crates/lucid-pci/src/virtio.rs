@@ -483,9 +483,6 @@ impl VirtioPciDevice {
     pub fn interrupts(&self) -> &Arc<Interrupts> {
         &self.irq.interrupts
     }
-    pub fn virtio_interrupt(&self) -> Arc<VirtioPciInterrupt> {
-        self.irq.clone()
-    }
     /// The kick eventfd of queue `q` (what the ioeventfd or the notify exit signals).
     pub fn kick(&self, q: usize) -> Option<&EventFd> {
         self.kicks.get(q)

@@ -420,17 +420,6 @@ impl PoolSet {
     pub fn backend_pool(&self) -> Option<&PoolDef> {
         self.pools.iter().find(|p| p.backends)
     }
-
-    /// The first pool with `policy`.
-    pub fn with_policy(&self, policy: Policy) -> Option<&PoolDef> {
-        self.pools.iter().find(|p| p.policy == policy)
-    }
-
-    /// Every CPU of every pool, sorted.
-    pub fn all_cpus(&self) -> Vec<u32> {
-        let s: BTreeSet<u32> = self.pools.iter().flat_map(|p| p.cpus.clone()).collect();
-        s.into_iter().collect()
-    }
 }
 
 /// What `pools.json` holds: the pools and how they were realised on this host.

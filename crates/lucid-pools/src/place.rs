@@ -111,33 +111,8 @@ impl PlaceError {
 
 /// The cpuset hierarchies mounted on this host: (v1 mount, v2 mount with cpuset enabled).
 fn cpuset_mounts() -> (Option<PathBuf>, Option<PathBuf>) {
-    let (mut v1, mut v2) = (None, None);
-    let Ok(info) = fs::read_to_string("/proc/self/mountinfo") else {
-        return (None, None);
-    };
-    for line in info.lines() {
-        // ... mountpoint(5th) ... - fstype source superoptions
-        let f: Vec<&str> = line.split_whitespace().collect();
-        let Some(dash) = f.iter().position(|&x| x == "-") else {
-            continue;
-        };
-        let (Some(mnt), Some(fstype), Some(opts)) = (f.get(4), f.get(dash + 1), f.get(dash + 3))
-        else {
-            continue;
-        };
-        let mnt = PathBuf::from(mnt.replace("\\040", " "));
-        match *fstype {
-            "cgroup" if v1.is_none() && opts.split(',').any(|o| o == "cpuset") => v1 = Some(mnt),
-            "cgroup2" if v2.is_none() => {
-                let ctl = fs::read_to_string(mnt.join("cgroup.controllers")).unwrap_or_default();
-                if ctl.split_whitespace().any(|c| c == "cpuset") {
-                    v2 = Some(mnt);
-                }
-            }
-            _ => {}
-        }
-    }
-    (v1, v2)
+    let m = lucid_stats::cgroup::controller_mounts("cpuset").unwrap_or_default();
+    (m.v1, m.v2.filter(|_| m.v2_offers))
 }
 
 /// The backend forced by `LUCID_POOLS_BACKEND` (`v1`, `v2` or `affinity`), if any.
@@ -537,11 +512,6 @@ impl Placer {
         }))
     }
 
-    /// [`Placer::open`] on the state directory of the environment (`LUCID_POOLS_DIR`).
-    pub fn open_env() -> Result<Option<Placer>, crate::def::DefError> {
-        Placer::open(&StateDir::from_env())
-    }
-
     pub fn state(&self) -> &StateDir {
         &self.state
     }
@@ -595,11 +565,6 @@ impl Placer {
     /// The pool device back-end threads go to (`backends=on`, implied by `noop`), if any.
     pub fn backend_pool(&self) -> Option<&PoolDef> {
         self.host.pools.iter().find(|p| p.backends)
-    }
-
-    /// The first pool with `policy` (e.g. where the classifier sends an I/O-bound VM).
-    pub fn pool_with_policy(&self, policy: crate::def::Policy) -> Option<&PoolDef> {
-        self.host.pools.iter().find(|p| p.policy == policy)
     }
 
     /// What the kernel says about `tid`: see [`read_back`].

@@ -91,20 +91,6 @@ impl LoopVm {
     }
 }
 
-/// Median of a non-empty slice (sorts it).
-pub fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(|a, b| a.total_cmp(b));
-    let n = values.len();
-    if n == 0 {
-        return f64::NAN;
-    }
-    if n % 2 == 1 {
-        values[n / 2]
-    } else {
-        (values[n / 2 - 1] + values[n / 2]) / 2.0
-    }
-}
-
 /// Cost of one exit-causing operation, in microseconds: median over `reps` runs of `ops`
 /// operations of (host time / ops), after one warm-up run. Also returns the userspace exits of
 /// the last run.
@@ -117,7 +103,7 @@ pub fn exit_cost_us(lvm: &mut LoopVm, ops: u32, reps: usize) -> Result<(f64, u64
         exits = e;
         samples.push(t.as_secs_f64() * 1e6 / f64::from(ops));
     }
-    Ok((median(&mut samples), exits))
+    Ok((lucid_stats::median(&mut samples).unwrap_or(f64::NAN), exits))
 }
 
 /// A [`LoopVm`] whose `PORT_OP` writes and `MMIO_ADDR` stores are absorbed by ioeventfds.
@@ -159,7 +145,10 @@ pub fn loop_ns_per_iter(
         let (t, _) = lvm.run(final_iters)?;
         samples.push(t.as_secs_f64() * 1e9 / f64::from(final_iters));
     }
-    Ok((median(&mut samples), final_iters))
+    Ok((
+        lucid_stats::median(&mut samples).unwrap_or(f64::NAN),
+        final_iters,
+    ))
 }
 
 /// The host's own CPUID leaf 1 (as seen by this process).

@@ -3,11 +3,18 @@
 //!
 //! Counters are lock-free atomics handed out as `Arc<Counter>`; the registry's lock is taken only to
 //! register or to read, never on the hot path.
+//!
+//! Beside the registry, two small things the crates that count share: [`median`] (the figure the
+//! probe and the benchmarks report) and [`cgroup`] (where the cgroup hierarchies are mounted,
+//! for the pools' cpuset and VSWAPPER's memory controller).
 
 #![warn(clippy::print_stdout, clippy::print_stderr)]
 
+pub mod cgroup;
+mod median;
 mod threads;
 
+pub use median::{into_median_by, median, median_by};
 pub use threads::{Background, ThreadGuard, ThreadInfo, ThreadRegistry, ThreadRole};
 
 use std::collections::BTreeMap;

@@ -243,14 +243,6 @@ fn exe_text_ranges() -> io::Result<Vec<(usize, usize)>> {
         .collect())
 }
 
-/// This process's major faults (`/proc/self/stat` field 12).
-pub fn process_majflt() -> u64 {
-    fs::read_to_string("/proc/self/stat")
-        .ok()
-        .and_then(|s| parse_majflt(&s))
-        .unwrap_or(0)
-}
-
 fn parse_majflt(stat: &str) -> Option<u64> {
     let rest = &stat[stat.rfind(')')? + 1..];
     rest.split_whitespace().nth(9)?.parse().ok()

@@ -130,47 +130,36 @@ pub struct MemoryController {
 }
 
 impl MemoryController {
-    /// Finds the memory controller from /proc/self/mounts and /proc/self/cgroup (v1 preferred
+    /// Finds the memory controller from /proc/self/mountinfo and /proc/self/cgroup (v1 preferred
     /// where both exist, since a controller can be bound to only one).
     pub fn detect() -> Result<MemoryController, LimitError> {
-        let mounts = fs::read_to_string("/proc/self/mounts").map_err(|source| LimitError::Io {
-            what: "read",
-            path: "/proc/self/mounts".into(),
-            source,
-        })?;
+        let mounts =
+            lucid_stats::cgroup::controller_mounts("memory").map_err(|source| LimitError::Io {
+                what: "read",
+                path: lucid_stats::cgroup::MOUNTINFO.into(),
+                source,
+            })?;
         let cgroups = fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-        let mut v2_mount = None;
-        for line in mounts.lines() {
-            let f: Vec<&str> = line.split_whitespace().collect();
-            if f.len() < 4 {
-                continue;
-            }
-            let (mnt, fstype, opts) = (unescape_mount(f[1]), f[2], f[3]);
-            if fstype == "cgroup" && opts.split(',').any(|o| o == "memory") {
-                let current = cgroups
-                    .lines()
-                    .filter_map(|l| l.split_once(':'))
-                    .filter_map(|(_, rest)| rest.split_once(':'))
-                    .find(|(ctrls, _)| ctrls.split(',').any(|c| c == "memory"))
-                    .map(|(_, p)| p.to_string())
-                    .unwrap_or_else(|| "/".into());
-                return Ok(MemoryController {
-                    version: CgroupVersion::V1,
-                    mount: PathBuf::from(mnt),
-                    current,
-                });
-            }
-            if fstype == "cgroup2" && v2_mount.is_none() {
-                v2_mount = Some(PathBuf::from(mnt));
-            }
+        if let Some(mount) = mounts.v1 {
+            let current = cgroups
+                .lines()
+                .filter_map(|l| l.split_once(':'))
+                .filter_map(|(_, rest)| rest.split_once(':'))
+                .find(|(ctrls, _)| ctrls.split(',').any(|c| c == "memory"))
+                .map(|(_, p)| p.to_string())
+                .unwrap_or_else(|| "/".into());
+            return Ok(MemoryController {
+                version: CgroupVersion::V1,
+                mount,
+                current,
+            });
         }
-        let Some(mount) = v2_mount else {
+        let Some(mount) = mounts.v2 else {
             return Err(LimitError::NoMemoryController {
                 detail: "neither a cgroup v1 memory hierarchy nor cgroup2 is mounted".into(),
             });
         };
-        let controllers = fs::read_to_string(mount.join("cgroup.controllers")).unwrap_or_default();
-        if !controllers.split_whitespace().any(|c| c == "memory") {
+        if !mounts.v2_offers {
             return Err(LimitError::NoMemoryController {
                 detail: format!(
                     "cgroup2 at {} does not offer the memory controller",
@@ -193,28 +182,6 @@ impl MemoryController {
     fn current_dir(&self) -> PathBuf {
         self.mount.join(self.current.trim_start_matches('/'))
     }
-}
-
-/// /proc/self/mounts escapes spaces and the like as octal (`\040`).
-fn unescape_mount(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && i + 4 <= b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            if let Ok(v) = u8::from_str_radix(&s[i + 1..i + 4], 8) {
-                out.push(v);
-                i += 4;
-                continue;
-            }
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Total host swap in bytes (the sum of /proc/swaps' sizes; 0 when there is none).
@@ -488,11 +455,6 @@ fn prune_dead(base: &Path) {
     }
 }
 
-/// Reads a `key value` per line file such as memory.stat or /proc/vmstat.
-pub fn read_stat(path: &Path) -> io::Result<BTreeMap<String, u64>> {
-    Ok(parse_stat(&fs::read_to_string(path)?))
-}
-
 fn parse_u64(s: &str) -> io::Result<u64> {
     s.trim()
         .parse()
@@ -667,7 +629,7 @@ impl SwapFile {
             .lines()
             .skip(1)
             .filter_map(|l| l.split_whitespace().next())
-            .any(|p| Path::new(&unescape_mount(p)) == me)
+            .any(|p| Path::new(&lucid_stats::cgroup::unescape(p)) == me)
     }
 }
 
@@ -692,13 +654,6 @@ impl Drop for SwapFile {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn unescapes_mount_paths() {
-        assert_eq!(unescape_mount("/a\\040b"), "/a b");
-        assert_eq!(unescape_mount("/plain"), "/plain");
-        assert_eq!(unescape_mount("/end\\04"), "/end\\04");
-    }
 
     #[test]
     fn refuses_bad_names_and_tiny_limits() {

@@ -78,8 +78,8 @@
 //!
 //! Syscalls on the block worker (and on whichever thread calls `discard`): `statx`, `lseek`,
 //! `fadvise64`, `mmap` (no `PROT_EXEC`), `madvise`, `pread64` (pagemap and the image),
-//! `fcntl(F_DUPFD_CLOEXEC)` on an image's first use (or call [`SwapMapper::add_image`] before
-//! confinement) and `ioctl` [`MAPPER_IOCTLS`] on fds [`SwapMapper::new`] opens.
+//! `fcntl(F_DUPFD_CLOEXEC)` on an image's first use and `ioctl` [`MAPPER_IOCTLS`] on fds
+//! [`SwapMapper::new`] opens.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
@@ -461,12 +461,6 @@ impl SwapMapper {
             .iter()
             .map(|(&g, &(_, b))| (g, b))
             .collect()
-    }
-
-    /// Pre-registers an image (dups its fd now, e.g. before a seccomp filter forbids `fcntl`).
-    pub fn add_image(&self, file: &File) -> io::Result<()> {
-        let mut st = self.lock();
-        Self::image_id(&mut st, file, true).map(|_| ())
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

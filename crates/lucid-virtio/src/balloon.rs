@@ -242,11 +242,6 @@ impl BalloonControl {
         }
     }
 
-    /// Sets the target in MiB.
-    pub fn set_target_mib(&self, mib: u64) {
-        self.set_target_pages(mib.saturating_mul(1 << (20 - PAGE_SHIFT)));
-    }
-
     /// The target, in 4 KiB pages.
     pub fn target_pages(&self) -> u64 {
         u64::from(self.shared.target.load(Ordering::Acquire))

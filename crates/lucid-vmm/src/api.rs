@@ -6,7 +6,7 @@
 //! Requests (`op`): `symcall` (`vcpu`, `call`: a name or a number, `args`: up to 5),
 //! `module_load` (`path` of a file Lucid reads, or `builtin`; `read_only`), `module_unload`
 //! (`id`), `modules`, `spy`, `stats`, `stop`. Replies: `{"ok":true,...}` or
-//! `{"ok":false,"error":"..."}`. A client's bad input (not JSON, an unknown op, a line over
+//! `{"ok":false,"error":"..."}`; the types of both are in [`proto`]. A client's bad input (not JSON, an unknown op, a line over
 //! [`MAX_LINE`] bytes, a disconnect mid-line) costs it an error reply or its connection, never
 //! the VM. Up to [`MAX_CLIENTS`] clients at once; requests are served one at a time.
 //!
@@ -29,13 +29,15 @@ use std::time::{Duration, Instant};
 use lucid_devices::{Lifecycle, StopReason};
 use lucid_seccomp::Seccomp;
 use lucid_stats::{Counter, StatsRegistry};
-use lucid_sym::abi;
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::Serialize;
+use serde_json::Value;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::report::error_chain;
 use crate::sym::{ModuleOptions, Symbiotic};
+
+pub mod proto;
+use proto::{Counters, ModuleList, Reply, Request, Stopping, Unloaded};
 
 /// The longest request line, newline excluded: module objects go by path, so requests are
 /// small.
@@ -415,7 +417,7 @@ impl Server {
 
     fn error(&self, msg: &str) -> Value {
         self.counters.errors.inc();
-        json!({"ok": false, "error": msg})
+        serde_json::to_value(Reply::<Stopping>::error(msg)).expect("JSON of plain values")
     }
 
     fn handle(&self, line: &[u8]) -> Value {
@@ -425,12 +427,7 @@ impl Server {
             Err(e) => return self.error(&format!("bad request: {e}")),
         };
         match self.dispatch(req) {
-            Ok(mut v) => {
-                if let Some(o) = v.as_object_mut() {
-                    o.insert("ok".into(), Value::Bool(true));
-                }
-                v
-            }
+            Ok(v) => v,
             Err(e) => self.error(&e),
         }
     }
@@ -441,6 +438,7 @@ impl Server {
         })
     }
 
+    /// The reply to `req`, or why it failed.
     fn dispatch(&self, req: Request) -> Result<Value, String> {
         match req {
             Request::Symcall {
@@ -478,7 +476,7 @@ impl Server {
                 let r = sym
                     .call_with(vcpu, nr, a, limits)
                     .map_err(|e| format!("symcall {nr:#x} on vCPU {vcpu}: {}", error_chain(&e)))?;
-                serde_json::to_value(r).map_err(|e| e.to_string())
+                answer(r)
             }
             Request::ModuleLoad {
                 path,
@@ -498,26 +496,25 @@ impl Server {
                 let info = sym
                     .load_module(&bytes, &opts)
                     .map_err(|e| format!("module_load: {}", error_chain(&e)))?;
-                serde_json::to_value(info).map_err(|e| e.to_string())
+                answer(info)
             }
             Request::ModuleUnload { id } => {
                 self.sym("module_unload")?
                     .unload_module(id)
                     .map_err(|e| format!("module_unload {id}: {}", error_chain(&e)))?;
-                Ok(json!({"id": id}))
+                answer(Unloaded { id })
             }
-            Request::Modules => {
-                let list = self.sym("modules")?.modules();
-                Ok(json!({ "modules": list }))
-            }
-            Request::Spy => Ok(spy_json(self.sym("spy")?)),
-            Request::Stats => Ok(json!({
-                "counters": lucid_stats::nest(&self.ctx.stats.snapshot()),
-            })),
+            Request::Modules => answer(ModuleList {
+                modules: self.sym("modules")?.modules(),
+            }),
+            Request::Spy => answer(self.sym("spy")?.spy_snapshot()),
+            Request::Stats => answer(Counters {
+                counters: lucid_stats::nest(&self.ctx.stats.snapshot()),
+            }),
             Request::Stop => {
                 log::info!("control API: stop requested");
                 self.ctx.lifecycle.stop(StopReason::Shutdown);
-                Ok(json!({}))
+                answer(Stopping {})
             }
         }
     }
@@ -531,67 +528,9 @@ impl Server {
     }
 }
 
-/// One request line.
-#[derive(Debug, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
-enum Request {
-    Symcall {
-        #[serde(default)]
-        vcpu: u32,
-        call: CallName,
-        #[serde(default)]
-        args: Vec<u64>,
-        /// The call's time bound in ms (default: the VM's, [`Symbiotic::call_limits`]).
-        #[serde(default)]
-        timeout_ms: Option<u64>,
-    },
-    ModuleLoad {
-        path: Option<PathBuf>,
-        builtin: Option<String>,
-        #[serde(default)]
-        read_only: bool,
-    },
-    ModuleUnload {
-        id: u32,
-    },
-    Modules,
-    Spy,
-    Stats,
-    Stop,
-}
-
-/// A SymCall by name (`echo`, `page_state`, `read_counter`, `slot_live`) or number.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum CallName {
-    Number(u64),
-    Name(String),
-}
-
-impl CallName {
-    fn number(&self) -> Result<u64, String> {
-        match self {
-            CallName::Number(n) => Ok(*n),
-            CallName::Name(s) => call_number(s),
-        }
-    }
-}
-
-/// The SymCall number of `name`: a name, or a number (decimal or 0x hex).
-pub fn call_number(name: &str) -> Result<u64, String> {
-    Ok(match name {
-        "echo" => abi::call::ECHO,
-        "page_state" => abi::call::PAGE_STATE,
-        "read_counter" => abi::call::READ_COUNTER,
-        "slot_live" => abi::call::SLOT_LIVE,
-        s => match s.strip_prefix("0x") {
-            Some(h) => u64::from_str_radix(h, 16),
-            None => s.parse(),
-        }
-        .map_err(|_| {
-            format!("no SymCall {s:?}: echo, page_state, read_counter, slot_live or a number")
-        })?,
-    })
+/// `{"ok":true}` beside the fields of `a`.
+fn answer(a: impl Serialize) -> Result<Value, String> {
+    serde_json::to_value(Reply::answer(a)).map_err(|e| e.to_string())
 }
 
 /// Reads a module file: a regular file of at most [`MAX_MODULE_BYTES`].
@@ -621,12 +560,6 @@ fn read_module(path: &Path) -> Result<Vec<u8>, String> {
     Ok(bytes)
 }
 
-/// The SymSpy pages as registered, their records read under their sequence counts
-/// (`Symbiotic::spy_snapshot`).
-fn spy_json(sym: &Symbiotic) -> Value {
-    serde_json::to_value(sym.spy_snapshot()).unwrap_or(Value::Null)
-}
-
 fn pollfd(fd: i32) -> libc::pollfd {
     libc::pollfd {
         fd,
@@ -638,63 +571,6 @@ fn pollfd(fd: i32) -> libc::pollfd {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn parse(s: &str) -> Result<Request, String> {
-        serde_json::from_str(s).map_err(|e| e.to_string())
-    }
-
-    #[test]
-    fn requests_parse_and_bad_ones_say_why() {
-        match parse(r#"{"op":"symcall","vcpu":1,"call":"echo","args":[1,2,3]}"#).unwrap() {
-            Request::Symcall {
-                vcpu,
-                call,
-                args,
-                timeout_ms,
-            } => {
-                assert_eq!((vcpu, call.number().unwrap(), args), (1, 0, vec![1, 2, 3]));
-                assert_eq!(timeout_ms, None);
-            }
-            r => panic!("{r:?}"),
-        }
-        match parse(r#"{"op":"symcall","call":257,"timeout_ms":5000}"#).unwrap() {
-            Request::Symcall {
-                vcpu,
-                call,
-                args,
-                timeout_ms,
-            } => {
-                assert_eq!((vcpu, call.number().unwrap(), args.len()), (0, 257, 0));
-                assert_eq!(timeout_ms, Some(5000));
-            }
-            r => panic!("{r:?}"),
-        }
-        assert!(matches!(
-            parse(r#"{"op":"module_load","path":"/x.o","read_only":true}"#).unwrap(),
-            Request::ModuleLoad {
-                read_only: true,
-                ..
-            }
-        ));
-        assert!(matches!(parse(r#"{"op":"stats"}"#), Ok(Request::Stats)));
-        let e = parse(r#"{"op":"frobnicate"}"#).unwrap_err();
-        assert!(e.contains("unknown variant `frobnicate`"), "{e}");
-        let e = parse(r#"{"op":"symcall","call":"echo","arg":[1]}"#).unwrap_err();
-        assert!(e.contains("unknown field `arg`"), "{e}");
-        assert!(parse("{not json").is_err());
-        assert!(parse(r#"{"op":"module_unload"}"#).is_err());
-    }
-
-    #[test]
-    fn call_names_and_numbers() {
-        assert_eq!(call_number("echo"), Ok(abi::call::ECHO));
-        assert_eq!(call_number("page_state"), Ok(abi::call::PAGE_STATE));
-        assert_eq!(call_number("read_counter"), Ok(abi::call::READ_COUNTER));
-        assert_eq!(call_number("slot_live"), Ok(abi::call::SLOT_LIVE));
-        assert_eq!(call_number("0x101"), Ok(0x101));
-        assert_eq!(call_number("7"), Ok(7));
-        assert!(call_number("ech0").unwrap_err().contains("no SymCall"));
-    }
 
     fn tmp(name: &str) -> PathBuf {
         std::env::temp_dir().join(format!("lucid-api-{}-{name}", std::process::id()))

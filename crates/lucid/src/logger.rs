@@ -10,7 +10,8 @@ use log::{Level, LevelFilter, Log, Metadata, Record};
 
 struct StderrLogger {
     level: LevelFilter,
-    /// The level for records of the VMM's library crates (every target but the CLI's own).
+    /// The level for records of the VMM's library crates (every target but the CLI's own and
+    /// the benchmarks', which print their figures through `log`).
     vmm_level: LevelFilter,
     /// The VMM crates' lines already printed, when each is to be printed once (`lucid bench`
     /// builds dozens of VMs, which would say the same things again and again).
@@ -18,7 +19,11 @@ struct StderrLogger {
 }
 
 fn is_cli(target: &str) -> bool {
-    target == "lucid" || target.starts_with("lucid::")
+    ["lucid", "lucid_bench"].iter().any(|c| {
+        target
+            .strip_prefix(c)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with("::"))
+    })
 }
 
 impl Log for StderrLogger {
@@ -99,7 +104,8 @@ mod tests {
             seen: None,
         };
         let meta = |target, level| Metadata::builder().target(target).level(level).build();
-        assert!(l.enabled(&meta("lucid::bench_io", Level::Info)));
+        assert!(l.enabled(&meta("lucid_bench::io", Level::Info)));
+        assert!(l.enabled(&meta("lucid::sym_cmd", Level::Info)));
         assert!(l.enabled(&meta("lucid", Level::Info)));
         assert!(!l.enabled(&meta("lucid_vmm::vm", Level::Warn)));
         assert!(l.enabled(&meta("lucid_pci::transport", Level::Error)));

@@ -2,12 +2,6 @@
 //! built-in probe guest that measures this host), `lucid probe` reports what this host's KVM can
 //! do, and `lucid bench` measures Lucid against the KVM floor and QEMU.
 
-mod bench;
-mod bench_io;
-mod bench_iommu;
-mod bench_pools;
-mod bench_swap;
-mod bench_sym;
 mod logger;
 mod pools_cmd;
 mod sym_cmd;
@@ -54,7 +48,7 @@ enum Cmd {
     /// Benchmarks (not tests): ratios measured side by side in one run.
     Bench {
         #[command(subcommand)]
-        what: bench::BenchCmd,
+        what: lucid_bench::BenchCmd,
     },
     /// List the built-in probe guests (usable with `lucid run --guest NAME`).
     Guests,
@@ -342,7 +336,7 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             })
             .map_err(CliError::from),
-        Cmd::Bench { what } => bench::run(what).map_err(CliError::Bench),
+        Cmd::Bench { what } => lucid_bench::run(what).map_err(CliError::Bench),
         Cmd::Pools { what } => pools_cmd::run(what).map_err(CliError::PoolsCmd),
         Cmd::Sym(args) => sym_cmd::run(args).map_err(CliError::Sym),
         Cmd::Guests => {

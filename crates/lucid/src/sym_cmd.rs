@@ -1,6 +1,7 @@
 //! `lucid sym --socket PATH <cmd>`: the client of a running VM's control API (`lucid run
 //! --api-socket PATH`, docs/symbiotic.md): SymCalls, modules, the SymSpy pages and the
-//! statistics. One request, one reply; `--json` prints the reply as the API sent it.
+//! statistics. One request, one reply (the API's own types, `lucid_vmm::api::proto`); `--json`
+//! prints the reply as the API sent it.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -8,7 +9,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use serde_json::{json, Value};
+use lucid_vmm::api::proto::{
+    CallName, Counters, ModuleInfo, ModuleList, Reply, Request, Stopping, SymReturn, Unloaded,
+};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
 
 /// How long the client waits for a reply (a SymCall is bounded by its timeout, 1 s by default
 /// and at most 10 s, a module load by the guest loader's timeout).
@@ -73,8 +78,8 @@ fn number(s: &str) -> Result<u64, String> {
     .map_err(|_| format!("{s:?} is not a number (decimal or 0x hex)"))
 }
 
-/// The request line of `cmd`.
-fn request(cmd: &SymCmd) -> Result<Value, String> {
+/// The request of `cmd`.
+fn request(cmd: &SymCmd) -> Result<Request, String> {
     Ok(match cmd {
         SymCmd::Call {
             vcpu,
@@ -94,41 +99,47 @@ fn request(cmd: &SymCmd) -> Result<Value, String> {
                 .collect::<Result<Vec<_>, _>>()?;
             // Numbers go as numbers; names as the API knows them.
             let call = match number(call) {
-                Ok(n) => json!(n),
-                Err(_) => json!(call),
+                Ok(n) => CallName::Number(n),
+                Err(_) => CallName::Name(call.clone()),
             };
-            let mut req = json!({"op": "symcall", "vcpu": vcpu, "call": call, "args": args});
-            if let Some(ms) = timeout_ms {
-                req["timeout_ms"] = json!(ms);
+            Request::Symcall {
+                vcpu: *vcpu,
+                call,
+                args,
+                timeout_ms: *timeout_ms,
             }
-            req
         }
         SymCmd::Load {
             file,
             builtin,
             read_only,
         } => match (file, builtin) {
-            (_, Some(name)) => {
-                json!({"op": "module_load", "builtin": name, "read_only": read_only})
-            }
-            (Some(f), None) => {
+            (_, Some(name)) => Request::ModuleLoad {
+                path: None,
+                builtin: Some(name.clone()),
+                read_only: *read_only,
+            },
+            (Some(f), None) => Request::ModuleLoad {
                 // Lucid resolves paths from its own working directory.
-                let abs = std::fs::canonicalize(f)
-                    .map_err(|e| format!("module file {}: {e}", f.display()))?;
-                json!({"op": "module_load", "path": abs, "read_only": read_only})
-            }
+                path: Some(
+                    std::fs::canonicalize(f)
+                        .map_err(|e| format!("module file {}: {e}", f.display()))?,
+                ),
+                builtin: None,
+                read_only: *read_only,
+            },
             (None, None) => return Err("load: give a FILE or --builtin NAME".into()),
         },
-        SymCmd::Unload { id } => json!({"op": "module_unload", "id": id}),
-        SymCmd::Modules => json!({"op": "modules"}),
-        SymCmd::Spy => json!({"op": "spy"}),
-        SymCmd::Stats => json!({"op": "stats"}),
-        SymCmd::Stop => json!({"op": "stop"}),
+        SymCmd::Unload { id } => Request::ModuleUnload { id: *id },
+        SymCmd::Modules => Request::Modules,
+        SymCmd::Spy => Request::Spy,
+        SymCmd::Stats => Request::Stats,
+        SymCmd::Stop => Request::Stop,
     })
 }
 
 /// Sends one request and returns the reply line.
-fn exchange(socket: &std::path::Path, req: &Value) -> Result<String, String> {
+fn exchange(socket: &std::path::Path, req: &Request) -> Result<String, String> {
     let at = || format!("the control API at {}", socket.display());
     let mut s = UnixStream::connect(socket).map_err(|e| {
         format!(
@@ -138,7 +149,7 @@ fn exchange(socket: &std::path::Path, req: &Value) -> Result<String, String> {
     })?;
     s.set_read_timeout(Some(REPLY_PATIENCE))
         .map_err(|e| e.to_string())?;
-    let mut line = req.to_string();
+    let mut line = serde_json::to_string(req).map_err(|e| e.to_string())?;
     line.push('\n');
     s.write_all(line.as_bytes())
         .map_err(|e| format!("cannot send to {}: {e}", at()))?;
@@ -155,90 +166,78 @@ fn exchange(socket: &std::path::Path, req: &Value) -> Result<String, String> {
 pub fn run(a: SymArgs) -> Result<ExitCode, String> {
     let req = request(&a.cmd)?;
     let line = exchange(&a.socket, &req)?;
-    let reply: Value =
-        serde_json::from_str(&line).map_err(|e| format!("bad reply {line:?}: {e}"))?;
-    if reply["ok"] != Value::Bool(true) {
-        return Err(reply["error"]
-            .as_str()
-            .unwrap_or("the API refused the request without saying why")
-            .to_string());
-    }
+    // Decoded also for --json: a refusal is an error either way.
+    let text = human(&a.cmd, &line)?;
     if a.json {
         println!("{line}");
-        return Ok(ExitCode::SUCCESS);
+    } else {
+        print!("{text}");
     }
-    print!("{}", human(&a.cmd, &reply));
     Ok(ExitCode::SUCCESS)
 }
 
+/// The answer in a reply line, or the API's error.
+fn answer<T: DeserializeOwned>(line: &str) -> Result<T, String> {
+    serde_json::from_str::<Reply<T>>(line)
+        .map_err(|e| format!("bad reply {line:?}: {e}"))?
+        .into_result()
+}
+
 /// The reply as text: `key=value` lines (the tests parse them), a table for the modules.
-fn human(cmd: &SymCmd, r: &Value) -> String {
+fn human(cmd: &SymCmd, line: &str) -> Result<String, String> {
     let mut out = String::new();
     match cmd {
         SymCmd::Call { .. } => {
-            let v = |i: usize| r["values"][i].as_u64().unwrap_or(0);
-            out += &format!("status={}\n", r["status"]);
-            out += &format!("value0={} ({:#x})\n", v(0), v(0));
-            out += &format!("value1={} ({:#x})\n", v(1), v(1));
-            out += &format!("exits={}\n", r["exits"]);
-            out += &format!("ns={}\n", r["ns"]);
+            let r: SymReturn = answer(line)?;
+            let [v0, v1] = r.values;
+            out += &format!("status={}\n", r.status);
+            out += &format!("value0={v0} ({v0:#x})\n");
+            out += &format!("value1={v1} ({v1:#x})\n");
+            out += &format!("exits={}\n", r.exits);
+            out += &format!("ns={}\n", r.ns);
         }
-        SymCmd::Load { .. } => module_lines(&mut out, r),
-        SymCmd::Unload { id } => out += &format!("unloaded={id}\n"),
-        SymCmd::Modules => {
-            let list = r["modules"].as_array().cloned().unwrap_or_default();
-            if list.is_empty() {
-                out += "no modules loaded\n";
-            } else {
-                out += &format!(
-                    "{:>4}  {:<20} {:>18} {:>8}  {:<3}  {:>10}\n",
-                    "id", "name", "base", "size", "ro", "init"
-                );
-                for m in list {
-                    let n = |k: &str| m[k].as_u64().unwrap_or(0);
-                    let ro = if m["read_only"] == Value::Bool(true) {
-                        "yes"
-                    } else {
-                        "no"
-                    };
-                    out += &format!(
-                        "{:>4}  {:<20} {:>#18x} {:>8}  {:<3}  {:>10}\n",
-                        n("id"),
-                        m["name"].as_str().unwrap_or("?"),
-                        n("base"),
-                        n("size"),
-                        ro,
-                        n("init_result"),
-                    );
-                }
-            }
+        SymCmd::Load { .. } => module_lines(&mut out, &answer(line)?),
+        SymCmd::Unload { .. } => {
+            let u: Unloaded = answer(line)?;
+            out += &format!("unloaded={}\n", u.id);
         }
-        SymCmd::Spy => flat(&mut out, "", r, &["ok"]),
-        SymCmd::Stats => flat(&mut out, "", &r["counters"], &[]),
-        SymCmd::Stop => out += "stopping\n",
+        SymCmd::Modules => out += &modules_table(&answer::<ModuleList>(line)?.modules),
+        SymCmd::Spy => flat(&mut out, "", &answer::<Value>(line)?, &[]),
+        SymCmd::Stats => flat(&mut out, "", &answer::<Counters>(line)?.counters, &[]),
+        SymCmd::Stop => {
+            answer::<Stopping>(line)?;
+            out += "stopping\n";
+        }
+    }
+    Ok(out)
+}
+
+fn modules_table(list: &[ModuleInfo]) -> String {
+    if list.is_empty() {
+        return "no modules loaded\n".into();
+    }
+    let mut out = format!(
+        "{:>4}  {:<20} {:>18} {:>8}  {:<3}  {:>10}\n",
+        "id", "name", "base", "size", "ro", "init"
+    );
+    for m in list {
+        out += &format!(
+            "{:>4}  {:<20} {:>#18x} {:>8}  {:<3}  {:>10}\n",
+            m.id,
+            m.name,
+            m.base,
+            m.size,
+            if m.read_only { "yes" } else { "no" },
+            m.init_result,
+        );
     }
     out
 }
 
-fn module_lines(out: &mut String, r: &Value) {
-    for key in [
-        "id",
-        "name",
-        "base",
-        "size",
-        "read_only",
-        "init_result",
-        "load_us",
-    ] {
-        match (&r[key], key) {
-            (Value::Number(n), "base") => {
-                *out += &format!("{key}={:#x}\n", n.as_u64().unwrap_or(0))
-            }
-            (Value::String(s), _) => *out += &format!("{key}={s}\n"),
-            (Value::Null, _) => {}
-            (v, _) => *out += &format!("{key}={v}\n"),
-        }
-    }
+fn module_lines(out: &mut String, m: &ModuleInfo) {
+    *out += &format!("id={}\nname={}\nbase={:#x}\n", m.id, m.name, m.base);
+    *out += &format!("size={}\nread_only={}\n", m.size, m.read_only);
+    *out += &format!("init_result={}\nload_us={}\n", m.init_result, m.load_us);
 }
 
 /// `a.b.c=value` lines of a JSON tree (array items by index), skipping top-level `skip` keys.
@@ -266,6 +265,11 @@ fn flat(out: &mut String, prefix: &str, v: &Value, skip: &[&str]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
+
+    fn wire(cmd: &SymCmd) -> Result<Value, String> {
+        request(cmd).map(|r| serde_json::to_value(r).unwrap())
+    }
 
     #[test]
     fn requests_from_the_command_line() {
@@ -276,7 +280,7 @@ mod tests {
             timeout_ms: None,
         };
         assert_eq!(
-            request(&call).unwrap(),
+            wire(&call).unwrap(),
             json!({"op":"symcall","vcpu":1,"call":"echo","args":[1,16]})
         );
         let call = SymCmd::Call {
@@ -285,29 +289,29 @@ mod tests {
             args: vec![],
             timeout_ms: Some(5000),
         };
-        assert_eq!(request(&call).unwrap()["call"], json!(0x101));
-        assert_eq!(request(&call).unwrap()["timeout_ms"], json!(5000));
+        assert_eq!(wire(&call).unwrap()["call"], json!(0x101));
+        assert_eq!(wire(&call).unwrap()["timeout_ms"], json!(5000));
         let bad = SymCmd::Call {
             vcpu: 0,
             call: "echo".into(),
             args: vec!["x".into()],
             timeout_ms: None,
         };
-        assert!(request(&bad).unwrap_err().contains("not a number"));
+        assert!(wire(&bad).unwrap_err().contains("not a number"));
         let six = SymCmd::Call {
             vcpu: 0,
             call: "echo".into(),
             args: vec!["1".into(); 6],
             timeout_ms: None,
         };
-        assert!(request(&six).unwrap_err().contains("at most 5"));
+        assert!(wire(&six).unwrap_err().contains("at most 5"));
         let load = SymCmd::Load {
             file: None,
             builtin: Some("hello".into()),
             read_only: true,
         };
         assert_eq!(
-            request(&load).unwrap(),
+            wire(&load).unwrap(),
             json!({"op":"module_load","builtin":"hello","read_only":true})
         );
     }
@@ -315,17 +319,19 @@ mod tests {
     #[test]
     fn the_modules_table_lines_up() {
         let r = json!({"ok":true,"modules":[
-            {"id":1,"name":"hello","base":0x800000,"size":202,"read_only":false,"init_result":7},
-            {"id":12,"name":"counter","base":0x7000_0000u64,"size":8,"read_only":true,"init_result":512},
+            {"id":1,"name":"hello","base":0x800000,"size":202,"read_only":false,"init_result":7,"load_us":3},
+            {"id":12,"name":"counter","base":0x7000_0000u64,"size":8,"read_only":true,"init_result":512,"load_us":4},
         ]});
-        let text = human(&SymCmd::Modules, &r);
+        let text = human(&SymCmd::Modules, &r.to_string()).unwrap();
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 3, "{text}");
         assert!(lines.iter().all(|l| l.len() == lines[0].len()), "{text}");
         assert!(lines[2].contains("counter") && lines[2].contains("0x70000000"));
         assert!(lines[2].contains(" yes "), "{text}");
-        let none = human(&SymCmd::Modules, &json!({"ok":true,"modules":[]}));
+        let none = human(&SymCmd::Modules, r#"{"ok":true,"modules":[]}"#).unwrap();
         assert_eq!(none, "no modules loaded\n");
+        let refused = human(&SymCmd::Modules, r#"{"ok":false,"error":"no --symbiotic"}"#);
+        assert_eq!(refused.unwrap_err(), "no --symbiotic");
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Booting real Linux kernels built or fetched by `scripts/linux-guest.sh` into `work-linux/`:
 //! Debian's cloud kernel (ELF `vmlinux` through PVH) with a busybox initramfs, and the small
 //! kernel (`work-linux/small/vmlinux`) whose own drivers drive Lucid's devices, checked through
-//! `lucid-linux-client` (crates/lucid/src/bin/linux_client/main.rs).
+//! `lucid-linux-client` (crates/lucid-linux-client), which must be built beside this `lucid`
+//! (`cargo build --workspace --release`, as scripts/test.sh does, for the release tests).
 //!
 //! On a host whose KVM emulates guest kernel code (PVM, docs/foundation.md) Linux runs about
 //! a thousand times slower than native: these tests look for boot milestones on the serial
@@ -91,7 +92,7 @@ fn artifacts() -> Option<(PathBuf, PathBuf)> {
 }
 
 #[allow(dead_code)]
-#[path = "../src/bin/linux_client/timed_boot.rs"]
+#[path = "../../lucid-linux-client/src/timed_boot.rs"]
 mod timed_boot;
 use timed_boot::{counter, first, Boot, Line};
 
@@ -245,6 +246,18 @@ fn one_boot_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     TURN.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The `lucid-linux-client` binary of the same profile as the `lucid` under test: another
+/// package's binary, so cargo builds it only when asked (`cargo build --workspace`).
+fn linux_client() -> std::path::PathBuf {
+    let path = Path::new(env!("CARGO_BIN_EXE_lucid")).with_file_name("lucid-linux-client");
+    assert!(
+        path.is_file(),
+        "no {} (cargo build --workspace, with this test's profile)",
+        path.display()
+    );
+    path
+}
+
 /// Runs `lucid-linux-client` on `rung` and checks every milestone this host allows: Linux
 /// enumerates Lucid's virtio functions, one per device, and virtio_pci drives each of them with
 /// MSI-X, every interrupt an MSI-X message and none on INTx (which the DSDT's `_PRT` routes,
@@ -276,7 +289,7 @@ fn small_linux_on(rung: &str, iommu: Option<&str>) {
         std::process::id()
     ));
     let log = artifacts_dir().join(format!("linux-client-{rung}{tag}.log"));
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lucid-linux-client"));
+    let mut cmd = Command::new(linux_client());
     cmd.arg("--kernel")
         .arg(&kernel)
         .args(["--lucid", env!("CARGO_BIN_EXE_lucid"), "--rung", rung])

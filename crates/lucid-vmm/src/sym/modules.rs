@@ -38,7 +38,7 @@ pub struct ModuleOptions {
 }
 
 /// A loaded module.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct ModuleInfo {
     pub id: u32,
     pub name: String,

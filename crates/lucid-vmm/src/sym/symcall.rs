@@ -25,7 +25,7 @@ use super::Symbiotic;
 use crate::vcpu::{LoopEnd, VcpuCtx};
 
 /// What a completed SymCall returned.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SymReturn {
     /// `abi::SYM_OK`, or the errno the guest's handler reported (`SYM_EFAULT` when the guest's
     /// exception path cut its handler off, `SYM_ENOSYS` for a call it has no handler for).

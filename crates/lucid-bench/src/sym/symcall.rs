@@ -58,7 +58,7 @@ fn exit_round_trip_ns(count: u64) -> Result<f64, String> {
     vm.wait();
     let out = std::fs::read_to_string(&serial).unwrap_or_default();
     let _ = std::fs::remove_file(&serial);
-    crate::bench::field(&out, "pio-ping", "ns_per_exit")
+    crate::field(&out, "pio-ping", "ns_per_exit")
         .ok_or(format!("pio-ping printed no ns_per_exit: {out}"))
 }
 

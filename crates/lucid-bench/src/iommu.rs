@@ -19,7 +19,7 @@ use lucid_iommu::{EmulationMode, PinPolicy, VtdConfig};
 use lucid_vmm::{KernelSource, VmConfig};
 use serde_json::{json, Value};
 
-use crate::bench_io::{self, RungSetup, Workload, WORKLOADS};
+use crate::io::{self, RungSetup, Workload, WORKLOADS};
 
 #[derive(clap::Args)]
 pub struct IommuArgs {
@@ -139,7 +139,7 @@ fn lucid_run(
         pin: PinPolicy::Map,
     });
     let label = format!(" {}", s.label());
-    let (guest, report) = bench_io::run_guest(w, r, disk, count, dir, c, &label)?;
+    let (guest, report) = io::run_guest(w, r, disk, count, dir, c, &label)?;
     let k = &report.counters;
     let maps = counter(k, "iommu.guest.maps");
     let unmaps = counter(k, "iommu.guest.unmaps");
@@ -364,7 +364,7 @@ impl Table {
         let setups = setups();
         let panel_h = 150.0;
         let (w, h) = (960.0, 50.0 + panel_h * self.rows.len() as f64 + 40.0);
-        let mut s = crate::bench::svg_start(
+        let mut s = crate::svg_start(
             w,
             h,
             10,
@@ -421,7 +421,7 @@ impl Table {
 }
 
 fn rung_setup(label: &str) -> Result<&'static RungSetup, String> {
-    bench_io::RUNGS
+    io::RUNGS
         .iter()
         .find(|r| r.label.eq_ignore_ascii_case(label))
         .ok_or(format!("unknown rung {label} (L0, L1, L2, L4, L4p)"))
@@ -442,10 +442,10 @@ pub fn run(args: IommuArgs) -> Result<ExitCode, String> {
     }
     let dir = std::env::temp_dir().join(format!("lucid-bench-iommu-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let disk = bench_io::make_disk(&dir)?;
+    let disk = io::make_disk(&dir)?;
     let mut rows = Vec::new();
     for w in workloads {
-        let kernel = bench_io::guest_path(w.guest, &dir)?;
+        let kernel = io::guest_path(w.guest, &dir)?;
         for r in &rungs {
             let mut row = Vec::new();
             for s in setups() {

@@ -23,7 +23,7 @@ use std::process::{Command, Stdio};
 use serde_json::{json, Value};
 
 use super::{Figures, Opts};
-use crate::bench::field;
+use crate::field;
 
 /// One workload run: the guest's time and Lucid's `sym.swap.*` counters.
 struct Run {
@@ -138,11 +138,9 @@ fn run_on(
     })
 }
 
-/// The run of median time.
-fn median(mut runs: Vec<Run>) -> Run {
-    runs.sort_by_key(|r| r.ms);
-    let mid = runs.len() / 2;
-    runs.swap_remove(mid)
+/// The run of median time (of at least one).
+fn median_run(runs: Vec<Run>) -> Run {
+    lucid_stats::into_median_by(runs, |a, b| a.ms.cmp(&b.ms)).expect("one run or more")
 }
 
 fn ratio(a: u64, b: u64) -> Value {
@@ -184,13 +182,13 @@ pub fn run(opts: &Opts) -> Result<Figures, String> {
                 cmdline,
             )?);
         }
-        Ok((median(base), median(cached)))
+        Ok((median_run(base), median_run(cached)))
     };
     let (base, hot) = pair("seq", mib, &seq)?;
     let ram = (0..reps)
         .map(|i| run_on(&exe, &format!("ram-{i}"), Disk::Ram, disk, None, "", &seq))
         .collect::<Result<Vec<_>, _>>()
-        .map(median);
+        .map(median_run);
     let small_mib = ((mib - resident) / 4).max(1);
     let (base_rand, small) = pair("rand", small_mib, &rand)?;
     // The same small cache asking the SymSpy map first (no exit per liveness question).
@@ -208,7 +206,7 @@ pub fn run(opts: &Opts) -> Result<Figures, String> {
             )
         })
         .collect::<Result<Vec<_>, _>>()
-        .map(median)?;
+        .map(median_run)?;
     let c = |r: &Run, k: &str| r.swap.get(k).and_then(Value::as_u64).unwrap_or(0);
     let mut f: Figures = vec![
         ("swapbypass_speedup".into(), ratio(base.ms, hot.ms)),

@@ -16,9 +16,11 @@ use serde_json::Value;
 
 use super::{Figures, Opts};
 
-fn median(mut v: Vec<u64>) -> u64 {
-    v.sort_unstable();
-    v.get(v.len() / 2).copied().unwrap_or(0)
+/// The median, 0 for no samples.
+fn median_or_0(mut v: Vec<u64>) -> u64 {
+    lucid_stats::median_by(&mut v, u64::cmp)
+        .copied()
+        .unwrap_or(0)
 }
 
 fn exits(vm: &Vm) -> u64 {
@@ -91,19 +93,25 @@ pub fn run(opts: &Opts) -> Result<Figures, String> {
             sym.unload_module(m.id).map_err(|e| e.to_string())?;
         }
         Ok::<Figures, String>(vec![
-            ("module_load_us".into(), Value::from(median(load))),
-            ("module_unload_us".into(), Value::from(median(unload))),
-            ("module_ro_load_us".into(), Value::from(median(ro_load))),
-            ("module_call_us".into(), Value::from(median(call))),
-            ("module_load_exits".into(), Value::from(median(load_exits))),
+            ("module_load_us".into(), Value::from(median_or_0(load))),
+            ("module_unload_us".into(), Value::from(median_or_0(unload))),
+            (
+                "module_ro_load_us".into(),
+                Value::from(median_or_0(ro_load)),
+            ),
+            ("module_call_us".into(), Value::from(median_or_0(call))),
+            (
+                "module_load_exits".into(),
+                Value::from(median_or_0(load_exits)),
+            ),
             (
                 "module_unload_exits".into(),
-                Value::from(median(unload_exits)),
+                Value::from(median_or_0(unload_exits)),
             ),
             ("module_bytes".into(), Value::from(quiet.len() as u64)),
             (
                 "module_load_hello_us".into(),
-                Value::from(median(hello_load)),
+                Value::from(median_or_0(hello_load)),
             ),
         ])
     })();

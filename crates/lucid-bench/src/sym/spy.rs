@@ -46,7 +46,7 @@ fn per_update(n: u64, extra: &str) -> Result<PerUpdate, String> {
         r.total_exits()
             .saturating_sub(r.counters.get("serial.tx_bytes").copied().unwrap_or(0))
     };
-    let loop_ns: f64 = crate::bench::field(&out, "sym-spy updates", "loop_ns")
+    let loop_ns: f64 = crate::field(&out, "sym-spy updates", "loop_ns")
         .ok_or(format!("sym-spy printed no loop_ns: {out}"))?;
     Ok(PerUpdate {
         exits_per_update: (exits(&b) as f64 - exits(&a) as f64) / n as f64,

@@ -5,12 +5,22 @@
 //! three ways: under Lucid, under a minimal harness that only re-enters KVM after each exit (the
 //! floor), and under QEMU. All three report TSC ticks per exit from inside the guest, converted
 //! with the host's TSC frequency, so boot time does not enter the figure.
+//!
+//! The benchmarks spawn `lucid` itself (`std::env::current_exe`) for the runs that need a
+//! process of their own, so they are called from the `lucid` binary.
+
+mod io;
+mod iommu;
+mod pools;
+mod swap;
+mod sym;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+use lucid_stats::median;
 use lucid_vmm::{KernelSource, SerialOutput, Vm, VmConfig};
 use serde_json::json;
 
@@ -29,38 +39,30 @@ pub enum BenchCmd {
         runs: usize,
     },
     /// The exit ladder: every rung on block and network workloads, against QEMU and native.
-    Io(crate::bench_io::IoArgs),
+    Io(crate::io::IoArgs),
     /// The vIOMMU: no IOMMU vs samecore and sidecore VT-d emulation, each with the guest's
     /// mapping strategies (the paper's Table 1), plus map cost, risk bounds and pinning.
-    Iommu(crate::bench_iommu::IommuArgs),
+    Iommu(crate::iommu::IommuArgs),
     /// Scheduling pools: configurations D, P2, P3', PS for N I/O + N CPU guests,
     /// link utilisation, CPU passes/s, ms lost per MB both ways, the low-noise probe.
-    Pools(crate::bench_pools::PoolsArgs),
+    Pools(crate::pools::PoolsArgs),
     /// VSWAPPER: baseline, mapper, vswapper, balloon and balloon+vswapper under memory limits,
     /// on the page-cache workloads (re-read, re-read + allocate, compress).
-    Swap(crate::bench_swap::SwapArgs),
+    Swap(crate::swap::SwapArgs),
     /// Symbiotic virtualization: SymSpy exits per update, SymCall cold and warm against one
     /// exit round trip, SwapBypass against plain swap to a virtio-blk disk, module load time.
-    Sym(crate::bench_sym::SymArgs),
+    Sym(crate::sym::SymArgs),
 }
 
 pub fn run(cmd: BenchCmd) -> Result<ExitCode, String> {
     match cmd {
         BenchCmd::Exits { json, count, runs } => exits(json, count, runs.max(1)),
-        BenchCmd::Io(args) => crate::bench_io::run(args),
-        BenchCmd::Iommu(args) => crate::bench_iommu::run(args),
-        BenchCmd::Pools(args) => crate::bench_pools::run(args),
-        BenchCmd::Swap(args) => crate::bench_swap::run(args),
-        BenchCmd::Sym(args) => crate::bench_sym::run(args),
+        BenchCmd::Io(args) => crate::io::run(args),
+        BenchCmd::Iommu(args) => crate::iommu::run(args),
+        BenchCmd::Pools(args) => crate::pools::run(args),
+        BenchCmd::Swap(args) => crate::swap::run(args),
+        BenchCmd::Sym(args) => crate::sym::run(args),
     }
-}
-
-fn median(mut v: Vec<f64>) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
-    Some(v[v.len() / 2])
 }
 
 /// `tsc_per_exit=X` from the guest's output.
@@ -240,12 +242,12 @@ fn exits(json: bool, count: u64, runs: usize) -> Result<ExitCode, String> {
     let _ = std::fs::remove_file(&ping);
     let _ = std::fs::remove_file(&hello);
     let (l, f) = (
-        median(lucid).expect("runs >= 1"),
-        median(floor).expect("runs >= 1"),
+        median(&mut lucid).expect("runs >= 1"),
+        median(&mut floor).expect("runs >= 1"),
     );
-    let q = median(qemu);
-    let ls = median(lucid_start).expect("runs >= 1");
-    let qs = median(qemu_start);
+    let q = median(&mut qemu);
+    let ls = median(&mut lucid_start).expect("runs >= 1");
+    let qs = median(&mut qemu_start);
     let result = json!({
         "count": count,
         "runs": runs,

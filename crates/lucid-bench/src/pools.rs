@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::bench::field;
+use crate::field;
 use serde_json::{json, Map, Value};
 
 #[derive(clap::Args)]
@@ -899,7 +899,7 @@ fn svg_plot(table: &BTreeMap<&str, BTreeMap<u32, Value>>, max_n: u32, out: &Valu
         out["link_mbit"],
         out["placement"].as_str().unwrap_or("?")
     );
-    let mut s = crate::bench::svg_start(w, h, 11, &title);
+    let mut s = crate::svg_start(w, h, 11, &title);
     let colours = [
         ("D", "#444"),
         ("P2", "#4a7fb5"),

@@ -322,11 +322,10 @@ impl RungResult {
     }
 
     /// The median of each figure over `samples` (not empty).
-    fn median(samples: &[RungResult]) -> RungResult {
+    fn medians(samples: &[RungResult]) -> RungResult {
         let med = |f: fn(&RungResult) -> f64| {
             let mut v: Vec<f64> = samples.iter().map(f).collect();
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
+            lucid_stats::median(&mut v).unwrap_or(f64::NAN)
         };
         RungResult {
             ops_per_s: med(|r| r.ops_per_s),
@@ -361,7 +360,7 @@ fn qemu_cmd(
     guest: GuestMode,
 ) -> Command {
     let append = format!("{} mode={} count={count}", w.args, guest.arg());
-    let mut c = crate::bench::qemu_command(crate::bench::QEMU_Q35, kernel, &append);
+    let mut c = crate::qemu_command(crate::QEMU_Q35, kernel, &append);
     let poll = if iothread_poll { "" } else { ",poll-max-ns=0" };
     c.args(["-object", &format!("iothread,id=io0{poll}")]);
     match w.device {
@@ -559,7 +558,7 @@ impl WorkloadResult {
 
 fn svg_plot(results: &[WorkloadResult]) -> String {
     let (w, h) = (900.0, 520.0);
-    let mut s = crate::bench::svg_start(
+    let mut s = crate::svg_start(
         w,
         h,
         11,
@@ -686,7 +685,7 @@ pub fn run(args: IoArgs) -> Result<ExitCode, String> {
             let samples: Result<Vec<RungResult>, String> = (0..args.runs.max(1))
                 .map(|_| measure(w, r, &kernel, &disk, count, &dir))
                 .collect();
-            let result = samples.map(|s| RungResult::median(&s));
+            let result = samples.map(|s| RungResult::medians(&s));
             if !args.json {
                 match &result {
                     Ok(x) => log::info!("{:<22} {:<12} {x:?}", w.name, r.label),
@@ -792,7 +791,7 @@ mod tests {
         assert_eq!(r.kvm_exits_per_io, 3.0);
         assert_eq!(r.irqs_per_io, 0.5);
         assert_eq!(r.guest_irqs_per_io, 1.0);
-        let m = RungResult::median(&[
+        let m = RungResult::medians(&[
             RungResult {
                 ops_per_s: 3.0,
                 ..r

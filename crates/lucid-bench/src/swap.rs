@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::Duration;
 
-use crate::bench::field;
+use crate::field;
 use serde_json::{json, Value};
 
 #[derive(clap::Args)]
@@ -256,11 +256,13 @@ impl Bench {
 
     /// `runs` runs; the median by time.
     fn run(&self, flags: &[String], cmdline: &str, runs: usize) -> Result<RunResult, String> {
-        let mut v = (0..runs.max(1))
+        let v = (0..runs.max(1))
             .map(|_| self.run_once(flags, cmdline))
             .collect::<Result<Vec<_>, _>>()?;
-        v.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));
-        Ok(v.swap_remove(v.len() / 2))
+        Ok(
+            lucid_stats::into_median_by(v, |a, b| a.seconds.total_cmp(&b.seconds))
+                .expect("runs >= 1"),
+        )
     }
 }
 
@@ -546,7 +548,7 @@ pub fn run(args: SwapArgs) -> Result<ExitCode, String> {
 /// sectors written (Fig. 4.9d), a line per configuration.
 fn svg_plot(results: &Results, limit: &str, configs: &[String]) -> String {
     let (w, h) = (900.0, 560.0);
-    let mut s = crate::bench::svg_start(
+    let mut s = crate::svg_start(
         w,
         h,
         11,
