@@ -7,7 +7,9 @@
  * Groups (param `run`, comma-separated, default all): cpuid, shift
  * (shld/shrd by cl and by immediate, 16/32/64-bit, register and memory
  * destinations, also run at CPL3 natively), xgetbv, clwb, rdpru, invpcid,
- * int (int n and int3 through the IDT: frame, stack switch, gate checks).
+ * int (int n and int3 through the IDT: frame, stack switch, gate checks);
+ * only when named: msr (rdmsr of MSR `msr`, then wrmsr of `value` to it and
+ * rdmsr again; for an MSR the VMM hooks, all three exits reach the hook).
  * Param `xcr0` (3): the value xsetbv loads before xgetbv reads it.
  *
  * A fault at CPL0 is caught (vectors #UD, #NP, #GP, #PF) and printed as
@@ -364,6 +366,43 @@ static u64 rdpru_fn(u64 unused)
 	return 0;
 }
 
+/* ---- msr: rdmsr, wrmsr, rdmsr of one MSR (a VMM's MSR hook answers them) ---- */
+static u64 msr_val[3], msr_vec[3], msr_err[3];
+
+static u64 msr_fn(u64 value)
+{
+	u32 index = param_u64("msr", 0x4c550000), lo, hi;
+
+	for (int i = 0; i < 3; i++) {
+		arm();
+		lo = hi = 0;
+		if (i == 1)
+			asm volatile(TRY("wrmsr") :: "a"((u32)value), "d"((u32)(value >> 32)),
+				     "c"(index) : "r11", "memory");
+		else
+			asm volatile(TRY("rdmsr") : "+a"(lo), "+d"(hi) : "c"(index) : "r11", "memory");
+		msr_val[i] = i == 1 ? value : (u64)hi << 32 | lo;
+		msr_vec[i] = caught_vec;
+		msr_err[i] = caught_err;
+	}
+	return 0;
+}
+
+static void run_msr(void)
+{
+	static const char *const what[3] = { "read", "write", "reread" };
+
+	cpl0_call(msr_fn, param_u64("value", 0x1234));
+	printf("msr index=%#lx", param_u64("msr", 0x4c550000));
+	for (int i = 0; i < 3; i++) {
+		printf(" %s=%#lx", what[i], msr_val[i]);
+		caught_vec = msr_vec[i];
+		caught_err = msr_err[i];
+		print_fault();
+	}
+	printf("\n");
+}
+
 static void run_rdpru(void)
 {
 	cpl0_call(rdpru_fn, 0);
@@ -678,6 +717,8 @@ int main(void)
 		run_stale();
 	if (strcmp(param_str("run", "all"), "all") && wanted("xmm-wait"))
 		run_xmm_wait();
+	if (strcmp(param_str("run", "all"), "all") && wanted("msr"))
+		run_msr();
 	if (wanted("xmm"))
 		run_xmm();
 	if (wanted("int"))

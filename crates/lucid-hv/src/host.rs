@@ -101,7 +101,7 @@ impl Backend {
     }
 
     /// 1 vmx, 2 svm, 3 pvm, 0 unknown (stable: guests and result files carry it).
-    pub fn code(self) -> u32 {
+    pub const fn code(self) -> u32 {
         match self {
             Self::Unknown => 0,
             Self::Vmx => 1,

@@ -16,7 +16,7 @@ pub use irq::{GsiRouter, MsiMessage, MsiRemapper};
 pub use kvm_bindings;
 pub use kvm_ioctls::Kvm;
 pub use kvm_stats::KvmStats;
-pub use vcpu::{Exit, ImmediateExit, InternalError, Vcpu, EXIT_REASONS};
+pub use vcpu::{Exit, ExitKind, ImmediateExit, InternalError, Vcpu};
 pub use vm::{GuestMemoryMmap, IoAddr, Vm, EXTRA_SLOT_BASE};
 
 /// What failed at the seam to KVM, and with what.

@@ -46,42 +46,106 @@ pub enum Exit<'a> {
 }
 
 impl Exit<'_> {
-    /// Short stable name, used as the counter name `vcpuN.exit.<name>`.
-    pub fn reason(&self) -> &'static str {
+    pub fn kind(&self) -> ExitKind {
         match self {
-            Exit::IoIn(..) => "io_in",
-            Exit::IoOut(..) => "io_out",
-            Exit::MmioRead(..) => "mmio_read",
-            Exit::MmioWrite(..) => "mmio_write",
-            Exit::Hlt => "hlt",
-            Exit::Shutdown => "shutdown",
-            Exit::InternalError(_) => "internal_error",
-            Exit::SystemEvent(_) => "system_event",
-            Exit::RdMsr { .. } => "msr_read",
-            Exit::WrMsr { .. } => "msr_write",
-            Exit::Interrupted => "interrupted",
-            Exit::FailEntry(_) => "fail_entry",
-            Exit::Other(_) => "other",
+            Exit::IoIn(..) => ExitKind::IoIn,
+            Exit::IoOut(..) => ExitKind::IoOut,
+            Exit::MmioRead(..) => ExitKind::MmioRead,
+            Exit::MmioWrite(..) => ExitKind::MmioWrite,
+            Exit::Hlt => ExitKind::Hlt,
+            Exit::Shutdown => ExitKind::Shutdown,
+            Exit::InternalError(_) => ExitKind::InternalError,
+            Exit::SystemEvent(_) => ExitKind::SystemEvent,
+            Exit::RdMsr { .. } => ExitKind::MsrRead,
+            Exit::WrMsr { .. } => ExitKind::MsrWrite,
+            Exit::Interrupted => ExitKind::Interrupted,
+            Exit::FailEntry(_) => ExitKind::FailEntry,
+            Exit::Other(_) => ExitKind::Other,
         }
     }
 }
 
-/// The exit reasons `Exit::reason` can return, so counters can be registered up front.
-pub const EXIT_REASONS: &[&str] = &[
-    "io_in",
-    "io_out",
-    "mmio_read",
-    "mmio_write",
-    "hlt",
-    "shutdown",
-    "internal_error",
-    "system_event",
-    "msr_read",
-    "msr_write",
-    "interrupted",
-    "fail_entry",
-    "other",
-];
+/// The kind of an [`Exit`], without its data: what the exit loop steers by and counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ExitKind {
+    IoIn,
+    IoOut,
+    MmioRead,
+    MmioWrite,
+    Hlt,
+    Shutdown,
+    InternalError,
+    SystemEvent,
+    MsrRead,
+    MsrWrite,
+    Interrupted,
+    FailEntry,
+    Other,
+}
+
+impl ExitKind {
+    /// Every kind, in the order of [`ExitKind::index`].
+    pub const ALL: [ExitKind; 13] = [
+        ExitKind::IoIn,
+        ExitKind::IoOut,
+        ExitKind::MmioRead,
+        ExitKind::MmioWrite,
+        ExitKind::Hlt,
+        ExitKind::Shutdown,
+        ExitKind::InternalError,
+        ExitKind::SystemEvent,
+        ExitKind::MsrRead,
+        ExitKind::MsrWrite,
+        ExitKind::Interrupted,
+        ExitKind::FailEntry,
+        ExitKind::Other,
+    ];
+
+    /// Its position in [`ExitKind::ALL`], for tables indexed by kind.
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Short stable name, used as the counter name `vcpuN.exit.<name>`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            ExitKind::IoIn => "io_in",
+            ExitKind::IoOut => "io_out",
+            ExitKind::MmioRead => "mmio_read",
+            ExitKind::MmioWrite => "mmio_write",
+            ExitKind::Hlt => "hlt",
+            ExitKind::Shutdown => "shutdown",
+            ExitKind::InternalError => "internal_error",
+            ExitKind::SystemEvent => "system_event",
+            ExitKind::MsrRead => "msr_read",
+            ExitKind::MsrWrite => "msr_write",
+            ExitKind::Interrupted => "interrupted",
+            ExitKind::FailEntry => "fail_entry",
+            ExitKind::Other => "other",
+        }
+    }
+
+    /// Whether KVM finishes the exit's instruction at the next `KVM_RUN` (an IN's data to its
+    /// register, the skip past an OUT, an MSR access's result): until then the registers are
+    /// not the guest's final ones.
+    pub const fn completes_at_next_run(self) -> bool {
+        matches!(
+            self,
+            ExitKind::IoIn
+                | ExitKind::IoOut
+                | ExitKind::MmioRead
+                | ExitKind::MmioWrite
+                | ExitKind::MsrRead
+                | ExitKind::MsrWrite
+        )
+    }
+}
+
+impl std::fmt::Display for ExitKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// `KVM_EXIT_INTERNAL_ERROR` details; for emulation failures, the instruction bytes when KVM
 /// reports them.
@@ -436,5 +500,29 @@ impl Vcpu {
 
     pub fn stats(&self) -> Option<crate::KvmStats> {
         crate::KvmStats::open(&self.fd)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_kinds_are_listed_in_index_order_with_distinct_names() {
+        for (i, k) in ExitKind::ALL.iter().enumerate() {
+            assert_eq!(k.index(), i);
+        }
+        let names: std::collections::HashSet<_> = ExitKind::ALL.iter().map(|k| k.name()).collect();
+        assert_eq!(names.len(), ExitKind::ALL.len());
+        assert_eq!(
+            Exit::RdMsr {
+                index: 0,
+                data: &mut 0,
+                error: &mut 0
+            }
+            .kind()
+            .name(),
+            "msr_read"
+        );
     }
 }

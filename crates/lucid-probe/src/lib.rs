@@ -64,10 +64,10 @@ impl ProbeError {
     /// An exit a guest program did not expect.
     pub fn unexpected_exit(probe: &'static str, exit: &Exit<'_>) -> Self {
         let exit = match exit {
-            Exit::IoIn(p, _) | Exit::IoOut(p, _) => format!("{} port {p:#x}", exit.reason()),
-            Exit::MmioRead(a, _) | Exit::MmioWrite(a, _) => format!("{} {a:#x}", exit.reason()),
+            Exit::IoIn(p, _) | Exit::IoOut(p, _) => format!("{} port {p:#x}", exit.kind()),
+            Exit::MmioRead(a, _) | Exit::MmioWrite(a, _) => format!("{} {a:#x}", exit.kind()),
             Exit::Other(what) => format!("other ({what})"),
-            e => e.reason().to_string(),
+            e => e.kind().to_string(),
         };
         Self::UnexpectedExit { probe, exit }
     }

@@ -15,8 +15,8 @@ use lucid_mem::{Backing, DmaPath, GuestMemoryMmap, GuestRam};
 use lucid_seccomp::{Role, Seccomp};
 use lucid_stats::StatsRegistry;
 
-use crate::hooks::{ExitHooks, HYPERCALL_UNKNOWN};
-use crate::vm::hypercall;
+use crate::hooks::{ExitHooks, HookError, HYPERCALL_UNKNOWN};
+use crate::hypercall;
 use crate::VmmError;
 
 /// One register page.
@@ -209,7 +209,10 @@ pub(crate) fn linux_cmdline(cmdline: String) -> String {
 
 /// Hypercall REPORT (rdi = key, rsi = value): the guest's own figures for its mappings, kept as
 /// `iommu.guest.<key>` counters (set, not added). Unknown keys return `HYPERCALL_UNKNOWN`.
-pub(crate) fn add_report_hypercall(hooks: &ExitHooks, stats: &Arc<StatsRegistry>) {
+pub(crate) fn add_report_hypercall(
+    hooks: &ExitHooks,
+    stats: &Arc<StatsRegistry>,
+) -> Result<(), HookError> {
     let stats = Arc::downgrade(stats);
     hooks.add_hypercall(
         hypercall::REPORT,
@@ -221,7 +224,7 @@ pub(crate) fn add_report_hypercall(hooks: &ExitHooks, stats: &Arc<StatsRegistry>
             stats.counter(format!("iommu.guest.{name}")).set(regs.rsi);
             0
         }),
-    );
+    )
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ pub mod builder;
 mod config;
 pub mod emulate;
 pub mod hooks;
+pub mod hypercall;
 mod iommu;
 mod pools;
 mod report;
@@ -25,13 +26,13 @@ pub use config::{
     MAX_VCPUS,
 };
 pub use emulate::Emulator;
-pub use hooks::{ExitHooks, HypercallHook, MsrHook};
+pub use hooks::{
+    ExitAction, ExitHooks, HltHook, HookError, HypercallHook, InternalErrorHook, MsrHook,
+};
 pub use pools::{MonitorTuning, PoolChoice, PoolsError};
 pub use report::{error_chain, DeviceCounts, RunReport};
 pub use vcpu::{LoopEnd, VcpuCtx, VcpuError, VcpuFault, VcpuHandle};
-pub use vm::{
-    hypercall, ConfigError, PciBus, Vm, VmmError, DEFAULT_LINUX_CMDLINE, PVM_LINUX_CMDLINE,
-};
+pub use vm::{ConfigError, PciBus, Vm, VmmError, DEFAULT_LINUX_CMDLINE, PVM_LINUX_CMDLINE};
 
 pub use {lucid_boot, lucid_hv, lucid_iommu, lucid_pools, lucid_swap};
 

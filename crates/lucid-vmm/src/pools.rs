@@ -37,8 +37,8 @@ use lucid_pools::policy::{apply_boost, Admission, AdmissionFiles, Applied, Boost
 use lucid_seccomp::{Role, Seccomp};
 use lucid_stats::{StatsRegistry, ThreadInfo, ThreadRole};
 
-use crate::hooks::{ExitHooks, HYPERCALL_UNKNOWN};
-use crate::vm::hypercall;
+use crate::hooks::{ExitHooks, HookError, HYPERCALL_UNKNOWN};
+use crate::hypercall;
 
 /// Which pool a VM runs in (`--pool`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -948,7 +948,10 @@ fn split_low_noise(cpus: &[u32], vcpus: u8) -> Option<(Vec<u32>, Vec<u32>)> {
 /// Hypercall WORK (rdi = kind, rsi = amount since the last call): the guest's own progress,
 /// added to `guest.work.iterations` or `guest.work.bytes`. Unknown kinds return
 /// `HYPERCALL_UNKNOWN`.
-pub(crate) fn add_work_hypercall(hooks: &ExitHooks, stats: &Arc<StatsRegistry>) {
+pub(crate) fn add_work_hypercall(
+    hooks: &ExitHooks,
+    stats: &Arc<StatsRegistry>,
+) -> Result<(), HookError> {
     let iterations = stats.counter("guest.work.iterations");
     let bytes = stats.counter("guest.work.bytes");
     let calls = stats.counter("guest.work.calls");
@@ -963,7 +966,7 @@ pub(crate) fn add_work_hypercall(hooks: &ExitHooks, stats: &Arc<StatsRegistry>) 
             calls.inc();
             0
         }),
-    );
+    )
 }
 
 #[cfg(test)]
@@ -1019,7 +1022,7 @@ mod tests {
     fn the_work_hypercall_counts_iterations_and_bytes() {
         let hooks = ExitHooks::new();
         let stats = StatsRegistry::new();
-        add_work_hypercall(&hooks, &stats);
+        add_work_hypercall(&hooks, &stats).unwrap();
         let call = |kind, amount| {
             let regs = kvm_regs {
                 rax: hypercall::WORK,

@@ -44,6 +44,8 @@ pub enum SwapError {
     LimitTooSmall { mib: u64 },
     #[error("--memory-limit: cannot start the pager thread: {0}")]
     Pager(#[source] std::io::Error),
+    #[error(transparent)]
+    Hooks(#[from] crate::hooks::HookError),
 }
 
 /// The swap side of a VM, kept by [`crate::Vm`] for its lifetime.
@@ -124,7 +126,7 @@ impl VmSwap {
             current: Mutex::new(None),
             ignored: stats.counter("swap.phase.ignored"),
         });
-        add_phase_hypercall(hooks, &phases);
+        add_phase_hypercall(hooks, &phases)?;
         let phases = Some(phases);
         Ok(VmSwap {
             limit,
@@ -368,7 +370,10 @@ impl Phases {
     }
 }
 
-fn add_phase_hypercall(hooks: &ExitHooks, phases: &Arc<Phases>) {
+fn add_phase_hypercall(
+    hooks: &ExitHooks,
+    phases: &Arc<Phases>,
+) -> Result<(), crate::hooks::HookError> {
     let p = Arc::downgrade(phases);
     hooks.add_hypercall(
         crate::hypercall::PHASE,
@@ -376,7 +381,7 @@ fn add_phase_hypercall(hooks: &ExitHooks, phases: &Arc<Phases>) {
             Some(p) => p.start(regs.rdi),
             None => HYPERCALL_REFUSED,
         }),
-    );
+    )
 }
 
 /// The vCPUs' memory-fault hook under a limit: polls the cgroup's usage (a descriptor opened

@@ -11,11 +11,11 @@ use std::time::Instant;
 
 use lucid_devices::{Lifecycle, StopReason};
 use lucid_hv::kvm_bindings::{kvm_regs, kvm_sregs};
-use lucid_hv::{Exit, HvError, ImmediateExit, Vcpu, EXIT_REASONS};
+use lucid_hv::{Exit, ExitKind, HvError, ImmediateExit, Vcpu};
 use lucid_stats::{Counter, StatsRegistry};
 
 use crate::emulate::Emulator;
-use crate::hooks::{ExitHooks, HYPERCALL_UNKNOWN};
+use crate::hooks::{ExitAction, ExitHooks, HYPERCALL_UNKNOWN};
 
 /// Lucid's hypercall port (see `lucid_boot::layout::ports::HYPERCALL`).
 use lucid_boot::layout::ports::HYPERCALL as HYPERCALL_PORT;
@@ -180,7 +180,8 @@ impl VcpuHandle {
 
 /// Per-vCPU counters, registered as `vcpuN.exit.<reason>` and `vcpuN.time.*`.
 struct VcpuCounters {
-    exits: Vec<Arc<Counter>>,
+    /// Indexed by [`ExitKind::index`].
+    exits: [Arc<Counter>; ExitKind::ALL.len()],
     exits_total: Arc<Counter>,
     pio_unhandled: Arc<Counter>,
     mmio_unhandled: Arc<Counter>,
@@ -195,10 +196,7 @@ impl VcpuCounters {
     fn new(stats: &StatsRegistry, id: u32) -> Self {
         let c = |n: &str| stats.counter(format!("vcpu{id}.{n}"));
         VcpuCounters {
-            exits: EXIT_REASONS
-                .iter()
-                .map(|r| c(&format!("exit.{r}")))
-                .collect(),
+            exits: ExitKind::ALL.map(|k| c(&format!("exit.{}", k.name()))),
             exits_total: c("exits"),
             pio_unhandled: c("pio_unhandled"),
             mmio_unhandled: c("mmio_unhandled"),
@@ -210,11 +208,9 @@ impl VcpuCounters {
         }
     }
 
-    fn count(&self, reason: &str) {
+    fn count(&self, kind: ExitKind) {
         self.exits_total.inc();
-        if let Some(i) = EXIT_REASONS.iter().position(|r| *r == reason) {
-            self.exits[i].inc();
-        }
+        self.exits[kind.index()].inc();
     }
 }
 
@@ -236,9 +232,9 @@ pub struct VcpuCtx {
     counters: VcpuCounters,
     emulator: Emulator,
     paused: bool,
-    /// The reason of the last exit the loop dispatched (`Exit::reason`), "" before the first:
-    /// an I/O, MMIO or MSR exit leaves its instruction for the next KVM_RUN to finish.
-    last_exit: &'static str,
+    /// The last exit the loop dispatched; `None` before the first and after a `KVM_RUN` that
+    /// failed. An I/O, MMIO or MSR exit leaves its instruction for the next KVM_RUN to finish.
+    last_exit: Option<ExitKind>,
     /// Memory-fault waits in a row that found no memory (`absorb_memory_fault`).
     dry_waits: u32,
 }
@@ -270,7 +266,7 @@ impl VcpuCtx {
             counters: VcpuCounters::new(stats, id),
             emulator,
             paused: false,
-            last_exit: "",
+            last_exit: None,
             dry_waits: 0,
         };
         (ctx, handle)
@@ -286,7 +282,7 @@ impl VcpuCtx {
         std::mem::replace(&mut self.paused, paused)
     }
 
-    pub fn last_exit(&self) -> &'static str {
+    pub fn last_exit(&self) -> Option<ExitKind> {
         self.last_exit
     }
 
@@ -296,10 +292,7 @@ impl VcpuCtx {
     /// registers KVM reports are not the guest's final ones. Other exits the loop meets on the
     /// way (an MMIO access split in two) are dispatched as usual.
     pub fn complete_pending_exit(&mut self) -> LoopEnd {
-        if !matches!(
-            self.last_exit,
-            "io_in" | "io_out" | "mmio_read" | "mmio_write" | "msr_read" | "msr_write"
-        ) {
+        if !self.last_exit.is_some_and(ExitKind::completes_at_next_run) {
             return LoopEnd::Condition;
         }
         self.run_empty()
@@ -309,7 +302,7 @@ impl VcpuCtx {
     /// and, with [`lucid_hv::Vcpu::set_state_sync`] on, mirrors the vCPU state in kvm_run.
     pub fn run_empty(&mut self) -> LoopEnd {
         self.handle.immediate_exit.set();
-        self.run_until(|reason| reason == "interrupted")
+        self.run_until(|kind| kind == Some(ExitKind::Interrupted))
     }
 
     /// The vCPU thread's body: runs the guest until the VM stops.
@@ -377,8 +370,9 @@ impl VcpuCtx {
     }
 
     /// Runs the guest, dispatching every exit, until the VM stops or `until` returns true after
-    /// an exit. Re-entrant: may be called from code running on this vCPU.
-    pub fn run_until(&mut self, mut until: impl FnMut(&str) -> bool) -> LoopEnd {
+    /// a `KVM_RUN` (given the exit's kind; `None` when `KVM_RUN` failed). Re-entrant: may be
+    /// called from code running on this vCPU.
+    pub fn run_until(&mut self, mut until: impl FnMut(Option<ExitKind>) -> bool) -> LoopEnd {
         loop {
             if self.handle.pending.load(Ordering::SeqCst) || self.paused {
                 self.take_requests();
@@ -393,12 +387,12 @@ impl VcpuCtx {
             self.counters
                 .in_kvm_run_ns
                 .add(left.duration_since(entered).as_nanos() as u64);
-            let (reason, followup) = match result {
+            let (kind, followup) = match result {
                 Ok(exit) => {
-                    let reason = exit.reason();
-                    self.counters.count(reason);
+                    let kind = exit.kind();
+                    self.counters.count(kind);
                     let f = handle_exit(exit, &self.hooks, &self.lifecycle, &self.counters, id);
-                    (reason, f)
+                    (Some(kind), f)
                 }
                 Err(source)
                     if absorb_memory_fault(
@@ -408,12 +402,12 @@ impl VcpuCtx {
                         &source,
                     ) =>
                 {
-                    ("memory_fault", Followup::None)
+                    (None, Followup::None)
                 }
                 Err(source) => {
                     self.lifecycle
                         .stop(StopReason::error(VcpuFault::Run { vcpu: id, source }));
-                    ("error", Followup::None)
+                    (None, Followup::None)
                 }
             };
             match followup {
@@ -425,20 +419,50 @@ impl VcpuCtx {
                     self.lifecycle
                         .stop(StopReason::TripleFault { vcpu: id, rip });
                 }
-                Followup::Emulate(err) => match self.emulator.complete(&mut self.vcpu, &err) {
-                    Ok(()) => self.counters.emulated.inc(),
-                    Err(e) => self
-                        .lifecycle
-                        .stop(StopReason::error(VcpuFault::Emulation(e))),
-                },
+                Followup::Hlt => {
+                    if let Some(hook) = self.hooks.hlt() {
+                        let action = hook.hlt(&mut self.vcpu);
+                        self.apply(action);
+                    }
+                }
+                Followup::InternalError(err) => self.internal_error(&err),
             }
             self.counters
                 .in_vmm_ns
                 .add(left.elapsed().as_nanos() as u64);
-            self.last_exit = reason;
-            if until(reason) {
+            self.last_exit = kind;
+            if until(kind) {
                 return LoopEnd::Condition;
             }
+        }
+    }
+
+    /// Carries out what an HLT or internal-error hook decided; false for
+    /// [`ExitAction::Default`], which leaves the exit to Lucid's own handling.
+    fn apply(&self, action: ExitAction) -> bool {
+        match action {
+            ExitAction::Default => false,
+            ExitAction::Resume => true,
+            ExitAction::Stop(reason) => {
+                self.lifecycle.stop(reason);
+                true
+            }
+        }
+    }
+
+    /// `KVM_EXIT_INTERNAL_ERROR`: the registry's hook first, then the instruction completer.
+    fn internal_error(&mut self, err: &lucid_hv::InternalError) {
+        if let Some(hook) = self.hooks.internal_error() {
+            let action = hook.internal_error(&mut self.vcpu, err);
+            if self.apply(action) {
+                return;
+            }
+        }
+        match self.emulator.complete(&mut self.vcpu, err) {
+            Ok(()) => self.counters.emulated.inc(),
+            Err(e) => self
+                .lifecycle
+                .stop(StopReason::error(VcpuFault::Emulation(e))),
         }
     }
 
@@ -484,7 +508,10 @@ enum Followup {
     ClearImmediateExit,
     Hypercall,
     TripleFault,
-    Emulate(lucid_hv::InternalError),
+    /// The HLT hook, if any.
+    Hlt,
+    /// The internal-error hook, then the instruction completer.
+    InternalError(lucid_hv::InternalError),
 }
 
 impl Drop for VcpuCtx {
@@ -546,10 +573,10 @@ fn handle_exit(
                 *error = 1;
             }
         }
-        Exit::Hlt => {}
+        Exit::Hlt => return Followup::Hlt,
         Exit::Interrupted => return Followup::ClearImmediateExit,
         Exit::Shutdown => return Followup::TripleFault,
-        Exit::InternalError(err) => return Followup::Emulate(err),
+        Exit::InternalError(err) => return Followup::InternalError(err),
         Exit::SystemEvent(kind) => lifecycle.stop(match kind {
             lucid_hv::kvm_bindings::KVM_SYSTEM_EVENT_RESET => StopReason::Reset,
             lucid_hv::kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => StopReason::Shutdown,
@@ -650,7 +677,7 @@ mod tests {
             .mmio
             .insert(0x1000, 0x1000, "page", page.clone())
             .unwrap();
-        hooks.add_msr(0x10, Arc::new(Msr7));
+        hooks.add_msr(0x10, Arc::new(Msr7)).unwrap();
         let stats = StatsRegistry::new();
         let counters = VcpuCounters::new(&stats, 3);
         Setup {
@@ -754,7 +781,7 @@ mod tests {
     #[test]
     fn exits_the_vcpu_finishes_itself() {
         let s = setup();
-        assert!(matches!(s.exit(Exit::Hlt), Followup::None));
+        assert!(matches!(s.exit(Exit::Hlt), Followup::Hlt));
         assert!(matches!(
             s.exit(Exit::Interrupted),
             Followup::ClearImmediateExit
@@ -767,7 +794,7 @@ mod tests {
         };
         assert!(matches!(
             s.exit(Exit::InternalError(err)),
-            Followup::Emulate(e) if e.insn_bytes == [0xcc]
+            Followup::InternalError(e) if e.insn_bytes == [0xcc]
         ));
         assert!(s.lifecycle.reason().is_none());
     }

@@ -4,7 +4,7 @@
 //! threads and [`Vm::wait`] reports.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -14,7 +14,6 @@ use lucid_boot::{AcpiConfig, KernelImage, KernelKind};
 use lucid_devices::{
     BusDevice, Cmos, ConsoleOut, DebugExit, Lifecycle, NopPort, Serial, StopReason, I8042,
 };
-use lucid_hv::kvm_bindings::kvm_regs;
 use lucid_hv::{Backend, IoAddr};
 use lucid_mem::{DmaPath, GuestRam};
 use lucid_seccomp::{Role, Seccomp};
@@ -29,57 +28,6 @@ use crate::emulate::Emulator;
 use crate::hooks::ExitHooks;
 use crate::report::RunReport;
 use crate::vcpu::{VcpuCtx, VcpuHandle};
-
-/// Lucid's hypercall numbers (shared with the probe-guest kit's `lucid.h`).
-pub mod hypercall {
-    pub const DISCOVER: u64 = 0;
-    pub const TSC_KHZ: u64 = 1;
-    pub const BACKEND: u64 = 2;
-    /// rdi = one of the `REPORT_*` keys, rsi = its value: the guest's own figures (its vIOMMU
-    /// mappings), kept as counters `iommu.guest.<key name>`; returns 0.
-    pub const REPORT: u64 = 3;
-    /// rdi = `WORK_ITERATIONS` or `WORK_BYTES`, rsi = amount done since the last call: the
-    /// guest's progress, added to `guest.work.iterations` / `guest.work.bytes`; returns 0.
-    pub const WORK: u64 = 5;
-    pub const WORK_ITERATIONS: u64 = 0;
-    pub const WORK_BYTES: u64 = 1;
-    /// rdi = phase number (below `swap::MAX_PHASES`): the guest starts phase rdi; the host swap
-    /// counters' deltas over each phase are kept as `swap.phase.<n>.*`; returns 0 (all ones for
-    /// a phase number out of range).
-    pub const PHASE: u64 = 4;
-    /// What DISCOVER returns: "LUCI".
-    pub const MAGIC: u64 = 0x4C55_4349;
-
-    /// REPORT keys (`LUCID_REPORT_*` in lucid.h).
-    pub const REPORT_MAPS: u64 = 0;
-    pub const REPORT_UNMAPS: u64 = 1;
-    /// rdtsc cycles spent in map, summed.
-    pub const REPORT_MAP_CYCLES: u64 = 2;
-    pub const REPORT_UNMAP_CYCLES: u64 = 3;
-    /// Maps served by an existing mapping.
-    pub const REPORT_REUSE_HITS: u64 = 4;
-    /// The most mappings logically unmapped but still reachable.
-    pub const REPORT_STALE_MAX: u64 = 5;
-    /// The longest time from a logical unmap to its invalidation's completion.
-    pub const REPORT_WINDOW_MAX_US: u64 = 6;
-    /// VT-d fault records the guest read.
-    pub const REPORT_FAULTS_SEEN: u64 = 7;
-
-    /// The counter name (after `iommu.guest.`) of REPORT key `key`.
-    pub fn report_key(key: u64) -> Option<&'static str> {
-        const NAMES: [&str; 8] = [
-            "maps",
-            "unmaps",
-            "map_cycles",
-            "unmap_cycles",
-            "reuse_hits",
-            "stale_max",
-            "window_max_us",
-            "faults_seen",
-        ];
-        NAMES.get(usize::try_from(key).ok()?).copied()
-    }
-}
 
 /// Kernel command-line switches that keep Linux off the instructions KVM's emulator lacks on a
 /// host that emulates guest kernel code (PLATFORM.md): CX16, XSAVE and AVX (141, 154, 156), and
@@ -100,6 +48,8 @@ pub enum VmmError {
     Boot(#[from] lucid_boot::BootError),
     #[error(transparent)]
     Config(#[from] ConfigError),
+    #[error(transparent)]
+    Hooks(#[from] crate::hooks::HookError),
     #[error("cannot open the serial console --serial {output}")]
     Serial {
         output: lucid_devices::SerialOutput,
@@ -348,15 +298,16 @@ impl Vm {
             )?),
             _ => None,
         };
-        let tsc_khz = add_hypercalls(&hooks, b.backend());
-        crate::iommu::add_report_hypercall(&hooks, &stats);
-        crate::pools::add_work_hypercall(&hooks, &stats);
+        let tsc_khz = crate::hypercall::add_hypercalls(&hooks, b.backend())?;
+        crate::iommu::add_report_hypercall(&hooks, &stats)?;
+        crate::pools::add_work_hypercall(&hooks, &stats)?;
         let sym = config.symbiotic.then(|| {
             let sym =
-                crate::sym::Symbiotic::install(&hooks, b.memory(), config.vcpus.into(), &stats);
+                crate::sym::Symbiotic::install(&hooks, b.memory(), config.vcpus.into(), &stats)?;
             sym.set_sources(sym_sources(&config, &swap));
-            sym
+            Ok::<_, VmmError>(sym)
         });
+        let sym = sym.transpose()?;
         if let Some(sym) = &sym {
             sym.set_hv(b.vm().clone());
         }
@@ -480,6 +431,7 @@ impl Vm {
     /// Starts one named thread per vCPU.
     pub fn start(&mut self) -> Result<(), VmmError> {
         install_kick_handler();
+        self.hooks.install_msr_filter(&self.vm)?;
         // The pager before the vCPUs: guest RAM must stay under the limit from their first
         // fault.
         self.swap
@@ -795,27 +747,6 @@ fn platform_devices(
         console,
         eventfds: vec![serial_irq, ioeventfd_probe(vm, stats)?],
     })
-}
-
-/// Lucid's own hypercalls: discovery, the TSC frequency (stored once the boot vCPU exists) and
-/// the KVM backend.
-fn add_hypercalls(hooks: &ExitHooks, backend: Backend) -> Arc<AtomicU64> {
-    let tsc_khz = Arc::new(AtomicU64::new(0));
-    hooks.add_hypercall(
-        hypercall::DISCOVER,
-        Arc::new(|_: u32, _: &kvm_regs| hypercall::MAGIC),
-    );
-    let t = tsc_khz.clone();
-    hooks.add_hypercall(
-        hypercall::TSC_KHZ,
-        Arc::new(move |_: u32, _: &kvm_regs| t.load(Ordering::Relaxed)),
-    );
-    let code = backend.code() as u64;
-    hooks.add_hypercall(
-        hypercall::BACKEND,
-        Arc::new(move |_: u32, _: &kvm_regs| code),
-    );
-    tsc_khz
 }
 
 /// Builds the PCI root complex (0xCF8 ports and ECAM), then each configured virtio device on its

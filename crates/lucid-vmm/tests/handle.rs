@@ -106,18 +106,23 @@ fn dropping_a_running_vm_joins_its_vcpus() {
     assert!(matches!(h.get_regs(), Err(lucid_vmm::VcpuError::Gone(0))));
 }
 
+/// A number that has a handler is refused; once removed, a new handler takes it.
 #[test]
-fn a_registered_hypercall_hook_replaces_the_builtin_one() {
+fn a_builtin_hypercall_is_replaced_only_after_its_removal() {
     let vm = Vm::build(config("pio-ping", "count=10")).unwrap();
     let calls = Arc::new(AtomicU64::new(0));
     let c = calls.clone();
-    vm.hooks().add_hypercall(
-        0,
-        Arc::new(move |_vcpu: u32, _r: &kvm_regs| {
-            c.fetch_add(1, Ordering::SeqCst);
-            lucid_vmm::hypercall::MAGIC
-        }),
-    );
+    let hook = Arc::new(move |_vcpu: u32, _r: &kvm_regs| {
+        c.fetch_add(1, Ordering::SeqCst);
+        lucid_vmm::hypercall::MAGIC
+    });
+    let nr = lucid_vmm::hypercall::DISCOVER;
+    assert!(matches!(
+        vm.hooks().add_hypercall(nr, hook.clone()),
+        Err(lucid_vmm::HookError::HypercallTaken { nr: 0 })
+    ));
+    assert!(vm.hooks().remove_hypercall(nr));
+    vm.hooks().add_hypercall(nr, hook).unwrap();
     let mut vm = vm;
     vm.start().unwrap();
     let report = vm.wait();

@@ -428,7 +428,7 @@ fn own_thread_calls_are_refused_and_the_exit_bound_holds() {
                     Err(_) => 3,
                 }
             };
-            vm.hooks().add_hypercall(nr, Arc::new(hook));
+            vm.hooks().add_hypercall(nr, Arc::new(hook)).unwrap();
         }
     });
     g.ready(0);

@@ -4,7 +4,9 @@
 //! and does what the CPU would: completes the instruction, or makes the guest take the fault the
 //! CPU would raise (#UD where the guest's CPUID lacks the feature, #GP for a bad operand, #PF for
 //! an address that does not translate); then the guest resumes. Anything else stops the VM with
-//! a report of the instruction and the guest state.
+//! a report of the instruction and the guest state. The exit loop offers each internal error to
+//! the registry's hook first ([`crate::hooks::InternalErrorHook`]); the completer gets those the
+//! hook leaves alone.
 //!
 //! The completer works on a [`CpuState`]: [`KvmCpu`] for a real vCPU, [`MockCpu`] in unit tests
 //! and fuzzing; [`complete_with`] is the whole completer on one instruction.

@@ -29,7 +29,7 @@ pub(crate) use swapcache::check_swapcache;
 pub use swapcache::SwapCacheDevice;
 pub use symcall::{CallCounters, CallLimits, SymCallError, SymReturn};
 
-use crate::hooks::ExitHooks;
+use crate::hooks::{ExitHooks, HookError};
 use crate::vcpu::VcpuHandle;
 
 /// Feature bits this version offers.
@@ -68,7 +68,7 @@ impl Symbiotic {
         mem: &GuestMemoryMmap,
         vcpus: u32,
         stats: &StatsRegistry,
-    ) -> Arc<Self> {
+    ) -> Result<Arc<Self>, HookError> {
         let c = |n: &str| stats.counter(format!("sym.{n}"));
         let sym = Arc::new_cyclic(|me| Symbiotic {
             me: me.clone(),
@@ -90,23 +90,23 @@ impl Symbiotic {
         hooks.add_hypercall(
             abi::HC_DISCOVER,
             Arc::new(move |_: u32, r: &kvm_regs| s.discover(r.rdi)),
-        );
+        )?;
         let s = sym.clone();
         hooks.add_hypercall(
             abi::HC_REGISTER,
             Arc::new(move |vcpu: u32, r: &kvm_regs| s.register(vcpu, r.rdi, r.rsi)),
-        );
+        )?;
         let s = sym.clone();
         hooks.add_hypercall(
             abi::HC_RETURN,
             Arc::new(move |vcpu: u32, r: &kvm_regs| s.symcall_return(vcpu, r.rdi, r.rsi, r.r8)),
-        );
+        )?;
         let s = sym.clone();
         hooks.add_hypercall(
             abi::HC_NOTIFY,
             Arc::new(move |_: u32, r: &kvm_regs| s.notify(r.rdi)),
-        );
-        sym
+        )?;
+        Ok(sym)
     }
 
     /// The vCPU handles, once the vCPUs exist (SymCalls go through them).

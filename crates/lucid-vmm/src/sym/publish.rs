@@ -473,7 +473,7 @@ mod tests {
         use lucid_sym::abi;
         let mem = lucid_mem::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         let stats = lucid_stats::StatsRegistry::new();
-        let sym = Symbiotic::install(&crate::hooks::ExitHooks::new(), &mem, 1, &stats);
+        let sym = Symbiotic::install(&crate::hooks::ExitHooks::new(), &mem, 1, &stats).unwrap();
         for (gpa, kind, line) in [
             (0x1000, abi::REGISTER_GLOBAL, page::L_PUBLISHES),
             (0x2000, abi::REGISTER_VCPU, page::W_PUBLISHES),

@@ -751,7 +751,7 @@ mod tests {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         let stats = StatsRegistry::new();
         (
-            Symbiotic::install(&ExitHooks::new(), &mem, 2, &stats),
+            Symbiotic::install(&ExitHooks::new(), &mem, 2, &stats).unwrap(),
             stats,
         )
     }
