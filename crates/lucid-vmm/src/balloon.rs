@@ -136,7 +136,7 @@ impl crate::technique::Technique for BalloonManagerTechnique {
     }
 
     fn summary(&self) -> Vec<String> {
-        vec!["balloon manager: sizes the balloon from host memory pressure every 200 ms".into()]
+        vec!["sizes the balloon from host memory pressure every 200 ms".into()]
     }
 }
 

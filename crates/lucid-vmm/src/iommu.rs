@@ -167,7 +167,7 @@ impl crate::technique::Technique for Iommu {
 
     fn summary(&self) -> Vec<String> {
         vec![format!(
-            "vIOMMU: VT-d at {VTD_BASE:#x}{}",
+            "VT-d at {VTD_BASE:#x}{}",
             if self.sidecore.is_some() {
                 ", sidecore"
             } else {

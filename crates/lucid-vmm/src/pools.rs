@@ -724,7 +724,7 @@ impl crate::technique::Technique for Pools {
     fn summary(&self) -> Vec<String> {
         let def = &self.shared.pools()[self.shared.current()];
         vec![format!(
-            "pools: pool {} ({})",
+            "pool {} ({})",
             def.name,
             if self.auto { "auto" } else { "pinned" }
         )]

@@ -297,13 +297,13 @@ impl crate::technique::Technique for VmSwap {
         let mut out = Vec::new();
         if let Some(l) = &self.limit {
             out.push(format!(
-                "vswapper: memory limit {} MiB{}",
+                "memory limit {} MiB{}",
                 l.limit_bytes() >> 20,
                 if self.pager_on { ", pager on" } else { "" }
             ));
         }
         if let Some(m) = &self.mapper {
-            out.push(format!("vswapper: swap mapper: {}", m.summary()));
+            out.push(format!("swap mapper: {}", m.summary()));
         }
         out
     }

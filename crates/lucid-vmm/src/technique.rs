@@ -58,7 +58,7 @@ pub trait Technique: Send {
     /// The prefixes of the counters it owns in the stats registry.
     fn counters(&self) -> &'static [&'static str];
 
-    /// What it does in this VM, for the log.
+    /// What it does in this VM, in a line or two (logged at debug level when it is added).
     fn summary(&self) -> Vec<String> {
         Vec::new()
     }
@@ -72,7 +72,7 @@ impl Techniques {
     pub(crate) fn push(&mut self, t: Option<impl Technique + 'static>) {
         if let Some(t) = t {
             for line in t.summary() {
-                log::info!("{line}");
+                log::debug!("{}: {line}", t.name());
             }
             self.0.push(Box::new(t));
         }

@@ -231,7 +231,7 @@ impl crate::technique::Technique for SymTechnique {
 
     fn summary(&self) -> Vec<String> {
         vec![format!(
-            "symbiotic: features {FEATURES:#x}, {}",
+            "features {FEATURES:#x}, {}",
             if self.publish {
                 "SymSpy republished every 100 ms"
             } else {
