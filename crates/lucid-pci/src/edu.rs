@@ -488,6 +488,11 @@ impl PciDevice for EduDevice {
         self.rid = rid;
         self.apply_bus_master();
     }
+
+    fn reset(&mut self) {
+        self.set_intx_level(false);
+        self.dma.set_bus_master(u32::from(self.rid), false);
+    }
 }
 
 impl Drop for EduDevice {

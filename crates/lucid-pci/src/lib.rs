@@ -36,6 +36,8 @@ pub enum PciError {
     MsixLayout { vectors: u16, table: u32, pba: u32 },
     #[error("PCI bus 0 has no free slot")]
     BusFull,
+    #[error("PCI slot {0} is taken or out of range")]
+    SlotTaken(u8),
     #[error("{device}: no room for BAR {bar} ({size:#x} bytes) in the PCI window {window:#x?}: {source}")]
     NoSpace {
         device: String,

@@ -36,6 +36,8 @@ pub trait PciDevice: Send {
     fn bar_mapped(&mut self, _bar: usize, _base: Option<u64>) {}
     /// The function's requester ID (bus << 8 | device << 3 | function), set when it is attached.
     fn set_requester_id(&mut self, _rid: u16) {}
+    /// The function left the bus (hot-unplug): stop its work and drop its interrupt line.
+    fn reset(&mut self) {}
 }
 
 /// Bus 0, device `slot`, function 0.
@@ -73,6 +75,8 @@ struct Slot {
     dev: Arc<Mutex<dyn PciDevice>>,
     /// Where each BAR decodes now.
     mapped: [Option<u64>; NUM_BARS],
+    /// The BAR ranges assigned when it was attached (`true`: I/O space), freed when it leaves.
+    assigned: Vec<(bool, RangeInclusive)>,
 }
 
 struct Counters {
@@ -202,6 +206,7 @@ impl PciRoot {
                 name: "host-bridge".into(),
                 dev: Arc::new(Mutex::new(HostBridge(bridge))),
                 mapped: [None; NUM_BARS],
+                assigned: Vec::new(),
             },
         );
         Arc::new(root)
@@ -233,10 +238,23 @@ impl PciRoot {
         name: &str,
         dev: Arc<Mutex<dyn PciDevice>>,
     ) -> Result<PciAddress, PciError> {
-        let mut inner = lock(&self.inner);
         let slot = (1..MAX_SLOTS)
-            .find(|s| !inner.slots.contains_key(s))
+            .find(|s| !lock(&self.inner).slots.contains_key(s))
             .ok_or(PciError::BusFull)?;
+        self.add_device_at(slot, name, dev)
+    }
+
+    /// Attaches `dev` at `slot` (1 to `MAX_SLOTS - 1`, free), as [`PciRoot::add_device`] does.
+    pub fn add_device_at(
+        &self,
+        slot: u8,
+        name: &str,
+        dev: Arc<Mutex<dyn PciDevice>>,
+    ) -> Result<PciAddress, PciError> {
+        let mut inner = lock(&self.inner);
+        if slot == 0 || slot >= MAX_SLOTS || inner.slots.contains_key(&slot) {
+            return Err(PciError::SlotTaken(slot));
+        }
         let addr = PciAddress { slot };
         let mut d = lock(&dev);
         d.set_requester_id(addr.requester_id());
@@ -282,6 +300,7 @@ impl PciRoot {
                 name: name.to_string(),
                 dev,
                 mapped: [None; NUM_BARS],
+                assigned: taken.clone(),
             },
         );
         let s = inner.slots.get_mut(&slot).expect("inserted above");
@@ -303,6 +322,26 @@ impl PciRoot {
             return Err(e);
         }
         Ok(addr)
+    }
+
+    /// Detaches the function at `slot` (hot-unplug): unmaps its BARs, returns their ranges to
+    /// the windows and resets it. Returns it, or `None` for an empty slot or the host bridge.
+    pub fn remove_device(&self, slot: u8) -> Option<Arc<Mutex<dyn PciDevice>>> {
+        if slot == 0 {
+            return None;
+        }
+        let mut inner = lock(&self.inner);
+        let mut s = inner.slots.remove(&slot)?;
+        for (i, m) in s.mapped.iter_mut().enumerate() {
+            if let Some(base) = m.take() {
+                self.bus_for(&s.dev, i).remove(base);
+                lock(&s.dev).bar_mapped(i, None);
+            }
+        }
+        inner.free(&s.assigned);
+        drop(inner);
+        lock(&s.dev).reset();
+        Some(s.dev)
     }
 
     /// (address, name, [BAR base as decoded now]) of every function, host bridge included.

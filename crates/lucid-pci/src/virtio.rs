@@ -927,6 +927,11 @@ impl PciDevice for VirtioPciDevice {
         self.irq.interrupts.set_requester_id(rid);
         self.apply_bus_master();
     }
+
+    fn reset(&mut self) {
+        self.reset_device();
+        self.env.dma.set_bus_master(u32::from(self.rid), false);
+    }
 }
 
 impl VirtioPciDevice {

@@ -273,6 +273,63 @@ impl Drop for ApiServer {
     }
 }
 
+/// The control API (`--api-socket`) as one of the VM's techniques: the socket is bound while
+/// the VM is built (a path in use fails the build), `lucid-api` starts after the vCPU threads,
+/// takes no new request once the VM stops (quiesce) and removes its socket file when it stops.
+pub(crate) struct ApiTechnique {
+    socket: Option<ApiSocket>,
+    ctx: Option<ApiContext>,
+    server: Option<ApiServer>,
+}
+
+impl ApiTechnique {
+    pub(crate) fn new(socket: ApiSocket, ctx: ApiContext) -> Self {
+        ApiTechnique {
+            socket: Some(socket),
+            ctx: Some(ctx),
+            server: None,
+        }
+    }
+}
+
+impl crate::technique::Technique for ApiTechnique {
+    fn name(&self) -> &'static str {
+        "api"
+    }
+
+    fn start(&mut self, cx: &crate::technique::StartContext<'_>) -> Result<(), crate::VmmError> {
+        if let (Some(sock), Some(ctx)) = (self.socket.take(), self.ctx.take()) {
+            self.server = Some(ApiServer::spawn(sock, ctx, cx.seccomp.clone())?);
+        }
+        Ok(())
+    }
+
+    fn quiesce(&mut self) {
+        // No new requests; one in progress ends when its vCPU stops.
+        if let Some(s) = &self.server {
+            s.signal_stop();
+        }
+    }
+
+    fn stop(&mut self) {
+        // Its socket file goes with it.
+        if let Some(mut s) = self.server.take() {
+            s.stop();
+        }
+    }
+
+    fn counters(&self) -> &'static [&'static str] {
+        &["api."]
+    }
+
+    fn summary(&self) -> Vec<String> {
+        self.socket
+            .iter()
+            .map(|s| format!("control API on {}", s.path().display()))
+            .collect()
+    }
+}
+
 struct Client {
     stream: UnixStream,
     buf: Vec<u8>,

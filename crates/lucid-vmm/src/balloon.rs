@@ -85,6 +85,61 @@ impl PressureSource for LimitPressure {
     }
 }
 
+/// The balloon manager (`--balloon ...,manager=on`) as one of the VM's techniques:
+/// `lucid-balloonm` starts after the vCPU threads, confined as a back-end (it raises the
+/// balloon's configuration interrupt; it reads its pressure from files opened before).
+pub(crate) struct BalloonManagerTechnique {
+    pub ctl: lucid_virtio::balloon::BalloonControl,
+    /// The VM's memory cgroup under `--memory-limit`; else, unless the caller chose a source,
+    /// this process against the host ([`ProcessPressure`]).
+    pub limit_pressure: Option<std::sync::Arc<dyn PressureSource>>,
+    pub manager: Option<lucid_swap::balloon_manager::BalloonManager>,
+}
+
+impl crate::technique::Technique for BalloonManagerTechnique {
+    fn name(&self) -> &'static str {
+        "balloon-manager"
+    }
+
+    fn start(&mut self, cx: &crate::technique::StartContext<'_>) -> Result<(), crate::VmmError> {
+        use crate::VmmError::BalloonManager as Error;
+        use lucid_swap::balloon_manager::{BalloonManager, SizingPolicy};
+        let source = match cx.pressure.clone().or_else(|| self.limit_pressure.clone()) {
+            Some(s) => s,
+            None => std::sync::Arc::new(ProcessPressure::open(None).map_err(Error)?),
+        };
+        let seccomp = cx.seccomp.clone();
+        let m = BalloonManager::spawn(
+            self.ctl.clone(),
+            source,
+            SizingPolicy::default(),
+            std::time::Duration::from_millis(200),
+            cx.stats,
+            Box::new(move || {
+                lucid_seccomp::confine(seccomp.as_ref(), lucid_seccomp::Role::Backend)
+                    .map_err(|e| e.to_string())
+            }),
+        )
+        .map_err(Error)?;
+        self.manager = Some(m);
+        Ok(())
+    }
+
+    fn stop(&mut self) {
+        if let Some(m) = self.manager.take() {
+            m.stop();
+        }
+    }
+
+    fn counters(&self) -> &'static [&'static str] {
+        &["balloon.manager."]
+    }
+
+    fn summary(&self) -> Vec<String> {
+        vec!["sizes the balloon from host memory pressure every 200 ms".into()]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

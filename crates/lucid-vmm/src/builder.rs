@@ -1,6 +1,6 @@
 //! Builds a VM in stages, in the order a VM comes together: KVM and guest RAM, the interrupt
-//! controllers, (the devices, which [`crate::Vm::build`] adds), the kernel and its boot tables,
-//! the vCPUs. `Vm::build` runs every stage; harnesses that drive a vCPU themselves stop after
+//! controllers, the vCPUs, (the devices, which [`crate::Vm::build`] adds), the kernel and its
+//! boot tables, and the boot vCPU's entry registers. `Vm::build` runs every stage; harnesses that drive a vCPU themselves stop after
 //! the stage they need: the benchmark floor takes a vCPU and runs it with nothing behind its
 //! exits, the boot tests skip the interrupt controllers so that HLT reaches them.
 
@@ -72,7 +72,7 @@ impl VmBuilder {
         Ok(())
     }
 
-    /// Stage 4: the kernel with its initrd and command line, the ACPI tables and the boot
+    /// Stage 5: the kernel with its initrd and command line, the ACPI tables and the boot
     /// information its protocol wants, placed where the image leaves room. Returns the boot
     /// vCPU's entry state.
     pub fn load_kernel(&self, k: &KernelLoad) -> Result<BootSetup, VmmError> {
@@ -97,7 +97,7 @@ impl VmBuilder {
         Ok(setup)
     }
 
-    /// Stage 5: vCPU `id` of `count`, with KVM's supported CPUID adjusted for it
+    /// Stage 3: vCPU `id` of `count`, with KVM's supported CPUID adjusted for it
     /// (`lucid_boot::filter_cpuid`, then `edit_cpuid`), LINT0/LINT1 wired as firmware leaves
     /// them (with the irqchip), and on the boot vCPU (`boot` given) the entry registers.
     pub fn vcpu(
@@ -116,12 +116,19 @@ impl VmBuilder {
             set_lint_virtual_wire(&vcpu)?;
         }
         if let Some(setup) = boot {
-            let (mut regs, mut sregs) = (vcpu.get_regs()?, vcpu.get_sregs()?);
-            lucid_boot::setup_boot_regs(&setup.entry, &mut regs, &mut sregs, self.ram.memory())?;
-            vcpu.set_sregs(&sregs)?;
-            vcpu.set_regs(&regs)?;
+            self.boot_vcpu(&vcpu, setup)?;
         }
         Ok(vcpu)
+    }
+
+    /// The boot vCPU's entry registers for the kernel [`VmBuilder::load_kernel`] placed, once
+    /// the vCPU exists.
+    pub fn boot_vcpu(&self, vcpu: &Vcpu, setup: &BootSetup) -> Result<(), VmmError> {
+        let (mut regs, mut sregs) = (vcpu.get_regs()?, vcpu.get_sregs()?);
+        lucid_boot::setup_boot_regs(&setup.entry, &mut regs, &mut sregs, self.ram.memory())?;
+        vcpu.set_sregs(&sregs)?;
+        vcpu.set_regs(&regs)?;
+        Ok(())
     }
 
     pub fn kvm(&self) -> &Arc<Kvm> {

@@ -150,6 +150,33 @@ impl Drop for Iommu {
     }
 }
 
+/// The vIOMMU as one of the VM's techniques: built (and its sidecore started) before any
+/// device, stopped after the vCPU threads and before the devices whose DMA it translates go.
+impl crate::technique::Technique for Iommu {
+    fn name(&self) -> &'static str {
+        "viommu"
+    }
+
+    fn stop(&mut self) {
+        Iommu::stop(self);
+    }
+
+    fn counters(&self) -> &'static [&'static str] {
+        &["iommu.", "irq."]
+    }
+
+    fn summary(&self) -> Vec<String> {
+        vec![format!(
+            "VT-d at {VTD_BASE:#x}{}",
+            if self.sidecore.is_some() {
+                ", sidecore"
+            } else {
+                ", samecore"
+            }
+        )]
+    }
+}
+
 /// Sidecore: register page 0 as guest memory the guest reads and writes without exits: one
 /// 4 KiB memfd page, a KVM memory slot at `VTD_BASE` (numbered after the RAM slots) and mapped
 /// here, handed to the Vtd.

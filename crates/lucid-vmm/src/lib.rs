@@ -6,33 +6,42 @@
 mod acpi_pm;
 pub mod api;
 pub mod balloon;
+mod boot;
 pub mod builder;
 mod config;
+pub mod devices;
 pub mod emulate;
+mod errors;
 pub mod hooks;
 pub mod hypercall;
 mod iommu;
 mod pools;
 mod report;
+mod signals;
 pub mod swap;
 pub mod sym;
+pub mod technique;
 mod vcpu;
 mod vm;
 
+pub use boot::{DEFAULT_LINUX_CMDLINE, PVM_LINUX_CMDLINE};
 pub use builder::{KernelLoad, VmBuilder};
 pub use config::{
     parse_balloon, parse_blk, parse_device, parse_iommu, parse_net, DeviceOptionError,
     KernelSource, PciDeviceConfig, PciDeviceKind, PlatformPciDevice, VmConfig, MAX_MEM_MIB,
     MAX_VCPUS,
 };
+pub use devices::{AttachedPci, DeviceManager, NewPciFunction, PciFunction, PciSlot};
 pub use emulate::Emulator;
+pub use errors::{ConfigError, VmmError};
 pub use hooks::{
     ExitAction, ExitHooks, HltHook, HookError, HypercallHook, InternalErrorHook, MsrHook,
 };
 pub use pools::{MonitorTuning, PoolChoice, PoolsError};
 pub use report::{error_chain, DeviceCounts, RunReport};
+pub use technique::{StartContext, Technique};
 pub use vcpu::{LoopEnd, VcpuCtx, VcpuError, VcpuFault, VcpuHandle};
-pub use vm::{ConfigError, PciBus, Vm, VmmError, DEFAULT_LINUX_CMDLINE, PVM_LINUX_CMDLINE};
+pub use vm::Vm;
 
 pub use {lucid_boot, lucid_hv, lucid_iommu, lucid_pools, lucid_swap};
 

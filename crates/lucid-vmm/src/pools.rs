@@ -701,6 +701,36 @@ impl Drop for Pools {
     }
 }
 
+/// The pools as one of the VM's techniques: the monitor starts after the vCPU threads and takes
+/// its last window while they are still listed (quiesce); the VM leaves the pools when this is
+/// dropped.
+impl crate::technique::Technique for Pools {
+    fn name(&self) -> &'static str {
+        "pools"
+    }
+
+    fn start(&mut self, cx: &crate::technique::StartContext<'_>) -> Result<(), crate::VmmError> {
+        Ok(self.start_monitor(cx.seccomp)?)
+    }
+
+    fn quiesce(&mut self) {
+        Pools::stop(self);
+    }
+
+    fn counters(&self) -> &'static [&'static str] {
+        &["pools.", "monitor."]
+    }
+
+    fn summary(&self) -> Vec<String> {
+        let def = &self.shared.pools()[self.shared.current()];
+        vec![format!(
+            "pool {} ({})",
+            def.name,
+            if self.auto { "auto" } else { "pinned" }
+        )]
+    }
+}
+
 /// The `lucid-monitor` thread's state.
 struct Monitor {
     shared: Arc<Shared>,
@@ -902,18 +932,8 @@ pub(crate) fn low_noise(
 /// paused), and statistics are read once, at exit.
 pub(crate) fn low_noise_pollers(config: &crate::config::VmConfig) -> Vec<String> {
     let mut out = Vec::new();
-    let (mut nblk, mut nnet) = (0, 0);
-    for d in &config.pci {
-        let name = match d.kind {
-            crate::config::PciDeviceKind::Block(_) => {
-                nblk += 1;
-                format!("blk{}", nblk - 1)
-            }
-            crate::config::PciDeviceKind::Net(_) => {
-                nnet += 1;
-                format!("net{}", nnet - 1)
-            }
-        };
+    let names = crate::devices::virtio_names(&config.pci);
+    for (name, d) in names.iter().zip(&config.pci) {
         if let lucid_pci::Rung::L4 { .. } = d.rung {
             out.push(format!(
                 "{name} on rung {:?} polls its rings (on the non-vCPU CPUs)",

@@ -269,9 +269,45 @@ impl VmSwap {
             .clone()
             .map(|l| Arc::new(crate::balloon::LimitPressure(l)) as _)
     }
+}
 
-    pub(crate) fn has_limit(&self) -> bool {
-        self.limit.is_some()
+/// VSWAPPER as one of the VM's techniques: the pager (and its OOM guard) start before the vCPU
+/// threads; the phase the guest was in ends when the VM stops; the limit goes when this is
+/// dropped, after every other part of the VM.
+impl crate::technique::Technique for VmSwap {
+    fn name(&self) -> &'static str {
+        "vswapper"
+    }
+
+    fn starts_before_vcpus(&self) -> bool {
+        true
+    }
+
+    fn start(&mut self, cx: &crate::technique::StartContext<'_>) -> Result<(), crate::VmmError> {
+        Ok(self.start_pager(cx.ram, cx.hooks, cx.stats, cx.seccomp.clone())?)
+    }
+
+    fn stop(&mut self) {
+        self.finish();
+    }
+
+    fn counters(&self) -> &'static [&'static str] {
+        &["swap."]
+    }
+
+    fn summary(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Some(l) = &self.limit {
+            out.push(format!(
+                "memory limit {} MiB{}",
+                l.limit_bytes() >> 20,
+                if self.pager_on { ", pager on" } else { "" }
+            ));
+        }
+        if let Some(m) = &self.mapper {
+            out.push(format!("swap mapper: {}", m.summary()));
+        }
+        out
     }
 }
 

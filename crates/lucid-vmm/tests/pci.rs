@@ -76,9 +76,60 @@ fn the_bus_enumerates_through_the_vms_port_hooks() {
     let bar4 = cf8(&vm, 1, 0x20) as u64 & !0xf | (cf8(&vm, 1, 0x24) as u64) << 32;
     assert!((lucid_boot::layout::PCI_MMIO_START..lucid_boot::layout::PCI_MMIO_END).contains(&bar4));
     assert_ne!(cf8(&vm, 1, 4) & 2, 0);
-    let pci = vm.pci().unwrap();
-    assert_eq!(pci.devices.len(), 2);
-    assert_eq!(pci.devices[1].0, "net0");
+    let pci = vm.devices().pci_devices();
+    assert_eq!(pci.len(), 2);
+    assert_eq!(pci[1].name, "net0");
+    assert_eq!((pci[0].slot.slot, pci[1].slot.slot), (1, 2));
+    let _ = std::fs::remove_file(img);
+}
+
+/// Hotplug's two halves: a function detached from its slot is reset and stops decoding, and
+/// the slot (with its INTx line) is the next one attached.
+#[test]
+fn a_detached_slot_is_free_for_the_next_attach() {
+    let (mut c, _) = config("hello", "", "detach");
+    let img = disk("detach", 1 << 20);
+    c.pci.push(blk(img.clone(), Rung::L1));
+    c.platform_pci.push(lucid_vmm::PlatformPciDevice::Edu);
+    let vm = Vm::build(c).unwrap();
+    assert_eq!(cf8(&vm, 1, 0), 0x1042_1af4, "virtio-blk");
+    assert_eq!(cf8(&vm, 2, 0), 0x11e8_1234, "edu");
+    let bar4 = cf8(&vm, 1, 0x20) as u64 & !0xf | (cf8(&vm, 1, 0x24) as u64) << 32;
+    let mut d = [0u8; 4];
+    assert!(vm.hooks().mmio.read(bar4, &mut d), "the BAR decodes");
+    let devices = vm.devices();
+    let gone = devices.detach("blk0").unwrap();
+    assert_eq!(gone.slot.slot, 1);
+    assert_eq!(cf8(&vm, 1, 0), u32::MAX, "slot 1 is empty");
+    assert!(
+        !vm.hooks().mmio.read(bar4, &mut d),
+        "its BAR no longer decodes"
+    );
+    assert!(matches!(gone.function, lucid_vmm::PciFunction::Virtio(_)));
+    assert_eq!(vm.stats().snapshot()["blk0.virtio.resets"], 1, "reset");
+    drop(gone);
+    assert!(devices.detach("blk0").is_err());
+    // The next attach takes slot 1 again, with its INTx line, and decodes.
+    let again = devices
+        .attach("edu1", |_| Ok(lucid_vmm::NewPciFunction::Edu))
+        .unwrap();
+    assert_eq!(again.slot.slot, 1);
+    assert_eq!(again.slot.intx_gsi, lucid_boot::layout::pci_intx_gsi(1, 0));
+    assert_eq!(cf8(&vm, 1, 0), 0x11e8_1234, "edu in slot 1");
+    assert_eq!(
+        cf8(&vm, 1, 0x3c) & 0xff,
+        again.slot.intx_gsi,
+        "its interrupt line"
+    );
+    let names: Vec<_> = devices.pci_devices().into_iter().map(|a| a.name).collect();
+    assert_eq!(names, ["edu", "edu1"]);
+    // And off and on once more: the BAR space it had is reused.
+    devices.detach("edu1").unwrap();
+    let third = devices
+        .attach("edu1", |_| Ok(lucid_vmm::NewPciFunction::Edu))
+        .unwrap();
+    assert_eq!(third.slot.slot, 1);
+    drop(vm);
     let _ = std::fs::remove_file(img);
 }
 
@@ -86,7 +137,7 @@ fn the_bus_enumerates_through_the_vms_port_hooks() {
 fn no_devices_no_bus() {
     let (c, _) = config("hello", "", "nobus");
     let vm = Vm::build(c).unwrap();
-    assert!(vm.pci().is_none());
+    assert!(!vm.devices().has_pci());
     let mut d = [0u8; 4];
     assert!(!vm.hooks().pio.read(0xcfc, &mut d));
 }

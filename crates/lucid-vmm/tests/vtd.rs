@@ -124,7 +124,7 @@ fn the_guest_finds_a_dmar_table_only_with_an_iommu() {
     }
     assert_eq!(ioapic, Some(scope[4]));
     // The router exists without PCI devices: MSIs of the unit's clients are remapped through it.
-    assert!(vm.gsi_router().is_some() && vm.pci().is_none() && vm.iommu().is_some());
+    assert!(vm.gsi_router().is_some() && !vm.devices().has_pci() && vm.iommu().is_some());
     drop(vm);
 
     let vm = Vm::build(config("hello", "", "nodmar", None)).unwrap();
@@ -220,9 +220,8 @@ fn pci_devices_and_the_iommu_share_the_router() {
     d.rung = Rung::L1;
     c.pci.push(d);
     let vm = Vm::build(c).unwrap();
-    let pci = vm.pci().unwrap();
     assert!(std::sync::Arc::ptr_eq(
-        &pci.router,
+        vm.devices().pci_router().unwrap(),
         vm.gsi_router().unwrap()
     ));
     drop(vm);

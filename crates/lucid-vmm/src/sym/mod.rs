@@ -7,7 +7,7 @@
 //! Files: `mod.rs` (state, discovery, registration), `publish.rs` (Lucid's half of SymSpy),
 //! `symcall.rs` (upcalls), `modules.rs` (module injection), `swapcache.rs` (SwapBypass wiring).
 
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 use lucid_hv::kvm_bindings::kvm_regs;
 use lucid_mem::GuestMemoryMmap;
@@ -41,7 +41,8 @@ pub const FEATURES: u64 =
 pub struct Symbiotic {
     mem: GuestMemoryMmap,
     spy: Mutex<Registrations>,
-    vcpus: OnceLock<Vec<Arc<VcpuHandle>>>,
+    /// The vCPUs SymCalls run on.
+    vcpus: Vec<Arc<VcpuHandle>>,
     vcpu_count: u32,
     counters: SymCounters,
     publisher: publish::Publisher,
@@ -61,30 +62,49 @@ pub struct SymCounters {
     pub notifies: Arc<Counter>,
 }
 
+/// Everything the VM's symbiotic state is built from.
+pub struct SymParts<'a> {
+    pub hooks: &'a ExitHooks,
+    pub mem: &'a GuestMemoryMmap,
+    pub stats: &'a StatsRegistry,
+    /// The VM's vCPU count (the per-vCPU state is sized by it).
+    pub vcpu_count: u32,
+    /// The vCPUs SymCalls run on (created before the symbiotic state, without their threads).
+    pub vcpus: Vec<Arc<VcpuHandle>>,
+    /// What SymSpy publishes about the VM and where it reads host pressure.
+    pub sources: PublishSources,
+    /// The KVM VM, for read-only module windows (memory slots); `None` refuses them.
+    pub hv: Option<lucid_hv::Vm>,
+}
+
 impl Symbiotic {
     /// Creates the VM's symbiotic state and registers its hypercalls.
-    pub fn install(
-        hooks: &ExitHooks,
-        mem: &GuestMemoryMmap,
-        vcpus: u32,
-        stats: &StatsRegistry,
-    ) -> Result<Arc<Self>, HookError> {
+    pub fn new(p: SymParts<'_>) -> Result<Arc<Self>, HookError> {
+        let SymParts {
+            hooks,
+            mem,
+            stats,
+            vcpu_count: vcpus,
+            vcpus: handles,
+            sources,
+            hv,
+        } = p;
         let c = |n: &str| stats.counter(format!("sym.{n}"));
         let sym = Arc::new_cyclic(|me| Symbiotic {
             me: me.clone(),
             calls: symcall::Calls::new(vcpus, stats),
             mem: mem.clone(),
             spy: Mutex::new(Registrations::new(vcpus)),
-            vcpus: OnceLock::new(),
+            vcpus: handles,
             vcpu_count: vcpus,
-            publisher: publish::Publisher::new(vcpus, stats),
+            publisher: publish::Publisher::new(vcpus, sources, stats),
             counters: SymCounters {
                 discoveries: c("discoveries"),
                 registrations: c("spy.registrations"),
                 registrations_refused: c("spy.registrations_refused"),
                 notifies: c("notifies"),
             },
-            modules: modules::Modules::new(stats, hooks.mmio.clone()),
+            modules: modules::Modules::new(stats, hooks.mmio.clone(), hv),
         });
         let s = sym.clone();
         hooks.add_hypercall(
@@ -109,13 +129,8 @@ impl Symbiotic {
         Ok(sym)
     }
 
-    /// The vCPU handles, once the vCPUs exist (SymCalls go through them).
-    pub(crate) fn set_vcpus(&self, handles: Vec<Arc<VcpuHandle>>) {
-        let _ = self.vcpus.set(handles);
-    }
-
     pub fn vcpu_handle(&self, vcpu: u32) -> Option<&Arc<VcpuHandle>> {
-        self.vcpus.get()?.get(vcpu as usize)
+        self.vcpus.get(vcpu as usize)
     }
 
     pub fn memory(&self) -> &GuestMemoryMmap {
@@ -178,6 +193,54 @@ impl Symbiotic {
     }
 }
 
+/// The symbiotic interfaces as one of the VM's techniques: `lucid-symspy` runs while the VM
+/// does (not with `--low-noise`), and the SymSpy registrations end with the VM.
+pub(crate) struct SymTechnique {
+    pub sym: Arc<Symbiotic>,
+    /// Whether to start `lucid-symspy`.
+    pub publish: bool,
+}
+
+impl crate::technique::Technique for SymTechnique {
+    fn name(&self) -> &'static str {
+        "symbiotic"
+    }
+
+    fn start(&mut self, cx: &crate::technique::StartContext<'_>) -> Result<(), crate::VmmError> {
+        if self.publish {
+            self.sym
+                .start_publisher(
+                    cx.lifecycle.clone(),
+                    cx.seccomp.clone(),
+                    cx.stats.threads().clone(),
+                )
+                .map_err(|source| crate::VmmError::Thread { vcpu: 0, source })?;
+        }
+        Ok(())
+    }
+
+    fn stop(&mut self) {
+        self.sym.stop_publisher();
+        // A guest reset stops the VM: its SymSpy registrations go with it.
+        self.sym.reset();
+    }
+
+    fn counters(&self) -> &'static [&'static str] {
+        &["sym."]
+    }
+
+    fn summary(&self) -> Vec<String> {
+        vec![format!(
+            "features {FEATURES:#x}, {}",
+            if self.publish {
+                "SymSpy republished every 100 ms"
+            } else {
+                "SymSpy published at registration only"
+            }
+        )]
+    }
+}
+
 /// Adds the symbiotic CPUID leaves (`lucid_sym::cpuid::leaves`: 0x40000100 signature,
 /// 0x40000101 version, features and hypercall port) to a vCPU's CPUID, replacing any already
 /// there. For hosts that intercept CPUID; on PVM the guest's CPUID never sees them and
@@ -211,5 +274,24 @@ pub fn add_cpuid_leaves(cpuid: &mut lucid_hv::kvm_bindings::CpuId) {
                 }
             }
         }
+    }
+}
+
+/// A VM's symbiotic state with no vCPUs and no KVM VM behind it, for unit tests.
+#[cfg(test)]
+mod tests_support {
+    use super::*;
+
+    pub(crate) fn sym(mem: &GuestMemoryMmap, vcpus: u32, stats: &StatsRegistry) -> Arc<Symbiotic> {
+        Symbiotic::new(SymParts {
+            hooks: &ExitHooks::new(),
+            mem,
+            stats,
+            vcpu_count: vcpus,
+            vcpus: Vec::new(),
+            sources: PublishSources::default(),
+            hv: None,
+        })
+        .unwrap()
     }
 }

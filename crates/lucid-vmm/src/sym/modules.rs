@@ -9,7 +9,7 @@
 //! on the caller's thread, which must not be a vCPU thread (the guest answers from a vCPU).
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use lucid_devices::{Bus, BusDevice};
@@ -125,7 +125,7 @@ pub struct Modules {
     /// Bumped by `HC_NOTIFY(NOTIFY_MODULE_REPLY)`.
     notified: Mutex<u64>,
     wake: Condvar,
-    hv: OnceLock<lucid_hv::Vm>,
+    hv: Option<lucid_hv::Vm>,
     mmio: Arc<Bus>,
 }
 
@@ -145,7 +145,7 @@ impl BusDevice for RoGuard {
 }
 
 impl Modules {
-    pub(crate) fn new(stats: &StatsRegistry, mmio: Arc<Bus>) -> Self {
+    pub(crate) fn new(stats: &StatsRegistry, mmio: Arc<Bus>, hv: Option<lucid_hv::Vm>) -> Self {
         let c = |n: &str| stats.counter(format!("sym.mod.{n}"));
         Modules {
             counters: ModCounters {
@@ -161,7 +161,7 @@ impl Modules {
             state: Mutex::new(State::default()),
             notified: Mutex::new(0),
             wake: Condvar::new(),
-            hv: OnceLock::new(),
+            hv,
             mmio,
         }
     }
@@ -234,11 +234,6 @@ struct Request<'a> {
 }
 
 impl Symbiotic {
-    /// Read-only windows need the KVM VM (memory slots).
-    pub(crate) fn set_hv(&self, vm: lucid_hv::Vm) {
-        let _ = self.modules.hv.set(vm);
-    }
-
     pub fn module_counters(&self) -> &ModCounters {
         self.modules.counters()
     }
@@ -252,7 +247,7 @@ impl Symbiotic {
     pub fn module_slots(&self) -> Vec<u32> {
         self.modules
             .hv
-            .get()
+            .as_ref()
             .map(|v| v.extra_slots())
             .unwrap_or_default()
     }
@@ -503,7 +498,7 @@ impl Symbiotic {
 
     /// A free read-only window: (index, GPA). The window must lie above guest RAM.
     fn take_window(&self, st: &mut State) -> Result<(u32, u64), ModuleError> {
-        if self.modules.hv.get().is_none() {
+        if self.modules.hv.is_none() {
             return Err(ModuleError::ReadOnly("no KVM VM attached".into()));
         }
         let (lo, hi) = (m::RO_WINDOW, m::RO_WINDOW + m::RO_WINDOW_SIZE);
@@ -540,7 +535,7 @@ impl Symbiotic {
         let hv = self
             .modules
             .hv
-            .get()
+            .as_ref()
             .ok_or_else(|| ModuleError::ReadOnly("no KVM VM attached".into()))?;
         if staged.stage != m::STAGE_STAGED
             || staged.base != gpa
@@ -607,7 +602,7 @@ impl Symbiotic {
     }
 
     fn remove_window(&self, st: &mut State, w: RoWindow) {
-        if let Some(hv) = self.modules.hv.get() {
+        if let Some(hv) = &self.modules.hv {
             if let Err(e) = hv.unmap_slot(RO_SLOT_BASE + w.index) {
                 // The slot is still in place: keep its window taken (and guarded).
                 log::warn!("sym: removing the read-only slot of {:#x}: {e}", w.gpa);

@@ -30,7 +30,7 @@ pub const PERIOD: Duration = Duration::from_millis(100);
 pub const READ_TRIES: u32 = 10_000;
 
 /// What Lucid publishes that does not change while the VM runs, and where it reads host memory
-/// pressure; set by the VM builder once it knows them ([`Symbiotic::set_sources`]).
+/// pressure (part of [`super::SymParts`]).
 pub struct PublishSources {
     /// The VM's memory cgroup (`--memory-limit`); without one, `/proc/meminfo`.
     pub pressure: Option<Arc<dyn PressureSource>>,
@@ -63,7 +63,7 @@ pub struct HostMemory {
 pub(super) struct Publisher {
     /// `/proc/meminfo`, opened when the VM is built.
     meminfo: Option<File>,
-    sources: Mutex<PublishSources>,
+    sources: PublishSources,
     /// Each vCPU thread's `schedstat`, opened by that thread before it confined itself.
     schedstat: Mutex<Vec<Option<File>>>,
     symcalls: Arc<Counter>,
@@ -75,13 +75,13 @@ pub(super) struct Publisher {
 }
 
 impl Publisher {
-    pub(super) fn new(vcpus: u32, stats: &StatsRegistry) -> Self {
+    pub(super) fn new(vcpus: u32, sources: PublishSources, stats: &StatsRegistry) -> Self {
         let meminfo = File::open("/proc/meminfo")
             .map_err(|e| log::warn!("sym: cannot open /proc/meminfo ({e}): no host pressure"))
             .ok();
         Publisher {
             meminfo,
-            sources: Mutex::new(PublishSources::default()),
+            sources,
             schedstat: Mutex::new((0..vcpus).map(|_| None).collect()),
             symcalls: stats.counter("sym.call.completed"),
             publishes: stats.counter("sym.spy.publishes"),
@@ -92,8 +92,7 @@ impl Publisher {
     }
 
     fn host_memory(&self) -> HostMemory {
-        let sources = self.sources.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = &sources.pressure {
+        if let Some(p) = &self.sources.pressure {
             let p = p.pressure();
             if let Some(permille) = (p.usage.min(p.limit) * 1000).checked_div(p.limit) {
                 return HostMemory {
@@ -143,17 +142,6 @@ fn schedstat_wait_ns(text: &str) -> Option<u64> {
 }
 
 impl Symbiotic {
-    /// What Lucid publishes about the host and the VM's devices (before [`Vm::start`]).
-    ///
-    /// [`Vm::start`]: crate::Vm::start
-    pub fn set_sources(&self, sources: PublishSources) {
-        *self
-            .publisher
-            .sources
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = sources;
-    }
-
     /// Called on vCPU `vcpu`'s thread before it confines itself: opens its `schedstat`, which
     /// the publisher reads with `pread` from then on.
     pub(crate) fn attach_vcpu_thread(&self, vcpu: u32) {
@@ -181,14 +169,10 @@ impl Symbiotic {
     /// registrations' lock, which makes it the only writer.
     pub(super) fn publish_global(&self, p: &SpyPage) {
         let mem = self.publisher.host_memory();
-        let (iommu, rung) = {
-            let s = self
-                .publisher
-                .sources
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            (s.iommu_mode, s.rung)
-        };
+        let (iommu, rung) = (
+            self.publisher.sources.iommu_mode,
+            self.publisher.sources.rung,
+        );
         let symcalls = self.publisher.symcalls.get();
         p.write_record(page::L_SEQ, |p| {
             p.store_u32(page::L_FEATURES, FEATURES as u32);
@@ -207,12 +191,7 @@ impl Symbiotic {
 
     /// Writes Lucid's line of vCPU `vcpu`'s page `p` (the caller holds the registrations' lock).
     pub(super) fn publish_vcpu(&self, vcpu: u32, p: &SpyPage) {
-        let rung = self
-            .publisher
-            .sources
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .rung;
+        let rung = self.publisher.sources.rung;
         let wait = self.publisher.runq_wait_ns(vcpu);
         let symcalls = self.symcalls_on(vcpu);
         p.write_record(page::W_SEQ, |p| {
@@ -473,7 +452,7 @@ mod tests {
         use lucid_sym::abi;
         let mem = lucid_mem::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         let stats = lucid_stats::StatsRegistry::new();
-        let sym = Symbiotic::install(&crate::hooks::ExitHooks::new(), &mem, 1, &stats).unwrap();
+        let sym = super::super::tests_support::sym(&mem, 1, &stats);
         for (gpa, kind, line) in [
             (0x1000, abi::REGISTER_GLOBAL, page::L_PUBLISHES),
             (0x2000, abi::REGISTER_VCPU, page::W_PUBLISHES),

@@ -16,7 +16,7 @@
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 use lucid_mem::vm_memory::{Bytes, GuestAddress};
 use lucid_stats::{Counter, StatsRegistry};
@@ -26,7 +26,7 @@ use lucid_virtio::blk::BlockCache;
 
 use super::{SymCallError, Symbiotic};
 use crate::config::{PciDeviceKind, VmConfig};
-use crate::vm::ConfigError;
+use crate::ConfigError;
 
 /// Largest swap map Lucid reads (entries): 4 GiB of guest pages.
 const MAX_MAP_ENTRIES: u64 = 1 << 20;
@@ -110,8 +110,8 @@ struct SwapCounters {
 /// The swap cache of one disk; the device's [`BlockCache`].
 pub struct SwapCacheDevice {
     cache: Mutex<State>,
-    /// Set once the VM's symbiotic state exists (it is made after the PCI devices).
-    sym: OnceLock<Weak<Symbiotic>>,
+    /// The VM's symbiotic state (weak: it outlives no VM).
+    sym: Weak<Symbiotic>,
     /// The disk's PCI slot (what the guest publishes in `G_SWAP_DEVICE`).
     pci_slot: u32,
     /// Ask the SymSpy map before the SymCall (`liveness=spy`).
@@ -132,7 +132,13 @@ struct State {
 }
 
 impl SwapCacheDevice {
-    pub fn new(mib: u32, pci_slot: u32, spy_first: bool, stats: &StatsRegistry) -> Arc<Self> {
+    pub fn new(
+        mib: u32,
+        pci_slot: u32,
+        spy_first: bool,
+        stats: &StatsRegistry,
+        sym: &Arc<Symbiotic>,
+    ) -> Arc<Self> {
         let c = |n: &str| stats.counter(format!("sym.swap.{n}"));
         let slots = (u64::from(mib) << 20) / SLOT_SIZE as u64;
         let dev = SwapCacheDevice {
@@ -142,7 +148,7 @@ impl SwapCacheDevice {
                 map: Vec::new(),
                 live: Vec::new(),
             }),
-            sym: OnceLock::new(),
+            sym: Arc::downgrade(sym),
             pci_slot,
             spy_first,
             c: SwapCounters {
@@ -159,11 +165,6 @@ impl SwapCacheDevice {
         Arc::new(dev)
     }
 
-    /// Connects the VM's symbiotic state (liveness questions go to it).
-    pub fn set_sym(&self, sym: &Arc<Symbiotic>) {
-        let _ = self.sym.set(Arc::downgrade(sym));
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.cache.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -174,7 +175,7 @@ impl SwapCacheDevice {
         file: &File,
         f: impl FnOnce(&mut SwapCache, &mut Be<'_>) -> std::io::Result<T>,
     ) -> std::io::Result<T> {
-        let sym = self.sym.get().and_then(Weak::upgrade);
+        let sym = self.sym.upgrade();
         let mut st = self.lock();
         let State {
             cache,

@@ -745,15 +745,11 @@ mod tests {
     use lucid_mem::GuestMemoryMmap;
 
     use super::*;
-    use crate::hooks::ExitHooks;
 
     fn sym() -> (Arc<Symbiotic>, Arc<StatsRegistry>) {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         let stats = StatsRegistry::new();
-        (
-            Symbiotic::install(&ExitHooks::new(), &mem, 2, &stats).unwrap(),
-            stats,
-        )
+        (super::super::tests_support::sym(&mem, 2, &stats), stats)
     }
 
     #[test]
