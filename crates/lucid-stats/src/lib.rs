@@ -8,7 +8,7 @@
 
 mod threads;
 
-pub use threads::{Background, ThreadGuard, ThreadInfo, ThreadRegistry, ThreadRole};
+pub use threads::{ThreadGuard, ThreadInfo, ThreadRegistry, ThreadRole};
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -17,7 +17,7 @@
 
 use std::ffi::CString;
 use std::io::{ErrorKind, Read, Write};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -27,7 +27,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lucid_devices::{Lifecycle, StopReason};
-use lucid_seccomp::Seccomp;
 use lucid_stats::{Counter, StatsRegistry};
 use lucid_sym::abi;
 use serde::Deserialize;
@@ -73,8 +72,8 @@ pub enum ApiError {
         #[source]
         source: std::io::Error,
     },
-    #[error("cannot start the control API's thread")]
-    Thread(#[source] std::io::Error),
+    #[error(transparent)]
+    Thread(#[from] lucid_thread::SpawnError),
 }
 
 /// The bound socket, before its thread starts. Dropping it removes the socket file (when it is
@@ -208,7 +207,7 @@ impl ApiServer {
     pub fn spawn(
         sock: ApiSocket,
         ctx: ApiContext,
-        seccomp: Option<Seccomp>,
+        spawner: &lucid_thread::Spawner,
     ) -> Result<Self, ApiError> {
         let shutdown = EventFd::new(EFD_NONBLOCK).map_err(|source| ApiError::Io {
             path: sock.path.clone(),
@@ -227,24 +226,30 @@ impl ApiServer {
             errors: c("errors"),
             dropped: c("clients_dropped"),
         };
-        let threads = ctx.stats.threads().clone();
+        let dir = sock.dir.try_clone().map_err(|source| ApiError::Io {
+            path: sock.path.clone(),
+            what: "duplicate the API socket's directory descriptor",
+            source,
+        })?;
         let lifecycle = ctx.lifecycle.clone();
-        let thread = std::thread::Builder::new()
-            .name("lucid-api".into())
-            .spawn(move || {
-                let _registered = threads.register_current(lucid_stats::ThreadRole::Other);
-                if let Err(e) = lucid_seccomp::confine_api(seccomp.as_ref(), sock.dir.as_fd()) {
-                    return lifecycle.stop(StopReason::error(e));
-                }
-                Server {
-                    sock,
-                    ctx,
-                    counters,
-                    wake,
-                }
-                .run()
-            })
-            .map_err(ApiError::Thread)?;
+        let spec = lucid_thread::ThreadSpec::new(
+            "lucid-api",
+            lucid_stats::ThreadRole::Other,
+            lucid_seccomp::Role::Api,
+        )
+        .api_socket_dir(dir);
+        let thread = spawner.spawn(spec, move |confined| {
+            if let Err(e) = confined {
+                return lifecycle.stop(StopReason::error(e));
+            }
+            Server {
+                sock,
+                ctx,
+                counters,
+                wake,
+            }
+            .run()
+        })?;
         Ok(ApiServer {
             thread: Some(thread),
             shutdown,

@@ -170,7 +170,7 @@ impl VmSwap {
         ram: &GuestRam,
         hooks: &crate::hooks::ExitHooks,
         stats: &StatsRegistry,
-        seccomp: Option<lucid_seccomp::Seccomp>,
+        spawner: &lucid_thread::Spawner,
     ) -> Result<(), SwapError> {
         use lucid_swap::pager::{Pager, PagerConfig};
         let Some(limit) = self.limit.clone().filter(|_| self.pager_on) else {
@@ -200,10 +200,7 @@ impl VmSwap {
             images,
             PagerConfig::for_limit(limit.limit_bytes()),
             stats,
-            Box::new(move || {
-                lucid_seccomp::confine(seccomp.as_ref(), lucid_seccomp::Role::Pager)
-                    .map_err(|e| e.to_string())
-            }),
+            spawner,
         )
         .map_err(SwapError::Pager)?;
         self.pager = Some(pager);

@@ -18,7 +18,8 @@ use lucid_hv::kvm_bindings::kvm_regs;
 use lucid_hv::{Backend, IoAddr};
 use lucid_mem::{DmaPath, GuestRam};
 use lucid_seccomp::{Role, Seccomp};
-use lucid_stats::StatsRegistry;
+use lucid_stats::{StatsRegistry, ThreadRole};
+use lucid_thread::{Spawner, ThreadSpec};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::builder::{KernelLoad, VmBuilder};
@@ -139,12 +140,8 @@ pub enum VmmError {
         #[source]
         source: lucid_pci::PciError,
     },
-    #[error("cannot start the thread of vCPU {vcpu}")]
-    Thread {
-        vcpu: u32,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Thread(#[from] lucid_thread::SpawnError),
     #[error(transparent)]
     Seccomp(#[from] lucid_seccomp::SeccompError),
     #[error(transparent)]
@@ -153,11 +150,6 @@ pub enum VmmError {
     Swap(#[from] crate::swap::SwapError),
     #[error(transparent)]
     Api(#[from] crate::api::ApiError),
-    #[error("cannot start the vIOMMU's sidecore thread")]
-    IommuThread {
-        #[source]
-        source: std::io::Error,
-    },
 }
 
 /// A VM configuration this version cannot build.
@@ -215,8 +207,8 @@ pub struct Vm {
     pci: Option<PciBus>,
     /// The serial console's output, flushed before the run is reported.
     console: Arc<ConsoleOut>,
-    /// Set when the VM's threads confine themselves (`VmConfig::seccomp`).
-    seccomp: Option<Seccomp>,
+    /// Starts the VM's threads; they confine themselves with `VmConfig::seccomp`.
+    spawner: Spawner,
     /// The vIOMMU (`VmConfig::iommu`).
     iommu: Option<crate::iommu::Iommu>,
     /// The GSI router, when the VM has PCI devices or a vIOMMU.
@@ -268,17 +260,18 @@ impl Vm {
             true => Some(Seccomp::prepare(&stats)?),
             false => None,
         };
+        let spawner = Spawner::new(seccomp, stats.threads().clone());
         let lifecycle = Arc::new(Lifecycle::new());
         if config.low_noise {
             // Before any thread starts: they all inherit the non-vCPU CPUs.
-            crate::pools::low_noise(config.vcpus, &config.pool, &stats)?;
+            crate::pools::low_noise(config.vcpus, &config.pool, &stats, &spawner)?;
             for p in crate::pools::low_noise_pollers(&config) {
                 log::warn!("--low-noise: {p}");
             }
         }
         if config.handle_signals {
             // Before any thread starts, so that every thread inherits the blocked mask.
-            watch_stop_signals(lifecycle.clone(), seccomp.clone());
+            watch_stop_signals(lifecycle.clone(), &spawner);
         }
         let hooks = ExitHooks::new();
 
@@ -313,14 +306,14 @@ impl Vm {
                 router,
                 &hooks,
                 &stats,
-                &seccomp,
+                &spawner,
             )?),
             _ => None,
         };
 
         // Devices: the platform's, then PCI (only when there are PCI devices): virtio devices,
         // then the others (`--device`).
-        let platform = platform_devices(&config, b.vm(), &hooks, &lifecycle, &stats, &seccomp)?;
+        let platform = platform_devices(&config, b.vm(), &hooks, &lifecycle, &stats, &spawner)?;
         // SwapBypass's swap cache (`--blk ...,swapcache=MiB`), on the disk that asks for it.
         let swapcache = config
             .pci
@@ -345,6 +338,7 @@ impl Vm {
                 &stats,
                 &swap,
                 swapcache.as_ref(),
+                &spawner,
             )?),
             _ => None,
         };
@@ -438,6 +432,7 @@ impl Vm {
                     vm_name: &vm_name(&config.kernel),
                     seccomp: config.seccomp,
                     backends: config.pci.len() + usize::from(config.balloon.is_some()),
+                    spawner: &spawner,
                 },
             )?,
         };
@@ -464,7 +459,7 @@ impl Vm {
             _eventfds: platform.eventfds,
             pci,
             console: platform.console,
-            seccomp,
+            spawner,
             iommu,
             router,
             pools,
@@ -483,38 +478,29 @@ impl Vm {
         // The pager before the vCPUs: guest RAM must stay under the limit from their first
         // fault.
         self.swap
-            .start_pager(&self.ram, &self.hooks, &self.stats, self.seccomp.clone())?;
+            .start_pager(&self.ram, &self.hooks, &self.stats, &self.spawner)?;
         self.started = Some(Instant::now());
         for ctx in self.ctxs.drain(..) {
             let vcpu = ctx.id();
-            let (seccomp, lifecycle) = (self.seccomp.clone(), self.lifecycle.clone());
-            let threads = self.stats.threads().clone();
+            let lifecycle = self.lifecycle.clone();
             let sym = self.sym.clone();
-            let t = std::thread::Builder::new()
-                .name(format!("lucid-vcpu{vcpu}"))
-                .spawn(move || {
-                    let _registered = threads.register_current(lucid_stats::ThreadRole::Vcpu(vcpu));
+            let spec = ThreadSpec::new(format!("lucid-vcpu{vcpu}"), ThreadRole::Vcpu(vcpu), Role::Vcpu)
+                .before_confine(move || {
                     if let Some(sym) = sym {
                         sym.attach_vcpu_thread(vcpu);
                     }
-                    match lucid_seccomp::confine(seccomp.as_ref(), Role::Vcpu) {
-                        Ok(()) => ctx.run(),
-                        Err(e) => lifecycle.stop(StopReason::error(e)),
-                    }
-                })
-                .map_err(|source| VmmError::Thread { vcpu, source })?;
+                });
+            let t = self.spawner.spawn(spec, move |confined| match confined {
+                Ok(()) => ctx.run(),
+                Err(e) => lifecycle.stop(StopReason::error(e)),
+            })?;
             self.threads.push(t);
         }
         if let Some(pools) = &mut self.pools {
-            pools.start_monitor(&self.seccomp)?;
+            pools.start_monitor()?;
         }
         if let Some(sym) = self.sym.as_ref().filter(|_| !self.config.low_noise) {
-            sym.start_publisher(
-                self.lifecycle.clone(),
-                self.seccomp.clone(),
-                self.stats.threads().clone(),
-            )
-            .map_err(|source| VmmError::Thread { vcpu: 0, source })?;
+            sym.start_publisher(self.lifecycle.clone(), &self.spawner)?;
         }
         self.start_balloon_manager()?;
         if let Some(sock) = self.api_socket.take() {
@@ -525,11 +511,7 @@ impl Vm {
                 vcpus: self.config.vcpus.into(),
                 builtin_modules: self.config.builtin_modules,
             };
-            self.api = Some(crate::api::ApiServer::spawn(
-                sock,
-                ctx,
-                self.seccomp.clone(),
-            )?);
+            self.api = Some(crate::api::ApiServer::spawn(sock, ctx, &self.spawner)?);
         }
         Ok(())
     }
@@ -559,16 +541,13 @@ impl Vm {
                 crate::balloon::ProcessPressure::open(None).map_err(VmmError::BalloonManager)?,
             ),
         };
-        let seccomp = self.seccomp.clone();
         let m = BalloonManager::spawn(
             ctl,
             source,
             SizingPolicy::default(),
             std::time::Duration::from_millis(200),
             &self.stats,
-            Box::new(move || {
-                lucid_seccomp::confine(seccomp.as_ref(), Role::Backend).map_err(|e| e.to_string())
-            }),
+            &self.spawner,
         )
         .map_err(VmmError::BalloonManager)?;
         self.balloon_manager = Some(m);
@@ -580,7 +559,7 @@ impl Vm {
     /// start processes. For the thread that started the VM and will only wait for it (the
     /// CLI's main thread), once everything it will write to is open.
     pub fn confine_caller(&self) -> Result<(), VmmError> {
-        Ok(lucid_seccomp::confine(self.seccomp.as_ref(), Role::Main)?)
+        Ok(lucid_seccomp::confine(self.spawner.seccomp(), Role::Main)?)
     }
 
     /// Waits until the VM stops, joins the vCPU threads and reports.
@@ -748,7 +727,7 @@ fn platform_devices(
     hooks: &ExitHooks,
     lifecycle: &Arc<Lifecycle>,
     stats: &Arc<StatsRegistry>,
-    seccomp: &Option<Seccomp>,
+    spawner: &Spawner,
 ) -> Result<Platform, VmmError> {
     let serial_irq = eventfd("the serial interrupt")?;
     vm.register_irqfd(&serial_irq, 4)?;
@@ -756,7 +735,7 @@ fn platform_devices(
         &config.serial,
         clone_eventfd(&serial_irq, "the serial interrupt")?,
         stats,
-        seccomp.clone(),
+        spawner,
     )
     .map_err(|source| VmmError::Serial {
         output: config.serial.clone(),
@@ -765,7 +744,7 @@ fn platform_devices(
     let console = serial.output().clone();
     let serial = Arc::new(Mutex::new(serial));
     let stdin = config.serial_stdin && config.serial == lucid_devices::SerialOutput::Stdio;
-    Serial::start_input(&serial, listener, stdin, seccomp.clone());
+    Serial::start_input(&serial, listener, stdin, spawner);
     let pio = |base: u16, len: u64, name: &str, dev: Arc<Mutex<dyn BusDevice>>| {
         hooks.pio.insert(base.into(), len, name, dev)
     };
@@ -831,6 +810,7 @@ fn attach_pci(
     stats: &Arc<StatsRegistry>,
     swap: &crate::swap::VmSwap,
     swapcache: Option<&Arc<crate::sym::SwapCacheDevice>>,
+    spawner: &Spawner,
 ) -> Result<PciBus, VmmError> {
     // The Swap Mapper on every disk (none in baseline mode); pages the balloon gives back go
     // through it when there is one (it forgets the image blocks they showed), else through guest
@@ -862,6 +842,7 @@ fn attach_pci(
         mem: b.memory().clone(),
         dma: dma.clone(),
         stats: stats.clone(),
+        spawner: spawner.clone(),
         host,
     };
     let (mut nblk, mut nnet) = (0, 0);
@@ -1160,7 +1141,7 @@ fn install_kick_handler() {
 /// thread with sigwait. Called before any of the VM's threads start (console writer, input,
 /// vCPUs, device back-ends), so they all inherit the mask: a thread that did not would take
 /// the signal's default action and kill the process.
-fn watch_stop_signals(lifecycle: Arc<Lifecycle>, seccomp: Option<Seccomp>) {
+fn watch_stop_signals(lifecycle: Arc<Lifecycle>, spawner: &Spawner) {
     // SAFETY: sigset manipulation on a local set, and pthread_sigmask on the calling thread.
     let set = unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -1170,19 +1151,18 @@ fn watch_stop_signals(lifecycle: Arc<Lifecycle>, seccomp: Option<Seccomp>) {
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         set
     };
-    let spawned = std::thread::Builder::new()
-        .name("lucid-signals".into())
-        .spawn(move || {
-            if let Err(e) = lucid_seccomp::confine(seccomp.as_ref(), Role::Main) {
-                return lifecycle.stop(StopReason::error(e));
-            }
-            let mut sig: libc::c_int = 0;
-            // SAFETY: sigwait on a valid set with a valid out pointer.
-            if unsafe { libc::sigwait(&set, &mut sig) } == 0 {
-                log::info!("signal {sig}: stopping the VM");
-                lifecycle.stop(StopReason::Signal(sig));
-            }
-        });
+    let spec = ThreadSpec::new("lucid-signals", ThreadRole::Other, Role::Main);
+    let spawned = spawner.spawn(spec, move |confined| {
+        if let Err(e) = confined {
+            return lifecycle.stop(StopReason::error(e));
+        }
+        let mut sig: libc::c_int = 0;
+        // SAFETY: sigwait on a valid set with a valid out pointer.
+        if unsafe { libc::sigwait(&set, &mut sig) } == 0 {
+            log::info!("signal {sig}: stopping the VM");
+            lifecycle.stop(StopReason::Signal(sig));
+        }
+    });
     if let Err(e) = spawned {
         log::warn!("cannot start the signal thread ({e}): SIGINT/SIGTERM will not stop the VM");
     }
