@@ -160,25 +160,25 @@ impl Serial {
         if let Some(l) = listener {
             let dev = dev.clone();
             let _ = spawner.spawn(spec("lucid-serial-accept"), move |confined| {
-                    if confined.is_err() {
-                        return;
+                if confined.is_err() {
+                    return;
+                }
+                for conn in l.incoming().flatten() {
+                    let Ok(reader) = conn.try_clone() else {
+                        continue;
+                    };
+                    let (slot, out) = {
+                        let d = dev.lock().unwrap_or_else(|e| e.into_inner());
+                        (d.client.clone(), d.out.clone())
+                    };
+                    if let Some(slot) = slot {
+                        // The writer thread sends the backlog, then follows the output.
+                        *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(conn));
+                        out.wake();
                     }
-                    for conn in l.incoming().flatten() {
-                        let Ok(reader) = conn.try_clone() else {
-                            continue;
-                        };
-                        let (slot, out) = {
-                            let d = dev.lock().unwrap_or_else(|e| e.into_inner());
-                            (d.client.clone(), d.out.clone())
-                        };
-                        if let Some(slot) = slot {
-                            // The writer thread sends the backlog, then follows the output.
-                            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(conn));
-                            out.wake();
-                        }
-                        pump_input(&dev, reader);
-                    }
-                });
+                    pump_input(&dev, reader);
+                }
+            });
         } else if stdin {
             let dev = dev.clone();
             let _ = spawner.spawn(spec("lucid-serial-stdin"), move |confined| {
@@ -252,7 +252,13 @@ mod tests {
         let path = std::env::temp_dir().join(format!("lucid-serial-{}", std::process::id()));
         let stats = StatsRegistry::new();
         let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-        let (mut s, _) = Serial::new(&SerialOutput::File(path.clone()), evt, &stats, &spawner(&stats)).unwrap();
+        let (mut s, _) = Serial::new(
+            &SerialOutput::File(path.clone()),
+            evt,
+            &stats,
+            &spawner(&stats),
+        )
+        .unwrap();
         for b in b"hi\n" {
             s.write(0, &[*b]);
         }
@@ -278,8 +284,13 @@ mod tests {
         let path = std::env::temp_dir().join(format!("lucid-serial-sock-{}", std::process::id()));
         let stats = StatsRegistry::new();
         let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-        let (s, listener) =
-            Serial::new(&SerialOutput::Unix(path.clone()), evt, &stats, &spawner(&stats)).unwrap();
+        let (s, listener) = Serial::new(
+            &SerialOutput::Unix(path.clone()),
+            evt,
+            &stats,
+            &spawner(&stats),
+        )
+        .unwrap();
         let dev = Arc::new(Mutex::new(s));
         Serial::start_input(&dev, listener, false, &spawner(&stats));
         let _client = UnixStream::connect(&path).unwrap();

@@ -39,9 +39,12 @@ fn the_placer_runs_on_the_new_thread_before_spawn_returns_and_before_confinement
     let steps = Arc::new(Mutex::new(Vec::new()));
     let s = steps.clone();
     spawner.set_placer(Some(Arc::new(move |t: &ThreadInfo| {
-        s.lock()
-            .unwrap()
-            .push(format!("place {} {:?} {}", t.name, t.role, t.tid == gettid()));
+        s.lock().unwrap().push(format!(
+            "place {} {:?} {}",
+            t.name,
+            t.role,
+            t.tid == gettid()
+        ));
     })));
     let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
     let s = steps.clone();
@@ -53,7 +56,9 @@ fn the_placer_runs_on_the_new_thread_before_spawn_returns_and_before_confinement
                 .before_confine(move || s.lock().unwrap().push("before".into())),
             move |confined| {
                 go_rx.recv().unwrap();
-                s2.lock().unwrap().push(format!("body {}", confined.is_ok()));
+                s2.lock()
+                    .unwrap()
+                    .push(format!("body {}", confined.is_ok()));
             },
         )
         .unwrap();
@@ -91,7 +96,8 @@ fn refuse_seccomp_here() {
         seccompiler::TargetArch::x86_64,
     )
     .unwrap();
-    seccompiler::apply_filter(&filter.try_into().unwrap()).unwrap();
+    let prog: seccompiler::BpfProgram = filter.try_into().unwrap();
+    seccompiler::apply_filter(&prog).unwrap();
 }
 
 #[test]

@@ -698,26 +698,28 @@ impl Worker {
         // after an activation never leaves a back-end the pools did not see (they stop placing
         // threads as the VM stops). After every reset the thread confines itself again, as at
         // the first activation.
-        let spec = ThreadSpec::new(format!("lucid-{name}-io"), ThreadRole::Backend, Role::Backend);
-        let thread = spawner
-            .spawn(spec, move |confined| {
-                let mut run = Run {
-                    io,
-                    backend,
-                    stop: thread_stop,
-                    stop_evt: thread_evt,
-                };
-                let result = match confined {
-                    Err(e) => Err(std::io::Error::other(e)),
-                    Ok(()) if poll => run.poll_loop(idle_sleep_us),
-                    Ok(()) => run.kick_loop(),
-                };
-                if let Err(e) = result {
-                    run.io.fatal(Fault::Thread(e));
-                    run.wait_stop();
-                }
-            })
-?;
+        let spec = ThreadSpec::new(
+            format!("lucid-{name}-io"),
+            ThreadRole::Backend,
+            Role::Backend,
+        );
+        let thread = spawner.spawn(spec, move |confined| {
+            let mut run = Run {
+                io,
+                backend,
+                stop: thread_stop,
+                stop_evt: thread_evt,
+            };
+            let result = match confined {
+                Err(e) => Err(std::io::Error::other(e)),
+                Ok(()) if poll => run.poll_loop(idle_sleep_us),
+                Ok(()) => run.kick_loop(),
+            };
+            if let Err(e) = result {
+                run.io.fatal(Fault::Thread(e));
+                run.wait_stop();
+            }
+        })?;
         Ok(Worker {
             stop,
             stop_evt,

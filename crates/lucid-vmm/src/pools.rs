@@ -35,8 +35,8 @@ use lucid_pools::monitor::{self, Sample, Totals, Window};
 use lucid_pools::place::{PlaceError, Placed, Placer};
 use lucid_pools::policy::{apply_boost, Admission, AdmissionFiles, Applied, BoostLadder};
 use lucid_seccomp::Role;
-use lucid_thread::ThreadSpec;
 use lucid_stats::{StatsRegistry, ThreadInfo, ThreadRole};
+use lucid_thread::ThreadSpec;
 
 use crate::hooks::{ExitHooks, HYPERCALL_UNKNOWN};
 use crate::vm::hypercall;
@@ -628,11 +628,12 @@ impl Pools {
         );
         // Weak: the placer lives in the spawner, which outlives the pools.
         let weak: Weak<Shared> = Arc::downgrade(&shared);
-        args.spawner.set_placer(Some(Arc::new(move |t: &ThreadInfo| {
-            if let Some(s) = weak.upgrade() {
-                s.place(t);
-            }
-        })));
+        args.spawner
+            .set_placer(Some(Arc::new(move |t: &ThreadInfo| {
+                if let Some(s) = weak.upgrade() {
+                    s.place(t);
+                }
+            })));
         Ok(Some(Pools {
             shared,
             auto,

@@ -484,12 +484,16 @@ impl Vm {
             let vcpu = ctx.id();
             let lifecycle = self.lifecycle.clone();
             let sym = self.sym.clone();
-            let spec = ThreadSpec::new(format!("lucid-vcpu{vcpu}"), ThreadRole::Vcpu(vcpu), Role::Vcpu)
-                .before_confine(move || {
-                    if let Some(sym) = sym {
-                        sym.attach_vcpu_thread(vcpu);
-                    }
-                });
+            let spec = ThreadSpec::new(
+                format!("lucid-vcpu{vcpu}"),
+                ThreadRole::Vcpu(vcpu),
+                Role::Vcpu,
+            )
+            .before_confine(move || {
+                if let Some(sym) = sym {
+                    sym.attach_vcpu_thread(vcpu);
+                }
+            });
             let t = self.spawner.spawn(spec, move |confined| match confined {
                 Ok(()) => ctx.run(),
                 Err(e) => lifecycle.stop(StopReason::error(e)),
