@@ -52,10 +52,13 @@ fn the_placer_runs_on_the_new_thread_before_spawn_returns_and_before_confinement
     let t = spawner
         .clone()
         .spawn(
-            ThreadSpec::new("lucid-vcpu3", ThreadRole::Vcpu(3), Role::Vcpu)
-                .before_confine(move || s.lock().unwrap().push("before".into())),
+            ThreadSpec::new("lucid-vcpu3", ThreadRole::Vcpu(3), Role::Vcpu).before_confine(
+                move || {
+                    go_rx.recv().unwrap();
+                    s.lock().unwrap().push("before".into())
+                },
+            ),
             move |confined| {
-                go_rx.recv().unwrap();
                 s2.lock()
                     .unwrap()
                     .push(format!("body {}", confined.is_ok()));
