@@ -46,7 +46,7 @@ pub struct ThreadSpec {
     pub name: String,
     pub role: ThreadRole,
     pub seccomp_role: Role,
-    socket_dir: Option<OwnedFd>,
+    socket_dir: Option<Arc<OwnedFd>>,
     before_confine: Option<Box<dyn FnOnce() + Send>>,
 }
 
@@ -62,8 +62,9 @@ impl ThreadSpec {
     }
 
     /// Confines the thread to [`Role::Api`], which may also remove names in directory `dir`
-    /// ([`lucid_seccomp::confine_api`]). The thread closes `dir` when it ends.
-    pub fn api_socket_dir(mut self, dir: OwnedFd) -> Self {
+    /// ([`lucid_seccomp::confine_api`]): through that descriptor only (the filter checks its
+    /// number), so the thread must keep and use this one, not a duplicate.
+    pub fn api_socket_dir(mut self, dir: Arc<OwnedFd>) -> Self {
         self.seccomp_role = Role::Api;
         self.socket_dir = Some(dir);
         self

@@ -83,7 +83,7 @@ pub struct ApiSocket {
     path: PathBuf,
     /// The socket's directory (`O_PATH`): the file is removed through it, which is all the
     /// API thread's seccomp role allows.
-    dir: OwnedFd,
+    dir: Arc<OwnedFd>,
     name: CString,
     /// (device, inode) of the socket file bound here.
     id: (u64, u64),
@@ -131,7 +131,7 @@ impl ApiSocket {
         let mut sock = ApiSocket {
             listener,
             path: path.into(),
-            dir,
+            dir: Arc::new(dir),
             name,
             id: (0, 0),
         };
@@ -226,18 +226,13 @@ impl ApiServer {
             errors: c("errors"),
             dropped: c("clients_dropped"),
         };
-        let dir = sock.dir.try_clone().map_err(|source| ApiError::Io {
-            path: sock.path.clone(),
-            what: "duplicate the API socket's directory descriptor",
-            source,
-        })?;
         let lifecycle = ctx.lifecycle.clone();
         let spec = lucid_thread::ThreadSpec::new(
             "lucid-api",
             lucid_stats::ThreadRole::Other,
             lucid_seccomp::Role::Api,
         )
-        .api_socket_dir(dir);
+        .api_socket_dir(sock.dir.clone());
         let thread = spawner.spawn(spec, move |confined| {
             if let Err(e) = confined {
                 return lifecycle.stop(StopReason::error(e));
