@@ -125,6 +125,7 @@ fuzz_target!(|data: &[u8]| {
         mem: ram.memory().clone(),
         dma: DmaPath::new(ram.memory().clone(), &stats),
         stats: stats.clone(),
+        spawner: lucid_thread::Spawner::new(None, stats.threads().clone()),
         host: HostCaps::default(),
     };
     let opts = TransportOptions {

@@ -11,7 +11,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use lucid_stats::{Counter, StatsRegistry};
+use lucid_seccomp::Role;
+use lucid_stats::{Counter, StatsRegistry, ThreadRole};
+use lucid_thread::{SpawnError, Spawner, ThreadSpec};
 
 /// Where the writer thread puts the bytes.
 pub(crate) enum Sink {
@@ -147,14 +149,14 @@ pub struct ConsoleOut {
 pub const FLUSH_PATIENCE: Duration = Duration::from_secs(2);
 
 impl ConsoleOut {
-    /// Starts the writer thread for `sink`. At most `capacity` bytes wait for the reader. With
-    /// `seccomp`, the thread confines itself as a device back-end before its first write.
+    /// Starts the writer thread for `sink`. At most `capacity` bytes wait for the reader. The
+    /// thread confines itself as a device back-end before its first write.
     pub(crate) fn start(
         sink: Sink,
         capacity: usize,
         stats: &StatsRegistry,
-        seccomp: Option<lucid_seccomp::Seccomp>,
-    ) -> std::io::Result<(Arc<Self>, ConsoleWriter)> {
+        spawner: &Spawner,
+    ) -> Result<(Arc<Self>, ConsoleWriter), SpawnError> {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 buf: VecDeque::new(),
@@ -171,13 +173,12 @@ impl ConsoleOut {
             warned: std::sync::atomic::AtomicBool::new(false),
         });
         let s = shared.clone();
-        let thread = std::thread::Builder::new()
-            .name("lucid-serial-out".into())
-            .spawn(move || {
-                if lucid_seccomp::confine(seccomp.as_ref(), lucid_seccomp::Role::Backend).is_ok() {
-                    drain(&s, sink)
-                }
-            })?;
+        let spec = ThreadSpec::new("lucid-serial-out", ThreadRole::Other, Role::Backend);
+        let thread = spawner.spawn(spec, move |confined| {
+            if confined.is_ok() {
+                drain(&s, sink)
+            }
+        })?;
         let out = Arc::new(ConsoleOut {
             shared: shared.clone(),
             thread: Mutex::new(Some(thread)),

@@ -7,8 +7,9 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use lucid_seccomp::{Role, Seccomp};
-use lucid_stats::{Counter, StatsRegistry};
+use lucid_seccomp::Role;
+use lucid_stats::{Counter, StatsRegistry, ThreadRole};
+use lucid_thread::{Spawner, ThreadSpec};
 use vm_superio::{serial::SerialEvents, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -100,14 +101,14 @@ pub struct Serial {
 }
 
 impl Serial {
-    /// Creates the console and its output thread (confined as a device back-end with
-    /// `seccomp`). Input threads (stdin or socket) are started by [`Serial::start_input`] once
-    /// the device is shared.
+    /// Creates the console and its output thread (confined as a device back-end). Input
+    /// threads (stdin or socket) are started by [`Serial::start_input`] once the device is
+    /// shared.
     pub fn new(
         output: &SerialOutput,
         irq: EventFd,
         stats: &StatsRegistry,
-        seccomp: Option<Seccomp>,
+        spawner: &Spawner,
     ) -> std::io::Result<(Self, Option<UnixListener>)> {
         let mut client = None;
         let (sink, capacity, listener) = match output {
@@ -121,7 +122,8 @@ impl Serial {
                 (Sink::Socket(slot), SOCKET_BACKLOG, Some(l))
             }
         };
-        let (out, writer) = ConsoleOut::start(sink, capacity, stats, seccomp)?;
+        let (out, writer) =
+            ConsoleOut::start(sink, capacity, stats, spawner).map_err(std::io::Error::other)?;
         let trigger = IrqTrigger {
             evt: irq,
             count: stats.counter("serial.irqs"),
@@ -147,47 +149,43 @@ impl Serial {
     }
 
     /// Starts the input side: the socket's accept loop, or a stdin reader when `stdin` is set.
-    /// With `seccomp`, the input thread confines itself as a device back-end.
+    /// The input thread confines itself as a device back-end.
     pub fn start_input(
         dev: &Arc<Mutex<Serial>>,
         listener: Option<UnixListener>,
         stdin: bool,
-        seccomp: Option<Seccomp>,
+        spawner: &Spawner,
     ) {
-        let confine = move || lucid_seccomp::confine(seccomp.as_ref(), Role::Backend).is_ok();
+        let spec = |name: &str| ThreadSpec::new(name, ThreadRole::Other, Role::Backend);
         if let Some(l) = listener {
             let dev = dev.clone();
-            let _ = std::thread::Builder::new()
-                .name("lucid-serial-accept".into())
-                .spawn(move || {
-                    if !confine() {
-                        return;
+            let _ = spawner.spawn(spec("lucid-serial-accept"), move |confined| {
+                if confined.is_err() {
+                    return;
+                }
+                for conn in l.incoming().flatten() {
+                    let Ok(reader) = conn.try_clone() else {
+                        continue;
+                    };
+                    let (slot, out) = {
+                        let d = dev.lock().unwrap_or_else(|e| e.into_inner());
+                        (d.client.clone(), d.out.clone())
+                    };
+                    if let Some(slot) = slot {
+                        // The writer thread sends the backlog, then follows the output.
+                        *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(conn));
+                        out.wake();
                     }
-                    for conn in l.incoming().flatten() {
-                        let Ok(reader) = conn.try_clone() else {
-                            continue;
-                        };
-                        let (slot, out) = {
-                            let d = dev.lock().unwrap_or_else(|e| e.into_inner());
-                            (d.client.clone(), d.out.clone())
-                        };
-                        if let Some(slot) = slot {
-                            // The writer thread sends the backlog, then follows the output.
-                            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(conn));
-                            out.wake();
-                        }
-                        pump_input(&dev, reader);
-                    }
-                });
+                    pump_input(&dev, reader);
+                }
+            });
         } else if stdin {
             let dev = dev.clone();
-            let _ = std::thread::Builder::new()
-                .name("lucid-serial-stdin".into())
-                .spawn(move || {
-                    if confine() {
-                        pump_input(&dev, std::io::stdin())
-                    }
-                });
+            let _ = spawner.spawn(spec("lucid-serial-stdin"), move |confined| {
+                if confined.is_ok() {
+                    pump_input(&dev, std::io::stdin())
+                }
+            });
         }
     }
 }
@@ -234,6 +232,10 @@ impl BusDevice for Serial {
 mod tests {
     use super::*;
 
+    fn spawner(stats: &StatsRegistry) -> Spawner {
+        Spawner::new(None, stats.threads().clone())
+    }
+
     #[test]
     fn parses_serial_option() {
         assert_eq!("stdio".parse::<SerialOutput>(), Ok(SerialOutput::Stdio));
@@ -250,7 +252,13 @@ mod tests {
         let path = std::env::temp_dir().join(format!("lucid-serial-{}", std::process::id()));
         let stats = StatsRegistry::new();
         let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-        let (mut s, _) = Serial::new(&SerialOutput::File(path.clone()), evt, &stats, None).unwrap();
+        let (mut s, _) = Serial::new(
+            &SerialOutput::File(path.clone()),
+            evt,
+            &stats,
+            &spawner(&stats),
+        )
+        .unwrap();
         for b in b"hi\n" {
             s.write(0, &[*b]);
         }
@@ -276,10 +284,15 @@ mod tests {
         let path = std::env::temp_dir().join(format!("lucid-serial-sock-{}", std::process::id()));
         let stats = StatsRegistry::new();
         let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-        let (s, listener) =
-            Serial::new(&SerialOutput::Unix(path.clone()), evt, &stats, None).unwrap();
+        let (s, listener) = Serial::new(
+            &SerialOutput::Unix(path.clone()),
+            evt,
+            &stats,
+            &spawner(&stats),
+        )
+        .unwrap();
         let dev = Arc::new(Mutex::new(s));
-        Serial::start_input(&dev, listener, false, None);
+        Serial::start_input(&dev, listener, false, &spawner(&stats));
         let _client = UnixStream::connect(&path).unwrap();
         let slot = dev.lock().unwrap().client.clone().unwrap();
         while slot.lock().unwrap().is_none() {

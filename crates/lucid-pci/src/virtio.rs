@@ -127,6 +127,8 @@ pub struct TransportEnv {
     pub mem: GuestMemoryMmap,
     pub dma: Arc<DmaPath>,
     pub stats: Arc<StatsRegistry>,
+    /// Starts the devices' back-end threads.
+    pub spawner: lucid_thread::Spawner,
     pub host: HostCaps,
 }
 
@@ -667,6 +669,7 @@ impl VirtioPciDevice {
             notify: self.plan.notify,
             coalescing: self.opts.coalescing,
             stats: self.env.stats.clone(),
+            spawner: self.env.spawner.clone(),
         };
         self.device.activate(ctx)?;
         self.activated = true;

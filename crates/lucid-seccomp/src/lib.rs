@@ -6,9 +6,10 @@
 //!
 //! [`Seccomp::prepare`] (on the main thread, before any thread confines itself) installs the
 //! handler and checks that the filters build and install here; its token is what turns
-//! confinement on. A thread confines itself with [`confine`]. A thread started by a confined
-//! thread inherits its creator's filter; it picks up the token with [`Seccomp::of_this_thread`]
-//! in the creator and confines itself to its own role, which narrows what it inherited.
+//! confinement on. A thread confines itself with [`confine`]; the VM's threads do so through
+//! `lucid_thread::Spawner`, which holds the token. A thread started by a confined thread
+//! inherits its creator's filter and confines itself to its own role, which narrows what it
+//! inherited; [`Seccomp::of_this_thread`] tells code whether the calling thread is confined.
 
 mod names;
 mod report;

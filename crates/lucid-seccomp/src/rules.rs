@@ -314,7 +314,7 @@ fn backend(a: &mut Allowed) -> Result<(), BackendError> {
     ]);
     connected_send(a)?;
     // Its own affinity only (pid 0): a thread that starts in a VM with pools or `--low-noise`
-    // moves itself to its CPUs when it registers (threads started by a vCPU inherit this list).
+    // moves itself to its CPUs as it starts (threads started by a vCPU inherit this list).
     a.when(SYS_sched_setaffinity, vec![rule(vec![arg(0, Op::Eq, 0)?])?]);
     a.ioctls(&backend_ioctls())
 }
@@ -382,7 +382,7 @@ fn ofd_locks(a: &mut Allowed) -> Result<(), BackendError> {
     Ok(())
 }
 
-/// The pools' placement hook on a back-end thread a vCPU started, which runs under the vCPU's
+/// The pools' placer on a back-end thread a vCPU started, which runs under the vCPU's
 /// filter before the thread confines itself: its own policy (`sched_setattr`/`sched_getattr`
 /// on pid 0 only; `sched_setaffinity` on itself is the back-end's) and, for a no-op pool, its
 /// admission on files opened before confinement (`flock` on a slot, OFD locks on the waiting

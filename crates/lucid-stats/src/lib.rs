@@ -15,7 +15,7 @@ mod median;
 mod threads;
 
 pub use median::{into_median_by, median, median_by};
-pub use threads::{Background, ThreadGuard, ThreadInfo, ThreadRegistry, ThreadRole};
+pub use threads::{ThreadGuard, ThreadInfo, ThreadRegistry, ThreadRole};
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};

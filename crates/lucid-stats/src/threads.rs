@@ -2,18 +2,17 @@
 //! them and the monitor can read their `schedstat`. A thread registers itself (only it knows its
 //! own TID) and is dropped from the list when its guard goes.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex};
 
 /// What a Lucid thread does, as the pools see it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ThreadRole {
     /// The thread running `KVM_RUN` for vCPU `n`.
     Vcpu(u32),
-    /// A device back-end (a virtio worker, the sidecore vIOMMU poller): it moves guest data.
+    /// A device back-end (a virtio worker): it moves guest data, in the pools' back-end pool.
     Backend,
-    /// Anything else (signals, serial, monitor).
+    /// Anything else (signals, serial, monitor, pager, the sidecore vIOMMU poller): the pools
+    /// leave it where it started.
     Other,
 }
 
@@ -27,15 +26,10 @@ pub struct ThreadInfo {
     pub role: ThreadRole,
 }
 
-/// Called on a thread that just registered, on that thread (so it may act on itself: set its
-/// own affinity, join a cgroup), with its entry.
-pub type OnRegister = Arc<dyn Fn(&ThreadInfo) + Send + Sync>;
-
 /// The VM's thread list. One per VM, shared like the stats registry.
 #[derive(Default)]
 pub struct ThreadRegistry {
     threads: Mutex<Vec<ThreadInfo>>,
-    on_register: RwLock<Option<OnRegister>>,
 }
 
 impl std::fmt::Debug for ThreadRegistry {
@@ -51,7 +45,14 @@ impl std::fmt::Debug for ThreadRegistry {
 #[must_use = "the thread leaves the registry when the guard is dropped"]
 pub struct ThreadGuard {
     registry: Arc<ThreadRegistry>,
-    tid: i32,
+    info: ThreadInfo,
+}
+
+impl ThreadGuard {
+    /// The entry this guard keeps.
+    pub fn info(&self) -> &ThreadInfo {
+        &self.info
+    }
 }
 
 impl ThreadRegistry {
@@ -73,24 +74,10 @@ impl ThreadRegistry {
             list.retain(|t| t.tid != tid);
             list.push(info.clone());
         }
-        let hook = self
-            .on_register
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        if let Some(hook) = hook {
-            hook(&info);
-        }
         ThreadGuard {
             registry: self.clone(),
-            tid,
+            info,
         }
-    }
-
-    /// Sets what every thread that registers from now on runs, on itself, right after it
-    /// registered (the scheduling pools place it). Replaces an earlier hook.
-    pub fn set_on_register(&self, hook: Option<OnRegister>) {
-        *self.on_register.write().unwrap_or_else(|e| e.into_inner()) = hook;
     }
 
     /// Whether thread `tid` is registered now (it has not ended).
@@ -118,51 +105,7 @@ impl Drop for ThreadGuard {
             .threads
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        list.retain(|t| t.tid != self.tid);
-    }
-}
-
-/// A named background thread that runs until it is asked to stop: its body polls the stop flag
-/// it is given. Stopping sets the flag, unparks the thread (one sleeping in `park_timeout` wakes
-/// at once) and joins it; dropping stops it too.
-pub struct Background {
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl Background {
-    pub fn spawn(
-        name: &str,
-        body: impl FnOnce(&AtomicBool) + Send + 'static,
-    ) -> std::io::Result<Self> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name(name.into())
-            .spawn(move || body(&flag))?;
-        Ok(Background {
-            stop,
-            thread: Some(thread),
-        })
-    }
-
-    /// Stops the thread and waits for it (no-op once stopped). From the thread itself (its body
-    /// dropped the last owner of this handle) it only sets the flag: a thread cannot join itself.
-    pub fn stop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            if t.thread().id() == std::thread::current().id() {
-                return;
-            }
-            t.thread().unpark();
-            let _ = t.join();
-        }
-    }
-}
-
-impl Drop for Background {
-    fn drop(&mut self) {
-        self.stop();
+        list.retain(|t| t.tid != self.info.tid);
     }
 }
 
@@ -193,50 +136,5 @@ mod tests {
         done_tx.send(()).unwrap();
         t.join().unwrap();
         assert!(reg.list().is_empty());
-    }
-
-    #[test]
-    fn the_hook_runs_on_the_registering_thread() {
-        let reg = ThreadRegistry::new();
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let s2 = seen.clone();
-        reg.set_on_register(Some(Arc::new(move |t: &ThreadInfo| {
-            // SAFETY: gettid has no arguments and cannot fail.
-            let me = unsafe { libc::gettid() };
-            s2.lock().unwrap().push((t.tid == me, t.role.clone()));
-        })));
-        let r2 = reg.clone();
-        std::thread::spawn(move || drop(r2.register_current(ThreadRole::Vcpu(3))))
-            .join()
-            .unwrap();
-        assert_eq!(*seen.lock().unwrap(), vec![(true, ThreadRole::Vcpu(3))]);
-    }
-
-    #[test]
-    fn a_background_thread_stops_when_asked_and_when_dropped() {
-        use std::sync::atomic::AtomicU32;
-        let ran = Arc::new(AtomicU32::new(0));
-        let r = ran.clone();
-        let mut t = Background::spawn("lucid-test-bg", move |stop| {
-            while !stop.load(Ordering::Acquire) {
-                std::thread::park_timeout(std::time::Duration::from_secs(60));
-            }
-            r.fetch_add(1, Ordering::SeqCst);
-        })
-        .unwrap();
-        t.stop();
-        assert_eq!(ran.load(Ordering::SeqCst), 1);
-        t.stop();
-        let r = ran.clone();
-        drop(
-            Background::spawn("lucid-test-bg", move |stop| {
-                while !stop.load(Ordering::Acquire) {
-                    std::thread::park_timeout(std::time::Duration::from_secs(60));
-                }
-                r.fetch_add(1, Ordering::SeqCst);
-            })
-            .unwrap(),
-        );
-        assert_eq!(ran.load(Ordering::SeqCst), 2);
     }
 }

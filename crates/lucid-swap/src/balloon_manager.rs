@@ -20,7 +20,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lucid_stats::{Counter, StatsRegistry};
+use lucid_seccomp::Role;
+use lucid_stats::{Counter, StatsRegistry, ThreadRole};
+use lucid_thread::{Background, Spawner, ThreadSpec};
 use lucid_virtio::balloon::{BalloonControl, PAGE_SIZE};
 
 /// How long the manager waits for the guest to reach a target before changing it again.
@@ -144,20 +146,21 @@ struct ManagerCounters {
 
 /// The running manager thread; stopped (and joined) by [`BalloonManager::stop`] or on drop.
 pub struct BalloonManager {
-    thread: lucid_stats::Background,
+    thread: Background,
 }
 
 impl BalloonManager {
-    /// Starts `lucid-balloonm`: it runs `confine` first (the VMM's seccomp for the thread; an
-    /// error ends the thread with a log line), then every `period` sizes the balloon of `ctl`
-    /// from `source` with `policy`, asking the guest for fresh statistics each time.
+    /// Starts `lucid-balloonm`: it confines itself as a device back-end (it raises the
+    /// balloon's configuration interrupt; an error ends the thread with a log line), then every
+    /// `period` sizes the balloon of `ctl` from `source` with `policy`, asking the guest for
+    /// fresh statistics each time.
     pub fn spawn(
         ctl: BalloonControl,
         source: Arc<dyn PressureSource>,
         policy: SizingPolicy,
         period: Duration,
         stats: &StatsRegistry,
-        confine: Box<dyn FnOnce() -> Result<(), String> + Send>,
+        spawner: &Spawner,
     ) -> std::io::Result<BalloonManager> {
         let c = |n: &str| stats.counter(format!("balloon.manager.{n}"));
         let counters = ManagerCounters {
@@ -167,21 +170,22 @@ impl BalloonManager {
             usage: c("usage_bytes"),
             limit: c("limit_bytes"),
         };
-        let threads = stats.threads().clone();
-        let thread = lucid_stats::Background::spawn("lucid-balloonm", move |thread_stop| {
-            let _registered = threads.register_current(lucid_stats::ThreadRole::Other);
-            if let Err(e) = confine() {
-                log::error!("balloon manager: cannot confine its thread: {e}");
-                return;
-            }
-            let mut last_change = Instant::now();
-            while !thread_stop.load(Ordering::Acquire) {
-                if tick(&ctl, &*source, &policy, &counters, last_change.elapsed()) {
-                    last_change = Instant::now();
+        let spec = ThreadSpec::new("lucid-balloonm", ThreadRole::Other, Role::Backend);
+        let thread = spawner
+            .spawn_background(spec, move |confined, thread_stop| {
+                if let Err(e) = confined {
+                    log::error!("balloon manager: {e}");
+                    return;
                 }
-                std::thread::park_timeout(period);
-            }
-        })?;
+                let mut last_change = Instant::now();
+                while !thread_stop.load(Ordering::Acquire) {
+                    if tick(&ctl, &*source, &policy, &counters, last_change.elapsed()) {
+                        last_change = Instant::now();
+                    }
+                    std::thread::park_timeout(period);
+                }
+            })
+            .map_err(std::io::Error::other)?;
         Ok(BalloonManager { thread })
     }
 

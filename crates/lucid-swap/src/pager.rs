@@ -36,7 +36,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lucid_stats::{Counter, StatsRegistry};
+use lucid_seccomp::Role;
+use lucid_stats::{Counter, StatsRegistry, ThreadRole};
+use lucid_thread::{Background, Spawner, ThreadSpec};
 
 use crate::limit::MemoryLimit;
 
@@ -196,21 +198,21 @@ impl Files {
 
 /// The running `lucid-pager` thread; dropping it stops it (and turns the OOM killer back on).
 pub struct Pager {
-    thread: lucid_stats::Background,
+    thread: Background,
 }
 
 impl Pager {
     /// Starts `lucid-pager` over guest RAM's host `ranges` for the cgroup of `limit`; `images`
     /// are the VM's disk images, whose unmapped page cache it drops when guest RAM has nothing
-    /// left to page out. It runs `confine` first (the VMM's seccomp for the thread; an error
-    /// ends the thread with a log line). Sets `oom_kill_disable` (v1) while it runs.
+    /// left to page out. The thread confines itself to the pager's seccomp role (an error ends
+    /// it with a log line). Sets `oom_kill_disable` (v1) while it runs.
     pub fn spawn(
         limit: &MemoryLimit,
         ranges: Vec<(u64, u64)>,
         images: Vec<File>,
         config: PagerConfig,
         stats: &StatsRegistry,
-        confine: Box<dyn FnOnce() -> Result<(), String> + Send>,
+        spawner: &Spawner,
     ) -> io::Result<Pager> {
         let threshold = match limit.usage_threshold(config.high()) {
             Ok(fd) => Some(fd),
@@ -251,18 +253,19 @@ impl Pager {
             config.low() >> 20,
             config.limit >> 20
         );
-        let threads = stats.threads().clone();
-        let thread = lucid_stats::Background::spawn("lucid-pager", move |thread_stop| {
-            let _registered = threads.register_current(lucid_stats::ThreadRole::Other);
-            touch_stack();
-            if let Err(e) = confine() {
-                log::error!("pager: cannot confine its thread: {e}");
+        let spec = ThreadSpec::new("lucid-pager", ThreadRole::Other, Role::Pager)
+            .before_confine(touch_stack);
+        let thread = spawner
+            .spawn_background(spec, move |confined, thread_stop| {
+                if let Err(e) = confined {
+                    log::error!("pager: {e}");
+                    files.set_oom_kill_disable(false);
+                    return;
+                }
+                run(&files, &clock, &config, &counters, thread_stop);
                 files.set_oom_kill_disable(false);
-                return;
-            }
-            run(&files, &clock, &config, &counters, thread_stop);
-            files.set_oom_kill_disable(false);
-        })?;
+            })
+            .map_err(io::Error::other)?;
         Ok(Pager { thread })
     }
 

@@ -52,7 +52,7 @@ fn pager_keeps_usage_under_the_limit_and_data_intact() {
         Vec::new(),
         cfg,
         &stats,
-        Box::new(|| Ok(())),
+        &lucid_thread::Spawner::new(None, stats.threads().clone()),
     )
     .unwrap();
     // SAFETY: the mapping above, RAM bytes long, used only by this thread.

@@ -162,6 +162,7 @@ pub fn virtqueue(data: &[u8]) -> BTreeMap<String, u64> {
             max_delay_us: 0,
         },
         stats: stats.clone(),
+        spawner: lucid_thread::Spawner::new(None, stats.threads().clone()),
     };
     dev.activate(ctx).expect("valid queues");
 

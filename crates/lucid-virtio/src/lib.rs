@@ -105,6 +105,8 @@ pub struct ActivateContext {
     pub notify: Notify,
     pub coalescing: Coalescing,
     pub stats: Arc<StatsRegistry>,
+    /// Starts the device's back-end thread.
+    pub spawner: lucid_thread::Spawner,
 }
 
 /// Why a device refused DRIVER_OK.
@@ -122,6 +124,8 @@ pub enum ActivateError {
         #[source]
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Spawn(#[from] lucid_thread::SpawnError),
 }
 
 /// A virtio device, transport-independent.

@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 use lucid_mem::vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryError};
 use lucid_mem::{DeviceId, DeviceMemory, DmaError, DmaPath};
 use lucid_seccomp::Role;
-use lucid_stats::{Counter, StatsRegistry};
+use lucid_stats::{Counter, StatsRegistry, ThreadRole};
+use lucid_thread::ThreadSpec;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
@@ -682,7 +683,7 @@ impl Worker {
         needs_reset: Arc<AtomicBool>,
         backend: impl Backend,
     ) -> Result<Worker, ActivateError> {
-        let threads = ctx.stats.threads().clone();
+        let spawner = ctx.spawner.clone();
         let (io, idle_sleep_us) = Io::new(name, ctx, needs_reset)?;
         let poll = io.poll;
         let stop = io.stop.clone();
@@ -693,37 +694,32 @@ impl Worker {
         let stop_evt = EventFd::new(0).map_err(thread_err)?;
         let thread_stop = stop.clone();
         let thread_evt = stop_evt.try_clone().map_err(thread_err)?;
-        // Started by a confined vCPU (the guest's activation), the thread confines itself too,
-        // after every reset as at the first activation.
-        let seccomp = lucid_seccomp::Seccomp::of_this_thread();
-        // Activation returns once the thread is registered (and so placed by the scheduling
-        // pools' hook): a VM that stops right after an activation never leaves a back-end
-        // the pools did not see (they stop placing threads as the VM stops).
-        let (registered_tx, registered_rx) = std::sync::mpsc::sync_channel::<()>(1);
-        let thread = std::thread::Builder::new()
-            .name(format!("lucid-{name}-io"))
-            .spawn(move || {
-                let _registered = threads.register_current(lucid_stats::ThreadRole::Backend);
-                let _ = registered_tx.send(());
-                let mut run = Run {
-                    io,
-                    backend,
-                    stop: thread_stop,
-                    stop_evt: thread_evt,
-                };
-                let result = match lucid_seccomp::confine(seccomp.as_ref(), Role::Backend) {
-                    Err(e) => Err(std::io::Error::other(e)),
-                    Ok(()) if poll => run.poll_loop(idle_sleep_us),
-                    Ok(()) => run.kick_loop(),
-                };
-                if let Err(e) = result {
-                    run.io.fatal(Fault::Thread(e));
-                    run.wait_stop();
-                }
-            })
-            .map_err(thread_err)?;
-        // Err only if the thread ended before it registered (it cannot: nothing comes before).
-        let _ = registered_rx.recv();
+        // Activation returns once the thread is registered and placed: a VM that stops right
+        // after an activation never leaves a back-end the pools did not see (they stop placing
+        // threads as the VM stops). After every reset the thread confines itself again, as at
+        // the first activation.
+        let spec = ThreadSpec::new(
+            format!("lucid-{name}-io"),
+            ThreadRole::Backend,
+            Role::Backend,
+        );
+        let thread = spawner.spawn(spec, move |confined| {
+            let mut run = Run {
+                io,
+                backend,
+                stop: thread_stop,
+                stop_evt: thread_evt,
+            };
+            let result = match confined {
+                Err(e) => Err(std::io::Error::other(e)),
+                Ok(()) if poll => run.poll_loop(idle_sleep_us),
+                Ok(()) => run.kick_loop(),
+            };
+            if let Err(e) = result {
+                run.io.fatal(Fault::Thread(e));
+                run.wait_stop();
+            }
+        })?;
         Ok(Worker {
             stop,
             stop_evt,

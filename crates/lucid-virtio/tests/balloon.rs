@@ -87,6 +87,7 @@ impl Drv {
             notify: Notify::Kicks,
             coalescing: Coalescing::default(),
             stats: self.stats.clone(),
+            spawner: lucid_thread::Spawner::new(None, self.stats.threads().clone()),
         };
         self.dev.activate(ctx).unwrap();
     }

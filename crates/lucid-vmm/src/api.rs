@@ -17,7 +17,7 @@
 
 use std::ffi::CString;
 use std::io::{ErrorKind, Read, Write};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -27,7 +27,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lucid_devices::{Lifecycle, StopReason};
-use lucid_seccomp::Seccomp;
 use lucid_stats::{Counter, StatsRegistry};
 use serde::Serialize;
 use serde_json::Value;
@@ -75,8 +74,8 @@ pub enum ApiError {
         #[source]
         source: std::io::Error,
     },
-    #[error("cannot start the control API's thread")]
-    Thread(#[source] std::io::Error),
+    #[error(transparent)]
+    Thread(#[from] lucid_thread::SpawnError),
 }
 
 /// The bound socket, before its thread starts. Dropping it removes the socket file (when it is
@@ -86,7 +85,7 @@ pub struct ApiSocket {
     path: PathBuf,
     /// The socket's directory (`O_PATH`): the file is removed through it, which is all the
     /// API thread's seccomp role allows.
-    dir: OwnedFd,
+    dir: Arc<OwnedFd>,
     name: CString,
     /// (device, inode) of the socket file bound here.
     id: (u64, u64),
@@ -134,7 +133,7 @@ impl ApiSocket {
         let mut sock = ApiSocket {
             listener,
             path: path.into(),
-            dir,
+            dir: Arc::new(dir),
             name,
             id: (0, 0),
         };
@@ -210,7 +209,7 @@ impl ApiServer {
     pub fn spawn(
         sock: ApiSocket,
         ctx: ApiContext,
-        seccomp: Option<Seccomp>,
+        spawner: &lucid_thread::Spawner,
     ) -> Result<Self, ApiError> {
         let shutdown = EventFd::new(EFD_NONBLOCK).map_err(|source| ApiError::Io {
             path: sock.path.clone(),
@@ -229,24 +228,25 @@ impl ApiServer {
             errors: c("errors"),
             dropped: c("clients_dropped"),
         };
-        let threads = ctx.stats.threads().clone();
         let lifecycle = ctx.lifecycle.clone();
-        let thread = std::thread::Builder::new()
-            .name("lucid-api".into())
-            .spawn(move || {
-                let _registered = threads.register_current(lucid_stats::ThreadRole::Other);
-                if let Err(e) = lucid_seccomp::confine_api(seccomp.as_ref(), sock.dir.as_fd()) {
-                    return lifecycle.stop(StopReason::error(e));
-                }
-                Server {
-                    sock,
-                    ctx,
-                    counters,
-                    wake,
-                }
-                .run()
-            })
-            .map_err(ApiError::Thread)?;
+        let spec = lucid_thread::ThreadSpec::new(
+            "lucid-api",
+            lucid_stats::ThreadRole::Other,
+            lucid_seccomp::Role::Api,
+        )
+        .api_socket_dir(sock.dir.clone());
+        let thread = spawner.spawn(spec, move |confined| {
+            if let Err(e) = confined {
+                return lifecycle.stop(StopReason::error(e));
+            }
+            Server {
+                sock,
+                ctx,
+                counters,
+                wake,
+            }
+            .run()
+        })?;
         Ok(ApiServer {
             thread: Some(thread),
             shutdown,
@@ -299,7 +299,7 @@ impl crate::technique::Technique for ApiTechnique {
 
     fn start(&mut self, cx: &crate::technique::StartContext<'_>) -> Result<(), crate::VmmError> {
         if let (Some(sock), Some(ctx)) = (self.socket.take(), self.ctx.take()) {
-            self.server = Some(ApiServer::spawn(sock, ctx, cx.seccomp.clone())?);
+            self.server = Some(ApiServer::spawn(sock, ctx, cx.spawner)?);
         }
         Ok(())
     }

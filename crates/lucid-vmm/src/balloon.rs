@@ -108,17 +108,13 @@ impl crate::technique::Technique for BalloonManagerTechnique {
             Some(s) => s,
             None => std::sync::Arc::new(ProcessPressure::open(None).map_err(Error)?),
         };
-        let seccomp = cx.seccomp.clone();
         let m = BalloonManager::spawn(
             self.ctl.clone(),
             source,
             SizingPolicy::default(),
             std::time::Duration::from_millis(200),
             cx.stats,
-            Box::new(move || {
-                lucid_seccomp::confine(seccomp.as_ref(), lucid_seccomp::Role::Backend)
-                    .map_err(|e| e.to_string())
-            }),
+            cx.spawner,
         )
         .map_err(Error)?;
         self.manager = Some(m);

@@ -55,12 +55,8 @@ pub enum VmmError {
         #[source]
         source: lucid_pci::PciError,
     },
-    #[error("cannot start the thread of vCPU {vcpu}")]
-    Thread {
-        vcpu: u32,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Thread(#[from] lucid_thread::SpawnError),
     #[error(transparent)]
     Seccomp(#[from] lucid_seccomp::SeccompError),
     #[error(transparent)]
@@ -69,11 +65,6 @@ pub enum VmmError {
     Swap(#[from] crate::swap::SwapError),
     #[error(transparent)]
     Api(#[from] crate::api::ApiError),
-    #[error("cannot start the vIOMMU's sidecore thread")]
-    IommuThread {
-        #[source]
-        source: std::io::Error,
-    },
     #[error("no PCI device named {0}")]
     NoSuchDevice(String),
     #[error("a PCI device named {0} is already attached")]

@@ -12,8 +12,9 @@ use lucid_hv::GsiRouter;
 use lucid_iommu::{EmulationMode, MlockPinner, MsiSink, Vtd, VtdConfig, VTD_BASE, VTD_SIZE};
 use lucid_mem::vm_memory::{GuestAddress, GuestMemoryBackend};
 use lucid_mem::{Backing, DmaPath, GuestMemoryMmap, GuestRam};
-use lucid_seccomp::{Role, Seccomp};
-use lucid_stats::StatsRegistry;
+use lucid_seccomp::Role;
+use lucid_stats::{StatsRegistry, ThreadRole};
+use lucid_thread::{Spawner, ThreadSpec};
 
 use crate::hooks::{ExitHooks, HookError, HYPERCALL_UNKNOWN};
 use crate::hypercall;
@@ -71,7 +72,7 @@ impl Iommu {
         router: &Arc<GsiRouter>,
         hooks: &ExitHooks,
         stats: &Arc<StatsRegistry>,
-        seccomp: &Option<Seccomp>,
+        spawner: &Spawner,
     ) -> Result<Self, VmmError> {
         let vtd = Vtd::new(
             cfg,
@@ -120,7 +121,7 @@ impl Iommu {
         let stop = Arc::new(AtomicBool::new(false));
         let sidecore = match cfg.mode {
             EmulationMode::Samecore => None,
-            EmulationMode::Sidecore => Some(spawn_sidecore(&vtd, &stop, seccomp)?),
+            EmulationMode::Sidecore => Some(spawn_sidecore(&vtd, &stop, spawner)?),
         };
         log::info!(
             "vIOMMU: VT-d at {VTD_BASE:#x}, {:?}, pin {:?}",
@@ -197,20 +198,18 @@ fn shared_page(vm: &lucid_hv::Vm, vtd: &Vtd) -> Result<GuestMemoryMmap, VmmError
 fn spawn_sidecore(
     vtd: &Arc<Vtd>,
     stop: &Arc<AtomicBool>,
-    seccomp: &Option<Seccomp>,
+    spawner: &Spawner,
 ) -> Result<JoinHandle<()>, VmmError> {
-    let (vtd, stop, seccomp) = (vtd.clone(), stop.clone(), seccomp.clone());
-    std::thread::Builder::new()
-        .name("lucid-vtd-sc".into())
-        .spawn(move || {
-            if let Err(e) = lucid_seccomp::confine(seccomp.as_ref(), Role::Iommu) {
-                // Never run unconfined; the guest sees a unit that stopped responding.
-                log::error!("lucid-vtd-sc: {e}");
-                return;
-            }
-            vtd.run_sidecore(&stop)
-        })
-        .map_err(|source| VmmError::IommuThread { source })
+    let (vtd, stop) = (vtd.clone(), stop.clone());
+    let spec = ThreadSpec::new("lucid-vtd-sc", ThreadRole::Other, Role::Iommu);
+    Ok(spawner.spawn(spec, move |confined| {
+        if let Err(e) = confined {
+            // Never run unconfined; the guest sees a unit that stopped responding.
+            log::error!("lucid-vtd-sc: {e}");
+            return;
+        }
+        vtd.run_sidecore(&stop)
+    })?)
 }
 
 /// What Linux needs on its command line with the vIOMMU: `intremap=off` unless the user chose.

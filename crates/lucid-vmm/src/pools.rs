@@ -4,8 +4,8 @@
 //! The pools are `lucid_pools`' (`lucid pools create`): this module opens their [`Placer`], the
 //! VM's [`VmPublisher`] (`vms/<pid>.json`) and, when back-ends go to a `noop` pool, the files of
 //! their admissions ([`AdmissionFiles`]) while the VM is built, before any thread confines
-//! itself. Every vCPU and back-end thread then places itself in the VM's pool as it registers
-//! (the `ThreadRegistry` hook, with [`Placer::place_thread`], which applies the pool's policy:
+//! itself. Every vCPU and back-end thread then places itself in the VM's pool as it starts
+//! (the spawner's placer, with [`Placer::place_thread`], which applies the pool's policy:
 //! `io` slice, `cpu` SCHED_BATCH (not for back-ends, which keep the default policy there),
 //! `noop` FIFO through admission), and a `lucid-monitor` thread,
 //! every window (1 s by default), samples the VM (`lucid_pools::monitor`), publishes
@@ -34,8 +34,9 @@ use lucid_pools::def::{DefError, Policy, PoolDef, StateDir, VmPublisher, VmRecor
 use lucid_pools::monitor::{self, Sample, Totals, Window};
 use lucid_pools::place::{PlaceError, Placed, Placer};
 use lucid_pools::policy::{apply_boost, Admission, AdmissionFiles, Applied, BoostLadder};
-use lucid_seccomp::{Role, Seccomp};
+use lucid_seccomp::Role;
 use lucid_stats::{StatsRegistry, ThreadInfo, ThreadRole};
+use lucid_thread::ThreadSpec;
 
 use crate::hooks::{ExitHooks, HookError, HYPERCALL_UNKNOWN};
 use crate::hypercall;
@@ -130,8 +131,8 @@ pub enum PoolsError {
     LowNoiseWithPool(String),
     #[error("cannot set the affinity of the calling thread for --low-noise")]
     Affinity(#[source] PlaceError),
-    #[error("cannot start the monitor thread")]
-    Thread(#[source] std::io::Error),
+    #[error(transparent)]
+    Thread(#[from] lucid_thread::SpawnError),
 }
 
 /// How a thread was placed.
@@ -148,7 +149,7 @@ struct Placement {
     how: How,
 }
 
-/// What the placement hook and the monitor share.
+/// What the placer and the monitor share.
 struct Shared {
     placer: Placer,
     /// The pool of the VM's back-ends when a pool takes them (`backends=on`).
@@ -474,6 +475,8 @@ pub(crate) struct Pools {
     monitor: Option<JoinHandle<()>>,
     /// The VM's threads confine themselves (then this one may not unlink at drop).
     confined: bool,
+    /// Starts the monitor; its placer is this VM's until [`Pools::stop`].
+    spawner: lucid_thread::Spawner,
 }
 
 /// What the VM brings to the pools besides its choice.
@@ -486,11 +489,13 @@ pub(crate) struct JoinArgs<'a> {
     pub seccomp: bool,
     /// How many back-end threads may run at once (one per device): admission files to open.
     pub backends: usize,
+    /// Gets the placer.
+    pub spawner: &'a lucid_thread::Spawner,
 }
 
 impl Pools {
     /// Joins the host's pools as `choice` says: `Ok(None)` when the VM runs in none. Installs the
-    /// placement hook, so threads that register from now on place themselves.
+    /// spawner's placer, so threads that start from now on place themselves.
     pub fn join(choice: &PoolChoice, args: JoinArgs<'_>) -> Result<Option<Self>, PoolsError> {
         if *choice == PoolChoice::None {
             return Ok(None);
@@ -621,11 +626,10 @@ impl Pools {
                 ", pinned"
             }
         );
-        // Weak: the hook lives in the stats registry, which `Shared` holds.
+        // Weak: the placer lives in the spawner, which outlives the pools.
         let weak: Weak<Shared> = Arc::downgrade(&shared);
-        args.stats
-            .threads()
-            .set_on_register(Some(Arc::new(move |t: &ThreadInfo| {
+        args.spawner
+            .set_placer(Some(Arc::new(move |t: &ThreadInfo| {
                 if let Some(s) = weak.upgrade() {
                     s.place(t);
                 }
@@ -639,12 +643,13 @@ impl Pools {
             stop: Arc::new((Mutex::new(false), Condvar::new())),
             monitor: None,
             confined: false,
+            spawner: args.spawner.clone(),
         }))
     }
 
     /// Starts `lucid-monitor`.
-    pub fn start_monitor(&mut self, seccomp: &Option<Seccomp>) -> Result<(), PoolsError> {
-        let confined = seccomp.is_some();
+    pub fn start_monitor(&mut self) -> Result<(), PoolsError> {
+        let confined = self.spawner.seccomp().is_some();
         let mut m = Monitor {
             shared: self.shared.clone(),
             auto: self.auto,
@@ -652,22 +657,17 @@ impl Pools {
             record: self.record.clone(),
             stop: self.stop.clone(),
         };
-        let seccomp = seccomp.clone();
-        let stats = self.shared.stats.clone();
-        let t = std::thread::Builder::new()
-            .name("lucid-monitor".into())
-            .spawn(move || {
-                let _registered = stats.threads().register_current(ThreadRole::Other);
-                if let Err(e) = lucid_seccomp::confine(seccomp.as_ref(), Role::Monitor) {
-                    // Never run unconfined; the VM runs on where it was placed.
-                    log::error!("lucid-monitor: {e}");
-                    m.shared.close();
-                    return;
-                }
-                m.run();
+        let spec = ThreadSpec::new("lucid-monitor", ThreadRole::Other, Role::Monitor);
+        let t = self.spawner.spawn(spec, move |confined| {
+            if let Err(e) = confined {
+                // Never run unconfined; the VM runs on where it was placed.
+                log::error!("lucid-monitor: {e}");
                 m.shared.close();
-            })
-            .map_err(PoolsError::Thread)?;
+                return;
+            }
+            m.run();
+            m.shared.close();
+        })?;
         // Only a running monitor closes (confined) at the end: without one, drop does.
         self.confined = confined;
         self.monitor = Some(t);
@@ -676,7 +676,7 @@ impl Pools {
 
     /// Stops placing threads, then the monitor after a last window, and joins it.
     pub fn stop(&mut self) {
-        self.shared.stats.threads().set_on_register(None);
+        self.spawner.set_placer(None);
         let (lock_, cv) = &*self.stop;
         *lock(lock_) = true;
         cv.notify_all();
@@ -709,8 +709,8 @@ impl crate::technique::Technique for Pools {
         "pools"
     }
 
-    fn start(&mut self, cx: &crate::technique::StartContext<'_>) -> Result<(), crate::VmmError> {
-        Ok(self.start_monitor(cx.seccomp)?)
+    fn start(&mut self, _cx: &crate::technique::StartContext<'_>) -> Result<(), crate::VmmError> {
+        Ok(self.start_monitor()?)
     }
 
     fn quiesce(&mut self) {
@@ -888,12 +888,13 @@ fn label_of(p: Policy) -> Label {
 // Low-noise mode.
 
 /// Pins the caller (and so every thread it starts from now on) to the CPUs left after the
-/// vCPUs take the highest ones, one each, and installs the hook that puts each vCPU on its CPU
-/// and every other thread (a back-end started by a vCPU inherits its CPU) back on the others.
+/// vCPUs take the highest ones, one each, and installs the placer that puts each vCPU on its
+/// CPU and every other thread (a back-end started by a vCPU inherits its CPU) back on the others.
 pub(crate) fn low_noise(
     vcpus: u8,
     choice: &PoolChoice,
     stats: &Arc<StatsRegistry>,
+    spawner: &lucid_thread::Spawner,
 ) -> Result<(), PoolsError> {
     if let PoolChoice::Named(n) = choice {
         return Err(PoolsError::LowNoiseWithPool(n.clone()));
@@ -906,20 +907,18 @@ pub(crate) fn low_noise(
     lucid_pools::place::set_affinity(0, &rest).map_err(PoolsError::Affinity)?;
     log::info!("--low-noise: vCPUs on CPUs {vcpu_cpus:?}, everything else on {rest:?}");
     stats.counter("pools.low_noise").set(1);
-    stats
-        .threads()
-        .set_on_register(Some(Arc::new(move |t: &ThreadInfo| {
-            let cpus = match t.role {
-                ThreadRole::Vcpu(n) => match vcpu_cpus.get(n as usize) {
-                    Some(&c) => vec![c],
-                    None => return,
-                },
-                _ => rest.clone(),
-            };
-            if let Err(e) = lucid_pools::place::set_affinity(0, &cpus) {
-                log::warn!("--low-noise: {} stays where it is: {e}", t.name);
-            }
-        })));
+    spawner.set_placer(Some(Arc::new(move |t: &ThreadInfo| {
+        let cpus = match t.role {
+            ThreadRole::Vcpu(n) => match vcpu_cpus.get(n as usize) {
+                Some(&c) => vec![c],
+                None => return,
+            },
+            _ => rest.clone(),
+        };
+        if let Err(e) = lucid_pools::place::set_affinity(0, &cpus) {
+            log::warn!("--low-noise: {} stays where it is: {e}", t.name);
+        }
+    })));
     Ok(())
 }
 

@@ -4,7 +4,9 @@
 use std::sync::Arc;
 
 use lucid_devices::{Lifecycle, StopReason};
-use lucid_seccomp::{Role, Seccomp};
+use lucid_seccomp::Role;
+use lucid_stats::ThreadRole;
+use lucid_thread::{Spawner, ThreadSpec};
 
 extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
 
@@ -22,7 +24,7 @@ pub(crate) fn install_kick_handler() {
 /// thread with sigwait. Called before any of the VM's threads start (console writer, input,
 /// vCPUs, device back-ends), so they all inherit the mask: a thread that did not would take
 /// the signal's default action and kill the process.
-pub(crate) fn watch_stop_signals(lifecycle: Arc<Lifecycle>, seccomp: Option<Seccomp>) {
+pub(crate) fn watch_stop_signals(lifecycle: Arc<Lifecycle>, spawner: &Spawner) {
     // SAFETY: sigset manipulation on a local set, and pthread_sigmask on the calling thread.
     let set = unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -32,19 +34,18 @@ pub(crate) fn watch_stop_signals(lifecycle: Arc<Lifecycle>, seccomp: Option<Secc
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         set
     };
-    let spawned = std::thread::Builder::new()
-        .name("lucid-signals".into())
-        .spawn(move || {
-            if let Err(e) = lucid_seccomp::confine(seccomp.as_ref(), Role::Main) {
-                return lifecycle.stop(StopReason::error(e));
-            }
-            let mut sig: libc::c_int = 0;
-            // SAFETY: sigwait on a valid set with a valid out pointer.
-            if unsafe { libc::sigwait(&set, &mut sig) } == 0 {
-                log::info!("signal {sig}: stopping the VM");
-                lifecycle.stop(StopReason::Signal(sig));
-            }
-        });
+    let spec = ThreadSpec::new("lucid-signals", ThreadRole::Other, Role::Main);
+    let spawned = spawner.spawn(spec, move |confined| {
+        if let Err(e) = confined {
+            return lifecycle.stop(StopReason::error(e));
+        }
+        let mut sig: libc::c_int = 0;
+        // SAFETY: sigwait on a valid set with a valid out pointer.
+        if unsafe { libc::sigwait(&set, &mut sig) } == 0 {
+            log::info!("signal {sig}: stopping the VM");
+            lifecycle.stop(StopReason::Signal(sig));
+        }
+    });
     if let Err(e) = spawned {
         log::warn!("cannot start the signal thread ({e}): SIGINT/SIGTERM will not stop the VM");
     }

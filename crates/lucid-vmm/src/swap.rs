@@ -172,7 +172,7 @@ impl VmSwap {
         ram: &GuestRam,
         hooks: &crate::hooks::ExitHooks,
         stats: &StatsRegistry,
-        seccomp: Option<lucid_seccomp::Seccomp>,
+        spawner: &lucid_thread::Spawner,
     ) -> Result<(), SwapError> {
         use lucid_swap::pager::{Pager, PagerConfig};
         let Some(limit) = self.limit.clone().filter(|_| self.pager_on) else {
@@ -202,10 +202,7 @@ impl VmSwap {
             images,
             PagerConfig::for_limit(limit.limit_bytes()),
             stats,
-            Box::new(move || {
-                lucid_seccomp::confine(seccomp.as_ref(), lucid_seccomp::Role::Pager)
-                    .map_err(|e| e.to_string())
-            }),
+            spawner,
         )
         .map_err(SwapError::Pager)?;
         self.pager = Some(pager);
@@ -284,7 +281,7 @@ impl crate::technique::Technique for VmSwap {
     }
 
     fn start(&mut self, cx: &crate::technique::StartContext<'_>) -> Result<(), crate::VmmError> {
-        Ok(self.start_pager(cx.ram, cx.hooks, cx.stats, cx.seccomp.clone())?)
+        Ok(self.start_pager(cx.ram, cx.hooks, cx.stats, cx.spawner)?)
     }
 
     fn stop(&mut self) {

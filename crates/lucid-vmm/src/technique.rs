@@ -13,7 +13,6 @@ use std::sync::Arc;
 
 use lucid_devices::Lifecycle;
 use lucid_mem::GuestRam;
-use lucid_seccomp::Seccomp;
 use lucid_stats::StatsRegistry;
 use lucid_swap::balloon_manager::PressureSource;
 
@@ -26,8 +25,8 @@ pub struct StartContext<'a> {
     pub hooks: &'a Arc<ExitHooks>,
     pub stats: &'a Arc<StatsRegistry>,
     pub lifecycle: &'a Arc<Lifecycle>,
-    /// The seccomp filters each thread confines itself with, when the VM's threads do.
-    pub seccomp: &'a Option<Seccomp>,
+    /// Starts the techniques' threads (named, registered, placed, confined).
+    pub spawner: &'a lucid_thread::Spawner,
     /// Where the balloon manager reads host pressure, when the caller chose
     /// ([`crate::Vm::set_pressure_source`]).
     pub pressure: Option<Arc<dyn PressureSource>>,
@@ -176,7 +175,7 @@ mod tests {
             hooks: &ExitHooks::new(),
             stats: &StatsRegistry::new(),
             lifecycle: &Arc::new(Lifecycle::new()),
-            seccomp: &None,
+            spawner: &lucid_thread::Spawner::new(None, lucid_stats::ThreadRegistry::new()),
             pressure: None,
         };
         ts.start(true, &cx).unwrap();

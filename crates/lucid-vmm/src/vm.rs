@@ -13,6 +13,8 @@ use lucid_hv::Backend;
 use lucid_mem::{DmaPath, GuestRam};
 use lucid_seccomp::{Role, Seccomp};
 use lucid_stats::StatsRegistry;
+use lucid_stats::ThreadRole;
+use lucid_thread::{Spawner, ThreadSpec};
 
 use crate::builder::VmBuilder;
 use crate::config::{KernelSource, VmConfig};
@@ -39,8 +41,8 @@ pub struct Vm {
     threads: Vec<JoinHandle<()>>,
     started: Option<Instant>,
     backend: Backend,
-    /// Set when the VM's threads confine themselves (`VmConfig::seccomp`).
-    seccomp: Option<Seccomp>,
+    /// Starts the VM's threads; they confine themselves with `VmConfig::seccomp`.
+    spawner: Spawner,
     /// The GSI router, when the VM has PCI devices or a vIOMMU.
     router: Option<Arc<lucid_hv::GsiRouter>>,
     /// The vIOMMU's unit (`VmConfig::iommu`); its lifecycle is a technique's.
@@ -64,17 +66,18 @@ impl Vm {
             true => Some(Seccomp::prepare(&stats)?),
             false => None,
         };
+        let spawner = Spawner::new(seccomp, stats.threads().clone());
         let lifecycle = Arc::new(Lifecycle::new());
         if config.low_noise {
             // Before any thread starts: they all inherit the non-vCPU CPUs.
-            crate::pools::low_noise(config.vcpus, &config.pool, &stats)?;
+            crate::pools::low_noise(config.vcpus, &config.pool, &stats, &spawner)?;
             for p in crate::pools::low_noise_pollers(&config) {
                 log::warn!("--low-noise: {p}");
             }
         }
         if config.handle_signals {
             // Before any thread starts, so that every thread inherits the blocked mask.
-            crate::signals::watch_stop_signals(lifecycle.clone(), seccomp.clone());
+            crate::signals::watch_stop_signals(lifecycle.clone(), &spawner);
         }
         let hooks = ExitHooks::new();
 
@@ -110,7 +113,7 @@ impl Vm {
                 router,
                 &hooks,
                 &stats,
-                &seccomp,
+                &spawner,
             )?),
             _ => None,
         };
@@ -138,7 +141,7 @@ impl Vm {
             hooks: &hooks,
             lifecycle: &lifecycle,
             stats: &stats,
-            seccomp: &seccomp,
+            spawner: &spawner,
             swap: &swap,
             sym: sym.as_ref(),
         })?;
@@ -162,6 +165,7 @@ impl Vm {
                     vm_name: &vm_name(&config.kernel),
                     seccomp: config.seccomp,
                     backends: config.pci.len() + usize::from(config.balloon.is_some()),
+                    spawner: &spawner,
                 },
             )?,
         };
@@ -214,7 +218,7 @@ impl Vm {
             threads: Vec::new(),
             started: None,
             backend,
-            seccomp,
+            spawner,
             router,
             vtd,
             sym,
@@ -234,29 +238,29 @@ impl Vm {
             hooks: &self.hooks,
             stats: &self.stats,
             lifecycle: &self.lifecycle,
-            seccomp: &self.seccomp,
+            spawner: &self.spawner,
             pressure: self.pressure.take(),
         };
         self.techniques.start(true, &cx)?;
         self.started = Some(Instant::now());
         for ctx in self.ctxs.drain(..) {
             let vcpu = ctx.id();
-            let (seccomp, lifecycle) = (self.seccomp.clone(), self.lifecycle.clone());
-            let threads = self.stats.threads().clone();
+            let lifecycle = self.lifecycle.clone();
             let sym = self.sym.clone();
-            let t = std::thread::Builder::new()
-                .name(format!("lucid-vcpu{vcpu}"))
-                .spawn(move || {
-                    let _registered = threads.register_current(lucid_stats::ThreadRole::Vcpu(vcpu));
-                    if let Some(sym) = sym {
-                        sym.attach_vcpu_thread(vcpu);
-                    }
-                    match lucid_seccomp::confine(seccomp.as_ref(), Role::Vcpu) {
-                        Ok(()) => ctx.run(),
-                        Err(e) => lifecycle.stop(StopReason::error(e)),
-                    }
-                })
-                .map_err(|source| VmmError::Thread { vcpu, source })?;
+            let spec = ThreadSpec::new(
+                format!("lucid-vcpu{vcpu}"),
+                ThreadRole::Vcpu(vcpu),
+                Role::Vcpu,
+            )
+            .before_confine(move || {
+                if let Some(sym) = sym {
+                    sym.attach_vcpu_thread(vcpu);
+                }
+            });
+            let t = self.spawner.spawn(spec, move |confined| match confined {
+                Ok(()) => ctx.run(),
+                Err(e) => lifecycle.stop(StopReason::error(e)),
+            })?;
             self.threads.push(t);
         }
         self.techniques.start(false, &cx)
@@ -277,7 +281,7 @@ impl Vm {
     /// start processes. For the thread that started the VM and will only wait for it (the
     /// CLI's main thread), once everything it will write to is open.
     pub fn confine_caller(&self) -> Result<(), VmmError> {
-        Ok(lucid_seccomp::confine(self.seccomp.as_ref(), Role::Main)?)
+        Ok(lucid_seccomp::confine(self.spawner.seccomp(), Role::Main)?)
     }
 
     /// The one way the VM's threads stop, for [`Vm::wait`] and for a drop: the techniques

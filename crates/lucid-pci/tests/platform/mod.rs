@@ -49,6 +49,7 @@ pub fn host() -> Host {
         router: GsiRouter::new(vm.clone()),
         mem: ram.memory().clone(),
         dma,
+        spawner: lucid_thread::Spawner::new(None, stats.threads().clone()),
         stats,
         host: HostCaps::default(),
     };

@@ -114,6 +114,7 @@ impl Guest {
             notify,
             coalescing,
             stats: self.stats.clone(),
+            spawner: lucid_thread::Spawner::new(None, self.stats.threads().clone()),
         }
     }
 }

@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use lucid_boot::layout::{self, ports};
 use lucid_devices::{BusDevice, Cmos, ConsoleOut, DebugExit, Lifecycle, NopPort, Serial, I8042};
 use lucid_hv::IoAddr;
-use lucid_seccomp::Seccomp;
 use lucid_stats::StatsRegistry;
+use lucid_thread::Spawner;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::config::VmConfig;
@@ -33,7 +33,7 @@ impl LegacyDevices {
         hooks: &ExitHooks,
         lifecycle: &Arc<Lifecycle>,
         stats: &Arc<StatsRegistry>,
-        seccomp: &Option<Seccomp>,
+        spawner: &Spawner,
     ) -> Result<Self, VmmError> {
         let serial_irq = eventfd("the serial interrupt")?;
         vm.register_irqfd(&serial_irq, 4)?;
@@ -41,7 +41,7 @@ impl LegacyDevices {
             &config.serial,
             clone_eventfd(&serial_irq, "the serial interrupt")?,
             stats,
-            seccomp.clone(),
+            spawner,
         )
         .map_err(|source| VmmError::Serial {
             output: config.serial.clone(),
@@ -50,7 +50,7 @@ impl LegacyDevices {
         let console = serial.output().clone();
         let serial = Arc::new(Mutex::new(serial));
         let stdin = config.serial_stdin && config.serial == lucid_devices::SerialOutput::Stdio;
-        Serial::start_input(&serial, listener, stdin, seccomp.clone());
+        Serial::start_input(&serial, listener, stdin, spawner);
         let pio = |base: u16, len: u64, name: &str, dev: Arc<Mutex<dyn BusDevice>>| {
             hooks.pio.insert(base.into(), len, name, dev)
         };

@@ -19,8 +19,8 @@ use std::sync::Arc;
 use lucid_devices::{ConsoleOut, Lifecycle};
 use lucid_hv::GsiRouter;
 use lucid_mem::DmaPath;
-use lucid_seccomp::Seccomp;
 use lucid_stats::StatsRegistry;
+use lucid_thread::Spawner;
 use lucid_virtio::balloon::BalloonControl;
 
 pub use pci::{AttachedPci, NewPciFunction, PciFunction, PciSlot};
@@ -73,7 +73,7 @@ pub(crate) struct DeviceParts<'a> {
     pub hooks: &'a ExitHooks,
     pub lifecycle: &'a Arc<Lifecycle>,
     pub stats: &'a Arc<StatsRegistry>,
-    pub seccomp: &'a Option<Seccomp>,
+    pub spawner: &'a Spawner,
     /// The Swap Mapper on the disks, and what gives the balloon's pages back.
     pub swap: &'a VmSwap,
     /// SwapBypass's swap cache asks it about live swap slots.
@@ -94,7 +94,7 @@ impl DeviceManager {
             p.hooks,
             p.lifecycle,
             p.stats,
-            p.seccomp,
+            p.spawner,
         )?;
         let mut dm = DeviceManager {
             legacy,
@@ -110,6 +110,7 @@ impl DeviceManager {
             dma: p.dma,
             hooks: p.hooks,
             stats: p.stats,
+            spawner: p.spawner,
             rungs: p.config.pci.iter().map(|d| d.rung).collect(),
         })?);
         dm.attach_configured(&p)?;

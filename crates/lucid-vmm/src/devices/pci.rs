@@ -104,6 +104,7 @@ pub(crate) struct PciParts<'a> {
     pub dma: &'a Arc<DmaPath>,
     pub hooks: &'a ExitHooks,
     pub stats: &'a Arc<StatsRegistry>,
+    pub spawner: &'a lucid_thread::Spawner,
     /// The rungs the configured virtio devices ask for (which host capabilities to probe).
     pub rungs: Vec<Rung>,
 }
@@ -134,6 +135,7 @@ impl PciBus {
             mem: b.memory().clone(),
             dma: p.dma.clone(),
             stats: p.stats.clone(),
+            spawner: p.spawner.clone(),
             host,
         };
         Ok(PciBus {

@@ -208,13 +208,7 @@ impl crate::technique::Technique for SymTechnique {
 
     fn start(&mut self, cx: &crate::technique::StartContext<'_>) -> Result<(), crate::VmmError> {
         if self.publish {
-            self.sym
-                .start_publisher(
-                    cx.lifecycle.clone(),
-                    cx.seccomp.clone(),
-                    cx.stats.threads().clone(),
-                )
-                .map_err(|source| crate::VmmError::Thread { vcpu: 0, source })?;
+            self.sym.start_publisher(cx.lifecycle.clone(), cx.spawner)?;
         }
         Ok(())
     }

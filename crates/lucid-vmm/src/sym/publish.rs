@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lucid_devices::Lifecycle;
-use lucid_seccomp::{Role, Seccomp};
+use lucid_seccomp::Role;
 use lucid_stats::{Counter, StatsRegistry, ThreadRole};
 use lucid_swap::balloon_manager::PressureSource;
 use lucid_sym::abi::page;
@@ -71,7 +71,7 @@ pub(super) struct Publisher {
     reads: Arc<Counter>,
     torn_reads: Arc<Counter>,
     /// `lucid-symspy`, while it runs.
-    thread: Mutex<Option<lucid_stats::Background>>,
+    thread: Mutex<Option<lucid_thread::Background>>,
 }
 
 impl Publisher {
@@ -225,13 +225,12 @@ impl Symbiotic {
     pub fn start_publisher(
         self: &Arc<Self>,
         lifecycle: Arc<Lifecycle>,
-        seccomp: Option<Seccomp>,
-        threads: Arc<lucid_stats::ThreadRegistry>,
-    ) -> std::io::Result<()> {
+        spawner: &lucid_thread::Spawner,
+    ) -> Result<(), lucid_thread::SpawnError> {
         let sym = self.clone();
-        let t = lucid_stats::Background::spawn("lucid-symspy", move |stop| {
-            let _registered = threads.register_current(ThreadRole::Other);
-            if let Err(e) = lucid_seccomp::confine(seccomp.as_ref(), Role::Pager) {
+        let spec = lucid_thread::ThreadSpec::new("lucid-symspy", ThreadRole::Other, Role::Pager);
+        let t = spawner.spawn_background(spec, move |confined, stop| {
+            if let Err(e) = confined {
                 log::error!("lucid-symspy: {e}: Lucid's SymSpy lines are not republished");
                 return;
             }
