@@ -20,21 +20,26 @@ mod vm;
 
 pub use builder::{KernelLoad, VmBuilder};
 pub use config::{
-    parse_balloon, parse_blk, parse_device, parse_iommu, parse_net, DeviceOptionError,
-    KernelSource, PciDeviceConfig, PciDeviceKind, PlatformPciDevice, VmConfig, MAX_MEM_MIB,
-    MAX_VCPUS,
+    parse_backing, parse_balloon, parse_blk, parse_device, parse_iommu, parse_net, ApiConfig,
+    ConfigError, DeviceOptionError, DevicesConfig, KernelSource, MachineConfig, MemoryConfig,
+    PayloadConfig, PciDeviceConfig, PciDeviceKind, PlatformPciDevice, PoolsConfig, RuntimeConfig,
+    SymbioticConfig, VmConfig, MAX_MEM_MIB, MAX_VCPUS, MIN_MEMORY_LIMIT_MIB, MIN_MEM_MIB,
+    MIN_MONITOR_WINDOW,
 };
+/// The sub-option tables (`--blk`, `--net`, ...) the CLI's help text is generated from.
+pub mod options {
+    pub use crate::config::{BACKING, BALLOON, BLK, DEVICE, IOMMU, NET, POOL, SERIAL};
+    pub use lucid_opts::{OptError, OptSpec};
+}
 pub use emulate::Emulator;
 pub use hooks::{ExitHooks, HypercallHook, MsrHook};
 pub use pools::{MonitorTuning, PoolChoice, PoolsError};
 pub use report::{error_chain, DeviceCounts, RunReport};
 pub use vcpu::{LoopEnd, VcpuCtx, VcpuError, VcpuFault, VcpuHandle};
-pub use vm::{
-    hypercall, ConfigError, PciBus, Vm, VmmError, DEFAULT_LINUX_CMDLINE, PVM_LINUX_CMDLINE,
-};
+pub use vm::{hypercall, PciBus, Vm, VmmError, DEFAULT_LINUX_CMDLINE, PVM_LINUX_CMDLINE};
 
 pub use {lucid_boot, lucid_hv, lucid_iommu, lucid_pools, lucid_swap};
 
-pub use lucid_devices::{BadSerialOption, SerialOutput, StopReason};
+pub use lucid_devices::{BadSerialOption, SerialOutput, StopReason, EXIT_FAILURE, EXIT_USAGE};
 pub use lucid_mem::Backing;
 pub use lucid_swap::SwapMode;

@@ -41,7 +41,8 @@ use crate::hooks::{ExitHooks, HYPERCALL_UNKNOWN};
 use crate::vm::hypercall;
 
 /// Which pool a VM runs in (`--pool`).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum PoolChoice {
     /// Not in any pool: Linux places the threads.
     None,
@@ -81,7 +82,7 @@ impl std::fmt::Display for PoolChoice {
 }
 
 /// The monitor's window and the classifier's thresholds and timing (tests shorten them).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MonitorTuning {
     pub window: Duration,
     pub classifier: ClassifierConfig,
@@ -126,8 +127,6 @@ pub enum PoolsError {
          {vcpus} vCPUs, {cpus} usable host CPUs; use fewer --vcpus"
     )]
     LowNoiseCpus { vcpus: u8, cpus: usize },
-    #[error("--low-noise and --pool {0} exclude each other (low-noise places threads itself)")]
-    LowNoiseWithPool(String),
     #[error("cannot set the affinity of the calling thread for --low-noise")]
     Affinity(#[source] PlaceError),
     #[error("cannot start the monitor thread")]
@@ -860,14 +859,7 @@ fn label_of(p: Policy) -> Label {
 /// Pins the caller (and so every thread it starts from now on) to the CPUs left after the
 /// vCPUs take the highest ones, one each, and installs the hook that puts each vCPU on its CPU
 /// and every other thread (a back-end started by a vCPU inherits its CPU) back on the others.
-pub(crate) fn low_noise(
-    vcpus: u8,
-    choice: &PoolChoice,
-    stats: &Arc<StatsRegistry>,
-) -> Result<(), PoolsError> {
-    if let PoolChoice::Named(n) = choice {
-        return Err(PoolsError::LowNoiseWithPool(n.clone()));
-    }
+pub(crate) fn low_noise(vcpus: u8, stats: &Arc<StatsRegistry>) -> Result<(), PoolsError> {
     let cpus = lucid_pools::place::affinity(0).unwrap_or_default();
     let (vcpu_cpus, rest) = split_low_noise(&cpus, vcpus).ok_or(PoolsError::LowNoiseCpus {
         vcpus,
@@ -903,7 +895,7 @@ pub(crate) fn low_noise(
 pub(crate) fn low_noise_pollers(config: &crate::config::VmConfig) -> Vec<String> {
     let mut out = Vec::new();
     let (mut nblk, mut nnet) = (0, 0);
-    for d in &config.pci {
+    for d in &config.devices.pci {
         let name = match d.kind {
             crate::config::PciDeviceKind::Block(_) => {
                 nblk += 1;
@@ -1007,8 +999,11 @@ mod tests {
     fn low_noise_names_what_still_polls() {
         let mut c = crate::config::VmConfig::new(crate::config::KernelSource::File("/k".into()));
         assert!(low_noise_pollers(&c).is_empty());
-        c.pci.push(crate::config::parse_blk("path=/x").unwrap());
-        c.pci
+        c.devices
+            .pci
+            .push(crate::config::parse_blk("path=/x").unwrap());
+        c.devices
+            .pci
             .push(crate::config::parse_blk("path=/y,rung=L4").unwrap());
         let p = low_noise_pollers(&c);
         assert_eq!(p.len(), 1);

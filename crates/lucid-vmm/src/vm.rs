@@ -22,9 +22,7 @@ use lucid_stats::StatsRegistry;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::builder::{KernelLoad, VmBuilder};
-use crate::config::{
-    KernelSource, PlatformPciDevice, VmConfig, MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB,
-};
+use crate::config::{ConfigError, KernelSource, PlatformPciDevice, VmConfig};
 use crate::emulate::Emulator;
 use crate::hooks::ExitHooks;
 use crate::report::RunReport;
@@ -160,41 +158,6 @@ pub enum VmmError {
     },
 }
 
-/// A VM configuration this version cannot build.
-#[derive(Debug, PartialEq, Eq, thiserror::Error)]
-pub enum ConfigError {
-    #[error("--vcpus {0} is out of range 1..={MAX_VCPUS}")]
-    Vcpus(u8),
-    #[error("--memory {0} MiB is out of range {MIN_MEM_MIB}..={MAX_MEM_MIB}")]
-    Memory(u64),
-    #[error("the kernel command line contains a NUL byte at offset {0}")]
-    CmdlineNul(usize),
-    #[error("--device edu given {0} times: a VM has one edu device at most")]
-    EduCount(usize),
-    #[error(
-        "--swap-mode {mode} maps 4096-byte disk blocks over guest pages, and blk{disk} has \
-         {block_size}-byte logical blocks: add bs=4096 to its --blk option, or use \
-         --swap-mode baseline"
-    )]
-    SwapBlockSize {
-        mode: lucid_swap::SwapMode,
-        disk: usize,
-        block_size: u32,
-    },
-    #[error(
-        "blk{0}: swapcache= is SwapBypass, a symbiotic interface: add --symbiotic (or drop \
-         swapcache=)"
-    )]
-    SwapCacheNotSymbiotic(usize),
-    #[error(
-        "blk{0}: swapcache= needs a back-end thread (its liveness SymCalls must not run on a \
-         vCPU thread), and rung L0 serves requests on the vCPU thread: use rung=L1 or above"
-    )]
-    SwapCacheRung(usize),
-    #[error("swapcache= given on {0} disks: a VM has one swap-cached disk at most")]
-    SwapCacheCount(usize),
-}
-
 /// A built VM.
 pub struct Vm {
     config: VmConfig,
@@ -262,21 +225,21 @@ pub type PlatformFunction = (
 impl Vm {
     /// Builds the VM `config` describes, stage by stage ([`VmBuilder`]), ready to [`Vm::start`].
     pub fn build(config: VmConfig) -> Result<Self, VmmError> {
-        check_config(&config)?;
+        config.validate()?;
         let stats = StatsRegistry::new();
-        let seccomp = match config.seccomp {
+        let seccomp = match config.machine.seccomp {
             true => Some(Seccomp::prepare(&stats)?),
             false => None,
         };
         let lifecycle = Arc::new(Lifecycle::new());
-        if config.low_noise {
+        if config.pools.low_noise {
             // Before any thread starts: they all inherit the non-vCPU CPUs.
-            crate::pools::low_noise(config.vcpus, &config.pool, &stats)?;
+            crate::pools::low_noise(config.machine.vcpus, &stats)?;
             for p in crate::pools::low_noise_pollers(&config) {
                 log::warn!("--low-noise: {p}");
             }
         }
-        if config.handle_signals {
+        if config.machine.handle_signals {
             // Before any thread starts, so that every thread inherits the blocked mask.
             watch_stop_signals(lifecycle.clone(), seccomp.clone());
         }
@@ -285,7 +248,7 @@ impl Vm {
         // The memory limit before guest RAM exists, so that every guest page is charged to it;
         // then KVM and guest memory, and the swap side that shares it.
         let limit = crate::swap::VmSwap::limit(&config)?;
-        let mut b = VmBuilder::new(config.mem_mib << 20, config.backing.clone())?;
+        let mut b = VmBuilder::new(config.machine.mem_mib << 20, config.machine.backing.clone())?;
         let dma = DmaPath::new(b.memory().clone(), &stats);
         let swap = crate::swap::VmSwap::build(&config, limit, b.ram(), &stats, &hooks)?;
         if let Some(o) = swap.dma_observer() {
@@ -300,8 +263,9 @@ impl Vm {
 
         // MSI routes, and the vIOMMU before any device: transports ask the DMA path whether
         // addresses are translated when they are built.
-        let has_pci =
-            !config.pci.is_empty() || !config.platform_pci.is_empty() || config.balloon.is_some();
+        let has_pci = !config.devices.pci.is_empty()
+            || !config.devices.platform_pci.is_empty()
+            || config.devices.balloon.is_some();
         let router =
             (has_pci || config.iommu.is_some()).then(|| lucid_hv::GsiRouter::new(b.vm().clone()));
         let iommu = match (config.iommu, &router) {
@@ -323,6 +287,7 @@ impl Vm {
         let platform = platform_devices(&config, b.vm(), &hooks, &lifecycle, &stats, &seccomp)?;
         // SwapBypass's swap cache (`--blk ...,swapcache=MiB`), on the disk that asks for it.
         let swapcache = config
+            .devices
             .pci
             .iter()
             .enumerate()
@@ -351,9 +316,13 @@ impl Vm {
         let tsc_khz = add_hypercalls(&hooks, b.backend());
         crate::iommu::add_report_hypercall(&hooks, &stats);
         crate::pools::add_work_hypercall(&hooks, &stats);
-        let sym = config.symbiotic.then(|| {
-            let sym =
-                crate::sym::Symbiotic::install(&hooks, b.memory(), config.vcpus.into(), &stats);
+        let sym = config.symbiotic.enabled.then(|| {
+            let sym = crate::sym::Symbiotic::install(
+                &hooks,
+                b.memory(),
+                config.machine.vcpus.into(),
+                &stats,
+            );
             sym.set_sources(sym_sources(&config, &swap));
             sym
         });
@@ -365,24 +334,25 @@ impl Vm {
         }
         // Bound now, so that a path in use fails the build, not a running VM.
         let api_socket = config
-            .api_socket
+            .api
+            .socket
             .as_deref()
             .map(crate::api::ApiSocket::bind)
             .transpose()?;
 
         // The kernel, its command line and the boot tables.
-        let image = match &config.kernel {
+        let image = match &config.payload.kernel {
             KernelSource::File(p) => KernelImage::open(p)?,
             KernelSource::Builtin { name, bytes } => {
                 KernelImage::from_bytes(Path::new(&format!("<built-in {name}>")), bytes.to_vec())?
             }
         };
-        let mut cmdline = kernel_cmdline(&config.cmdline, image.is_linux(), b.backend());
+        let mut cmdline = kernel_cmdline(&config.payload.cmdline, image.is_linux(), b.backend());
         if iommu.is_some() && image.is_linux() {
             cmdline = crate::iommu::linux_cmdline(cmdline);
         }
         log::debug!("kernel command line: {cmdline:?}");
-        let mut acpi = AcpiConfig::new(config.vcpus);
+        let mut acpi = AcpiConfig::new(config.machine.vcpus);
         if pci.is_some() {
             let last_bus = ((layout::PCI_ECAM_SIZE >> 20) - 1).min(255) as u8;
             acpi.pci_ecam = Some((layout::PCI_ECAM_START, 0, last_bus));
@@ -395,20 +365,21 @@ impl Vm {
         }
         let setup = b.load_kernel(&KernelLoad {
             image: &image,
-            initrd: config.initrd.as_deref(),
+            initrd: config.payload.initrd.as_deref(),
             cmdline: &cmdline,
             acpi: Some(&acpi),
         })?;
 
         // vCPUs: boot registers on vCPU 0; the others wait for INIT/SIPI.
         // PV EOI in CPUID is the ladder's call (L2 only).
-        let offer_pv_eoi = lucid_pci::ladder::vm_offers_pv_eoi(config.pci.iter().map(|d| d.rung));
+        let offer_pv_eoi =
+            lucid_pci::ladder::vm_offers_pv_eoi(config.devices.pci.iter().map(|d| d.rung));
         let mut ctxs = Vec::new();
         let mut handles = Vec::new();
-        for id in 0..config.vcpus {
+        for id in 0..config.machine.vcpus {
             let boot = (id == 0).then_some(&setup);
-            let vcpu = b.vcpu(id, config.vcpus, boot, |cpuid| {
-                edit_vcpu_cpuid(cpuid, offer_pv_eoi, config.symbiotic)
+            let vcpu = b.vcpu(id, config.machine.vcpus, boot, |cpuid| {
+                edit_vcpu_cpuid(cpuid, offer_pv_eoi, config.symbiotic.enabled)
             })?;
             if id == 0 {
                 tsc_khz.store(vcpu.tsc_khz().unwrap_or(0).into(), Ordering::Relaxed);
@@ -427,17 +398,18 @@ impl Vm {
 
         // The pools, once the KVM VM exists (halt polling) and before any vCPU or back-end
         // thread starts (they place themselves as they register).
-        let pools = match config.low_noise {
+        let pools = match config.pools.low_noise {
             true => None,
             false => crate::pools::Pools::join(
-                &config.pool,
+                &config.pools.pool,
                 crate::pools::JoinArgs {
-                    tuning: config.monitor,
+                    tuning: config.pools.monitor,
                     vm: b.vm(),
                     stats: &stats,
-                    vm_name: &vm_name(&config.kernel),
-                    seccomp: config.seccomp,
-                    backends: config.pci.len() + usize::from(config.balloon.is_some()),
+                    vm_name: &vm_name(&config.payload.kernel),
+                    seccomp: config.machine.seccomp,
+                    backends: config.devices.pci.len()
+                        + usize::from(config.devices.balloon.is_some()),
                 },
             )?,
         };
@@ -508,7 +480,7 @@ impl Vm {
         if let Some(pools) = &mut self.pools {
             pools.start_monitor(&self.seccomp)?;
         }
-        if let Some(sym) = self.sym.as_ref().filter(|_| !self.config.low_noise) {
+        if let Some(sym) = self.sym.as_ref().filter(|_| !self.config.pools.low_noise) {
             sym.start_publisher(
                 self.lifecycle.clone(),
                 self.seccomp.clone(),
@@ -522,8 +494,8 @@ impl Vm {
                 sym: self.sym.clone(),
                 stats: self.stats.clone(),
                 lifecycle: self.lifecycle.clone(),
-                vcpus: self.config.vcpus.into(),
-                builtin_modules: self.config.builtin_modules,
+                vcpus: self.config.machine.vcpus.into(),
+                builtin_modules: self.config.runtime.builtin_modules,
             };
             self.api = Some(crate::api::ApiServer::spawn(
                 sock,
@@ -549,7 +521,12 @@ impl Vm {
     /// the balloon's configuration interrupt; it reads its pressure from files opened here).
     fn start_balloon_manager(&mut self) -> Result<(), VmmError> {
         use lucid_swap::balloon_manager::{BalloonManager, SizingPolicy};
-        let manage = self.config.balloon.as_ref().is_some_and(|b| b.manager);
+        let manage = self
+            .config
+            .devices
+            .balloon
+            .as_ref()
+            .is_some_and(|b| b.manager);
         let Some(ctl) = self.balloon().cloned().filter(|_| manage) else {
             return Ok(());
         };
@@ -622,7 +599,7 @@ impl Vm {
         RunReport {
             stop,
             wall,
-            vcpus: self.config.vcpus,
+            vcpus: self.config.machine.vcpus,
             counters: self.stats.snapshot(),
         }
     }
@@ -753,18 +730,19 @@ fn platform_devices(
     let serial_irq = eventfd("the serial interrupt")?;
     vm.register_irqfd(&serial_irq, 4)?;
     let (serial, listener) = Serial::new(
-        &config.serial,
+        &config.devices.serial,
         clone_eventfd(&serial_irq, "the serial interrupt")?,
         stats,
         seccomp.clone(),
     )
     .map_err(|source| VmmError::Serial {
-        output: config.serial.clone(),
+        output: config.devices.serial.clone(),
         source,
     })?;
     let console = serial.output().clone();
     let serial = Arc::new(Mutex::new(serial));
-    let stdin = config.serial_stdin && config.serial == lucid_devices::SerialOutput::Stdio;
+    let stdin =
+        config.devices.serial_stdin && config.devices.serial == lucid_devices::SerialOutput::Stdio;
     Serial::start_input(&serial, listener, stdin, seccomp.clone());
     let pio = |base: u16, len: u64, name: &str, dev: Arc<Mutex<dyn BusDevice>>| {
         hooks.pio.insert(base.into(), len, name, dev)
@@ -840,7 +818,7 @@ fn attach_pci(
     use lucid_pci::{HostCaps, PciWindows, TransportEnv, TransportOptions};
 
     let host = HostCaps::probe(
-        config.pci.iter().map(|d| d.rung),
+        config.devices.pci.iter().map(|d| d.rung),
         lucid_hv::posted_interrupts_available,
         || lucid_probe::cpuid_intercepted(b.kvm()).unwrap_or(false),
     );
@@ -866,7 +844,7 @@ fn attach_pci(
     };
     let (mut nblk, mut nnet) = (0, 0);
     let mut devices = Vec::new();
-    for (i, d) in config.pci.iter().enumerate() {
+    for (i, d) in config.devices.pci.iter().enumerate() {
         let device: Box<dyn lucid_virtio::VirtioDevice> = match &d.kind {
             crate::config::PciDeviceKind::Block(b) => {
                 let name = format!("blk{nblk}");
@@ -935,7 +913,7 @@ fn attach_pci(
     }
     // The balloon, after them, by the same rule.
     let mut balloon = None;
-    if let Some(cfg) = &config.balloon {
+    if let Some(cfg) = &config.devices.balloon {
         let ram = b.ram();
         let ranges: Vec<(u64, u64)> = ram.regions().iter().map(|r| (r.gpa, r.size)).collect();
         let dev = lucid_virtio::balloon::Balloon::new(
@@ -967,7 +945,7 @@ fn attach_pci(
     }
     // The other devices, in the next slots; INTx by the same rule.
     let mut platform = Vec::new();
-    for &d in &config.platform_pci {
+    for &d in &config.devices.platform_pci {
         let slot = u8::try_from(devices.len() + platform.len() + 1).unwrap_or(u8::MAX);
         let intx_gsi = layout::pci_intx_gsi(slot, 0);
         let attached = match d {
@@ -1007,36 +985,6 @@ fn eventfd(what: &'static str) -> Result<EventFd, VmmError> {
 fn clone_eventfd(evt: &EventFd, what: &'static str) -> Result<EventFd, VmmError> {
     evt.try_clone()
         .map_err(|source| VmmError::EventFd { what, source })
-}
-
-fn check_config(c: &VmConfig) -> Result<(), ConfigError> {
-    if c.vcpus == 0 || c.vcpus > MAX_VCPUS {
-        return Err(ConfigError::Vcpus(c.vcpus));
-    }
-    if c.mem_mib < MIN_MEM_MIB || c.mem_mib > MAX_MEM_MIB {
-        return Err(ConfigError::Memory(c.mem_mib));
-    }
-    if let Some(offset) = c.cmdline.find('\0') {
-        return Err(ConfigError::CmdlineNul(offset));
-    }
-    // Its counters (edu.*) are one set.
-    let edus = c
-        .platform_pci
-        .iter()
-        .filter(|d| **d == PlatformPciDevice::Edu)
-        .count();
-    if edus > 1 {
-        return Err(ConfigError::EduCount(edus));
-    }
-    crate::sym::check_swapcache(c)?;
-    if let Some((disk, block_size)) = crate::swap::disk_refused_by(c) {
-        return Err(ConfigError::SwapBlockSize {
-            mode: c.swap_mode,
-            disk,
-            block_size,
-        });
-    }
-    Ok(())
 }
 
 /// The command line the kernel gets: Linux gets a console by default, and on a host that emulates
@@ -1099,6 +1047,7 @@ fn sym_sources(config: &VmConfig, swap: &crate::swap::VmSwap) -> crate::sym::Pub
     use lucid_pci::ladder::Rung;
     use lucid_sym::abi::page;
     let rung = config
+        .devices
         .pci
         .iter()
         .map(|d| match d.rung {
@@ -1276,45 +1225,5 @@ mod tests {
             kernel_cmdline("clearcpuid=5", true, Backend::Vmx),
             "clearcpuid=5"
         );
-    }
-
-    #[test]
-    fn bad_configurations_are_typed_errors() {
-        let mut c = VmConfig::new(KernelSource::File("/k".into()));
-        c.vcpus = 0;
-        assert_eq!(check_config(&c), Err(ConfigError::Vcpus(0)));
-        c.vcpus = 1;
-        c.mem_mib = 1;
-        assert_eq!(check_config(&c), Err(ConfigError::Memory(1)));
-        c.mem_mib = 64;
-        c.cmdline = "a\0b".into();
-        assert_eq!(check_config(&c), Err(ConfigError::CmdlineNul(1)));
-        c.cmdline = "ok".into();
-        assert_eq!(check_config(&c), Ok(()));
-        c.platform_pci = vec![PlatformPciDevice::Edu; 2];
-        assert_eq!(check_config(&c), Err(ConfigError::EduCount(2)));
-        c.platform_pci.pop();
-        assert_eq!(check_config(&c), Ok(()));
-    }
-
-    #[test]
-    fn swapcache_needs_symbiotic_a_worker_and_one_disk() {
-        let disk = |rung| {
-            let mut d = crate::config::parse_blk("path=/tmp/x.img,swapcache=8").unwrap();
-            d.rung = rung;
-            d
-        };
-        let mut c = VmConfig::new(KernelSource::File("/k".into()));
-        c.pci = vec![disk(lucid_pci::Rung::L1)];
-        assert_eq!(check_config(&c), Err(ConfigError::SwapCacheNotSymbiotic(0)));
-        c.symbiotic = true;
-        assert_eq!(check_config(&c), Ok(()));
-        c.pci = vec![disk(lucid_pci::Rung::L0)];
-        assert_eq!(check_config(&c), Err(ConfigError::SwapCacheRung(0)));
-        c.pci = vec![
-            disk(lucid_pci::Rung::L1),
-            disk(lucid_pci::Rung::L4 { guest_polls: false }),
-        ];
-        assert_eq!(check_config(&c), Err(ConfigError::SwapCacheCount(2)));
     }
 }
