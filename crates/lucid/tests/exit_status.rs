@@ -43,7 +43,6 @@ fn usage_errors_exit_with_the_usage_code_in_one_format() {
         &["run", "--memory", "1"],
         &["run", "--memory-limit", "8"],
         &["run", "--no-such-flag"],
-        &[],
         // Lucid's sub-option parsers.
         &["run", "--blk", "colour=red"],
         &["run", "--blk", "path=/x,path=/y"],
@@ -65,6 +64,9 @@ fn usage_errors_exit_with_the_usage_code_in_one_format() {
         assert!(err.starts_with("error: "), "{args:?}: one format: {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
+    // No command at all: clap prints the help, on stderr, as a usage error.
+    let (code, _, err) = run(&[]);
+    assert_eq!(code, Some(EXIT_USAGE), "{err}");
 }
 
 #[test]
