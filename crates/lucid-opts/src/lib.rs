@@ -53,8 +53,32 @@ impl OptKey {
 pub struct OptHead {
     /// How the help names it (`MODEL`, `NAME`).
     pub name: &'static str,
-    /// The values it takes.
+    /// The values it takes. A capitalised part is a placeholder: `file:PATH` takes `file:`
+    /// followed by anything non-empty, `NAME` any non-empty value.
     pub choices: &'static [&'static str],
+}
+
+impl OptHead {
+    /// The choice `value` is, with what its placeholder stands for (`file:PATH` and
+    /// `file:/x` give `("file:PATH", "/x")`; a literal choice gives itself and `""`).
+    pub fn matches<'a>(&self, value: &'a str) -> Option<(&'static str, &'a str)> {
+        let placeholder = |p: &str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_uppercase());
+        self.choices.iter().find_map(|&c| {
+            let (prefix, ph) = match c.split_once(':') {
+                Some((prefix, ph)) if placeholder(ph) => (Some(prefix), ph),
+                _ => (None, c),
+            };
+            match prefix {
+                Some(prefix) => value
+                    .strip_prefix(prefix)
+                    .and_then(|r| r.strip_prefix(':'))
+                    .filter(|r| !r.is_empty())
+                    .map(|r| (c, r)),
+                None if placeholder(ph) => (!value.is_empty()).then_some((c, value)),
+                None => (value == c).then_some((c, "")),
+            }
+        })
+    }
 }
 
 /// An option: its flag, what it is, and its keys.
@@ -100,7 +124,7 @@ pub enum OptError {
         input: String,
         what: String,
     },
-    #[error("{opt} {value:?}: expected {choices} first")]
+    #[error("{opt} {value:?}: expected {choices}")]
     BadHead {
         opt: &'static str,
         value: String,
@@ -158,6 +182,25 @@ impl OptSpec {
         }
     }
 
+    /// A whole value that is only a head, commas and all (`--serial file:/a,b`): the choice it
+    /// matches and what the choice's placeholder stands for.
+    pub fn parse_whole<'a>(&self, s: &'a str) -> Result<(&'static str, &'a str), OptError> {
+        self.head
+            .as_ref()
+            .and_then(|h| h.matches(s))
+            .ok_or_else(|| self.bad_head(s))
+    }
+
+    fn bad_head(&self, value: &str) -> OptError {
+        OptError::BadHead {
+            opt: self.flag,
+            value: value.into(),
+            choices: self
+                .head
+                .map_or_else(String::new, |h| h.choices.join(" or ")),
+        }
+    }
+
     /// Splits `s` by the table: the head (if the option has one), then each `KEY=VALUE` with its
     /// key in canonical spelling. Empty items are skipped; an unknown, repeated or missing
     /// required key is refused. Never panics, whatever the input.
@@ -167,12 +210,8 @@ impl OptSpec {
             None => None,
             Some(h) => {
                 let first = items.by_ref().find(|p| !p.is_empty()).unwrap_or_default();
-                if !h.choices.contains(&first) {
-                    return Err(OptError::BadHead {
-                        opt: self.flag,
-                        value: first.into(),
-                        choices: h.choices.join(" or "),
-                    });
+                if h.matches(first).is_none() {
+                    return Err(self.bad_head(first));
                 }
                 Some(first)
             }
@@ -298,6 +337,24 @@ mod tests {
             e,
             "--x: unknown option \"colour\" (options: path, cpus, ro)"
         );
+    }
+
+    #[test]
+    fn placeholders_in_the_head() {
+        let h = OptHead {
+            name: "OUT",
+            choices: &["stdio", "file:PATH", "NAME"],
+        };
+        assert_eq!(h.matches("stdio"), Some(("stdio", "")));
+        assert_eq!(h.matches("file:/a,b"), Some(("file:PATH", "/a,b")));
+        assert_eq!(h.matches("file:"), Some(("NAME", "file:")));
+        assert_eq!(h.matches("io"), Some(("NAME", "io")));
+        assert_eq!(h.matches(""), None);
+        let lit = OptHead {
+            name: "M",
+            choices: &["vtd"],
+        };
+        assert_eq!(lit.matches("VTD"), None);
     }
 
     #[test]

@@ -571,7 +571,7 @@ pub const DEVICE: OptSpec = OptSpec {
     keys: &[],
 };
 
-/// `--serial` (parsed by `SerialOutput`'s `FromStr`).
+/// `--serial`.
 pub const SERIAL: OptSpec = OptSpec {
     flag: "--serial",
     about: "The console: stdio, a file, or a Unix socket Lucid listens on.",
@@ -593,7 +593,7 @@ pub const BACKING: OptSpec = OptSpec {
     keys: &[],
 };
 
-/// `--pool` (parsed by `PoolChoice`'s `FromStr`).
+/// `--pool`.
 pub const POOL: OptSpec = OptSpec {
     flag: "--pool",
     about: "The host CPU pool to run in (see `lucid pools`): a pool's name (pinned there), auto \
@@ -605,17 +605,36 @@ pub const POOL: OptSpec = OptSpec {
     keys: &[],
 };
 
-/// Parses `--backing anon|memfd|file:PATH`.
+/// Parses `--backing` by [`BACKING`].
 pub fn parse_backing(s: &str) -> Result<Backing, DeviceOptionError> {
-    match s.split_once(':') {
-        _ if s == "anon" => Ok(Backing::Anonymous),
-        _ if s == "memfd" => Ok(Backing::SharedMemfd),
-        Some(("file", p)) if !p.is_empty() => Ok(Backing::FilePrivate(p.into())),
-        _ => Err(lucid_opts::OptError::BadHead {
-            opt: BACKING.flag,
-            value: s.into(),
-            choices: "anon, memfd or file:PATH".into(),
-        }),
+    match BACKING.parse_whole(s)? {
+        ("anon", _) => Ok(Backing::Anonymous),
+        ("memfd", _) => Ok(Backing::SharedMemfd),
+        (_, path) => Ok(Backing::FilePrivate(path.into())),
+    }
+}
+
+/// Parses `--serial` by [`SERIAL`].
+pub fn parse_serial(s: &str) -> Result<SerialOutput, DeviceOptionError> {
+    match SERIAL.parse_whole(s)? {
+        ("stdio", _) => Ok(SerialOutput::Stdio),
+        ("file:PATH", path) => Ok(SerialOutput::File(path.into())),
+        (_, path) => Ok(SerialOutput::Unix(path.into())),
+    }
+}
+
+/// Parses `--pool` by [`POOL`]; a pool's name is what a cgroup directory may be called.
+pub fn parse_pool(s: &str) -> Result<PoolChoice, DeviceOptionError> {
+    let (choice, _) = POOL.parse_whole(s)?;
+    let bad = || lucid_opts::OptError::BadHead {
+        opt: POOL.flag,
+        value: s.into(),
+        choices: "none, auto or a pool name (a-z A-Z 0-9 _ -)".into(),
+    };
+    match choice {
+        "auto" => Ok(PoolChoice::Auto),
+        "none" => Ok(PoolChoice::None),
+        _ => s.parse().map_err(|_| bad()),
     }
 }
 
@@ -1071,7 +1090,33 @@ mod tests {
             );
         }
         let msg = parse_device("ed").unwrap_err().to_string();
-        assert_eq!(msg, "--device \"ed\": expected edu first");
+        assert_eq!(msg, "--device \"ed\": expected edu");
+    }
+
+    #[test]
+    fn whole_value_options() {
+        assert_eq!(parse_serial("stdio"), Ok(SerialOutput::Stdio));
+        assert_eq!(
+            parse_serial("file:/a,b"),
+            Ok(SerialOutput::File("/a,b".into()))
+        );
+        assert_eq!(parse_serial("unix:/s"), Ok(SerialOutput::Unix("/s".into())));
+        assert_eq!(parse_backing("memfd"), Ok(Backing::SharedMemfd));
+        assert_eq!(
+            parse_backing("file:/m"),
+            Ok(Backing::FilePrivate("/m".into()))
+        );
+        assert_eq!(parse_pool("io"), Ok(PoolChoice::Named("io".into())));
+        assert_eq!(parse_pool("auto"), Ok(PoolChoice::Auto));
+        for bad in ["", "tcp:1", "file:", "unix:"] {
+            assert!(parse_serial(bad).is_err(), "{bad}");
+        }
+        for bad in ["", "floppy", "file:"] {
+            assert!(parse_backing(bad).is_err(), "{bad}");
+        }
+        for bad in ["", "../etc", "a b"] {
+            assert!(parse_pool(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

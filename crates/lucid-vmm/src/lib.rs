@@ -20,11 +20,11 @@ mod vm;
 
 pub use builder::{KernelLoad, VmBuilder};
 pub use config::{
-    parse_backing, parse_balloon, parse_blk, parse_device, parse_iommu, parse_net, ApiConfig,
-    ConfigError, DeviceOptionError, DevicesConfig, KernelSource, MachineConfig, MemoryConfig,
-    PayloadConfig, PciDeviceConfig, PciDeviceKind, PlatformPciDevice, PoolsConfig, RuntimeConfig,
-    SymbioticConfig, VmConfig, MAX_MEM_MIB, MAX_VCPUS, MIN_MEMORY_LIMIT_MIB, MIN_MEM_MIB,
-    MIN_MONITOR_WINDOW,
+    parse_backing, parse_balloon, parse_blk, parse_device, parse_iommu, parse_net, parse_pool,
+    parse_serial, ApiConfig, ConfigError, DeviceOptionError, DevicesConfig, KernelSource,
+    MachineConfig, MemoryConfig, PayloadConfig, PciDeviceConfig, PciDeviceKind, PlatformPciDevice,
+    PoolsConfig, RuntimeConfig, SymbioticConfig, VmConfig, MAX_MEM_MIB, MAX_VCPUS,
+    MIN_MEMORY_LIMIT_MIB, MIN_MEM_MIB, MIN_MONITOR_WINDOW,
 };
 /// The sub-option tables (`--blk`, `--net`, ...) the CLI's help text is generated from.
 pub mod options {

@@ -18,8 +18,8 @@ use std::process::ExitCode;
 use clap::{CommandFactory, Parser, Subcommand};
 use lucid_vmm::options::{BACKING, BALLOON, BLK, DEVICE, IOMMU, NET, POOL, SERIAL};
 use lucid_vmm::{
-    KernelSource, SerialOutput, StopReason, Vm, VmConfig, EXIT_FAILURE, EXIT_USAGE, MAX_MEM_MIB,
-    MAX_VCPUS, MIN_MEMORY_LIMIT_MIB, MIN_MEM_MIB,
+    KernelSource, StopReason, Vm, VmConfig, EXIT_FAILURE, EXIT_USAGE, MAX_MEM_MIB, MAX_VCPUS,
+    MIN_MEMORY_LIMIT_MIB, MIN_MEM_MIB,
 };
 
 #[derive(Parser)]
@@ -160,13 +160,9 @@ enum CliError {
     #[error("no built-in guest {0:?}; built-in guests: {list}", list = lucid_guests::NAMES.join(", "))]
     NoGuest(String),
     #[error(transparent)]
-    Serial(#[from] lucid_vmm::BadSerialOption),
-    #[error(transparent)]
     Device(#[from] lucid_vmm::DeviceOptionError),
     #[error(transparent)]
     Config(#[from] lucid_vmm::ConfigError),
-    #[error("--pool: {0}")]
-    PoolName(#[source] lucid_vmm::PoolsError),
     #[error("cannot write --stats-json {path}")]
     StatsJson {
         path: PathBuf,
@@ -193,10 +189,8 @@ impl CliError {
         matches!(
             self,
             CliError::NoGuest(_)
-                | CliError::Serial(_)
                 | CliError::Device(_)
                 | CliError::Config(_)
-                | CliError::PoolName(_)
                 | CliError::Vmm(lucid_vmm::VmmError::Config(_))
         )
     }
@@ -220,7 +214,7 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
     config.payload.cmdline = args.cmdline;
     config.machine.mem_mib = args.memory;
     config.machine.vcpus = args.vcpus;
-    config.devices.serial = args.serial.parse::<SerialOutput>()?;
+    config.devices.serial = lucid_vmm::parse_serial(&args.serial)?;
     // SAFETY: isatty on fd 0 has no preconditions.
     config.devices.serial_stdin = unsafe { libc::isatty(0) } == 1;
     config.machine.backing = lucid_vmm::parse_backing(&args.backing)?;
@@ -250,7 +244,7 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
             .platform_pci
             .push(lucid_vmm::parse_device(d)?);
     }
-    config.pools.pool = args.pool.parse().map_err(CliError::PoolName)?;
+    config.pools.pool = lucid_vmm::parse_pool(&args.pool)?;
     config.pools.low_noise = args.low_noise;
     config.pools.monitor.window = std::time::Duration::from_millis(args.monitor_window_ms);
     config.pools.monitor.classifier.agree = args.classify_windows;

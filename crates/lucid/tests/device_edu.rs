@@ -74,8 +74,8 @@ fn what_edu_cannot_do_is_one_clear_error() {
             &["--device", "edu,dma_mask=0xffffffff"][..],
             "unknown option \"dma_mask\"",
         ),
-        (&["--device", "edu2"], "expected edu first"),
-        (&["--device", ""], "expected edu first"),
+        (&["--device", "edu2"], "expected edu"),
+        (&["--device", ""], "expected edu"),
         (
             &["--device", "edu", "--device", "edu"],
             "one edu device at most",
