@@ -481,7 +481,7 @@ pub(crate) struct JoinArgs<'a> {
     pub vm: &'a lucid_hv::Vm,
     pub stats: &'a Arc<StatsRegistry>,
     pub vm_name: &'a str,
-    /// Threads will confine themselves (`VmConfig::seccomp`): no file is opened after `join`.
+    /// Threads will confine themselves (`MachineConfig::seccomp`): no file is opened after `join`.
     pub seccomp: bool,
     /// How many back-end threads may run at once (one per device): admission files to open.
     pub backends: usize,

@@ -50,7 +50,7 @@ pub(crate) struct VmSwap {
     /// Stops (joins its thread, turns the OOM killer back on) when the VM is dropped.
     pager: Option<lucid_swap::pager::Pager>,
     pager_on: bool,
-    /// Runs `lucid __oom-guard` (cgroup v1 with a pager; `VmConfig::oom_guard`).
+    /// Runs `lucid __oom-guard` (cgroup v1 with a pager; `RuntimeConfig::oom_guard`).
     guard_command: Option<fn() -> std::process::Command>,
     /// Killed and reaped when the VM is dropped.
     guard: Option<lucid_swap::guard::OomGuard>,

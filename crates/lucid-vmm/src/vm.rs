@@ -178,22 +178,22 @@ pub struct Vm {
     pci: Option<PciBus>,
     /// The serial console's output, flushed before the run is reported.
     console: Arc<ConsoleOut>,
-    /// Set when the VM's threads confine themselves (`VmConfig::seccomp`).
+    /// Set when the VM's threads confine themselves (`MachineConfig::seccomp`).
     seccomp: Option<Seccomp>,
     /// The vIOMMU (`VmConfig::iommu`).
     iommu: Option<crate::iommu::Iommu>,
     /// The GSI router, when the VM has PCI devices or a vIOMMU.
     router: Option<Arc<lucid_hv::GsiRouter>>,
-    /// The VM's place in the host's CPU pools (`VmConfig::pool`), when it has one.
+    /// The VM's place in the host's CPU pools (`PoolsConfig::pool`), when it has one.
     pools: Option<crate::pools::Pools>,
     /// Where the balloon manager reads host pressure (`--balloon ...,manager=on`).
     pressure: Option<Arc<dyn lucid_swap::balloon_manager::PressureSource>>,
     balloon_manager: Option<lucid_swap::balloon_manager::BalloonManager>,
     /// The memory limit, the Swap Mapper and the host swap counters (swap.rs).
     swap: crate::swap::VmSwap,
-    /// The symbiotic interfaces (`VmConfig::symbiotic`).
+    /// The symbiotic interfaces (`SymbioticConfig::enabled`).
     sym: Option<Arc<crate::sym::Symbiotic>>,
-    /// The control API's socket, bound while the VM was built (`VmConfig::api_socket`), until
+    /// The control API's socket, bound while the VM was built (`ApiConfig::socket`), until
     /// [`Vm::start`] gives it to its thread.
     api_socket: Option<crate::api::ApiSocket>,
     api: Option<crate::api::ApiServer>,
@@ -211,7 +211,7 @@ pub struct PciBus {
     )>,
     /// The other devices, in the slots after the virtio ones.
     pub platform: Vec<PlatformFunction>,
-    /// The virtio-balloon's control (`VmConfig::balloon`).
+    /// The virtio-balloon's control (`DevicesConfig::balloon`).
     pub balloon: Option<lucid_virtio::balloon::BalloonControl>,
 }
 
@@ -635,7 +635,7 @@ impl Vm {
     pub fn ram(&self) -> &Arc<GuestRam> {
         &self.ram
     }
-    /// The virtio-balloon's control, when the VM has one (`VmConfig::balloon`).
+    /// The virtio-balloon's control, when the VM has one (`DevicesConfig::balloon`).
     pub fn balloon(&self) -> Option<&lucid_virtio::balloon::BalloonControl> {
         self.pci.as_ref().and_then(|p| p.balloon.as_ref())
     }

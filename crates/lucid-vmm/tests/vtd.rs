@@ -1,4 +1,4 @@
-//! The vIOMMU's wiring in a whole VM on real KVM (`VmConfig::iommu`): the DMAR table as the guest
+//! The vIOMMU's wiring in a whole VM on real KVM (`VmConfig`'s `iommu`): the DMAR table as the guest
 //! finds it in its memory, the register window trapping (samecore) or shared (sidecore: page 0
 //! without exits, page 1 trapping), the sidecore thread's lifetime, the REPORT hypercall and the
 //! `--iommu` option. These check the wiring; the VT-d model's semantics have their own tests in
