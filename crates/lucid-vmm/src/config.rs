@@ -1303,6 +1303,11 @@ mod tests {
             "pin",
             "sidecore",
             "deferred",
+            "file",
+            "unix",
+            "stdio",
+            "anon",
+            "size",
             "L4p",
             "on",
             "4096",
@@ -1329,6 +1334,10 @@ mod tests {
             accepted += parse_net(&s, (x % 300) as usize).is_ok() as u32;
             accepted += parse_iommu(&s).is_ok() as u32;
             accepted += parse_device(&s).is_ok() as u32;
+            accepted += parse_balloon(&s).is_ok() as u32;
+            accepted += parse_serial(&s).is_ok() as u32;
+            accepted += parse_backing(&s).is_ok() as u32;
+            accepted += parse_pool(&s).is_ok() as u32;
         }
         assert!(accepted > 0, "the soup holds some valid strings");
     }
