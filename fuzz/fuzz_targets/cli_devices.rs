@@ -1,5 +1,5 @@
-//! The CLI's device option strings (`--blk`, `--net`, `--iommu`, `--device`): any string gets a config or an
-//! error, an accepted config written back as an option string parses to the same config, and an
+//! The CLI's sub-option strings (`--blk`, `--net`, `--iommu`, `--device`, `--serial`,
+//! `--backing`, `--pool`, the pools' `--def`): any string gets a config or an error, an accepted config written back as an option string parses to the same config, and an
 //! accepted MAC address is made of hex digits.
 #![no_main]
 
@@ -68,6 +68,13 @@ fn unparse_iommu(c: &VtdConfig) -> String {
 }
 
 fuzz_target!(|s: &str| {
+    let _ = (
+        lucid_vmm::parse_serial(s),
+        lucid_vmm::parse_backing(s),
+        lucid_vmm::parse_pool(s),
+        lucid_vmm::parse_balloon(s),
+    );
+    let _ = lucid_vmm::lucid_pools::def::PoolDef::parse(s);
     if let Ok(c) = parse_iommu(s) {
         let again = parse_iommu(&unparse_iommu(&c)).expect("a written-back --iommu parses");
         assert_eq!((again.mode, again.pin), (c.mode, c.pin));

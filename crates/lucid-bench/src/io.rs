@@ -241,7 +241,7 @@ struct LucidRun {
 }
 
 /// Runs workload `w` (`count` operations) on rung `r` under Lucid with the VM `c` describes
-/// (its kernel, and whatever else the caller sets: `c.cmdline` holds extra guest arguments, put
+/// (its kernel, and whatever else the caller sets: `c.payload.cmdline` holds extra guest arguments, put
 /// after the workload's), its disk `disk` and its console in `dir`. The guest's result and
 /// Lucid's report; `label` follows the rung in errors.
 pub(crate) fn run_guest(
@@ -254,14 +254,14 @@ pub(crate) fn run_guest(
     label: &str,
 ) -> Result<(GuestResult, lucid_vmm::RunReport), String> {
     let serial = dir.join("serial.txt");
-    c.cmdline = format!(
+    c.payload.cmdline = format!(
         "{} mode={} count={count}{}",
         w.args,
         r.guest.arg(),
-        c.cmdline
+        c.payload.cmdline
     );
-    c.serial = SerialOutput::File(serial.clone());
-    c.pci.push(device_config(w, r, disk));
+    c.devices.serial = SerialOutput::File(serial.clone());
+    c.devices.pci.push(device_config(w, r, disk));
     let report = Vm::run(c).map_err(|e| lucid_vmm::error_chain(&e))?;
     let out = std::fs::read_to_string(&serial).unwrap_or_default();
     if report.stop != lucid_vmm::StopReason::DebugExit(0) {

@@ -132,7 +132,7 @@ fn lucid_run(
 ) -> Result<Figures, String> {
     let mut c = VmConfig::new(KernelSource::File(kernel.into()));
     if s.mode.is_some() {
-        c.cmdline = format!(" iommu=vtd strategy={}", s.strategy);
+        c.payload.cmdline = format!(" iommu=vtd strategy={}", s.strategy);
     }
     c.iommu = s.mode.map(|mode| VtdConfig {
         mode,
@@ -479,7 +479,11 @@ pub fn run(args: IommuArgs) -> Result<ExitCode, String> {
     let _ = std::fs::remove_dir_all(&dir);
     let table = Table {
         rows,
-        guest_ram_pages: (VmConfig::new(KernelSource::File(PathBuf::new())).mem_mib << 20) >> 12,
+        guest_ram_pages: (VmConfig::new(KernelSource::File(PathBuf::new()))
+            .machine
+            .mem_mib
+            << 20)
+            >> 12,
     };
     if let Some(p) = &args.plot {
         std::fs::write(p, table.svg()).map_err(|e| format!("{}: {e}", p.display()))?;

@@ -90,8 +90,8 @@ fn guest_file(name: &str) -> Result<PathBuf, String> {
 fn lucid_run(kernel: &Path, count: u64) -> Result<f64, String> {
     let out = std::env::temp_dir().join(format!("lucid-bench-{}.serial", std::process::id()));
     let mut c = VmConfig::new(KernelSource::File(kernel.into()));
-    c.cmdline = format!("count={count}");
-    c.serial = SerialOutput::File(out.clone());
+    c.payload.cmdline = format!("count={count}");
+    c.devices.serial = SerialOutput::File(out.clone());
     let report = Vm::run(c).map_err(|e| e.to_string())?;
     let text = std::fs::read_to_string(&out).unwrap_or_default();
     let _ = std::fs::remove_file(&out);

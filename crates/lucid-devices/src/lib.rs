@@ -18,7 +18,7 @@ pub use cmos::Cmos;
 pub use console::{ConsoleOut, FLUSH_PATIENCE};
 pub use debug_exit::DebugExit;
 pub use i8042::I8042;
-pub use lifecycle::{Lifecycle, StopReason};
+pub use lifecycle::{Lifecycle, StopReason, EXIT_FAILURE, EXIT_USAGE};
 pub use serial::{
     BadSerialOption, IrqTrigger, Serial, SerialOutput, CONSOLE_BUFFER, SOCKET_BACKLOG,
 };

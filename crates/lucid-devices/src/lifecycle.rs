@@ -8,6 +8,13 @@ use std::sync::{Arc, Condvar, Mutex};
 /// source chain, shared so that every reader of the stop reason sees the same one.
 pub type StopError = Arc<dyn std::error::Error + Send + Sync + 'static>;
 
+/// Exit status of a Lucid failure (the VM could not be built or run on). Even, so that no
+/// debug-exit code (odd) means it, and not 2 (a triple fault).
+pub const EXIT_FAILURE: i32 = 70;
+/// Exit status of a command line Lucid refuses (clap's errors, a bad sub-option, a rule of
+/// `VmConfig::validate`). Even, and neither 2 nor [`EXIT_FAILURE`].
+pub const EXIT_USAGE: i32 = 64;
+
 #[derive(Clone, Debug)]
 pub enum StopReason {
     /// The guest wrote `code` to the debug-exit port.
@@ -32,12 +39,13 @@ impl StopReason {
         StopReason::Error(Arc::new(e))
     }
 
-    /// The process exit status that reports this stop (debug-exit follows QEMU).
+    /// The process exit status that reports this stop: debug-exit follows QEMU (always odd),
+    /// power-off and reset 0, a triple fault 2, a failure [`EXIT_FAILURE`], a signal 128 + n.
     pub fn exit_code(&self) -> i32 {
         match self {
             StopReason::DebugExit(v) => ((v << 1) | 1) as i32 & 0xff,
             StopReason::Reset | StopReason::Shutdown => 0,
-            StopReason::Error(_) | StopReason::Dropped => 1,
+            StopReason::Error(_) | StopReason::Dropped => EXIT_FAILURE,
             StopReason::TripleFault { .. } => 2,
             StopReason::Signal(s) => 128 + s,
         }

@@ -47,7 +47,8 @@ impl SerialEvents for Events {
 }
 
 /// Where the console goes, as given on the command line.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum SerialOutput {
     Stdio,
     File(PathBuf),

@@ -129,7 +129,8 @@ pub const VTD_BASE: u64 = 0xfed9_0000;
 pub const VTD_SIZE: u64 = 0x2000;
 
 /// How the register window is emulated.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum EmulationMode {
     /// Every register access traps to the VMM on the vCPU thread.
     Samecore,
@@ -138,7 +139,8 @@ pub enum EmulationMode {
 }
 
 /// When guest pages are pinned on the host.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum PinPolicy {
     /// All guest RAM at start (what VMMs do with VFIO and no vIOMMU).
     All,
@@ -148,7 +150,7 @@ pub enum PinPolicy {
     Deferred,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
 pub struct VtdConfig {
     pub mode: EmulationMode,
     pub pin: PinPolicy,

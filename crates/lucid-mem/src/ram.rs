@@ -79,7 +79,8 @@ impl PageDiscard for GuestRam {
 }
 
 /// How guest RAM is backed.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Backing {
     /// Private anonymous memory (the default).
     #[default]

@@ -11,7 +11,7 @@ use lucid_virtio::Notify;
 use crate::msix::MsiPath;
 
 /// The rung of the exit ladder a device runs on (chosen per device on the command line).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Rung {
     /// Notifications by userspace-handled exits; interrupts injected with `KVM_SIGNAL_MSI`.
     L0,

@@ -48,7 +48,7 @@ impl std::fmt::Display for Label {
 }
 
 /// Thresholds and timing. [`Default`] holds the values docs/scheduling.md gives.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ClassifierConfig {
     /// EWMA weight of the newest window.
     pub alpha: f64,

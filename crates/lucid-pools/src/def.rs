@@ -99,6 +99,41 @@ impl FromStr for Policy {
     }
 }
 
+/// `lucid pools create --def`: one pool.
+pub const DEF: lucid_opts::OptSpec = lucid_opts::OptSpec {
+    flag: "--def",
+    about:
+        "A pool (repeatable; e.g. --def name=be,cpus=1,policy=noop --def name=vm,cpus=0,policy=io).",
+    head: None,
+    keys: &[
+        lucid_opts::OptKey::new(
+            "name",
+            "NAME",
+            "1-32 of a-z A-Z 0-9 _ - (it names a cgroup)",
+        )
+        .required(),
+        lucid_opts::OptKey::new("cpus", "LIST", "host CPUs, e.g. 1 or 0-3,6")
+            .required()
+            .list(),
+        lucid_opts::OptKey::new(
+            "policy",
+            "noop|io|cpu|default",
+            "the pool's scheduling policy",
+        )
+        .required(),
+        lucid_opts::OptKey::new(
+            "backends",
+            "on|off",
+            "device back-end threads go here (default: on for noop)",
+        ),
+        lucid_opts::OptKey::new(
+            "slice_us",
+            "N",
+            "EEVDF slice for io, cpu or default pools, 100 to 100000 µs",
+        ),
+    ],
+};
+
 /// One pool: a name, its host CPUs and its policy. `backends` marks the pool device back-end
 /// threads go to (at most one pool; a `noop` pool is a back-end pool by definition).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -117,7 +152,7 @@ pub struct PoolDef {
 /// Everything wrong with a definition or with the state directory, said so it can be fixed.
 #[derive(Debug, thiserror::Error)]
 pub enum DefError {
-    #[error("bad pool definition {def:?}: {why} (expected name=NAME,cpus=LIST,policy=noop|io|cpu|default[,backends=on][,slice_us=N])")]
+    #[error("bad pool definition {def:?}: {why} (expected {})", DEF.syntax())]
     Syntax { def: String, why: String },
     #[error(
         "bad pool name {0:?}: use 1-32 characters of a-z A-Z 0-9 _ - (it names a cgroup directory)"
@@ -241,56 +276,37 @@ pub fn online_cpus() -> Result<Vec<u32>, DefError> {
 }
 
 impl PoolDef {
-    /// Parses one `--def name=io,cpus=1,policy=io[,backends=on]`. `cpus` takes a kernel-style
-    /// list; since the list itself has commas, a key-less item after `cpus=` continues it
-    /// (`cpus=0,2,policy=cpu`).
+    /// Parses one `--def` by [`DEF`]. `cpus` takes a kernel-style list; since the list itself
+    /// has commas, a key-less item after `cpus=` continues it (`cpus=0,2,policy=cpu`).
     pub fn parse(def: &str) -> Result<PoolDef, DefError> {
-        let syntax = |why: &str| DefError::Syntax {
+        let syntax = |why: String| DefError::Syntax {
             def: def.to_string(),
-            why: why.to_string(),
+            why,
         };
-        let (mut name, mut cpus, mut policy, mut backends) = (None, None::<String>, None, None);
-        let mut slice_us = None;
-        let mut last_cpus = false;
-        for item in def.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let Some((k, v)) = item.split_once('=') else {
-                match (last_cpus, cpus.as_mut()) {
-                    (true, Some(c)) => {
-                        c.push(',');
-                        c.push_str(item);
-                        continue;
-                    }
-                    _ => return Err(syntax(&format!("{item:?} is not key=value"))),
+        let p = DEF.parse(def).map_err(|e| syntax(e.to_string()))?;
+        let (mut name, mut cpus, mut policy) = (String::new(), String::new(), Policy::Default);
+        let (mut backends, mut slice_us) = (None, None);
+        for (k, v) in &p.pairs {
+            match *k {
+                "name" => name = v.clone(),
+                "cpus" => cpus = v.clone(),
+                "policy" => policy = v.parse::<Policy>()?,
+                "backends" => {
+                    backends = Some(
+                        lucid_opts::parse_bool(v)
+                            .ok_or_else(|| syntax(format!("backends={v:?}: expected on or off")))?,
+                    )
                 }
-            };
-            last_cpus = k == "cpus";
-            let dup = match k {
-                "name" => name.replace(v.to_string()).is_some(),
-                "cpus" => cpus.replace(v.to_string()).is_some(),
-                "policy" => policy.replace(v.parse::<Policy>()?).is_some(),
-                "backends" => backends
-                    .replace(match v {
-                        "on" | "true" | "1" | "yes" => true,
-                        "off" | "false" | "0" | "no" => false,
-                        _ => return Err(syntax(&format!("backends={v:?}: expected on or off"))),
-                    })
-                    .is_some(),
                 "slice_us" => {
-                    slice_us
-                        .replace(v.parse::<u32>().map_err(|_| {
-                            syntax(&format!("slice_us={v:?}: expected microseconds"))
+                    slice_us =
+                        Some(v.parse::<u32>().map_err(|_| {
+                            syntax(format!("slice_us={v:?}: expected microseconds"))
                         })?)
-                        .is_some()
                 }
-                _ => return Err(syntax(&format!("unknown key {k:?}"))),
-            };
-            if dup {
-                return Err(syntax(&format!("{k} given twice")));
+                _ => {}
             }
         }
-        let name = name.ok_or_else(|| syntax("no name="))?;
-        let policy = policy.ok_or_else(|| syntax("no policy="))?;
-        let cpus = parse_cpu_list(&cpus.ok_or_else(|| syntax("no cpus="))?)?;
+        let cpus = parse_cpu_list(&cpus)?;
         Ok(PoolDef {
             backends: backends.unwrap_or(policy == Policy::Noop),
             name,

@@ -20,7 +20,8 @@ pub mod mapper;
 pub mod pager;
 
 /// How a VM's guest memory is swapped when its limit is reached.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum SwapMode {
     /// Plain uncooperative host swapping of anonymous guest memory (what every VMM does).
     #[default]

@@ -95,7 +95,7 @@ pub const STAT_NAMES: [&str; 16] = [
 ];
 
 /// What `--balloon` asks for.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BalloonConfig {
     /// The initial target: how much memory the guest should give back, in MiB.
     pub size_mib: u64,

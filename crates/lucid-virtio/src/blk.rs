@@ -92,7 +92,7 @@ const BOUNCE_MAX: usize = 1 << 20;
 /// Alignment of the bounce window (`O_DIRECT` wants the buffer aligned to the device's block).
 const BOUNCE_ALIGN: usize = 4096;
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BlockConfig {
     /// The raw image file (or block device).
     pub path: PathBuf,

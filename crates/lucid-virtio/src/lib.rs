@@ -78,7 +78,7 @@ pub enum Notify {
 /// Interrupt coalescing: at most one interrupt per `max_completions` used buffers, or per
 /// `max_delay_us` since the first unsignalled completion, whichever comes first
 /// (in the spirit of `VIRTIO_NET_F_NOTF_COAL`). `max_completions <= 1` disables it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Coalescing {
     pub max_completions: u32,
     pub max_delay_us: u32,

@@ -64,7 +64,8 @@ const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
 const IFF_TAP: libc::c_short = 0x0002;
 const IFF_NO_PI: libc::c_short = 0x1000;
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum NetBackend {
     /// A tap interface by name (created if it does not exist).
     Tap(String),
@@ -85,7 +86,7 @@ pub const SINK_BURST: Duration = Duration::from_millis(1);
 /// (`<dev>.sink.window_max_bytes`): at most `rate × (SINK_WINDOW + SINK_BURST)` plus one frame.
 pub const SINK_WINDOW: Duration = Duration::from_millis(10);
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NetConfig {
     pub backend: NetBackend,
     pub mac: [u8; 6],

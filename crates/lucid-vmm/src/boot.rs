@@ -28,18 +28,18 @@ pub(crate) fn load_kernel(
     pci: bool,
     iommu: bool,
 ) -> Result<BootSetup, VmmError> {
-    let image = match &config.kernel {
+    let image = match &config.payload.kernel {
         KernelSource::File(p) => KernelImage::open(p)?,
         KernelSource::Builtin { name, bytes } => {
             KernelImage::from_bytes(Path::new(&format!("<built-in {name}>")), bytes.to_vec())?
         }
     };
-    let mut cmdline = kernel_cmdline(&config.cmdline, image.is_linux(), b.backend());
+    let mut cmdline = kernel_cmdline(&config.payload.cmdline, image.is_linux(), b.backend());
     if iommu && image.is_linux() {
         cmdline = crate::iommu::linux_cmdline(cmdline);
     }
     log::debug!("kernel command line: {cmdline:?}");
-    let mut acpi = AcpiConfig::new(config.vcpus);
+    let mut acpi = AcpiConfig::new(config.machine.vcpus);
     if pci {
         let last_bus = ((layout::PCI_ECAM_SIZE >> 20) - 1).min(255) as u8;
         acpi.pci_ecam = Some((layout::PCI_ECAM_START, 0, last_bus));
@@ -52,7 +52,7 @@ pub(crate) fn load_kernel(
     }
     b.load_kernel(&KernelLoad {
         image: &image,
-        initrd: config.initrd.as_deref(),
+        initrd: config.payload.initrd.as_deref(),
         cmdline: &cmdline,
         acpi: Some(&acpi),
     })

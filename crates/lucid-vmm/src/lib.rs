@@ -27,13 +27,20 @@ mod vm;
 pub use boot::{DEFAULT_LINUX_CMDLINE, PVM_LINUX_CMDLINE};
 pub use builder::{KernelLoad, VmBuilder};
 pub use config::{
-    parse_balloon, parse_blk, parse_device, parse_iommu, parse_net, DeviceOptionError,
-    KernelSource, PciDeviceConfig, PciDeviceKind, PlatformPciDevice, VmConfig, MAX_MEM_MIB,
-    MAX_VCPUS,
+    parse_backing, parse_balloon, parse_blk, parse_device, parse_iommu, parse_net, parse_pool,
+    parse_serial, ApiConfig, ConfigError, DeviceOptionError, DevicesConfig, KernelSource,
+    MachineConfig, MemoryConfig, PayloadConfig, PciDeviceConfig, PciDeviceKind, PlatformPciDevice,
+    PoolsConfig, RuntimeConfig, SymbioticConfig, VmConfig, MAX_MEM_MIB, MAX_VCPUS,
+    MIN_MEMORY_LIMIT_MIB, MIN_MEM_MIB, MIN_MONITOR_WINDOW,
 };
 pub use devices::{AttachedPci, DeviceManager, NewPciFunction, PciFunction, PciSlot};
+/// The sub-option tables (`--blk`, `--net`, ...) the CLI's help text is generated from.
+pub mod options {
+    pub use crate::config::{BACKING, BALLOON, BLK, DEVICE, IOMMU, NET, POOL, SERIAL};
+    pub use lucid_opts::{OptError, OptSpec};
+}
 pub use emulate::Emulator;
-pub use errors::{ConfigError, VmmError};
+pub use errors::VmmError;
 pub use hooks::{
     ExitAction, ExitHooks, HltHook, HookError, HypercallHook, InternalErrorHook, MsrHook,
 };
@@ -45,6 +52,6 @@ pub use vm::Vm;
 
 pub use {lucid_boot, lucid_hv, lucid_iommu, lucid_pools, lucid_swap};
 
-pub use lucid_devices::{BadSerialOption, SerialOutput, StopReason};
+pub use lucid_devices::{BadSerialOption, SerialOutput, StopReason, EXIT_FAILURE, EXIT_USAGE};
 pub use lucid_mem::Backing;
 pub use lucid_swap::SwapMode;

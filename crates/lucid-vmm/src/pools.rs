@@ -42,7 +42,8 @@ use crate::hooks::{ExitHooks, HookError, HYPERCALL_UNKNOWN};
 use crate::hypercall;
 
 /// Which pool a VM runs in (`--pool`).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum PoolChoice {
     /// Not in any pool: Linux places the threads.
     None,
@@ -82,7 +83,7 @@ impl std::fmt::Display for PoolChoice {
 }
 
 /// The monitor's window and the classifier's thresholds and timing (tests shorten them).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MonitorTuning {
     pub window: Duration,
     pub classifier: ClassifierConfig,
@@ -127,8 +128,6 @@ pub enum PoolsError {
          {vcpus} vCPUs, {cpus} usable host CPUs; use fewer --vcpus"
     )]
     LowNoiseCpus { vcpus: u8, cpus: usize },
-    #[error("--low-noise and --pool {0} exclude each other (low-noise places threads itself)")]
-    LowNoiseWithPool(String),
     #[error("cannot set the affinity of the calling thread for --low-noise")]
     Affinity(#[source] PlaceError),
     #[error(transparent)]
@@ -485,7 +484,7 @@ pub(crate) struct JoinArgs<'a> {
     pub vm: &'a lucid_hv::Vm,
     pub stats: &'a Arc<StatsRegistry>,
     pub vm_name: &'a str,
-    /// Threads will confine themselves (`VmConfig::seccomp`): no file is opened after `join`.
+    /// Threads will confine themselves (`MachineConfig::seccomp`): no file is opened after `join`.
     pub seccomp: bool,
     /// How many back-end threads may run at once (one per device): admission files to open.
     pub backends: usize,
@@ -892,13 +891,9 @@ fn label_of(p: Policy) -> Label {
 /// CPU and every other thread (a back-end started by a vCPU inherits its CPU) back on the others.
 pub(crate) fn low_noise(
     vcpus: u8,
-    choice: &PoolChoice,
     stats: &Arc<StatsRegistry>,
     spawner: &lucid_thread::Spawner,
 ) -> Result<(), PoolsError> {
-    if let PoolChoice::Named(n) = choice {
-        return Err(PoolsError::LowNoiseWithPool(n.clone()));
-    }
     let cpus = lucid_pools::place::affinity(0).unwrap_or_default();
     let (vcpu_cpus, rest) = split_low_noise(&cpus, vcpus).ok_or(PoolsError::LowNoiseCpus {
         vcpus,
@@ -931,8 +926,8 @@ pub(crate) fn low_noise(
 /// paused), and statistics are read once, at exit.
 pub(crate) fn low_noise_pollers(config: &crate::config::VmConfig) -> Vec<String> {
     let mut out = Vec::new();
-    let names = crate::devices::virtio_names(&config.pci);
-    for (name, d) in names.iter().zip(&config.pci) {
+    let names = crate::devices::virtio_names(&config.devices.pci);
+    for (name, d) in names.iter().zip(&config.devices.pci) {
         if let lucid_pci::Rung::L4 { .. } = d.rung {
             out.push(format!(
                 "{name} on rung {:?} polls its rings (on the non-vCPU CPUs)",
@@ -1029,8 +1024,11 @@ mod tests {
     fn low_noise_names_what_still_polls() {
         let mut c = crate::config::VmConfig::new(crate::config::KernelSource::File("/k".into()));
         assert!(low_noise_pollers(&c).is_empty());
-        c.pci.push(crate::config::parse_blk("path=/x").unwrap());
-        c.pci
+        c.devices
+            .pci
+            .push(crate::config::parse_blk("path=/x").unwrap());
+        c.devices
+            .pci
             .push(crate::config::parse_blk("path=/y,rung=L4").unwrap());
         let p = low_noise_pollers(&c);
         assert_eq!(p.len(), 1);

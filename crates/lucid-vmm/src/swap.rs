@@ -33,15 +33,12 @@ use crate::hooks::ExitHooks;
 const HYPERCALL_REFUSED: u64 = u64::MAX;
 /// Phases the guest may name (0..MAX_PHASES): each adds five counters to the registry.
 pub const MAX_PHASES: u64 = 256;
-const PAGE: u64 = 4096;
 
 /// Why the VM's swap set-up failed; each says how to fix it.
 #[derive(Debug, thiserror::Error)]
 pub enum SwapError {
     #[error("--memory-limit: {0}")]
     Limit(#[from] LimitError),
-    #[error("--memory-limit {mib} MiB: the limit must be at least 16 MiB")]
-    LimitTooSmall { mib: u64 },
     #[error("--memory-limit: cannot start the pager thread: {0}")]
     Pager(#[source] std::io::Error),
     #[error(transparent)]
@@ -55,7 +52,7 @@ pub(crate) struct VmSwap {
     /// Stops (joins its thread, turns the OOM killer back on) when the VM is dropped.
     pager: Option<lucid_swap::pager::Pager>,
     pager_on: bool,
-    /// Runs `lucid __oom-guard` (cgroup v1 with a pager; `VmConfig::oom_guard`).
+    /// Runs `lucid __oom-guard` (cgroup v1 with a pager; `RuntimeConfig::oom_guard`).
     guard_command: Option<fn() -> std::process::Command>,
     /// Killed and reaped when the VM is dropped.
     guard: Option<lucid_swap::guard::OomGuard>,
@@ -70,14 +67,13 @@ impl VmSwap {
     /// Applies `--memory-limit` before guest RAM is allocated, so every guest page is charged to
     /// the VM's cgroup.
     pub(crate) fn limit(config: &VmConfig) -> Result<Option<Arc<MemoryLimit>>, SwapError> {
-        match config.memory_limit_mib {
+        match config.memory.limit_mib {
             None => Ok(None),
-            Some(mib) if mib < 16 => Err(SwapError::LimitTooSmall { mib }),
             Some(mib) => Ok(Some(Arc::new(MemoryLimit::apply("vm", mib << 20)?))),
         }
     }
 
-    /// The rest, once guest RAM exists: the mapper (for `config.swap_mode` other than
+    /// The rest, once guest RAM exists: the mapper (for `config.memory.swap_mode` other than
     /// baseline), the host counters probe and the PHASE hypercall.
     pub(crate) fn build(
         config: &VmConfig,
@@ -86,7 +82,7 @@ impl VmSwap {
         stats: &Arc<StatsRegistry>,
         hooks: &ExitHooks,
     ) -> Result<VmSwap, SwapError> {
-        let mapper = match config.swap_mode {
+        let mapper = match config.memory.swap_mode {
             SwapMode::Baseline => None,
             mode => {
                 let m = SwapMapper::new(ram.clone(), mode, stats, MapperBudget::default());
@@ -96,7 +92,9 @@ impl VmSwap {
         };
         let swapping = limit.is_some() || mapper.is_some();
         if swapping {
-            stats.counter("swap.mode").set(mode_code(config.swap_mode));
+            stats
+                .counter("swap.mode")
+                .set(mode_code(config.memory.swap_mode));
             if let Some(l) = &limit {
                 stats.counter("swap.limit_bytes").set(l.limit_bytes());
                 let l = l.clone();
@@ -109,7 +107,7 @@ impl VmSwap {
                 log::warn!(
                     "--swap-mode {}: with a vIOMMU the disks' addresses are IOVAs, so the mapper \
                      stays idle (every read is copied)",
-                    config.swap_mode
+                    config.memory.swap_mode
                 );
             }
         }
@@ -133,10 +131,11 @@ impl VmSwap {
             mapper,
             phases,
             pager: None,
-            pager_on: config.swap_pager,
-            guard_command: config.oom_guard,
+            pager_on: config.memory.pager,
+            guard_command: config.runtime.oom_guard,
             guard: None,
             images: config
+                .devices
                 .pci
                 .iter()
                 .filter_map(|d| match &d.kind {
@@ -326,23 +325,6 @@ pub(crate) fn mode_name(code: u64) -> &'static str {
     }
 }
 
-/// The mapper modes need 4 KiB logical blocks: a page-sized, page-aligned read is what maps.
-/// Returns the first disk (index, block size) that has smaller ones.
-pub(crate) fn disk_refused_by(config: &VmConfig) -> Option<(usize, u32)> {
-    if config.swap_mode == SwapMode::Baseline {
-        return None;
-    }
-    config
-        .pci
-        .iter()
-        .filter_map(|d| match &d.kind {
-            PciDeviceKind::Block(b) => Some(b.logical_block_size),
-            _ => None,
-        })
-        .enumerate()
-        .find(|&(_, bs)| u64::from(bs) != PAGE)
-}
-
 // ---------------------------------------------------------------------------------------------
 // Phases: LUCID_HC_PHASE
 
@@ -465,45 +447,6 @@ impl crate::hooks::MemoryFaultHook for WaitForPager {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{KernelSource, PciDeviceConfig};
-    use lucid_virtio::blk::BlockConfig;
-
-    fn config_with_disk(mode: SwapMode, bs: u32) -> VmConfig {
-        let mut c = VmConfig::new(KernelSource::Builtin {
-            name: "t".into(),
-            bytes: &[],
-        });
-        c.swap_mode = mode;
-        c.pci
-            .push(PciDeviceConfig::new(PciDeviceKind::Block(BlockConfig {
-                path: "/nonexistent".into(),
-                read_only: false,
-                logical_block_size: bs,
-                id: String::new(),
-                direct: false,
-            })));
-        c
-    }
-
-    #[test]
-    fn mapper_modes_need_4k_blocks_and_baseline_does_not() {
-        assert_eq!(
-            disk_refused_by(&config_with_disk(SwapMode::Mapper, 512)),
-            Some((0, 512))
-        );
-        assert_eq!(
-            disk_refused_by(&config_with_disk(SwapMode::Vswapper, 512)),
-            Some((0, 512))
-        );
-        assert_eq!(
-            disk_refused_by(&config_with_disk(SwapMode::Mapper, 4096)),
-            None
-        );
-        assert_eq!(
-            disk_refused_by(&config_with_disk(SwapMode::Baseline, 512)),
-            None
-        );
-    }
 
     #[test]
     fn phases_record_deltas_and_refuse_numbers_out_of_range() {

@@ -60,22 +60,22 @@ pub struct Vm {
 impl Vm {
     /// Builds the VM `config` describes, stage by stage ([`VmBuilder`]), ready to [`Vm::start`].
     pub fn build(config: VmConfig) -> Result<Self, VmmError> {
-        crate::errors::check_config(&config)?;
+        config.validate()?;
         let stats = StatsRegistry::new();
-        let seccomp = match config.seccomp {
+        let seccomp = match config.machine.seccomp {
             true => Some(Seccomp::prepare(&stats)?),
             false => None,
         };
         let spawner = Spawner::new(seccomp, stats.threads().clone());
         let lifecycle = Arc::new(Lifecycle::new());
-        if config.low_noise {
+        if config.pools.low_noise {
             // Before any thread starts: they all inherit the non-vCPU CPUs.
-            crate::pools::low_noise(config.vcpus, &config.pool, &stats, &spawner)?;
+            crate::pools::low_noise(config.machine.vcpus, &stats, &spawner)?;
             for p in crate::pools::low_noise_pollers(&config) {
                 log::warn!("--low-noise: {p}");
             }
         }
-        if config.handle_signals {
+        if config.machine.handle_signals {
             // Before any thread starts, so that every thread inherits the blocked mask.
             crate::signals::watch_stop_signals(lifecycle.clone(), &spawner);
         }
@@ -84,7 +84,7 @@ impl Vm {
         // The memory limit before guest RAM exists, so that every guest page is charged to it;
         // then KVM and guest memory, and the swap side that shares it.
         let limit = crate::swap::VmSwap::limit(&config)?;
-        let mut b = VmBuilder::new(config.mem_mib << 20, config.backing.clone())?;
+        let mut b = VmBuilder::new(config.machine.mem_mib << 20, config.machine.backing.clone())?;
         let dma = DmaPath::new(b.memory().clone(), &stats);
         let swap = crate::swap::VmSwap::build(&config, limit, b.ram(), &stats, &hooks)?;
         if let Some(o) = swap.dma_observer() {
@@ -119,12 +119,12 @@ impl Vm {
         };
 
         // The symbiotic interfaces, whole, before the devices (the swap cache asks them).
-        let sym = config.symbiotic.then(|| {
+        let sym = config.symbiotic.enabled.then(|| {
             crate::sym::Symbiotic::new(crate::sym::SymParts {
                 hooks: &hooks,
                 mem: b.memory(),
                 stats: &stats,
-                vcpu_count: config.vcpus.into(),
+                vcpu_count: config.machine.vcpus.into(),
                 vcpus: handles.clone(),
                 sources: sym_sources(&config, &swap),
                 hv: Some(b.vm().clone()),
@@ -154,39 +154,40 @@ impl Vm {
 
         // The techniques, in start order. The pools join once the KVM VM exists (halt polling)
         // and before any vCPU or back-end thread starts (they place themselves as they register).
-        let pools = match config.low_noise {
+        let pools = match config.pools.low_noise {
             true => None,
             false => crate::pools::Pools::join(
-                &config.pool,
+                &config.pools.pool,
                 crate::pools::JoinArgs {
-                    tuning: config.monitor,
+                    tuning: config.pools.monitor,
                     vm: b.vm(),
                     stats: &stats,
-                    vm_name: &vm_name(&config.kernel),
-                    seccomp: config.seccomp,
-                    backends: config.pci.len() + usize::from(config.balloon.is_some()),
+                    vm_name: &vm_name(&config.payload.kernel),
+                    seccomp: config.machine.seccomp,
+                    backends: config.devices.pci.len()
+                        + usize::from(config.devices.balloon.is_some()),
                     spawner: &spawner,
                 },
             )?,
         };
         let balloon_manager = devices
             .balloon()
-            .filter(|_| config.balloon.as_ref().is_some_and(|b| b.manager))
+            .filter(|_| config.devices.balloon.as_ref().is_some_and(|b| b.manager))
             .map(|ctl| crate::balloon::BalloonManagerTechnique {
                 ctl: ctl.clone(),
                 limit_pressure: swap.pressure(),
                 manager: None,
             });
         // Bound now, so that a path in use fails the build, not a running VM.
-        let api = match config.api_socket.as_deref() {
+        let api = match config.api.socket.as_deref() {
             Some(path) => Some(crate::api::ApiTechnique::new(
                 crate::api::ApiSocket::bind(path)?,
                 crate::api::ApiContext {
                     sym: sym.clone(),
                     stats: stats.clone(),
                     lifecycle: lifecycle.clone(),
-                    vcpus: config.vcpus.into(),
-                    builtin_modules: config.builtin_modules,
+                    vcpus: config.machine.vcpus.into(),
+                    builtin_modules: config.runtime.builtin_modules,
                 },
             )),
             None => None,
@@ -198,7 +199,7 @@ impl Vm {
         techniques.push(pools);
         techniques.push(sym.clone().map(|sym| crate::sym::SymTechnique {
             sym,
-            publish: !config.low_noise,
+            publish: !config.pools.low_noise,
         }));
         techniques.push(balloon_manager);
         techniques.push(api);
@@ -311,7 +312,7 @@ impl Vm {
         RunReport {
             stop,
             wall,
-            vcpus: self.config.vcpus,
+            vcpus: self.config.machine.vcpus,
             counters: self.stats.snapshot(),
         }
     }
@@ -393,7 +394,7 @@ impl Drop for Vm {
     }
 }
 
-/// vCPU `0..config.vcpus`, each with its exit loop's context (no thread yet); the boot vCPU's
+/// vCPU `0..config.machine.vcpus`, each with its exit loop's context (no thread yet); the boot vCPU's
 /// TSC frequency goes to `tsc_khz` (the TSC_KHZ hypercall). PV EOI in CPUID is the ladder's
 /// call (L2 only).
 fn vcpus(
@@ -404,12 +405,13 @@ fn vcpus(
     stats: &Arc<StatsRegistry>,
     tsc_khz: &AtomicU64,
 ) -> Result<(Vec<VcpuCtx>, Vec<Arc<VcpuHandle>>), VmmError> {
-    let offer_pv_eoi = lucid_pci::ladder::vm_offers_pv_eoi(config.pci.iter().map(|d| d.rung));
+    let offer_pv_eoi =
+        lucid_pci::ladder::vm_offers_pv_eoi(config.devices.pci.iter().map(|d| d.rung));
     let mut ctxs = Vec::new();
     let mut handles = Vec::new();
-    for id in 0..config.vcpus {
-        let vcpu = b.vcpu(id, config.vcpus, None, |cpuid| {
-            crate::boot::edit_vcpu_cpuid(cpuid, offer_pv_eoi, config.symbiotic)
+    for id in 0..config.machine.vcpus {
+        let vcpu = b.vcpu(id, config.machine.vcpus, None, |cpuid| {
+            crate::boot::edit_vcpu_cpuid(cpuid, offer_pv_eoi, config.symbiotic.enabled)
         })?;
         if id == 0 {
             tsc_khz.store(vcpu.tsc_khz().unwrap_or(0).into(), Ordering::Relaxed);
@@ -444,6 +446,7 @@ fn sym_sources(config: &VmConfig, swap: &crate::swap::VmSwap) -> crate::sym::Pub
     use lucid_pci::ladder::Rung;
     use lucid_sym::abi::page;
     let rung = config
+        .devices
         .pci
         .iter()
         .map(|d| match d.rung {

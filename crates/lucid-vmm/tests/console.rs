@@ -22,8 +22,8 @@ fn a_guest_printing_into_a_fifo_nobody_reads_finishes() {
         name: "hello".into(),
         bytes: lucid_guests::get("hello").expect("built-in guest"),
     });
-    config.cmdline = "lines=2500 code=3".into();
-    config.serial = SerialOutput::File(path.clone());
+    config.payload.cmdline = "lines=2500 code=3".into();
+    config.devices.serial = SerialOutput::File(path.clone());
     let report = Vm::run(config).unwrap();
     assert_eq!(report.stop, StopReason::DebugExit(3));
     let c = &report.counters;

@@ -16,8 +16,8 @@ fn start(name: &str, cmdline: &str) -> (Vm, std::path::PathBuf) {
         name: "cpl0-insns".into(),
         bytes: lucid_guests::get("cpl0-insns").expect("built-in guest"),
     });
-    c.cmdline = cmdline.into();
-    c.serial = SerialOutput::File(serial.clone());
+    c.payload.cmdline = cmdline.into();
+    c.devices.serial = SerialOutput::File(serial.clone());
     let mut vm = Vm::build(c).unwrap();
     vm.start().unwrap();
     (vm, serial)

@@ -20,8 +20,8 @@ fn vm(tag: &str, cmdline: &str) -> (Vm, std::path::PathBuf) {
         name: "cpl0-insns".into(),
         bytes: lucid_guests::get("cpl0-insns").expect("built-in guest"),
     });
-    c.cmdline = cmdline.into();
-    c.serial = SerialOutput::File(serial.clone());
+    c.payload.cmdline = cmdline.into();
+    c.devices.serial = SerialOutput::File(serial.clone());
     (Vm::build(c).unwrap(), serial)
 }
 

@@ -12,8 +12,8 @@ fn config(guest: &str, cmdline: &str) -> VmConfig {
         name: guest.into(),
         bytes: lucid_guests::get(guest).expect("built-in guest"),
     });
-    c.cmdline = cmdline.into();
-    c.serial = SerialOutput::File(
+    c.payload.cmdline = cmdline.into();
+    c.devices.serial = SerialOutput::File(
         std::env::temp_dir().join(format!("lucid-handle-{}-{guest}.txt", std::process::id())),
     );
     c
@@ -43,7 +43,7 @@ fn pause_read_write_registers_and_resume() {
         "lucid-handle-{}-spin-pause.txt",
         std::process::id()
     ));
-    c.serial = SerialOutput::File(serial.clone());
+    c.devices.serial = SerialOutput::File(serial.clone());
     let mut vm = Vm::build(c).unwrap();
     vm.start().unwrap();
     // In its CPL3 loop once it said so (every byte it prints is an exit, at CPL3 too).

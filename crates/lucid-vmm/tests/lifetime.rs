@@ -23,11 +23,12 @@ fn dropping_a_running_vm_joins_vcpus_and_device_back_ends() {
         bytes: lucid_guests::get("virtio-net").expect("built-in guest"),
     });
     // Far more round trips than the test waits for: the guest is mid-run when the VM drops.
-    c.cmdline = "op=rr size=64 count=100000000".into();
-    c.serial = SerialOutput::File(
+    c.payload.cmdline = "op=rr size=64 count=100000000".into();
+    c.devices.serial = SerialOutput::File(
         std::env::temp_dir().join(format!("lucid-lifetime-{}.txt", std::process::id())),
     );
-    c.pci
+    c.devices
+        .pci
         .push(PciDeviceConfig::new(PciDeviceKind::Net(NetConfig {
             backend: NetBackend::Echo,
             mac: [0x52, 0x54, 0, 0x12, 0x34, 0x56],

@@ -35,9 +35,9 @@ fn config(guest: &str, cmdline: &str, tag: &str) -> (VmConfig, PathBuf) {
         name: guest.into(),
         bytes: lucid_guests::get(guest).expect("built-in guest"),
     });
-    c.cmdline = cmdline.into();
+    c.payload.cmdline = cmdline.into();
     let out = std::env::temp_dir().join(format!("lucid-pci-{}-{tag}.txt", std::process::id()));
-    c.serial = SerialOutput::File(out.clone());
+    c.devices.serial = SerialOutput::File(out.clone());
     (c, out)
 }
 
@@ -53,13 +53,13 @@ fn cf8(vm: &Vm, slot: u8, reg: u32) -> u32 {
 fn the_bus_enumerates_through_the_vms_port_hooks() {
     let (mut c, _) = config("hello", "", "enum");
     let img = disk("enum", 1 << 20);
-    c.pci.push(blk(img.clone(), Rung::L1));
+    c.devices.pci.push(blk(img.clone(), Rung::L1));
     let mut net = PciDeviceConfig::new(PciDeviceKind::Net(NetConfig {
         backend: NetBackend::Echo,
         mac: [0x52, 0x54, 0, 0x12, 0x34, 0x56],
     }));
     net.rung = Rung::L0;
-    c.pci.push(net);
+    c.devices.pci.push(net);
     let vm = Vm::build(c).unwrap();
     assert_eq!(cf8(&vm, 0, 0), 0x0008_1b36, "host bridge");
     assert_eq!(cf8(&vm, 1, 0), 0x1042_1af4, "virtio-blk");
@@ -89,8 +89,10 @@ fn the_bus_enumerates_through_the_vms_port_hooks() {
 fn a_detached_slot_is_free_for_the_next_attach() {
     let (mut c, _) = config("hello", "", "detach");
     let img = disk("detach", 1 << 20);
-    c.pci.push(blk(img.clone(), Rung::L1));
-    c.platform_pci.push(lucid_vmm::PlatformPciDevice::Edu);
+    c.devices.pci.push(blk(img.clone(), Rung::L1));
+    c.devices
+        .platform_pci
+        .push(lucid_vmm::PlatformPciDevice::Edu);
     let vm = Vm::build(c).unwrap();
     assert_eq!(cf8(&vm, 1, 0), 0x1042_1af4, "virtio-blk");
     assert_eq!(cf8(&vm, 2, 0), 0x11e8_1234, "edu");
@@ -146,7 +148,7 @@ fn no_devices_no_bus() {
 fn pci_scan_guest_sees_the_devices() {
     let (mut c, out) = config("pci-scan", "", "scan");
     let img = disk("scan", 1 << 20);
-    c.pci.push(blk(img.clone(), Rung::L1));
+    c.devices.pci.push(blk(img.clone(), Rung::L1));
     let report = Vm::run(c).unwrap();
     let text = std::fs::read_to_string(&out).unwrap();
     assert_eq!(report.stop, StopReason::DebugExit(0), "{text}");
@@ -164,7 +166,7 @@ fn blk_run(rung: Rung, tag: &str) -> std::collections::BTreeMap<String, u64> {
         tag,
     );
     let img = disk(tag, 16 << 20);
-    c.pci.push(blk(img.clone(), rung));
+    c.devices.pci.push(blk(img.clone(), rung));
     let report = Vm::run(c).unwrap();
     let text = std::fs::read_to_string(&out).unwrap();
     assert_eq!(report.stop, StopReason::DebugExit(0), "{rung:?}: {text}");
@@ -206,7 +208,7 @@ fn l3_is_refused_without_posted_interrupts() {
     }
     let (mut c, _) = config("hello", "", "l3");
     let img = disk("l3", 1 << 20);
-    c.pci.push(blk(img.clone(), Rung::L3));
+    c.devices.pci.push(blk(img.clone(), Rung::L3));
     let e = Vm::build(c).err().expect("refused");
     let text = lucid_vmm::error_chain(&e);
     assert!(text.contains("posted interrupts"), "{text}");
@@ -221,13 +223,13 @@ fn virtio_evil_guest_cannot_break_the_transport() {
     for rung in [Rung::L0, Rung::L1] {
         let (mut c, out) = config("virtio-evil", "", &format!("evil-{rung:?}"));
         let img = disk(&format!("evil-{rung:?}"), 1 << 20);
-        c.pci.push(blk(img.clone(), rung));
+        c.devices.pci.push(blk(img.clone(), rung));
         let mut net = PciDeviceConfig::new(PciDeviceKind::Net(NetConfig {
             backend: NetBackend::Echo,
             mac: [0x52, 0x54, 0, 0x12, 0x34, 0x56],
         }));
         net.rung = rung;
-        c.pci.push(net);
+        c.devices.pci.push(net);
         let report = Vm::run(c).unwrap();
         let text = std::fs::read_to_string(&out).unwrap();
         assert_eq!(report.stop, StopReason::DebugExit(0), "{rung:?}: {text}");

@@ -1,4 +1,4 @@
-//! The vIOMMU's wiring in a whole VM on real KVM (`VmConfig::iommu`): the DMAR table as the guest
+//! The vIOMMU's wiring in a whole VM on real KVM (`VmConfig`'s `iommu`): the DMAR table as the guest
 //! finds it in its memory, the register window trapping (samecore) or shared (sidecore: page 0
 //! without exits, page 1 trapping), the sidecore thread's lifetime, the REPORT hypercall and the
 //! `--iommu` option. These check the wiring; the VT-d model's semantics have their own tests in
@@ -31,8 +31,8 @@ fn config(guest: &str, cmdline: &str, tag: &str, mode: Option<EmulationMode>) ->
         name: guest.into(),
         bytes: lucid_guests::get(guest).expect("built-in guest"),
     });
-    c.cmdline = cmdline.into();
-    c.serial = SerialOutput::File(tmp(&format!("{tag}.txt")));
+    c.payload.cmdline = cmdline.into();
+    c.devices.serial = SerialOutput::File(tmp(&format!("{tag}.txt")));
     c.iommu = mode.map(|mode| VtdConfig {
         mode,
         pin: PinPolicy::All,
@@ -218,7 +218,7 @@ fn pci_devices_and_the_iommu_share_the_router() {
         direct: false,
     }));
     d.rung = Rung::L1;
-    c.pci.push(d);
+    c.devices.pci.push(d);
     let vm = Vm::build(c).unwrap();
     assert!(std::sync::Arc::ptr_eq(
         vm.devices().pci_router().unwrap(),
@@ -257,7 +257,7 @@ fn report_hypercall_sets_guest_counters() {
 #[test]
 fn iommu_option_errors_name_the_problem() {
     let e = parse_iommu("amd").unwrap_err();
-    assert!(matches!(e, DeviceOptionError::Missing { .. }), "{e}");
+    assert!(matches!(e, DeviceOptionError::BadHead { .. }), "{e}");
     let e = parse_iommu("vtd,mode=fast").unwrap_err();
     assert_eq!(
         e.to_string(),

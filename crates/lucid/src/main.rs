@@ -9,8 +9,12 @@ mod sym_cmd;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
-use lucid_vmm::{Backing, KernelSource, SerialOutput, StopReason, Vm, VmConfig};
+use clap::{CommandFactory, Parser, Subcommand};
+use lucid_vmm::options::{BACKING, BALLOON, BLK, DEVICE, IOMMU, NET, POOL, SERIAL};
+use lucid_vmm::{
+    KernelSource, StopReason, Vm, VmConfig, EXIT_FAILURE, EXIT_USAGE, MAX_MEM_MIB, MAX_VCPUS,
+    MIN_MEMORY_LIMIT_MIB, MIN_MEM_MIB,
+};
 
 #[derive(Parser)]
 #[command(
@@ -75,66 +79,53 @@ struct RunArgs {
     #[arg(long, default_value = "")]
     cmdline: String,
     /// Guest RAM in MiB.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256,
+          value_parser = clap::value_parser!(u64).range(MIN_MEM_MIB..=MAX_MEM_MIB))]
     memory: u64,
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1,
+          value_parser = clap::value_parser!(u8).range(1..=i64::from(MAX_VCPUS)))]
     vcpus: u8,
-    /// Console: stdio, file:PATH or unix:PATH.
-    #[arg(long, default_value = "stdio")]
+    #[arg(long, default_value = "stdio", value_name = "OUTPUT", help = SERIAL.help())]
     serial: String,
-    /// Guest RAM backing: anon, memfd or file:PATH (private mapping of a file).
-    #[arg(long, default_value = "anon")]
+    #[arg(long, default_value = "anon", help = BACKING.help())]
     backing: String,
     /// Write the run's statistics as JSON to this file.
     #[arg(long)]
     stats_json: Option<PathBuf>,
-    /// A virtio-blk disk on PCI (repeatable):
-    /// path=FILE[,ro=on][,bs=512|4096][,id=STR][,cache=none][,rung=L0|L1|L2|L3|L4|L4p][,coalesce=N:USEC][,poll_us=N][,swapcache=MiB][,liveness=symcall|spy]
-    /// (cache=none: the image is opened O_DIRECT; swapcache=MiB: SwapBypass's swap cache, with --symbiotic)
-    #[arg(long = "blk", value_name = "OPTS")]
+    #[arg(long = "blk", value_name = "OPTS", help = BLK.help())]
     blk: Vec<String>,
-    /// A virtio-net NIC on PCI (repeatable):
-    /// backend=tap:IFNAME|echo|sink[,rate=MBIT][,mac=52:54:00:12:34:56][,rung=..][,coalesce=N:USEC][,poll_us=N]
-    /// (rate: a sink paced to MBIT Mbit/s, the pools benchmark's link)
-    #[arg(long = "net", value_name = "OPTS")]
+    #[arg(long = "net", value_name = "OPTS", help = NET.help())]
     net: Vec<String>,
-    /// An emulated Intel VT-d IOMMU (DMA translation and interrupt remapping):
-    /// vtd[,mode=samecore|sidecore][,pin=all|map|deferred]
-    #[arg(long, value_name = "OPTS")]
+    #[arg(long, value_name = "OPTS", help = IOMMU.help())]
     iommu: Option<String>,
-    /// A virtio-balloon on PCI, after the other virtio devices:
-    /// size=MiB[,deflate_on_oom=on][,free_page_reporting=on][,stats=on][,manager=on]
-    /// (size: the first target, how much memory the guest gives back; manager: Lucid sizes the
-    /// balloon from host memory pressure every 200 ms)
-    #[arg(long, value_name = "OPTS")]
+    #[arg(long, value_name = "OPTS", help = BALLOON.help())]
     balloon: Option<String>,
-    /// Another PCI device, in the slots after the virtio devices (repeatable): edu (QEMU's
-    /// edu DMA test device, PCI 1234:11e8; at most one)
-    #[arg(long = "device", value_name = "NAME")]
+    #[arg(long = "device", value_name = "NAME", help = DEVICE.help())]
     device: Vec<String>,
     /// Run without the per-thread seccomp filters (see docs/security.md).
     #[arg(long)]
     no_seccomp: bool,
-    /// The host CPU pool to run in (see `lucid pools`): a pool's name (pinned there), auto
-    /// (the classifier picks and moves the VM; no pools defined means none) or none.
-    #[arg(long, default_value = "auto", value_name = "NAME|auto|none")]
+    #[arg(long, default_value = "auto", value_name = "NAME|auto|none", help = POOL.help())]
     pool: String,
     /// vCPU threads pinned one per CPU (the highest CPUs), everything else on the other CPUs,
     /// no monitor and no periodic work in Lucid.
     #[arg(long)]
     low_noise: bool,
     /// The pools' monitor window in ms (tests shorten it).
-    #[arg(long, default_value_t = 1000, hide = true)]
+    #[arg(long, default_value_t = 1000, hide = true,
+          value_parser = clap::value_parser!(u64).range(10..))]
     monitor_window_ms: u64,
     /// Windows in a row that must agree before the classifier moves the VM.
-    #[arg(long, default_value_t = 5, hide = true)]
+    #[arg(long, default_value_t = 5, hide = true,
+          value_parser = clap::value_parser!(u32).range(1..))]
     classify_windows: u32,
     /// Least time in ms between two moves of the VM.
     #[arg(long, default_value_t = 10_000, hide = true)]
     classify_dwell_ms: u64,
     /// Host memory the VM may use, in MiB (a memory cgroup with host swap behind it; the guest
     /// still has --memory). Needs root, the memory controller and some swap.
-    #[arg(long, value_name = "MiB")]
+    #[arg(long, value_name = "MiB",
+          value_parser = clap::value_parser!(u64).range(MIN_MEMORY_LIMIT_MIB..))]
     memory_limit: Option<u64>,
     /// How the VM is swapped over its limit: baseline (plain host swap), mapper (pages read from
     /// virtio-blk stay tied to their disk blocks) or vswapper (mapper plus false-read
@@ -160,14 +151,12 @@ struct RunArgs {
 /// What the CLI could not do, for its one error line.
 #[derive(Debug, thiserror::Error)]
 enum CliError {
-    #[error("bad --backing {0:?}: expected anon, memfd or file:PATH")]
-    Backing(String),
     #[error("no built-in guest {0:?}; built-in guests: {list}", list = lucid_guests::NAMES.join(", "))]
     NoGuest(String),
     #[error(transparent)]
-    Serial(#[from] lucid_vmm::BadSerialOption),
-    #[error(transparent)]
     Device(#[from] lucid_vmm::DeviceOptionError),
+    #[error(transparent)]
+    Config(#[from] lucid_vmm::ConfigError),
     #[error("cannot write --stats-json {path}")]
     StatsJson {
         path: PathBuf,
@@ -188,12 +177,16 @@ enum CliError {
     Sym(String),
 }
 
-fn parse_backing(s: &str) -> Result<Backing, CliError> {
-    match s.split_once(':') {
-        _ if s == "anon" => Ok(Backing::Anonymous),
-        _ if s == "memfd" => Ok(Backing::SharedMemfd),
-        Some(("file", p)) if !p.is_empty() => Ok(Backing::FilePrivate(p.into())),
-        _ => Err(CliError::Backing(s.to_string())),
+impl CliError {
+    /// A command line Lucid refuses, rather than a failure while doing what it asked.
+    fn is_usage(&self) -> bool {
+        matches!(
+            self,
+            CliError::NoGuest(_)
+                | CliError::Device(_)
+                | CliError::Config(_)
+                | CliError::Vmm(lucid_vmm::VmmError::Config(_))
+        )
     }
 }
 
@@ -211,28 +204,28 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
         }
     };
     let mut config = VmConfig::new(kernel);
-    config.initrd = args.initrd;
-    config.cmdline = args.cmdline;
-    config.mem_mib = args.memory;
-    config.vcpus = args.vcpus;
-    config.serial = args.serial.parse::<SerialOutput>()?;
+    config.payload.initrd = args.initrd;
+    config.payload.cmdline = args.cmdline;
+    config.machine.mem_mib = args.memory;
+    config.machine.vcpus = args.vcpus;
+    config.devices.serial = lucid_vmm::parse_serial(&args.serial)?;
     // SAFETY: isatty on fd 0 has no preconditions.
-    config.serial_stdin = unsafe { libc::isatty(0) } == 1;
-    config.backing = parse_backing(&args.backing)?;
-    config.handle_signals = true;
-    config.seccomp = !args.no_seccomp;
-    config.memory_limit_mib = args.memory_limit;
-    config.swap_mode = args.swap_mode;
-    config.swap_pager = args.swap_pager == "on";
-    config.symbiotic = args.symbiotic;
-    config.api_socket = args.api_socket;
-    config.builtin_modules = Some(lucid_guests::module);
-    config.oom_guard = Some(oom_guard_command);
+    config.devices.serial_stdin = unsafe { libc::isatty(0) } == 1;
+    config.machine.backing = lucid_vmm::parse_backing(&args.backing)?;
+    config.machine.handle_signals = true;
+    config.machine.seccomp = !args.no_seccomp;
+    config.memory.limit_mib = args.memory_limit;
+    config.memory.swap_mode = args.swap_mode;
+    config.memory.pager = args.swap_pager == "on";
+    config.symbiotic.enabled = args.symbiotic;
+    config.api.socket = args.api_socket;
+    config.runtime.builtin_modules = Some(lucid_guests::module);
+    config.runtime.oom_guard = Some(oom_guard_command);
     for b in &args.blk {
-        config.pci.push(lucid_vmm::parse_blk(b)?);
+        config.devices.pci.push(lucid_vmm::parse_blk(b)?);
     }
     for (i, n) in args.net.iter().enumerate() {
-        config.pci.push(lucid_vmm::parse_net(n, i)?);
+        config.devices.pci.push(lucid_vmm::parse_net(n, i)?);
     }
     config.iommu = args
         .iommu
@@ -240,18 +233,23 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
         .map(lucid_vmm::parse_iommu)
         .transpose()?;
     for d in &args.device {
-        config.platform_pci.push(lucid_vmm::parse_device(d)?);
+        config
+            .devices
+            .platform_pci
+            .push(lucid_vmm::parse_device(d)?);
     }
-    config.pool = args.pool.parse()?;
-    config.low_noise = args.low_noise;
-    config.monitor.window = std::time::Duration::from_millis(args.monitor_window_ms.max(10));
-    config.monitor.classifier.agree = args.classify_windows.max(1);
-    config.monitor.classifier.dwell = std::time::Duration::from_millis(args.classify_dwell_ms);
-    config.balloon = args
+    config.pools.pool = lucid_vmm::parse_pool(&args.pool)?;
+    config.pools.low_noise = args.low_noise;
+    config.pools.monitor.window = std::time::Duration::from_millis(args.monitor_window_ms);
+    config.pools.monitor.classifier.agree = args.classify_windows;
+    config.pools.monitor.classifier.dwell =
+        std::time::Duration::from_millis(args.classify_dwell_ms);
+    config.devices.balloon = args
         .balloon
         .as_deref()
         .map(lucid_vmm::parse_balloon)
         .transpose()?;
+    config.validate()?;
 
     // Checked before the run, not after it: a typo in the path should not cost a whole run.
     let stats_file = match &args.stats_json {
@@ -314,7 +312,17 @@ fn main() -> ExitCode {
         logger::install(log::LevelFilter::Info, log::LevelFilter::Info, false);
         return ExitCode::from(lucid_vmm::lucid_swap::guard::serve(&argv[2..]) as u8);
     }
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // --help and --version are not errors: clap prints them to stdout.
+            let _ = e.print();
+            return match e.use_stderr() {
+                true => exit(EXIT_USAGE),
+                false => ExitCode::SUCCESS,
+            };
+        }
+    };
     let level = logger::level(cli.log_level, cli.quiet, cli.verbose);
     // A benchmark builds dozens of VMs: their per-VM decisions (info) are noise there unless
     // asked for, and each warning (a rung that fell back) is said once.
@@ -347,8 +355,22 @@ fn main() -> ExitCode {
         }
     };
     result.unwrap_or_else(|e| {
-        // Printed whatever the log level: it is the reason for exit status 1.
-        eprintln!("lucid: {}", lucid_vmm::error_chain(&e));
-        ExitCode::from(1)
+        let msg = lucid_vmm::error_chain(&e);
+        if e.is_usage() {
+            // In clap's format, as clap's own refusals are.
+            let mut cmd = Cli::command();
+            let _ = cmd
+                .error(clap::error::ErrorKind::ValueValidation, msg)
+                .print();
+            return exit(EXIT_USAGE);
+        }
+        // Printed whatever the log level: it is the reason for the failure status.
+        eprintln!("lucid: {msg}");
+        exit(EXIT_FAILURE)
     })
+}
+
+/// The process exit status `code` (every status Lucid uses fits in a byte).
+fn exit(code: i32) -> ExitCode {
+    ExitCode::from(code as u8)
 }

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use lucid_pools::def::{self, Created, Destroyed, PoolSet, StateDir, VmRecord};
+use lucid_pools::def::{self, Created, Destroyed, PoolDef, PoolSet, StateDir, VmRecord};
 use lucid_pools::place::{self, Backend, ReadBack};
 use lucid_pools::policy;
 use serde_json::{json, Value};
@@ -19,10 +19,8 @@ pub enum PoolsCmd {
     /// Define the host's pools and make their cgroups (idempotent: the same definition again
     /// changes nothing).
     Create {
-        /// A pool: name=NAME,cpus=LIST,policy=noop|io|cpu|default[,backends=on]
-        /// (repeatable; e.g. --def name=be,cpus=1,policy=noop --def name=vm,cpus=0,policy=io).
-        #[arg(long = "def", value_name = "DEF")]
-        defs: Vec<String>,
+        #[arg(long = "def", value_name = "DEF", help = def::DEF.help(), value_parser = parse_def)]
+        defs: Vec<PoolDef>,
         /// Read the pools from a JSON file instead: {"pools":[{"name":..,"cpus":[..],"policy":..}]}.
         #[arg(long, value_name = "FILE", conflicts_with = "defs")]
         from_json: Option<PathBuf>,
@@ -89,9 +87,14 @@ fn err(e: impl std::error::Error + 'static) -> String {
     lucid_vmm::error_chain(&e)
 }
 
+/// `--def`, checked by clap so that a bad definition is a usage error.
+fn parse_def(s: &str) -> Result<PoolDef, String> {
+    PoolDef::parse(s).map_err(err)
+}
+
 fn create(
     state: &StateDir,
-    defs: &[String],
+    defs: &[PoolDef],
     from_json: Option<PathBuf>,
     backend: Option<String>,
 ) -> Result<ExitCode, String> {
@@ -101,7 +104,7 @@ fn create(
                 .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
             PoolSet::from_json(&text).map_err(err)?
         }
-        None => PoolSet::parse_defs(defs).map_err(err)?,
+        None => PoolSet::new(defs.to_vec(), &def::online_cpus().map_err(err)?).map_err(err)?,
     };
     let forced = match backend.as_deref() {
         None => place::backend_from_env().map_err(err)?,

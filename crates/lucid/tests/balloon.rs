@@ -198,11 +198,11 @@ fn under_pressure_the_manager_inflates_and_with_room_it_deflates() {
         name: "balloon".into(),
         bytes: lucid_guests::get("balloon").unwrap(),
     });
-    c.mem_mib = 256;
-    c.cmdline = "follow_ms=60000 until_zero=1 oom=0 report=0 garbage=0".into();
-    c.serial = SerialOutput::File(serial.clone());
-    c.balloon = Some(lucid_vmm::parse_balloon("size=0,manager=on,stats=on").unwrap());
-    assert!(c.seccomp);
+    c.machine.mem_mib = 256;
+    c.payload.cmdline = "follow_ms=60000 until_zero=1 oom=0 report=0 garbage=0".into();
+    c.devices.serial = SerialOutput::File(serial.clone());
+    c.devices.balloon = Some(lucid_vmm::parse_balloon("size=0,manager=on,stats=on").unwrap());
+    assert!(c.machine.seccomp);
     let host = Arc::new(Scripted {
         base: AtomicU64::new(300 * MIB),
         limit: AtomicU64::new(256 * MIB),

@@ -154,7 +154,7 @@ fn smp_sees_every_vcpu() {
 #[test]
 fn missing_kernel_is_one_clear_error() {
     let o = lucid(&["run", "--kernel", "/nonexistent/kernel"], LIMIT);
-    assert_eq!(o.status, Some(1));
+    assert_eq!(o.status, Some(lucid_vmm::EXIT_FAILURE));
     assert!(o.stderr.contains("/nonexistent/kernel"), "{}", o.stderr);
     assert!(!o.stderr.contains("panicked"), "{}", o.stderr);
 }
@@ -197,7 +197,12 @@ fn kernel_and_initrd_that_are_not_regular_files_are_refused() {
         a.extend(args.iter().copied());
         let o = lucid(&a, Duration::from_secs(20));
         assert!(!o.timed_out, "{args:?}: Lucid hung");
-        assert_eq!(o.status, Some(1), "{args:?}: {}", o.stderr);
+        assert_eq!(
+            o.status,
+            Some(lucid_vmm::EXIT_FAILURE),
+            "{args:?}: {}",
+            o.stderr
+        );
         assert!(o.stderr.contains(want), "{args:?}: {}", o.stderr);
         assert!(!o.stderr.contains("panicked"), "{args:?}: {}", o.stderr);
     }
@@ -211,14 +216,14 @@ fn non_elf_and_truncated_elf_are_clear_errors() {
     let junk = tmp("junk.bin");
     std::fs::write(&junk, b"this is not a kernel at all, just text".repeat(100)).unwrap();
     let o = lucid(&["run", "--kernel", junk.to_str().unwrap()], LIMIT);
-    assert_eq!(o.status, Some(1));
+    assert_eq!(o.status, Some(lucid_vmm::EXIT_FAILURE));
     assert!(o.stderr.contains("not a kernel"), "{}", o.stderr);
 
     let elf = lucid_guests::get("hello").unwrap();
     let cut = tmp("truncated.elf");
     std::fs::write(&cut, &elf[..elf.len().min(200)]).unwrap();
     let o = lucid(&["run", "--kernel", cut.to_str().unwrap()], LIMIT);
-    assert_eq!(o.status, Some(1), "{}", o.stderr);
+    assert_eq!(o.status, Some(lucid_vmm::EXIT_FAILURE), "{}", o.stderr);
     assert!(!o.stderr.contains("panicked"), "{}", o.stderr);
     assert!(
         o.stderr.to_lowercase().contains("truncated"),
@@ -247,7 +252,7 @@ fn kernel_larger_than_memory_is_a_clear_error() {
         &["run", "--memory", "16", "--kernel", big.to_str().unwrap()],
         LIMIT,
     );
-    assert_eq!(o.status, Some(1), "{}", o.stderr);
+    assert_eq!(o.status, Some(lucid_vmm::EXIT_FAILURE), "{}", o.stderr);
     assert!(o.stderr.contains("memory too small"), "{}", o.stderr);
     let _ = std::fs::remove_file(big);
 }
@@ -264,7 +269,7 @@ fn an_unwritable_stats_json_path_is_refused_before_the_run() {
         "/nonexistent-lucid-dir/stats.json",
     ]);
     let o = run_cmd(cmd, LIMIT);
-    assert_eq!(o.status, Some(1), "{}", o.stderr);
+    assert_eq!(o.status, Some(lucid_vmm::EXIT_FAILURE), "{}", o.stderr);
     assert!(
         o.stderr
             .contains("cannot write --stats-json /nonexistent-lucid-dir/stats.json"),
@@ -292,7 +297,12 @@ fn bad_options_are_clear_errors() {
         &["run", "--iommu", "vtd,colour=red"],
     ] {
         let o = lucid(args, LIMIT);
-        assert_eq!(o.status, Some(1), "{args:?}: {}", o.stderr);
+        assert_eq!(
+            o.status,
+            Some(lucid_vmm::EXIT_USAGE),
+            "{args:?}: {}",
+            o.stderr
+        );
         assert!(!o.stderr.contains("panicked"), "{args:?}: {}", o.stderr);
     }
 }

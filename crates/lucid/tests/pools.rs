@@ -858,7 +858,7 @@ fn garbage_definitions_and_a_corrupt_pools_json_are_refused_cleanly() {
     )
     .unwrap();
     let (code, err) = lucid(&["run", "--guest", "hello", "--pool", "auto"]);
-    assert_eq!(code, Some(1), "{err}");
+    assert_eq!(code, Some(lucid_vmm::EXIT_FAILURE), "{err}");
     assert!(
         err.contains("is corrupt") && err.contains("destroy --force"),
         "{err}"
@@ -890,28 +890,28 @@ fn bad_pool_choices_are_refused_with_a_clear_error() {
         )
     };
     let (code, err) = run(&["--pool", "nosuch"]);
-    assert_eq!(code, Some(1));
+    assert_eq!(code, Some(lucid_vmm::EXIT_FAILURE));
     assert!(
         err.contains("no such pool") && err.contains("io, be"),
         "{err}"
     );
     // A no-op pool holds back-ends only.
     let (code, err) = run(&["--pool", "be"]);
-    assert_eq!(code, Some(1));
+    assert_eq!(code, Some(lucid_vmm::EXIT_FAILURE));
     assert!(
         err.contains("a noop pool takes device back-end threads only"),
         "{err}"
     );
     let (code, err) = run(&["--pool", "../etc"]);
-    assert_eq!(code, Some(1));
+    assert_eq!(code, Some(lucid_vmm::EXIT_USAGE));
     assert!(err.contains("expected none, auto or a pool name"), "{err}");
     let (code, err) = run(&["--low-noise", "--pool", "io"]);
-    assert_eq!(code, Some(1));
+    assert_eq!(code, Some(lucid_vmm::EXIT_USAGE));
     assert!(err.contains("exclude each other"), "{err}");
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     if cpus <= 254 {
         let (code, err) = run(&["--low-noise", "--vcpus", &cpus.to_string()]);
-        assert_eq!(code, Some(1));
+        assert_eq!(code, Some(lucid_vmm::EXIT_FAILURE));
         assert!(err.contains("use fewer --vcpus"), "{err}");
     }
     // No pools at all: auto runs in none, a name is refused.
@@ -922,7 +922,7 @@ fn bad_pool_choices_are_refused_with_a_clear_error() {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(lucid_vmm::EXIT_FAILURE));
     assert!(err.contains("none defined"), "{err}");
 }
 

@@ -216,7 +216,7 @@ fn mapper_modes_refuse_a_512_byte_disk() {
             ],
             LIMIT,
         );
-        assert_eq!(o.status, Some(1), "the CLI's error status");
+        assert_eq!(o.status, Some(lucid_vmm::EXIT_USAGE), "a usage error");
         assert!(
             o.stderr.contains(&format!(
                 "--swap-mode {mode} maps 4096-byte disk blocks over guest pages, and blk0 has \

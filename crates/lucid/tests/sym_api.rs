@@ -294,7 +294,12 @@ fn symbiotic_requests_without_symbiotic_are_refused_clearly() {
         &["spy"],
     ] {
         let o = vm.sym(args);
-        assert_eq!(o.status, Some(1), "{args:?}: {}", o.stdout);
+        assert_eq!(
+            o.status,
+            Some(lucid_vmm::EXIT_FAILURE),
+            "{args:?}: {}",
+            o.stdout
+        );
         assert!(
             o.stderr.contains("runs without --symbiotic"),
             "{args:?}: {}",
@@ -316,7 +321,7 @@ fn a_live_socket_is_refused_a_stale_one_replaced_and_a_file_left_alone() {
     cmd.args(["run", "--guest", "hello", "--api-socket"])
         .arg(&a.socket);
     let o = run_cmd(cmd, LIMIT);
-    assert_eq!(o.status, Some(1), "{}", o.stderr);
+    assert_eq!(o.status, Some(lucid_vmm::EXIT_FAILURE), "{}", o.stderr);
     assert!(
         o.stderr.contains("another process is listening there"),
         "{}",
@@ -351,7 +356,7 @@ fn a_live_socket_is_refused_a_stale_one_replaced_and_a_file_left_alone() {
     cmd.args(["run", "--guest", "hello", "--api-socket"])
         .arg(&file);
     let o = run_cmd(cmd, LIMIT);
-    assert_eq!(o.status, Some(1));
+    assert_eq!(o.status, Some(lucid_vmm::EXIT_FAILURE));
     assert!(o.stderr.contains("is not a socket"), "{}", o.stderr);
     assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
     std::fs::remove_file(&file).unwrap();
@@ -362,7 +367,7 @@ fn a_live_socket_is_refused_a_stale_one_replaced_and_a_file_left_alone() {
         .arg(tmp("nobody.sock"))
         .arg("stats");
     let o = run_cmd(cmd, LIMIT);
-    assert_eq!(o.status, Some(1));
+    assert_eq!(o.status, Some(lucid_vmm::EXIT_FAILURE));
     assert!(o.stderr.contains("cannot connect"), "{}", o.stderr);
 }
 
@@ -463,13 +468,13 @@ fn module_load_list_unload_through_the_api() {
     assert!(o.stdout.contains("no modules loaded"), "{}", o.stdout);
     // Not modules, or bad ones: refused with a reason, and the VM goes on.
     let o = vm.sym(&["load", "/etc/hostname"]);
-    assert_eq!(o.status, Some(1));
+    assert_eq!(o.status, Some(lucid_vmm::EXIT_FAILURE));
     assert!(o.stderr.contains("module_load:"), "{}", o.stderr);
     let o = vm.sym(&["load", "--builtin", "badrel"]);
-    assert_eq!(o.status, Some(1));
+    assert_eq!(o.status, Some(lucid_vmm::EXIT_FAILURE));
     assert!(o.stderr.contains("relocation"), "{}", o.stderr);
     let o = vm.sym(&["unload", "999"]);
-    assert_eq!(o.status, Some(1));
+    assert_eq!(o.status, Some(lucid_vmm::EXIT_FAILURE));
     assert!(vm.running());
     assert_eq!(vm.sym(&["stop"]).status, Some(0));
     vm.wait();

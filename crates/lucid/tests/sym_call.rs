@@ -49,12 +49,12 @@ fn boot_with(
         name: "sym-call".into(),
         bytes: lucid_guests::get("sym-call").expect("built-in guest"),
     });
-    c.cmdline = cmdline.into();
-    c.vcpus = vcpus;
-    c.symbiotic = symbiotic;
+    c.payload.cmdline = cmdline.into();
+    c.machine.vcpus = vcpus;
+    c.symbiotic.enabled = symbiotic;
     let serial =
         std::env::temp_dir().join(format!("lucid-symcall-{}-{tag}.txt", std::process::id()));
-    c.serial = SerialOutput::File(serial.clone());
+    c.devices.serial = SerialOutput::File(serial.clone());
     let mut vm = Vm::build(c).expect("build VM");
     if let Some(sym) = vm.sym() {
         sym.set_call_limits(patient());
@@ -405,7 +405,7 @@ fn without_symbiotic_there_is_nothing_to_call() {
         name: "sym-call".into(),
         bytes: lucid_guests::get("sym-call").expect("built-in guest"),
     });
-    c.serial = SerialOutput::File(
+    c.devices.serial = SerialOutput::File(
         std::env::temp_dir().join(format!("lucid-symcall-{}-plain.txt", std::process::id())),
     );
     let vm = Vm::build(c).expect("build VM");

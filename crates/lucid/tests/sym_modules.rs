@@ -24,9 +24,9 @@ impl Guest {
             name: "sym-mod".into(),
             bytes: lucid_guests::get("sym-mod").expect("built-in guest"),
         });
-        c.cmdline = cmdline.into();
-        c.symbiotic = true;
-        c.serial = SerialOutput::File(serial.clone());
+        c.payload.cmdline = cmdline.into();
+        c.symbiotic.enabled = true;
+        c.devices.serial = SerialOutput::File(serial.clone());
         let mut vm = Vm::build(c).expect("build the VM");
         // The SymCalls here must complete: a busy host may leave the vCPU thread unscheduled
         // for longer than the default bound, which is no fault of the call.
@@ -309,8 +309,8 @@ fn a_guest_without_a_loader_gets_a_clear_error() {
         name: "spin".into(),
         bytes: lucid_guests::get("spin").expect("built-in guest"),
     });
-    c.symbiotic = true;
-    c.serial = SerialOutput::File(serial.clone());
+    c.symbiotic.enabled = true;
+    c.devices.serial = SerialOutput::File(serial.clone());
     let mut vm = Vm::build(c).unwrap();
     vm.start().unwrap();
     let sym = vm.sym().unwrap().clone();

@@ -175,10 +175,10 @@ fn config(cmdline: &str, vcpus: u8) -> VmConfig {
         name: "sym-spy".into(),
         bytes: lucid_guests::get("sym-spy").expect("built-in guest"),
     });
-    c.cmdline = cmdline.into();
-    c.vcpus = vcpus;
-    c.symbiotic = true;
-    c.serial = SerialOutput::File(
+    c.payload.cmdline = cmdline.into();
+    c.machine.vcpus = vcpus;
+    c.symbiotic.enabled = true;
+    c.devices.serial = SerialOutput::File(
         std::env::temp_dir().join(format!("lucid-symspy-{}.txt", std::process::id())),
     );
     c
@@ -319,7 +319,7 @@ fn lucids_lines_follow_the_vm_and_low_noise_publishes_only_at_registration() {
 fn kvm_holds_the_cpuid_leaves_only_with_symbiotic() {
     for symbiotic in [true, false] {
         let mut c = config("updates=1000 hold_ms=5000", 2);
-        c.symbiotic = symbiotic;
+        c.symbiotic.enabled = symbiotic;
         let mut vm = Vm::build(c).unwrap();
         vm.start().unwrap();
         for h in vm.vcpus() {

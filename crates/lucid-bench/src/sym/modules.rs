@@ -43,11 +43,11 @@ pub fn run(opts: &Opts) -> Result<Figures, String> {
         name: "sym-mod".into(),
         bytes: lucid_guests::get("sym-mod").ok_or("no built-in sym-mod guest")?,
     });
-    c.symbiotic = true;
+    c.symbiotic.enabled = true;
     // The modules print on the console: keep it out of the bench's output.
     let console =
         std::env::temp_dir().join(format!("lucid-bench-modules-{}.txt", std::process::id()));
-    c.serial = SerialOutput::File(console.clone());
+    c.devices.serial = SerialOutput::File(console.clone());
     let mut vm = Vm::build(c).map_err(|e| format!("building the VM: {e}"))?;
     vm.start().map_err(|e| format!("starting the VM: {e}"))?;
     let sym = vm.sym().ok_or("the VM is not symbiotic")?.clone();

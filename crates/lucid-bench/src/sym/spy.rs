@@ -64,9 +64,9 @@ fn run_guest(cmdline: &str) -> Result<(RunReport, String), String> {
         name: "sym-spy".into(),
         bytes: lucid_guests::get("sym-spy").ok_or("no built-in sym-spy guest")?,
     });
-    c.cmdline = cmdline.into();
-    c.symbiotic = true;
-    c.serial = SerialOutput::File(serial.clone());
+    c.payload.cmdline = cmdline.into();
+    c.symbiotic.enabled = true;
+    c.devices.serial = SerialOutput::File(serial.clone());
     let report = Vm::run(c).map_err(|e| lucid_vmm::error_chain(&e))?;
     let out = std::fs::read_to_string(&serial).unwrap_or_default();
     let _ = std::fs::remove_file(&serial);

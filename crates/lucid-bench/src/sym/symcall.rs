@@ -31,9 +31,9 @@ fn config(
         name: guest.into(),
         bytes,
     });
-    c.cmdline = cmdline.into();
-    c.symbiotic = symbiotic;
-    c.serial = SerialOutput::File(serial.to_path_buf());
+    c.payload.cmdline = cmdline.into();
+    c.symbiotic.enabled = symbiotic;
+    c.devices.serial = SerialOutput::File(serial.to_path_buf());
     Ok(c)
 }
 

@@ -38,18 +38,19 @@ impl LegacyDevices {
         let serial_irq = eventfd("the serial interrupt")?;
         vm.register_irqfd(&serial_irq, 4)?;
         let (serial, listener) = Serial::new(
-            &config.serial,
+            &config.devices.serial,
             clone_eventfd(&serial_irq, "the serial interrupt")?,
             stats,
             spawner,
         )
         .map_err(|source| VmmError::Serial {
-            output: config.serial.clone(),
+            output: config.devices.serial.clone(),
             source,
         })?;
         let console = serial.output().clone();
         let serial = Arc::new(Mutex::new(serial));
-        let stdin = config.serial_stdin && config.serial == lucid_devices::SerialOutput::Stdio;
+        let stdin = config.devices.serial_stdin
+            && config.devices.serial == lucid_devices::SerialOutput::Stdio;
         Serial::start_input(&serial, listener, stdin, spawner);
         let pio = |base: u16, len: u64, name: &str, dev: Arc<Mutex<dyn BusDevice>>| {
             hooks.pio.insert(base.into(), len, name, dev)

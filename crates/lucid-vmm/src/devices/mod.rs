@@ -83,7 +83,9 @@ pub(crate) struct DeviceParts<'a> {
 impl DeviceManager {
     /// Whether `config` puts anything on a PCI bus.
     pub(crate) fn wants_pci(config: &VmConfig) -> bool {
-        !config.pci.is_empty() || !config.platform_pci.is_empty() || config.balloon.is_some()
+        !config.devices.pci.is_empty()
+            || !config.devices.platform_pci.is_empty()
+            || config.devices.balloon.is_some()
     }
 
     /// The legacy devices, then the PCI bus with the devices the configuration lists.
@@ -111,7 +113,7 @@ impl DeviceManager {
             hooks: p.hooks,
             stats: p.stats,
             spawner: p.spawner,
-            rungs: p.config.pci.iter().map(|d| d.rung).collect(),
+            rungs: p.config.devices.pci.iter().map(|d| d.rung).collect(),
         })?);
         dm.attach_configured(&p)?;
         Ok(dm)
@@ -123,7 +125,10 @@ impl DeviceManager {
         // go through it when there is one (it forgets the image blocks they showed), else
         // through guest RAM itself (fresh anonymous memory over them).
         let blk_hook = p.swap.blk_hook();
-        for (name, d) in virtio_names(&config.pci).into_iter().zip(&config.pci) {
+        for (name, d) in virtio_names(&config.devices.pci)
+            .into_iter()
+            .zip(&config.devices.pci)
+        {
             self.attach(&name.clone(), |slot| {
                 let device: Box<dyn lucid_virtio::VirtioDevice> = match &d.kind {
                     PciDeviceKind::Block(b) => {
@@ -167,7 +172,7 @@ impl DeviceManager {
                 })
             })?;
         }
-        if let Some(cfg) = &config.balloon {
+        if let Some(cfg) = &config.devices.balloon {
             let ram = p.builder.ram();
             let ranges: Vec<(u64, u64)> = ram.regions().iter().map(|r| (r.gpa, r.size)).collect();
             let dev = lucid_virtio::balloon::Balloon::new(
@@ -192,7 +197,7 @@ impl DeviceManager {
                 cfg.features()
             );
         }
-        for d in &config.platform_pci {
+        for d in &config.devices.platform_pci {
             match d {
                 crate::config::PlatformPciDevice::Edu => {
                     self.attach(d.name(), |_| Ok(NewPciFunction::Edu))?

@@ -25,7 +25,6 @@ pub use publish::{
     GlobalRecord, GuestGlobal, GuestVcpu, HostMemory, LucidGlobal, LucidVcpu, PublishSources,
     SpySnapshot, VcpuRecord,
 };
-pub(crate) use swapcache::check_swapcache;
 pub use swapcache::SwapCacheDevice;
 pub use symcall::{CallCounters, CallLimits, SymCallError, SymReturn};
 

@@ -25,38 +25,12 @@ use lucid_sym::swapcache::{Liveness, SwapBackend, SwapCache, SwapCacheStats, SLO
 use lucid_virtio::blk::BlockCache;
 
 use super::{SymCallError, Symbiotic};
-use crate::config::{PciDeviceKind, VmConfig};
-use crate::ConfigError;
 
 /// Largest swap map Lucid reads (entries): 4 GiB of guest pages.
 const MAX_MAP_ENTRIES: u64 = 1 << 20;
 /// Slots the SymSpy map can vouch for (64 GiB of swap; a 2 MiB bitset at most): a slot above
 /// gets no answer from the map (so it is written back), whatever the guest wrote there.
 const MAX_MAP_SLOTS: u64 = 1 << 24;
-
-/// Refuses `swapcache=` where it cannot work: without `--symbiotic`, on rung L0, or on more
-/// than one disk (its counters are one set).
-pub(crate) fn check_swapcache(c: &VmConfig) -> Result<(), ConfigError> {
-    let disks: Vec<(usize, &crate::config::PciDeviceConfig)> = c
-        .pci
-        .iter()
-        .filter(|d| matches!(d.kind, PciDeviceKind::Block(_)))
-        .enumerate()
-        .filter(|(_, d)| d.swapcache_mib > 0)
-        .collect();
-    if disks.len() > 1 {
-        return Err(ConfigError::SwapCacheCount(disks.len()));
-    }
-    if let Some(&(i, d)) = disks.first() {
-        if !c.symbiotic {
-            return Err(ConfigError::SwapCacheNotSymbiotic(i));
-        }
-        if d.rung == lucid_pci::Rung::L0 {
-            return Err(ConfigError::SwapCacheRung(i));
-        }
-    }
-    Ok(())
-}
 
 /// Declares the `sym.swap.*` counters that mirror [`SwapCacheStats`] fields of the same name,
 /// once: their struct, registration and update.
