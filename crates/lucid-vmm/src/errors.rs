@@ -33,17 +33,13 @@ pub enum VmmError {
     Bus(#[from] lucid_devices::BusError),
     #[error("cannot set up the PCI root complex")]
     PciRoot(#[source] lucid_pci::PciError),
+    /// A device's back-end (its image, its tap) cannot be opened. One variant for every kind of
+    /// device, so that a new device brings its own error type and no new variant here.
     #[error("{device}: cannot open its back-end")]
-    Block {
+    BackEnd {
         device: String,
         #[source]
-        source: lucid_virtio::blk::BlockError,
-    },
-    #[error("{device}: cannot open its back-end")]
-    Net {
-        device: String,
-        #[source]
-        source: lucid_virtio::net::NetError,
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     #[error("cannot create the virtio-balloon")]
     Balloon(#[source] lucid_virtio::balloon::BalloonError),

@@ -133,10 +133,7 @@ impl DeviceManager {
                 let device: Box<dyn lucid_virtio::VirtioDevice> = match &d.kind {
                     PciDeviceKind::Block(b) => {
                         let mut blk = lucid_virtio::blk::Block::new(name.clone(), b.clone())
-                            .map_err(|source| VmmError::Block {
-                                device: name,
-                                source,
-                            })?;
+                            .map_err(|e| back_end(name, e))?;
                         if let Some(h) = &blk_hook {
                             blk.set_data_hook(h.clone());
                         }
@@ -153,12 +150,8 @@ impl DeviceManager {
                         Box::new(blk)
                     }
                     PciDeviceKind::Net(n) => Box::new(
-                        lucid_virtio::net::Net::new(name.clone(), n.clone()).map_err(|source| {
-                            VmmError::Net {
-                                device: name,
-                                source,
-                            }
-                        })?,
+                        lucid_virtio::net::Net::new(name.clone(), n.clone())
+                            .map_err(|e| back_end(name, e))?,
                     ),
                 };
                 Ok(NewPciFunction::Virtio {
@@ -255,6 +248,14 @@ impl DeviceManager {
     }
 }
 
+/// A device whose back-end cannot be opened, with that back-end's own error.
+fn back_end(device: String, e: impl std::error::Error + Send + Sync + 'static) -> VmmError {
+    VmmError::BackEnd {
+        device,
+        source: Box::new(e),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -275,3 +276,4 @@ mod tests {
         assert_eq!(names, ["blk0", "net0", "blk1", "net1", "net2"]);
     }
 }
+
