@@ -19,9 +19,13 @@ use lucid_pools::policy::{default_io_slice_ns, SchedPolicy};
 
 const LIMIT: Duration = Duration::from_secs(180);
 
-/// Two CPUs or more: the tests put pools on CPUs 0 and 1.
+/// Two CPUs or more: the tests put pools on CPUs 0 and 1 (if not, [`skip_or_fail`]).
 fn two_cpus() -> bool {
-    std::thread::available_parallelism().map_or(0, |n| n.get()) >= 2
+    let two = std::thread::available_parallelism().map_or(0, |n| n.get()) >= 2;
+    if !two {
+        lucid_guests::skip_or_fail("the pools tests need two CPUs");
+    }
+    two
 }
 
 /// The host's pools for one test, made with `lucid pools create --def ...` in a unique state
