@@ -135,16 +135,21 @@ impl Drop for Parked {
     }
 }
 
-/// Polls until admitted (up to 2 s). A freed slot can stay locked for a moment when another
-/// test thread forks: the child holds a copy of the fd until it execs.
-fn admitted_soon(a: &mut Admission) -> bool {
+/// Polls `f` until it holds (up to 2 s).
+fn soon(mut f: impl FnMut() -> bool) -> bool {
     for _ in 0..200 {
-        if a.poll().unwrap() {
+        if f() {
             return true;
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     false
+}
+
+/// Polls until admitted (up to 2 s). A freed slot can stay locked for a moment when another
+/// test thread forks: the child holds a copy of the fd until it execs.
+fn admitted_soon(a: &mut Admission) -> bool {
+    soon(|| a.poll().unwrap())
 }
 
 /// `destroy` once a just-released slot is seen free (see [`admitted_soon`] for why it may
@@ -465,11 +470,7 @@ fn noop_admits_one_per_cpu_and_queues_the_rest() {
     assert!(!a3.thread_exited());
     drop(t3);
     // (join returns when the tid is cleared, a moment before the kernel drops the task)
-    let exited = (0..100).any(|_| {
-        std::thread::sleep(std::time::Duration::from_millis(10));
-        a3.thread_exited()
-    });
-    assert!(exited);
+    assert!(soon(|| a3.thread_exited()));
     drop(a3);
     placer.unplace(t2.tid).unwrap();
     destroy_soon(&env.state);
@@ -538,10 +539,14 @@ fn noop_slots_and_queue_are_host_wide_and_survive_crashed_holders() {
     assert!(slots[0].held, "{slots:?}");
     assert_eq!(waiters.len(), 2, "{waiters:?}");
     assert_eq!(waiters[1], (std::process::id() as i32, t.tid));
-    // The slot holder crashes: the kernel drops its lock, but the older waiter goes first.
+    // The slot holder crashes: the kernel drops its lock (the slot is seen free), but the older
+    // waiter goes first.
     slot_holder.kill().unwrap();
     slot_holder.wait().unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(
+        soon(|| !admission_state(&env.state, &be).0[0].held),
+        "the crashed holder's slot stayed locked"
+    );
     assert!(
         !adm.poll().unwrap(),
         "an older live waiter is first in line"
@@ -643,15 +648,7 @@ fn a_confined_thread_can_place_poll_and_publish() {
         rec.pool = Some("vm".into());
         publ.publish(&rec).unwrap();
         a1.release().unwrap();
-        let mut ok = false;
-        for _ in 0..200 {
-            if a2.poll().unwrap() {
-                ok = true;
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        assert!(ok, "admitted once the slot freed");
+        assert!(soon(|| a2.poll().unwrap()), "admitted once the slot freed");
         (a2, publ)
     })
     .join()
