@@ -61,8 +61,14 @@ fn make_image(dir: &TempDir, blocks: u64) -> (PathBuf, File, Vec<u8>) {
     (path, f, all)
 }
 
+/// Counter `swap.mapper.NAME`; a missing one panics with its name (`StatsRegistry::counter`
+/// would register it and read 0, so a renamed counter would pass every `== 0` check).
 fn stats_get(stats: &StatsRegistry, name: &str) -> u64 {
-    stats.counter(format!("swap.mapper.{name}")).get()
+    let name = format!("swap.mapper.{name}");
+    let snap = stats.snapshot();
+    *snap
+        .get(&name)
+        .unwrap_or_else(|| panic!("no counter {name} in {snap:?}"))
 }
 
 fn host_addr(ram: &GuestRam, gpa: u64) -> u64 {

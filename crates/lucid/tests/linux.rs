@@ -94,7 +94,11 @@ fn artifacts() -> Option<(PathBuf, PathBuf)> {
 #[allow(dead_code)]
 #[path = "../src/bin/linux_client/timed_boot.rs"]
 mod timed_boot;
-use timed_boot::{counter, first, Boot, Line};
+use timed_boot::{first, Boot, Line};
+
+mod common;
+// Strict: a counter missing from the report panics with its name.
+use common::counter;
 
 /// Boots Debian's kernel with its initramfs (256 MiB, the console on stdout).
 fn boot_debian(kernel: &Path, initrd: &Path, name: &str) -> Boot {

@@ -237,11 +237,7 @@ struct Finished {
 
 impl Finished {
     fn counter(&self, path: &str) -> u64 {
-        let mut v = &self.stats["counters"];
-        for part in path.split('.') {
-            v = &v[part];
-        }
-        v.as_u64().or_else(|| v["total"].as_u64()).unwrap_or(0)
+        common::counter(&self.stats, path)
     }
 }
 
