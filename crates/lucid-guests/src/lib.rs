@@ -130,7 +130,10 @@ pub fn in_ci() -> bool {
 /// under CI ([`in_ci`]) it panics instead, so that a CI run never passes a test that did not run.
 #[track_caller]
 pub fn skip_or_fail(reason: &str) {
-    assert!(!in_ci(), "this test cannot run here, which CI does not allow: {reason}");
+    assert!(
+        !in_ci(),
+        "this test cannot run here, which CI does not allow: {reason}"
+    );
     eprintln!("skipped: {reason}");
 }
 

@@ -9,8 +9,8 @@ use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use lucid_mem::{Backing, GuestRam};
 use lucid_guests::skip_or_fail;
+use lucid_mem::{Backing, GuestRam};
 use lucid_stats::StatsRegistry;
 use lucid_swap::host::HostCounters;
 use lucid_swap::limit::{swap_total_bytes, MemoryController, MemoryLimit, SwapFile};
