@@ -239,6 +239,10 @@ impl Finished {
     fn counter(&self, path: &str) -> u64 {
         common::counter(&self.stats, path)
     }
+
+    fn counter_or_zero(&self, path: &str) -> u64 {
+        common::counter_or_zero(&self.stats, path)
+    }
 }
 
 fn finish(mut child: Child, stats: &Path) -> Finished {
@@ -801,7 +805,12 @@ fn low_noise_gives_the_vcpu_its_own_cpu_and_runs_no_monitor() {
     assert_eq!(out.status, Some(1), "{}\n{}", out.stdout, out.stderr);
     assert!(out.stdout.contains("mismatches=0"), "{}", out.stdout);
     assert_eq!(out.counter("pools.low_noise"), 1);
-    assert_eq!(out.counter("monitor.windows"), 0);
+    // No monitor ran, so none of its counters exist.
+    assert!(
+        out.stats["counters"].get("monitor").is_none(),
+        "{}",
+        out.stats
+    );
     assert!(!pools.dir.join(format!("vms/{pid}.json")).exists());
 }
 
@@ -1008,6 +1017,17 @@ fn back_ends_restarted_by_resets_rejoin_the_noop_pool_under_seccomp() {
         out.stats
     );
     assert!(out.counter("pools.noop_admitted") >= 1, "{}", out.stats);
-    assert_eq!(out.counter("pools.noop_no_files"), 0, "{}", out.stats);
-    assert_eq!(out.counter("pools.place_errors"), 0, "{}", out.stats);
+    // These two are registered when first counted (lucid-vmm's pools glue): absent is none.
+    assert_eq!(
+        out.counter_or_zero("pools.noop_no_files"),
+        0,
+        "{}",
+        out.stats
+    );
+    assert_eq!(
+        out.counter_or_zero("pools.place_errors"),
+        0,
+        "{}",
+        out.stats
+    );
 }
