@@ -22,6 +22,19 @@ impl Outcome {
         counter(self.stats.as_ref().expect("stats JSON written"), path)
     }
 
+    /// Whether the stats have no counter and no group of counters at dotted `path` (e.g.
+    /// `swap.mapper`: no mapper ran).
+    pub fn absent(&self, path: &str) -> bool {
+        let mut v = &self.stats.as_ref().expect("stats JSON written")["counters"];
+        for part in path.split('.') {
+            match v.get(part) {
+                Some(x) => v = x,
+                None => return true,
+            }
+        }
+        false
+    }
+
     /// As [`Outcome::counter`], 0 when absent: see [`counter_or_zero`].
     pub fn counter_or_zero(&self, path: &str) -> u64 {
         counter_or_zero(self.stats.as_ref().expect("stats JSON written"), path)
