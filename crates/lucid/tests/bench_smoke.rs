@@ -34,8 +34,7 @@ fn bench(args: &[&str], limit: Duration) -> Value {
         o.stdout,
         o.stderr
     );
-    let line = o.stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(line)
+    serde_json::from_str(&o.stdout)
         .unwrap_or_else(|e| panic!("lucid bench {args:?}: no JSON ({e}): {}", o.stdout))
 }
 
