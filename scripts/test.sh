@@ -13,3 +13,5 @@ cargo build --workspace --release -q
 # The fuzz targets (their own workspace, run by scripts/fuzz.sh) must keep building.
 cargo check -q --manifest-path fuzz/Cargo.toml
 cargo test --workspace --release -- --test-threads=2
+# Every fuzz target for a few seconds from its seeds (fuzz.sh installs nightly and cargo-fuzz).
+scripts/fuzz.sh 10

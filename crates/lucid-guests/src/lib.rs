@@ -119,8 +119,26 @@ pub const QEMU_MICROVM: &[&str] = &["-M", "microvm,x-option-roms=off,rtc=off,isa
 /// boots in a fraction of a second.
 pub const QEMU_Q35: &[&str] = &["-M", "q35", "-bios", "/usr/share/qemu/qboot.rom"];
 
-/// For tests that compare with QEMU: whether `qemu-system-x86_64` runs. Outside CI a missing
-/// QEMU skips the test (this says so on stdout); in CI (`CI` set) it is a failure.
+/// Whether the tests run in CI (`CI=true`, as `.ci/run` sets; any value but empty, `0` or
+/// `false`): there every host capability a test needs is expected, so [`skip_or_fail`] fails.
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "0" && v != "false")
+}
+
+/// For a test that cannot run on this host for `reason` (a missing capability: root, a cgroup
+/// controller, QEMU, ...): says so on stderr and returns, the caller then returns and passes;
+/// under CI ([`in_ci`]) it panics instead, so that a CI run never passes a test that did not run.
+#[track_caller]
+pub fn skip_or_fail(reason: &str) {
+    assert!(
+        !in_ci(),
+        "this test cannot run here, which CI does not allow: {reason}"
+    );
+    eprintln!("skipped: {reason}");
+}
+
+/// For tests that compare with QEMU: whether `qemu-system-x86_64` runs; if not, the test skips
+/// (or, in CI, fails: see [`skip_or_fail`]).
 pub fn qemu_installed() -> bool {
     if Command::new("qemu-system-x86_64")
         .arg("--version")
@@ -129,11 +147,7 @@ pub fn qemu_installed() -> bool {
     {
         return true;
     }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "qemu-system-x86_64 missing in CI (scripts/deps.sh --test installs it)"
-    );
-    println!("skipped: qemu-system-x86_64 is not installed");
+    skip_or_fail("qemu-system-x86_64 is not installed (scripts/deps.sh --test installs it)");
     false
 }
 

@@ -4,13 +4,14 @@
 //!
 //! Every test uses its own state directory and cgroup name (pid + tag), so tests run in
 //! parallel with each other and with other Lucid processes. Tests that need root or the
-//! cpuset v1 hierarchy skip (with a note) where it is missing.
+//! cpuset v1 hierarchy skip (with a note) where it is missing, or fail in CI (`skip_or_fail`).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
+use lucid_guests::skip_or_fail;
 use lucid_pools::def::{
     create, destroy, Created, DefError, Destroyed, Policy, PoolSet, StateDir, VmRecord, VmThread,
 };
@@ -90,11 +91,11 @@ fn defs(d: &[&str]) -> PoolSet {
     PoolSet::parse_defs(d).unwrap()
 }
 
-/// A test's own env with pools `d` created on cpuset v1, and their placer; `None` (the skip
-/// said) without root and the v1 hierarchy.
+/// A test's own env with pools `d` created on cpuset v1, and their placer; `None` (after
+/// [`skip_or_fail`]) without root and the v1 hierarchy.
 fn v1_pools(tag: &str, d: &[&str]) -> Option<(TestEnv, Placer)> {
     if !have_v1() {
-        eprintln!("skipped: needs root and the cpuset v1 hierarchy");
+        skip_or_fail("needs root and the cpuset v1 hierarchy");
         return None;
     }
     let env = TestEnv::new(tag);
@@ -134,16 +135,21 @@ impl Drop for Parked {
     }
 }
 
-/// Polls until admitted (up to 2 s). A freed slot can stay locked for a moment when another
-/// test thread forks: the child holds a copy of the fd until it execs.
-fn admitted_soon(a: &mut Admission) -> bool {
+/// Polls `f` until it holds (up to 2 s).
+fn soon(mut f: impl FnMut() -> bool) -> bool {
     for _ in 0..200 {
-        if a.poll().unwrap() {
+        if f() {
             return true;
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     false
+}
+
+/// Polls until admitted (up to 2 s). A freed slot can stay locked for a moment when another
+/// test thread forks: the child holds a copy of the fd until it execs.
+fn admitted_soon(a: &mut Admission) -> bool {
+    soon(|| a.poll().unwrap())
 }
 
 /// `destroy` once a just-released slot is seen free (see [`admitted_soon`] for why it may
@@ -165,8 +171,7 @@ fn online() -> Vec<u32> {
 #[test]
 fn create_and_destroy_leave_no_leftovers_and_are_idempotent() {
     if !have_v1() {
-        eprintln!("skipped: needs root and the cpuset v1 hierarchy");
-        return;
+        return skip_or_fail("needs root and the cpuset v1 hierarchy");
     }
     let env = TestEnv::new("life");
     let before = env.snapshot();
@@ -215,8 +220,7 @@ fn create_and_destroy_leave_no_leftovers_and_are_idempotent() {
 #[test]
 fn create_reuses_a_leftover_cgroup_of_a_crashed_create() {
     if !have_v1() {
-        eprintln!("skipped: needs root and the cpuset v1 hierarchy");
-        return;
+        return skip_or_fail("needs root and the cpuset v1 hierarchy");
     }
     let env = TestEnv::new("leftover");
     // A create that died after making its cgroups, before writing pools.json.
@@ -233,8 +237,7 @@ fn create_reuses_a_leftover_cgroup_of_a_crashed_create() {
 #[test]
 fn racing_creates_make_one_set_of_pools() {
     if !have_v1() {
-        eprintln!("skipped: needs root and the cpuset v1 hierarchy");
-        return;
+        return skip_or_fail("needs root and the cpuset v1 hierarchy");
     }
     let env = TestEnv::new("race");
     let before = env.snapshot();
@@ -352,8 +355,7 @@ fn threads_land_where_the_policy_says_cpuset_v1() {
 #[test]
 fn threads_land_where_the_policy_says_affinity() {
     if !is_root() {
-        eprintln!("skipped: needs root");
-        return;
+        return skip_or_fail("needs root");
     }
     let env = TestEnv::new("aff");
     let set = defs(&[
@@ -468,11 +470,7 @@ fn noop_admits_one_per_cpu_and_queues_the_rest() {
     assert!(!a3.thread_exited());
     drop(t3);
     // (join returns when the tid is cleared, a moment before the kernel drops the task)
-    let exited = (0..100).any(|_| {
-        std::thread::sleep(std::time::Duration::from_millis(10));
-        a3.thread_exited()
-    });
-    assert!(exited);
+    assert!(soon(|| a3.thread_exited()));
     drop(a3);
     placer.unplace(t2.tid).unwrap();
     destroy_soon(&env.state);
@@ -499,8 +497,7 @@ fn holder(program: &str, args: &[&str]) -> std::process::Child {
 fn noop_slots_and_queue_are_host_wide_and_survive_crashed_holders() {
     let tools = ["/usr/bin/flock", "/usr/bin/python3"];
     if !have_v1() || tools.iter().any(|t| !Path::new(t).exists()) {
-        eprintln!("skipped: needs root, the cpuset v1 hierarchy, flock(1) and python3");
-        return;
+        return skip_or_fail("needs root, the cpuset v1 hierarchy, flock(1) and python3");
     }
     let env = TestEnv::new("xproc");
     let set = defs(&["name=be,cpus=1,policy=noop"]);
@@ -542,10 +539,14 @@ fn noop_slots_and_queue_are_host_wide_and_survive_crashed_holders() {
     assert!(slots[0].held, "{slots:?}");
     assert_eq!(waiters.len(), 2, "{waiters:?}");
     assert_eq!(waiters[1], (std::process::id() as i32, t.tid));
-    // The slot holder crashes: the kernel drops its lock, but the older waiter goes first.
+    // The slot holder crashes: the kernel drops its lock (the slot is seen free), but the older
+    // waiter goes first.
     slot_holder.kill().unwrap();
     slot_holder.wait().unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(
+        soon(|| !admission_state(&env.state, &be).0[0].held),
+        "the crashed holder's slot stayed locked"
+    );
     assert!(
         !adm.poll().unwrap(),
         "an older live waiter is first in line"
@@ -621,8 +622,7 @@ fn deny_file_namespace_calls() {
 #[test]
 fn a_confined_thread_can_place_poll_and_publish() {
     if !have_v1() {
-        eprintln!("skipped: needs root and the cpuset v1 hierarchy");
-        return;
+        return skip_or_fail("needs root and the cpuset v1 hierarchy");
     }
     let env = TestEnv::new("confined");
     let set = defs(&["name=be,cpus=1,policy=noop", "name=vm,cpus=0,policy=io"]);
@@ -648,15 +648,7 @@ fn a_confined_thread_can_place_poll_and_publish() {
         rec.pool = Some("vm".into());
         publ.publish(&rec).unwrap();
         a1.release().unwrap();
-        let mut ok = false;
-        for _ in 0..200 {
-            if a2.poll().unwrap() {
-                ok = true;
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        assert!(ok, "admitted once the slot freed");
+        assert!(soon(|| a2.poll().unwrap()), "admitted once the slot freed");
         (a2, publ)
     })
     .join()
@@ -983,8 +975,7 @@ fn as_nobody<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
 #[test]
 fn no_permission_is_refused_and_changes_nothing() {
     if !have_v1() {
-        eprintln!("skipped: needs root (to drop to nobody) and the cpuset v1 hierarchy");
-        return;
+        return skip_or_fail("needs root (to drop to nobody) and the cpuset v1 hierarchy");
     }
     let env = TestEnv::new("perm");
     let set = defs(&["name=io,cpus=0,policy=io"]);
@@ -1067,8 +1058,7 @@ fn with_read_only<T: Send + 'static>(dir: &Path, f: impl FnOnce() -> T + Send + 
 #[test]
 fn read_only_state_dir_is_refused_and_changes_nothing() {
     if !is_root() {
-        eprintln!("skipped: needs root (mount namespace)");
-        return;
+        return skip_or_fail("needs root (mount namespace)");
     }
     let env = TestEnv::new("rofs");
     let set = defs(&["name=io,cpus=0,policy=io"]);

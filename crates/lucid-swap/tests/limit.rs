@@ -9,6 +9,7 @@ use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use lucid_guests::skip_or_fail;
 use lucid_mem::{Backing, GuestRam};
 use lucid_stats::StatsRegistry;
 use lucid_swap::host::HostCounters;
@@ -54,8 +55,7 @@ impl Drop for Dir {
 #[test]
 fn limit_with_swap_file_baseline_swaps_mapper_does_not() {
     if let Err(e) = MemoryController::detect() {
-        eprintln!("SKIP: this host has no memory cgroup controller: {e}");
-        return;
+        return skip_or_fail(&format!("this host has no memory cgroup controller: {e}"));
     }
     // Swap files need a real filesystem (not tmpfs): the target dir's is one here.
     let base = std::env::var_os("CARGO_TARGET_TMPDIR")

@@ -9,6 +9,7 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use lucid_guests::skip_or_fail;
 use lucid_mem::{Access, Backing, DmaObserver, GuestRam, PageDiscard};
 use lucid_stats::StatsRegistry;
 use lucid_swap::limit::SwapFile;
@@ -60,8 +61,14 @@ fn make_image(dir: &TempDir, blocks: u64) -> (PathBuf, File, Vec<u8>) {
     (path, f, all)
 }
 
+/// Counter `swap.mapper.NAME`; a missing one panics with its name (`StatsRegistry::counter`
+/// would register it and read 0, so a renamed counter would pass every `== 0` check).
 fn stats_get(stats: &StatsRegistry, name: &str) -> u64 {
-    stats.counter(format!("swap.mapper.{name}")).get()
+    let name = format!("swap.mapper.{name}");
+    let snap = stats.snapshot();
+    *snap
+        .get(&name)
+        .unwrap_or_else(|| panic!("no counter {name} in {snap:?}"))
 }
 
 fn host_addr(ram: &GuestRam, gpa: u64) -> u64 {
@@ -395,13 +402,13 @@ fn image_holes_map_as_zero_pages() {
     assert_vmas_exact(&m, "");
 }
 
-/// A swap file for tests that need anonymous pages in swap; None (with the reason printed)
+/// A swap file for tests that need anonymous pages in swap; None (after [`skip_or_fail`])
 /// where the host cannot make one.
 fn test_swap(dir: &TempDir) -> Option<SwapFile> {
     match SwapFile::create(&dir.0, 64 << 20) {
         Ok(s) => Some(s),
         Err(e) => {
-            eprintln!("skipping the swapped-page part: {e}");
+            skip_or_fail(&format!("cannot make a test swap file: {e}"));
             None
         }
     }
@@ -421,7 +428,7 @@ fn stale_reads_are_avoided() {
             .unwrap();
         assert_eq!(madvise(&ram, 0x30000, 4 * PAGE, libc::MADV_PAGEOUT), 0);
         if pagemap(&ram, 0x30000) & PM_SWAP == 0 {
-            eprintln!("MADV_PAGEOUT did not swap the page out; skipping {mode}");
+            skip_or_fail(&format!("MADV_PAGEOUT did not swap the page out ({mode})"));
             continue;
         }
         // Copy path (misaligned image offset) covering pages 0x30000 and 0x31000 entirely.

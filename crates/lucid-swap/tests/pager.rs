@@ -5,6 +5,7 @@
 
 use std::time::{Duration, Instant};
 
+use lucid_guests::skip_or_fail;
 use lucid_stats::StatsRegistry;
 use lucid_swap::limit::{MemoryController, MemoryLimit, SwapFile};
 use lucid_swap::pager::{Pager, PagerConfig};
@@ -20,16 +21,12 @@ fn byte(i: u64) -> u8 {
 #[test]
 fn pager_keeps_usage_under_the_limit_and_data_intact() {
     if let Err(e) = MemoryController::detect() {
-        eprintln!("SKIP: this host has no memory cgroup controller: {e}");
-        return;
+        return skip_or_fail(&format!("this host has no memory cgroup controller: {e}"));
     }
     let dir = std::env::temp_dir();
     let _swap = match SwapFile::create(&dir, 256 * MIB) {
         Ok(s) => s,
-        Err(e) => {
-            eprintln!("SKIP: no test swap file: {e}");
-            return;
-        }
+        Err(e) => return skip_or_fail(&format!("no test swap file: {e}")),
     };
     let limit = MemoryLimit::apply("pagertest", LIMIT).expect("a memory limit");
     let stats = StatsRegistry::new();

@@ -99,8 +99,13 @@ impl Drv {
         a
     }
 
+    /// A counter of the device's registry; a missing one panics with its name (read as 0, a
+    /// renamed counter would pass every `== 0` check).
     fn stat(&self, name: &str) -> u64 {
-        self.stats.snapshot().get(name).copied().unwrap_or(0)
+        let snap = self.stats.snapshot();
+        *snap
+            .get(name)
+            .unwrap_or_else(|| panic!("no counter {name} in {snap:?}"))
     }
 
     /// A buffer holding `pfns` as le32.

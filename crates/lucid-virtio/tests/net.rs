@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use common::*;
+use lucid_guests::skip_or_fail;
 use lucid_virtio::features::*;
 use lucid_virtio::net::{Net, NetBackend, NetConfig, NetError, NET_HDR_LEN};
 use lucid_virtio::{Coalescing, Notify, VirtioDevice};
@@ -526,12 +527,10 @@ fn recv_matching<T>(d: &mut NetDrv, mut pick: impl FnMut(&[u8]) -> Option<T>) ->
 fn tap_exchanges_frames_with_a_host_peer_in_a_namespace() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: the tap test needs root (it creates a network namespace and a tap)");
-        return;
+        return skip_or_fail("the tap test needs root (it creates a network namespace and a tap)");
     }
     if run("ip", &["-V"]).is_err() {
-        eprintln!("skipped: no `ip` command (iproute2)");
-        return;
+        return skip_or_fail("no `ip` command (iproute2)");
     }
     for notify in [Notify::Kicks, Notify::Poll { idle_sleep_us: 20 }] {
         let ns = Netns::new();
@@ -600,8 +599,7 @@ fn tap_exchanges_frames_with_a_host_peer_in_a_namespace() {
 fn tap_stops_reading_without_rx_buffers() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: the tap test needs root (it creates a network namespace and a tap)");
-        return;
+        return skip_or_fail("the tap test needs root (it creates a network namespace and a tap)");
     }
     let ns = Netns(format!("lucid-test-{}-b", std::process::id()));
     let _ = run("ip", &["netns", "del", &ns.0]);
@@ -646,8 +644,7 @@ fn tap_without_privilege_says_what_is_needed() {
     use std::os::unix::process::CommandExt;
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: needs root to run a child as an unprivileged user");
-        return;
+        return skip_or_fail("needs root to run a child as an unprivileged user");
     }
     // A copy of this test binary where the unprivileged user can run it (the build tree may sit
     // in a directory only root can enter).
@@ -683,11 +680,10 @@ fn tap_without_privilege_says_what_is_needed() {
     let _ = std::fs::remove_file(&exe);
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() && !text.contains("ERROR") {
-        eprintln!(
-            "skipped: cannot run the test binary as nobody: {}",
+        return skip_or_fail(&format!(
+            "cannot run the test binary as nobody: {}",
             String::from_utf8_lossy(&out.stderr)
-        );
-        return;
+        ));
     }
     assert!(
         text.contains("needs root or CAP_NET_ADMIN"),

@@ -93,9 +93,9 @@ fn flush_tlb_drops_a_stale_translation() {
         }
     }
     if seen.iter().all(|r| matches!(r, Stale::NotKept(_))) {
-        // This TLB never kept the old translation: nothing stale to flush.
-        println!("skipped: the guest's TLB did not keep the old translation");
-        return;
+        // This TLB never kept the old translation: nothing stale to flush (not so in CI, whose
+        // hosts shadow the guest's page tables).
+        return lucid_guests::skip_or_fail("the guest's TLB did not keep the old translation");
     }
     let outs: Vec<_> = seen
         .iter()

@@ -482,7 +482,7 @@ mod tests {
     fn report_reads_back_the_threads_vms_publish() {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
-            return;
+            return lucid_guests::skip_or_fail("needs root (it places a thread in a cgroup)");
         }
         let base = std::env::temp_dir().join(format!("lucid-p1-cmd-{}", std::process::id()));
         let state = StateDir::new(base.join("state"), "unused");

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{field, lucid, tmp};
+use common::{counter, field, lucid, tmp};
 use lucid_swap::balloon_manager::{Pressure, PressureSource};
 use lucid_vmm::{KernelSource, SerialOutput, StopReason, Vm, VmConfig};
 
@@ -33,14 +33,6 @@ fn vmas(pid: u32) -> usize {
         .unwrap()
         .lines()
         .count()
-}
-
-fn counter(stats: &serde_json::Value, path: &str) -> u64 {
-    let mut v = &stats["counters"];
-    for p in path.split('.') {
-        v = &v[p];
-    }
-    v.as_u64().unwrap_or(0)
 }
 
 #[test]

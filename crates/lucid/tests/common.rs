@@ -17,14 +17,50 @@ pub struct Outcome {
 }
 
 impl Outcome {
-    /// A counter from the stats JSON by dotted path, e.g. `post.writes`.
+    /// A counter from the stats JSON by dotted path, e.g. `post.writes`; see [`counter`].
     pub fn counter(&self, path: &str) -> u64 {
+        counter(self.stats.as_ref().expect("stats JSON written"), path)
+    }
+
+    /// Whether the stats have no counter and no group of counters at dotted `path` (e.g.
+    /// `swap.mapper`: no mapper ran).
+    pub fn absent(&self, path: &str) -> bool {
         let mut v = &self.stats.as_ref().expect("stats JSON written")["counters"];
         for part in path.split('.') {
-            v = &v[part];
+            match v.get(part) {
+                Some(x) => v = x,
+                None => return true,
+            }
         }
-        v.as_u64().or_else(|| v["total"].as_u64()).unwrap_or(0)
+        false
     }
+
+    /// As [`Outcome::counter`], 0 when absent: see [`counter_or_zero`].
+    pub fn counter_or_zero(&self, path: &str) -> u64 {
+        counter_or_zero(self.stats.as_ref().expect("stats JSON written"), path)
+    }
+}
+
+/// The counter at dotted `path` (e.g. `post.writes`) of a stats JSON (`--stats-json`, the API's
+/// `stats`). A missing counter panics with its name: read as 0, a renamed counter would pass
+/// every `== 0` check.
+pub fn counter(stats: &serde_json::Value, path: &str) -> u64 {
+    counter_opt(stats, path).unwrap_or_else(|| panic!("no counter {path} in the stats: {stats}"))
+}
+
+/// As [`counter`], but 0 when absent: only for counters registered when first counted, each
+/// caller saying why absence means none.
+pub fn counter_or_zero(stats: &serde_json::Value, path: &str) -> u64 {
+    counter_opt(stats, path).unwrap_or(0)
+}
+
+fn counter_opt(stats: &serde_json::Value, path: &str) -> Option<u64> {
+    let mut v = stats.get("counters")?;
+    for part in path.split('.') {
+        v = v.get(part)?;
+    }
+    // A counter that has counters below it keeps its own value under `total`.
+    v.as_u64().or_else(|| v.get("total")?.as_u64())
 }
 
 pub fn tmp(name: &str) -> PathBuf {

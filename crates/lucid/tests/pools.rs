@@ -19,9 +19,13 @@ use lucid_pools::policy::{default_io_slice_ns, SchedPolicy};
 
 const LIMIT: Duration = Duration::from_secs(180);
 
-/// Two CPUs or more: the tests put pools on CPUs 0 and 1.
+/// Two CPUs or more: the tests put pools on CPUs 0 and 1 (if not, [`skip_or_fail`]).
 fn two_cpus() -> bool {
-    std::thread::available_parallelism().map_or(0, |n| n.get()) >= 2
+    let two = std::thread::available_parallelism().map_or(0, |n| n.get()) >= 2;
+    if !two {
+        lucid_guests::skip_or_fail("the pools tests need two CPUs");
+    }
+    two
 }
 
 /// The host's pools for one test, made with `lucid pools create --def ...` in a unique state
@@ -233,11 +237,11 @@ struct Finished {
 
 impl Finished {
     fn counter(&self, path: &str) -> u64 {
-        let mut v = &self.stats["counters"];
-        for part in path.split('.') {
-            v = &v[part];
-        }
-        v.as_u64().or_else(|| v["total"].as_u64()).unwrap_or(0)
+        common::counter(&self.stats, path)
+    }
+
+    fn counter_or_zero(&self, path: &str) -> u64 {
+        common::counter_or_zero(&self.stats, path)
     }
 }
 
@@ -801,7 +805,12 @@ fn low_noise_gives_the_vcpu_its_own_cpu_and_runs_no_monitor() {
     assert_eq!(out.status, Some(1), "{}\n{}", out.stdout, out.stderr);
     assert!(out.stdout.contains("mismatches=0"), "{}", out.stdout);
     assert_eq!(out.counter("pools.low_noise"), 1);
-    assert_eq!(out.counter("monitor.windows"), 0);
+    // No monitor ran, so none of its counters exist.
+    assert!(
+        out.stats["counters"].get("monitor").is_none(),
+        "{}",
+        out.stats
+    );
     assert!(!pools.dir.join(format!("vms/{pid}.json")).exists());
 }
 
@@ -1008,6 +1017,17 @@ fn back_ends_restarted_by_resets_rejoin_the_noop_pool_under_seccomp() {
         out.stats
     );
     assert!(out.counter("pools.noop_admitted") >= 1, "{}", out.stats);
-    assert_eq!(out.counter("pools.noop_no_files"), 0, "{}", out.stats);
-    assert_eq!(out.counter("pools.place_errors"), 0, "{}", out.stats);
+    // These two are registered when first counted (lucid-vmm's pools glue): absent is none.
+    assert_eq!(
+        out.counter_or_zero("pools.noop_no_files"),
+        0,
+        "{}",
+        out.stats
+    );
+    assert_eq!(
+        out.counter_or_zero("pools.place_errors"),
+        0,
+        "{}",
+        out.stats
+    );
 }

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{field, run_cmd, tmp, Outcome};
+use common::{counter, field, run_cmd, tmp, Outcome};
 use serde_json::Value;
 
 const LIMIT: Duration = Duration::from_secs(20);
@@ -173,14 +173,6 @@ fn reply(r: &mut impl BufRead) -> Value {
     let mut line = String::new();
     r.read_line(&mut line).unwrap();
     serde_json::from_str(&line).unwrap_or_else(|e| panic!("reply {line:?}: {e}"))
-}
-
-fn counter(stats: &Value, path: &str) -> u64 {
-    let mut v = &stats["counters"];
-    for part in path.split('.') {
-        v = &v[part];
-    }
-    v.as_u64().unwrap_or(0)
 }
 
 fn error_of(v: &Value) -> &str {

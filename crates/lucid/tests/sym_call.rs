@@ -93,6 +93,19 @@ impl Guest {
         std::fs::read_to_string(&self.serial).unwrap_or_default()
     }
 
+    /// Waits until the guest has printed `line` (up to 20 s).
+    fn wait_output(&self, line: &str) {
+        let start = Instant::now();
+        while !self.output().contains(line) {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "no {line:?} on the serial port: {}",
+                self.output()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Ends the workload with TEST_DONE (unless `done` is false), waits for the VM and returns
     /// the serial output after checking the guest's verdict.
     fn finish(self, done: bool) -> (String, lucid_vmm::RunReport) {
@@ -384,7 +397,8 @@ fn misbehaving_handlers_cost_the_call_not_the_vm() {
 fn a_guest_without_a_symcall_entry_is_not_called() {
     let g = boot("unreg", 1, "ms=1500 register=0", true);
     let sym = g.sym();
-    std::thread::sleep(Duration::from_millis(300));
+    // Past the point where the guest would have registered its entry.
+    g.wait_output("sym-call ready cpus=1 registered=0");
     for _ in 0..10 {
         let r = sym.call(0, call::ECHO, [0; 5]);
         assert!(matches!(r, Err(SymCallError::NotRegistered(0))), "{r:?}");

@@ -77,7 +77,12 @@ impl Host {
         assert!(self.pio.write(0xcf8, &a.to_le_bytes()));
         assert!(self.pio.write(0xcfc, &v.to_le_bytes()));
     }
+    /// A counter of the platform's registry; a missing one panics with its name (read as 0, a
+    /// renamed counter would pass every `== 0` check).
     pub fn counter(&self, name: &str) -> u64 {
-        self.env.stats.snapshot().get(name).copied().unwrap_or(0)
+        let snap = self.env.stats.snapshot();
+        *snap
+            .get(name)
+            .unwrap_or_else(|| panic!("no counter {name} in {snap:?}"))
     }
 }
