@@ -12,6 +12,6 @@ cargo clippy --workspace --all-targets -q -- -D warnings
 cargo build --workspace --release -q
 # The fuzz targets (their own workspace, run by scripts/fuzz.sh) must keep building.
 cargo check -q --manifest-path fuzz/Cargo.toml
-cargo test --workspace --release -- --test-threads=2
 # Every fuzz target for a few seconds from its seeds (fuzz.sh installs nightly and cargo-fuzz).
-scripts/fuzz.sh 10
+scripts/fuzz.sh 5
+cargo test --workspace --release -- --test-threads=2
