@@ -8,7 +8,9 @@ use std::path::PathBuf;
 use lucid_devices::SerialOutput;
 use lucid_iommu::{EmulationMode, PinPolicy, VtdConfig};
 use lucid_mem::Backing;
-use lucid_opts::{parse_bool, OptHead, OptKey, OptSpec, Parsed};
+use lucid_opts::{parse_bool, Parsed};
+
+pub use self::options::*;
 use lucid_pci::Rung;
 use lucid_swap::SwapMode;
 use lucid_virtio::balloon::BalloonConfig;
@@ -435,175 +437,184 @@ pub enum ConfigError {
 /// A sub-option string Lucid cannot use, saying which part and why.
 pub type DeviceOptionError = lucid_opts::OptError;
 
-const RUNG: OptKey = OptKey::new(
-    "rung",
-    "L0|L1|L2|L3|L4|L4p",
-    "the device's rung of the exit ladder (default L1)",
-);
-const COALESCE: OptKey = OptKey::new(
-    "coalesce",
-    "N:USEC",
-    "at most N completions or USEC µs per interrupt",
-);
-const POLL_US: OptKey = OptKey::new(
-    "poll_us",
-    "N",
-    "L4: µs the polling thread sleeps when its rings are idle (0 spins)",
-);
+/// The sub-option tables: each option's syntax, declared once; the parsers below and the CLI's
+/// help text both come from them. A new option's table goes here.
+pub mod options {
+    pub use lucid_opts::{OptError, OptSpec};
+    use lucid_opts::{OptHead, OptKey};
 
-/// `--blk`.
-pub const BLK: OptSpec = OptSpec {
-    flag: "--blk",
-    about: "A virtio-blk disk on PCI (repeatable).",
-    head: None,
-    keys: &[
-        OptKey::new("path", "FILE", "the disk image").required().aliases(&["file"]),
-        OptKey::new("ro", "on|off", "read-only").aliases(&["readonly"]),
-        OptKey::new("bs", "512|4096", "logical block size in bytes").aliases(&["block_size"]),
-        OptKey::new("id", "STR", "serial number the guest reads, at most 20 bytes"),
-        OptKey::new("cache", "none|writeback", "none opens the image O_DIRECT"),
-        RUNG,
-        COALESCE,
-        POLL_US,
-        OptKey::new(
-            "swapcache",
-            "MiB",
-            "SwapBypass's swap cache in front of the disk, 1 to 65536 MiB (needs --symbiotic; implies bs=4096)",
-        ),
-        OptKey::new(
-            "liveness",
-            "symcall|spy",
-            "what the swap cache asks first whether a slot is live",
-        ),
-    ],
-};
+    const RUNG: OptKey = OptKey::new(
+        "rung",
+        "L0|L1|L2|L3|L4|L4p",
+        "the device's rung of the exit ladder (default L1)",
+    );
+    const COALESCE: OptKey = OptKey::new(
+        "coalesce",
+        "N:USEC",
+        "at most N completions or USEC µs per interrupt",
+    );
+    const POLL_US: OptKey = OptKey::new(
+        "poll_us",
+        "N",
+        "L4: µs the polling thread sleeps when its rings are idle (0 spins)",
+    );
 
-/// `--net`.
-pub const NET: OptSpec = OptSpec {
-    flag: "--net",
-    about: "A virtio-net NIC on PCI (repeatable).",
-    head: None,
-    keys: &[
-        OptKey::new(
-            "backend",
-            "tap:IFNAME|echo|sink",
-            "a tap device, a loopback that echoes frames, or a sink that drops them",
-        )
-        .required(),
-        OptKey::new(
-            "rate",
-            "MBIT",
-            "sink only: paced to MBIT Mbit/s, 1 to 100000 (the pools benchmark's link)",
-        ),
-        OptKey::new(
-            "mac",
-            "52:54:00:12:34:56",
-            "unicast MAC address (default ends in 56 + index)",
-        ),
-        RUNG,
-        COALESCE,
-        POLL_US,
-    ],
-};
+    /// `--blk`.
+    pub const BLK: OptSpec = OptSpec {
+        flag: "--blk",
+        about: "A virtio-blk disk on PCI (repeatable).",
+        head: None,
+        keys: &[
+            OptKey::new("path", "FILE", "the disk image").required().aliases(&["file"]),
+            OptKey::new("ro", "on|off", "read-only").aliases(&["readonly"]),
+            OptKey::new("bs", "512|4096", "logical block size in bytes").aliases(&["block_size"]),
+            OptKey::new("id", "STR", "serial number the guest reads, at most 20 bytes"),
+            OptKey::new("cache", "none|writeback", "none opens the image O_DIRECT"),
+            RUNG,
+            COALESCE,
+            POLL_US,
+            OptKey::new(
+                "swapcache",
+                "MiB",
+                "SwapBypass's swap cache in front of the disk, 1 to 65536 MiB (needs --symbiotic; implies bs=4096)",
+            ),
+            OptKey::new(
+                "liveness",
+                "symcall|spy",
+                "what the swap cache asks first whether a slot is live",
+            ),
+        ],
+    };
 
-/// `--balloon`.
-pub const BALLOON: OptSpec = OptSpec {
-    flag: "--balloon",
-    about: "A virtio-balloon on PCI, after the other virtio devices.",
-    head: None,
-    keys: &[
-        OptKey::new(
-            "size",
-            "MiB",
-            "the first target: how much memory the guest gives back",
-        )
-        .required(),
-        OptKey::new(
-            "deflate_on_oom",
-            "on|off",
-            "the guest may deflate under memory pressure",
-        ),
-        OptKey::new(
-            "free_page_reporting",
-            "on|off",
-            "the guest reports free pages",
-        ),
-        OptKey::new("stats", "on|off", "the guest reports memory statistics"),
-        OptKey::new(
-            "manager",
-            "on|off",
-            "Lucid sizes the balloon from host memory pressure every 200 ms",
-        ),
-    ],
-};
+    /// `--net`.
+    pub const NET: OptSpec = OptSpec {
+        flag: "--net",
+        about: "A virtio-net NIC on PCI (repeatable).",
+        head: None,
+        keys: &[
+            OptKey::new(
+                "backend",
+                "tap:IFNAME|echo|sink",
+                "a tap device, a loopback that echoes frames, or a sink that drops them",
+            )
+            .required(),
+            OptKey::new(
+                "rate",
+                "MBIT",
+                "sink only: paced to MBIT Mbit/s, 1 to 100000 (the pools benchmark's link)",
+            ),
+            OptKey::new(
+                "mac",
+                "52:54:00:12:34:56",
+                "unicast MAC address (default ends in 56 + index)",
+            ),
+            RUNG,
+            COALESCE,
+            POLL_US,
+        ],
+    };
 
-/// `--iommu`.
-pub const IOMMU: OptSpec = OptSpec {
-    flag: "--iommu",
-    about: "An emulated Intel VT-d IOMMU (DMA translation and interrupt remapping).",
-    head: Some(OptHead {
-        name: "MODEL",
-        choices: &["vtd"],
-    }),
-    keys: &[
-        OptKey::new(
-            "mode",
-            "samecore|sidecore",
-            "registers emulated on the vCPU's exit (default) or by a side-core thread",
-        ),
-        OptKey::new(
-            "pin",
-            "all|map|deferred",
-            "when guest pages are pinned: all at start (default), at map, or deferred",
-        ),
-    ],
-};
+    /// `--balloon`.
+    pub const BALLOON: OptSpec = OptSpec {
+        flag: "--balloon",
+        about: "A virtio-balloon on PCI, after the other virtio devices.",
+        head: None,
+        keys: &[
+            OptKey::new(
+                "size",
+                "MiB",
+                "the first target: how much memory the guest gives back",
+            )
+            .required(),
+            OptKey::new(
+                "deflate_on_oom",
+                "on|off",
+                "the guest may deflate under memory pressure",
+            ),
+            OptKey::new(
+                "free_page_reporting",
+                "on|off",
+                "the guest reports free pages",
+            ),
+            OptKey::new("stats", "on|off", "the guest reports memory statistics"),
+            OptKey::new(
+                "manager",
+                "on|off",
+                "Lucid sizes the balloon from host memory pressure every 200 ms",
+            ),
+        ],
+    };
 
-/// `--device`.
-pub const DEVICE: OptSpec = OptSpec {
-    flag: "--device",
-    about: "Another PCI device, in the slots after the virtio devices (repeatable): edu is \
-            QEMU's edu DMA test device (PCI 1234:11e8; at most one).",
-    head: Some(OptHead {
-        name: "NAME",
-        choices: &["edu"],
-    }),
-    keys: &[],
-};
+    /// `--iommu`.
+    pub const IOMMU: OptSpec = OptSpec {
+        flag: "--iommu",
+        about: "An emulated Intel VT-d IOMMU (DMA translation and interrupt remapping).",
+        head: Some(OptHead {
+            name: "MODEL",
+            choices: &["vtd"],
+        }),
+        keys: &[
+            OptKey::new(
+                "mode",
+                "samecore|sidecore",
+                "registers emulated on the vCPU's exit (default) or by a side-core thread",
+            ),
+            OptKey::new(
+                "pin",
+                "all|map|deferred",
+                "when guest pages are pinned: all at start (default), at map, or deferred",
+            ),
+        ],
+    };
 
-/// `--serial`.
-pub const SERIAL: OptSpec = OptSpec {
-    flag: "--serial",
-    about: "The console: stdio, a file, or a Unix socket Lucid listens on.",
-    head: Some(OptHead {
-        name: "OUTPUT",
-        choices: &["stdio", "file:PATH", "unix:PATH"],
-    }),
-    keys: &[],
-};
+    /// `--device`.
+    pub const DEVICE: OptSpec = OptSpec {
+        flag: "--device",
+        about: "Another PCI device, in the slots after the virtio devices (repeatable): edu is \
+                QEMU's edu DMA test device (PCI 1234:11e8; at most one).",
+        head: Some(OptHead {
+            name: "NAME",
+            choices: &["edu"],
+        }),
+        keys: &[],
+    };
 
-/// `--backing`.
-pub const BACKING: OptSpec = OptSpec {
-    flag: "--backing",
-    about: "Guest RAM backing: anonymous memory, a shared memfd, or a private mapping of a file.",
-    head: Some(OptHead {
-        name: "BACKING",
-        choices: &["anon", "memfd", "file:PATH"],
-    }),
-    keys: &[],
-};
+    /// `--serial`.
+    pub const SERIAL: OptSpec = OptSpec {
+        flag: "--serial",
+        about: "The console: stdio, a file, or a Unix socket Lucid listens on.",
+        head: Some(OptHead {
+            name: "OUTPUT",
+            choices: &["stdio", "file:PATH", "unix:PATH"],
+        }),
+        keys: &[],
+    };
 
-/// `--pool`.
-pub const POOL: OptSpec = OptSpec {
-    flag: "--pool",
-    about: "The host CPU pool to run in (see `lucid pools`): a pool's name (pinned there), auto \
-            (the classifier picks and moves the VM; no pools defined means none) or none.",
-    head: Some(OptHead {
-        name: "POOL",
-        choices: &["NAME", "auto", "none"],
-    }),
-    keys: &[],
-};
+    /// `--backing`.
+    pub const BACKING: OptSpec = OptSpec {
+        flag: "--backing",
+        about:
+            "Guest RAM backing: anonymous memory, a shared memfd, or a private mapping of a file.",
+        head: Some(OptHead {
+            name: "BACKING",
+            choices: &["anon", "memfd", "file:PATH"],
+        }),
+        keys: &[],
+    };
+
+    /// `--pool`.
+    pub const POOL: OptSpec = OptSpec {
+        flag: "--pool",
+        about:
+            "The host CPU pool to run in (see `lucid pools`): a pool's name (pinned there), auto \
+                (the classifier picks and moves the VM; no pools defined means none) or none.",
+        head: Some(OptHead {
+            name: "POOL",
+            choices: &["NAME", "auto", "none"],
+        }),
+        keys: &[],
+    };
+}
 
 /// Parses `--backing` by [`BACKING`].
 pub fn parse_backing(s: &str) -> Result<Backing, DeviceOptionError> {

@@ -8,7 +8,7 @@ pub mod api;
 pub mod balloon;
 mod boot;
 pub mod builder;
-mod config;
+pub mod config;
 pub mod devices;
 pub mod emulate;
 mod errors;
@@ -26,6 +26,7 @@ mod vm;
 
 pub use boot::{DEFAULT_LINUX_CMDLINE, PVM_LINUX_CMDLINE};
 pub use builder::{KernelLoad, VmBuilder};
+pub use config::options;
 pub use config::{
     parse_backing, parse_balloon, parse_blk, parse_device, parse_iommu, parse_net, parse_pool,
     parse_serial, ApiConfig, ConfigError, DeviceOptionError, DevicesConfig, KernelSource,
@@ -34,11 +35,6 @@ pub use config::{
     MIN_MEMORY_LIMIT_MIB, MIN_MEM_MIB, MIN_MONITOR_WINDOW,
 };
 pub use devices::{AttachedPci, DeviceManager, NewPciFunction, PciFunction, PciSlot};
-/// The sub-option tables (`--blk`, `--net`, ...) the CLI's help text is generated from.
-pub mod options {
-    pub use crate::config::{BACKING, BALLOON, BLK, DEVICE, IOMMU, NET, POOL, SERIAL};
-    pub use lucid_opts::{OptError, OptSpec};
-}
 pub use emulate::Emulator;
 pub use errors::VmmError;
 pub use hooks::{

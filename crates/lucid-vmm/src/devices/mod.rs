@@ -276,4 +276,3 @@ mod tests {
         assert_eq!(names, ["blk0", "net0", "blk1", "net1", "net2"]);
     }
 }
-
