@@ -134,19 +134,25 @@ fn the_manager_deflates_when_the_host_has_room_and_the_guest_follows() {
         LIMIT,
     );
     assert_eq!(o.status, Some(1), "{}\n{}", o.stdout, o.stderr);
-    assert!(
-        o.stdout.contains("balloon: inflated actual=16384"),
-        "{}",
-        o.stdout
-    );
+    // The guest inflates towards the first target (16384 pages); the manager's first tick may
+    // already have lowered it (a host with room), so the guest settles on at most that much.
+    let inflated: u64 = field(&o.stdout, "balloon: inflated", "actual")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no inflated line:\n{}", o.stdout));
+    assert!((1..=16384).contains(&inflated), "{}", o.stdout);
     assert!(
         o.stdout.contains("balloon: followed actual=0 target=0"),
         "{}",
         o.stdout
     );
-    assert_eq!(field(&o.stdout, "balloon: PASS", "deflated"), Some("16384"));
-    assert_eq!(o.counter("balloon.inflated_pages"), 16384);
-    assert_eq!(o.counter("balloon.deflated_pages"), 16384);
+    // Everything the guest gave, the manager had it take back.
+    let inflated_s = inflated.to_string();
+    assert_eq!(
+        field(&o.stdout, "balloon: PASS", "deflated"),
+        Some(inflated_s.as_str())
+    );
+    assert_eq!(o.counter("balloon.inflated_pages"), inflated);
+    assert_eq!(o.counter("balloon.deflated_pages"), inflated);
     assert!(o.counter("balloon.manager.deflations") >= 1);
     assert_eq!(o.counter("balloon.manager.inflations"), 0);
     assert!(o.counter("balloon.config_changes") >= 1);
