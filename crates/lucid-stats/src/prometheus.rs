@@ -18,7 +18,7 @@ use std::fmt::Write;
 
 /// Words that make a name a gauge: extremes (`max`, `peak`), present values (`current`, `now`,
 /// `last`, `usage`, `actual`, `target`), settings and states (`limit`, `mode`, `rung`, `label`,
-/// `window`, `burst`, `offered`, `effective`, `noise`, `boosted`, `at`), sizes
+/// `burst`, `offered`, `effective`, `noise`, `boosted`, `at`), sizes
 /// (`capacity`, `cached`, `mapped`, `vmas`, `metadata`, `unwritten`) and ratios (`per`, `rate`).
 pub const GAUGE_WORDS: &[&str] = &[
     "actual",
@@ -48,11 +48,11 @@ pub const GAUGE_WORDS: &[&str] = &[
     "unwritten",
     "usage",
     "vmas",
-    "window",
 ];
 
-/// Settings whose words alone would read as counters (KVM's cumulative `halt_poll_*` are not).
-pub const GAUGE_NAMES: &[&str] = &["halt_poll_ns"];
+/// Settings whose words alone would read as counters (unlike KVM's cumulative `halt_poll_*_ns`
+/// and `*_window_exits`).
+pub const GAUGE_NAMES: &[&str] = &["halt_poll_ns", "window_ns"];
 
 /// The prefix of every metric Lucid exports.
 pub const PREFIX: &str = "lucid_";
@@ -151,6 +151,7 @@ mod tests {
             "monitor.last.bytes",
             "monitor.guest_to_backend_us_per_mb",
             "net0.sink.rate_bytes_per_s",
+            "net0.sink.window_ns",
         ] {
             assert!(is_gauge(g), "{g} is a gauge");
         }
@@ -164,6 +165,7 @@ mod tests {
             "dma.bytes_read",
             "kvm.vcpu0.halt_poll_success_ns",
             "monitor.windows",
+            "kvm.vcpu0.irq_window_exits",
         ] {
             assert!(!is_gauge(c), "{c} is a counter");
         }
