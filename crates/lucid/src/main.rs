@@ -256,6 +256,65 @@ impl CliError {
     }
 }
 
+/// The VM the flags describe.
+fn flags_config(args: &RunArgs) -> Result<VmConfig, CliError> {
+    let kernel = match (&args.kernel, &args.guest) {
+        (Some(k), _) => KernelSource::File(k.clone()),
+        (None, g) => {
+            let name = g.as_deref().unwrap_or("hostinfo");
+            let bytes = lucid_guests::get(name).ok_or_else(|| CliError::NoGuest(name.into()))?;
+            KernelSource::Builtin {
+                name: name.into(),
+                bytes,
+            }
+        }
+    };
+    let mut config = VmConfig::new(kernel);
+    config.payload.initrd = args.initrd.clone();
+    config.payload.cmdline = args.cmdline.clone();
+    config.machine.mem_mib = args.memory;
+    config.machine.vcpus = args.vcpus;
+    config.devices.serial = lucid_vmm::parse_serial(&args.serial)?;
+    // SAFETY: isatty on fd 0 has no preconditions.
+    config.devices.serial_stdin = unsafe { libc::isatty(0) } == 1;
+    config.machine.backing = lucid_vmm::parse_backing(&args.backing)?;
+    config.machine.seccomp = !args.no_seccomp;
+    config.memory.limit_mib = args.memory_limit;
+    config.memory.swap_mode = args.swap_mode;
+    config.memory.pager = args.swap_pager == "on";
+    config.symbiotic.enabled = args.symbiotic;
+    config.api.socket = args.api_socket.clone();
+    for b in &args.blk {
+        config.devices.pci.push(lucid_vmm::parse_blk(b)?);
+    }
+    for (i, n) in args.net.iter().enumerate() {
+        config.devices.pci.push(lucid_vmm::parse_net(n, i)?);
+    }
+    config.iommu = args
+        .iommu
+        .as_deref()
+        .map(lucid_vmm::parse_iommu)
+        .transpose()?;
+    for d in &args.device {
+        config
+            .devices
+            .platform_pci
+            .push(lucid_vmm::parse_device(d)?);
+    }
+    config.pools.pool = lucid_vmm::parse_pool(&args.pool)?;
+    config.pools.low_noise = args.low_noise;
+    config.pools.monitor.window = std::time::Duration::from_millis(args.monitor_window_ms);
+    config.pools.monitor.classifier.agree = args.classify_windows;
+    config.pools.monitor.classifier.dwell =
+        std::time::Duration::from_millis(args.classify_dwell_ms);
+    config.devices.balloon = args
+        .balloon
+        .as_deref()
+        .map(lucid_vmm::parse_balloon)
+        .transpose()?;
+    Ok(config)
+}
+
 fn run(args: RunArgs) -> Result<ExitCode, CliError> {
     let builtin_default = args.config.is_none() && args.kernel.is_none() && args.guest.is_none();
     let mut config = match &args.config {
@@ -360,65 +419,6 @@ fn write_stats(
         path: path.into(),
         source,
     })
-}
-
-/// The VM the flags describe.
-fn flags_config(args: &RunArgs) -> Result<VmConfig, CliError> {
-    let kernel = match (&args.kernel, &args.guest) {
-        (Some(k), _) => KernelSource::File(k.clone()),
-        (None, g) => {
-            let name = g.as_deref().unwrap_or("hostinfo");
-            let bytes = lucid_guests::get(name).ok_or_else(|| CliError::NoGuest(name.into()))?;
-            KernelSource::Builtin {
-                name: name.into(),
-                bytes,
-            }
-        }
-    };
-    let mut config = VmConfig::new(kernel);
-    config.payload.initrd = args.initrd.clone();
-    config.payload.cmdline = args.cmdline.clone();
-    config.machine.mem_mib = args.memory;
-    config.machine.vcpus = args.vcpus;
-    config.devices.serial = lucid_vmm::parse_serial(&args.serial)?;
-    // SAFETY: isatty on fd 0 has no preconditions.
-    config.devices.serial_stdin = unsafe { libc::isatty(0) } == 1;
-    config.machine.backing = lucid_vmm::parse_backing(&args.backing)?;
-    config.machine.seccomp = !args.no_seccomp;
-    config.memory.limit_mib = args.memory_limit;
-    config.memory.swap_mode = args.swap_mode;
-    config.memory.pager = args.swap_pager == "on";
-    config.symbiotic.enabled = args.symbiotic;
-    config.api.socket = args.api_socket.clone();
-    for b in &args.blk {
-        config.devices.pci.push(lucid_vmm::parse_blk(b)?);
-    }
-    for (i, n) in args.net.iter().enumerate() {
-        config.devices.pci.push(lucid_vmm::parse_net(n, i)?);
-    }
-    config.iommu = args
-        .iommu
-        .as_deref()
-        .map(lucid_vmm::parse_iommu)
-        .transpose()?;
-    for d in &args.device {
-        config
-            .devices
-            .platform_pci
-            .push(lucid_vmm::parse_device(d)?);
-    }
-    config.pools.pool = lucid_vmm::parse_pool(&args.pool)?;
-    config.pools.low_noise = args.low_noise;
-    config.pools.monitor.window = std::time::Duration::from_millis(args.monitor_window_ms);
-    config.pools.monitor.classifier.agree = args.classify_windows;
-    config.pools.monitor.classifier.dwell =
-        std::time::Duration::from_millis(args.classify_dwell_ms);
-    config.devices.balloon = args
-        .balloon
-        .as_deref()
-        .map(lucid_vmm::parse_balloon)
-        .transpose()?;
-    Ok(config)
 }
 
 /// This very binary serving as the VM's OOM guard (`lucid_swap::guard`).
