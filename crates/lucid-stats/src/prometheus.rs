@@ -9,7 +9,7 @@
 //!
 //! The registry does not record which values are counters and which are gauges, so the kind
 //! comes from the name ([`is_gauge`]): a value that can go down is a gauge when any word of its
-//! name (split at `.` and `_`) is one of [`GAUGE_WORDS`], its last part is one of
+//! name (split at `.` and `_`) is one of [`GAUGE_WORDS`], it ends in one of
 //! [`GAUGE_NAMES`], or it lies under a `stats.` group (the balloon's guest-reported figures);
 //! everything else only ever grows and is a counter.
 
@@ -19,7 +19,7 @@ use std::fmt::Write;
 /// Words that make a name a gauge: extremes (`max`, `peak`), present values (`current`, `now`,
 /// `last`, `usage`, `actual`, `target`), settings and states (`limit`, `mode`, `rung`, `label`,
 /// `burst`, `offered`, `effective`, `noise`, `boosted`, `at`), sizes
-/// (`capacity`, `cached`, `mapped`, `vmas`, `metadata`, `unwritten`) and ratios (`per`, `rate`).
+/// (`capacity`, `cached`, `mapped`, `vmas`, `metadata`, `unwritten`, `resident`) and ratios (`per`, `rate`).
 pub const GAUGE_WORDS: &[&str] = &[
     "actual",
     "at",
@@ -38,11 +38,13 @@ pub const GAUGE_WORDS: &[&str] = &[
     "min",
     "mode",
     "noise",
+    "nonresident",
     "now",
     "offered",
     "peak",
     "per",
     "rate",
+    "resident",
     "rung",
     "target",
     "unwritten",
@@ -50,9 +52,17 @@ pub const GAUGE_WORDS: &[&str] = &[
     "vmas",
 ];
 
-/// Settings whose words alone would read as counters (unlike KVM's cumulative `halt_poll_*_ns`
-/// and `*_window_exits`).
-pub const GAUGE_NAMES: &[&str] = &["halt_poll_ns", "window_ns"];
+/// Present values and settings, matched against the end of a name (whole dotted parts), whose
+/// words alone would read as counters (unlike KVM's
+/// cumulative `halt_poll_*_ns` and `*_window_exits`, or memory.stat's `memcg.pgfault`).
+pub const GAUGE_NAMES: &[&str] = &[
+    "halt_poll_ns",
+    "window_ns",
+    "ioeventfds_registered",
+    "memcg.cache",
+    "memcg.rss",
+    "memcg.swap",
+];
 
 /// The prefix of every metric Lucid exports.
 pub const PREFIX: &str = "lucid_";
@@ -60,10 +70,12 @@ pub const PREFIX: &str = "lucid_";
 /// Whether the registry value called `name` (dotted) is a gauge rather than a counter (the
 /// rule is in the module's documentation).
 pub fn is_gauge(name: &str) -> bool {
-    let last = name.rsplit('.').next().unwrap_or_default();
     let under_stats = name.starts_with("stats.") || name.contains(".stats.");
     under_stats
-        || GAUGE_NAMES.contains(&last)
+        || GAUGE_NAMES.iter().any(|g| {
+            name.strip_suffix(g)
+                .is_some_and(|head| head.is_empty() || head.ends_with('.'))
+        })
         || name.split(['.', '_']).any(|w| GAUGE_WORDS.contains(&w))
 }
 
@@ -152,6 +164,10 @@ mod tests {
             "monitor.guest_to_backend_us_per_mb",
             "net0.sink.rate_bytes_per_s",
             "net0.sink.window_ns",
+            "blk0.notify.ioeventfds_registered",
+            "swap.host.memcg.rss",
+            "memcg.swap",
+            "swap.host.vmm_text_nonresident",
         ] {
             assert!(is_gauge(g), "{g} is a gauge");
         }
@@ -166,6 +182,10 @@ mod tests {
             "kvm.vcpu0.halt_poll_success_ns",
             "monitor.windows",
             "kvm.vcpu0.irq_window_exits",
+            "swap.host.memcg.pgfault",
+            "swap.host.memcg.pgswap",
+            "net0.sink.xwindow_ns",
+            "blk0.notify.ioeventfd_failed",
         ] {
             assert!(!is_gauge(c), "{c} is a counter");
         }
