@@ -53,8 +53,8 @@ pub const GAUGE_WORDS: &[&str] = &[
 ];
 
 /// Present values and settings, matched against the end of a name (whole dotted parts), whose
-/// words alone would read as counters (unlike KVM's
-/// cumulative `halt_poll_*_ns` and `*_window_exits`, or memory.stat's `memcg.pgfault`).
+/// words alone would read as counters (unlike KVM's cumulative `halt_poll_*_ns` and
+/// `*_window_exits`, or memory.stat's `memcg.pgfault`).
 pub const GAUGE_NAMES: &[&str] = &[
     "halt_poll_ns",
     "window_ns",
