@@ -113,6 +113,21 @@ pub fn build_dir() -> PathBuf {
     PathBuf::from(concat!(env!("OUT_DIR"), "/guests"))
 }
 
+/// Writes every built-in guest to `dir` (created if missing) as `<name>.elf`, the image
+/// `lucid run --guest <name>` boots, so a client of the API or another VMM can boot it by path.
+/// Returns the files written, in [`NAMES`] order.
+pub fn write_all(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir)?;
+    NAMES
+        .iter()
+        .map(|name| {
+            let path = dir.join(format!("{name}.elf"));
+            std::fs::write(&path, get(name).expect("a name of NAMES"))?;
+            Ok(path)
+        })
+        .collect()
+}
+
 /// QEMU's microvm without option ROMs: boots a PVH ELF directly (~0.1 s).
 pub const QEMU_MICROVM: &[&str] = &["-M", "microvm,x-option-roms=off,rtc=off,isa-serial=on"];
 /// q35 with qboot: port 0xCF8 configuration works, QEMU's ACPI tables (ICH9 PM at 0x600), and it

@@ -1,5 +1,6 @@
 //! One stats registry per VM: every mechanism (exits, devices, DMA, swap, upcalls) registers named
-//! counters here, next to the code that counts, and the registry prints them at VM exit and as JSON.
+//! counters here, next to the code that counts, and the registry prints them at VM exit, as JSON
+//! and in the Prometheus text format ([`prometheus`]).
 //!
 //! Counters are lock-free atomics handed out as `Arc<Counter>`; the registry's lock is taken only to
 //! register or to read, never on the hot path.
@@ -12,9 +13,11 @@
 
 pub mod cgroup;
 mod median;
+pub mod prometheus;
 mod threads;
 
 pub use median::{into_median_by, median, median_by};
+pub use prometheus::prometheus_text;
 pub use threads::{ThreadGuard, ThreadInfo, ThreadRegistry, ThreadRole};
 
 use std::collections::BTreeMap;
@@ -108,6 +111,12 @@ impl StatsRegistry {
             .filter(|(k, _)| k.starts_with(prefix) && k.ends_with(suffix))
             .map(|(_, v)| *v)
             .sum()
+    }
+
+    /// Every counter and probe value in the Prometheus text exposition format (`GET /metrics`;
+    /// names, kinds and the gauge rule: [`prometheus`]).
+    pub fn to_prometheus(&self) -> String {
+        prometheus_text(&self.snapshot())
     }
 
     /// Nested JSON: `a.b.c = 1` becomes `{"a":{"b":{"c":1}}}`.

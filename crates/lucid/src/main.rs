@@ -55,7 +55,12 @@ enum Cmd {
         what: lucid_bench::BenchCmd,
     },
     /// List the built-in probe guests (usable with `lucid run --guest NAME`).
-    Guests,
+    Guests {
+        /// Write each as DIR/NAME.elf (DIR is created), to boot by path with `--kernel` or
+        /// another VMM.
+        #[arg(long, value_name = "DIR")]
+        write: Option<PathBuf>,
+    },
     /// The host's CPU pools (create, show, destroy): see docs/scheduling.md.
     Pools {
         #[command(subcommand)]
@@ -66,8 +71,45 @@ enum Cmd {
     Sym(sym_cmd::SymArgs),
 }
 
+/// The flags that describe the VM: refused together with `--config`, which describes all of it.
+const VM_FLAGS: &[&str] = &[
+    "kernel",
+    "guest",
+    "initrd",
+    "cmdline",
+    "memory",
+    "vcpus",
+    "serial",
+    "backing",
+    "blk",
+    "net",
+    "iommu",
+    "balloon",
+    "device",
+    "no_seccomp",
+    "pool",
+    "low_noise",
+    "monitor_window_ms",
+    "classify_windows",
+    "classify_dwell_ms",
+    "memory_limit",
+    "swap_mode",
+    "swap_pager",
+    "symbiotic",
+    "api_socket",
+];
+
 #[derive(clap::Args)]
 struct RunArgs {
+    /// The whole VM as a JSON file (Lucid's VmConfig: what --print-config prints), instead of
+    /// the flags that describe the VM; only logging and the --stats-* and --print-config flags
+    /// go with it.
+    #[arg(long, value_name = "FILE", conflicts_with_all = VM_FLAGS)]
+    config: Option<PathBuf>,
+    /// Print the VM's configuration (from the flags or --config) as JSON, a valid --config
+    /// file, and exit without running it.
+    #[arg(long)]
+    print_config: bool,
     /// Kernel: PVH ELF, multiboot ELF, Linux bzImage or vmlinux.
     #[arg(long, conflicts_with = "guest")]
     kernel: Option<PathBuf>,
@@ -92,6 +134,9 @@ struct RunArgs {
     /// Write the run's statistics as JSON to this file.
     #[arg(long)]
     stats_json: Option<PathBuf>,
+    /// Write the run's counters in the Prometheus text format to this file at VM exit.
+    #[arg(long, value_name = "FILE")]
+    stats_prom: Option<PathBuf>,
     #[arg(long = "blk", value_name = "OPTS", help = BLK.help())]
     blk: Vec<String>,
     #[arg(long = "net", value_name = "OPTS", help = NET.help())]
@@ -157,8 +202,21 @@ enum CliError {
     Device(#[from] lucid_vmm::DeviceOptionError),
     #[error(transparent)]
     Config(#[from] lucid_vmm::ConfigError),
-    #[error("cannot write --stats-json {path}")]
-    StatsJson {
+    #[error("cannot read --config {path}")]
+    ConfigRead {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("--config {path} is not a VM configuration Lucid reads")]
+    ConfigJson {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("cannot write {flag} {path}")]
+    StatsFile {
+        flag: &'static str,
         path: PathBuf,
         #[source]
         source: std::io::Error,
@@ -175,6 +233,12 @@ enum CliError {
     PoolsCmd(String),
     #[error("{0}")]
     Sym(String),
+    #[error("cannot write the guests to {dir}")]
+    GuestsWrite {
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl CliError {
@@ -185,13 +249,15 @@ impl CliError {
             CliError::NoGuest(_)
                 | CliError::Device(_)
                 | CliError::Config(_)
+                | CliError::ConfigRead { .. }
+                | CliError::ConfigJson { .. }
                 | CliError::Vmm(lucid_vmm::VmmError::Config(_))
         )
     }
 }
 
-fn run(args: RunArgs) -> Result<ExitCode, CliError> {
-    let builtin_default = args.kernel.is_none() && args.guest.is_none();
+/// The VM the flags describe.
+fn flags_config(args: &RunArgs) -> Result<VmConfig, CliError> {
     let kernel = match (&args.kernel, &args.guest) {
         (Some(k), _) => KernelSource::File(k.clone()),
         (None, g) => {
@@ -204,23 +270,20 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
         }
     };
     let mut config = VmConfig::new(kernel);
-    config.payload.initrd = args.initrd;
-    config.payload.cmdline = args.cmdline;
+    config.payload.initrd = args.initrd.clone();
+    config.payload.cmdline = args.cmdline.clone();
     config.machine.mem_mib = args.memory;
     config.machine.vcpus = args.vcpus;
     config.devices.serial = lucid_vmm::parse_serial(&args.serial)?;
     // SAFETY: isatty on fd 0 has no preconditions.
     config.devices.serial_stdin = unsafe { libc::isatty(0) } == 1;
     config.machine.backing = lucid_vmm::parse_backing(&args.backing)?;
-    config.machine.handle_signals = true;
     config.machine.seccomp = !args.no_seccomp;
     config.memory.limit_mib = args.memory_limit;
     config.memory.swap_mode = args.swap_mode;
     config.memory.pager = args.swap_pager == "on";
     config.symbiotic.enabled = args.symbiotic;
-    config.api.socket = args.api_socket;
-    config.runtime.builtin_modules = Some(lucid_guests::module);
-    config.runtime.oom_guard = Some(oom_guard_command);
+    config.api.socket = args.api_socket.clone();
     for b in &args.blk {
         config.devices.pci.push(lucid_vmm::parse_blk(b)?);
     }
@@ -249,21 +312,36 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
         .as_deref()
         .map(lucid_vmm::parse_balloon)
         .transpose()?;
+    Ok(config)
+}
+
+fn run(args: RunArgs) -> Result<ExitCode, CliError> {
+    let builtin_default = args.config.is_none() && args.kernel.is_none() && args.guest.is_none();
+    let mut config = match &args.config {
+        Some(path) => config_file(path)?,
+        None => flags_config(&args)?,
+    };
+    // The lucid command always stops its VM on SIGINT/SIGTERM, whichever way it was described.
+    config.machine.handle_signals = true;
+    config.runtime.builtin_modules = Some(lucid_guests::module);
+    config.runtime.oom_guard = Some(oom_guard_command);
     config.validate()?;
+    if args.print_config {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&config).expect("JSON of plain values")
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
 
     // Checked before the run, not after it: a typo in the path should not cost a whole run.
-    let stats_file = match &args.stats_json {
-        Some(path) => Some(
-            std::fs::File::create(path).map_err(|source| CliError::StatsJson {
-                path: path.clone(),
-                source,
-            })?,
-        ),
-        None => None,
-    };
+    let stats_file = create_stats_file("--stats-json", &args.stats_json)?;
+    let prom_file = create_stats_file("--stats-prom", &args.stats_prom)?;
     let built = Vm::build(config);
-    if let (Err(_), Some(path)) = (&built, &args.stats_json) {
-        let _ = std::fs::remove_file(path);
+    if built.is_err() {
+        for path in [&args.stats_json, &args.stats_prom].into_iter().flatten() {
+            let _ = std::fs::remove_file(path);
+        }
     }
     let mut vm = built?;
     if builtin_default {
@@ -278,14 +356,13 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
     for line in report.summary().lines() {
         log::info!("{line}");
     }
-    if let (Some(mut file), Some(path)) = (stats_file, &args.stats_json) {
+    if let (Some(file), Some(path)) = (stats_file, &args.stats_json) {
         let text = serde_json::to_string_pretty(&report.to_json()).expect("JSON of plain values");
-        std::io::Write::write_all(&mut file, (text + "\n").as_bytes()).map_err(|source| {
-            CliError::StatsJson {
-                path: path.clone(),
-                source,
-            }
-        })?;
+        write_stats("--stats-json", file, path, text + "\n")?;
+    }
+    if let (Some(file), Some(path)) = (prom_file, &args.stats_prom) {
+        let text = lucid_stats::prometheus_text(&report.counters);
+        write_stats("--stats-prom", file, path, text)?;
     }
     if let StopReason::Error(e) = &report.stop {
         log::error!("{}", lucid_vmm::error_chain(e.as_ref()));
@@ -297,6 +374,51 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
         _ => report.exit_code(),
     };
     Ok(ExitCode::from(code as u8))
+}
+
+/// `--config FILE`: the VM as JSON, a built-in guest's image filled in by its name.
+fn config_file(path: &std::path::Path) -> Result<VmConfig, CliError> {
+    let text = std::fs::read_to_string(path).map_err(|source| CliError::ConfigRead {
+        path: path.into(),
+        source,
+    })?;
+    let mut config: VmConfig =
+        serde_json::from_str(&text).map_err(|source| CliError::ConfigJson {
+            path: path.into(),
+            source,
+        })?;
+    if let KernelSource::Builtin { name, bytes } = &mut config.payload.kernel {
+        *bytes = lucid_guests::get(name).ok_or_else(|| CliError::NoGuest(name.clone()))?;
+    }
+    Ok(config)
+}
+
+/// A `--stats-*` file, created before the run.
+fn create_stats_file(
+    flag: &'static str,
+    path: &Option<PathBuf>,
+) -> Result<Option<std::fs::File>, CliError> {
+    let Some(path) = path else { return Ok(None) };
+    std::fs::File::create(path)
+        .map(Some)
+        .map_err(|source| CliError::StatsFile {
+            flag,
+            path: path.clone(),
+            source,
+        })
+}
+
+fn write_stats(
+    flag: &'static str,
+    mut file: std::fs::File,
+    path: &std::path::Path,
+    text: String,
+) -> Result<(), CliError> {
+    std::io::Write::write_all(&mut file, text.as_bytes()).map_err(|source| CliError::StatsFile {
+        flag,
+        path: path.into(),
+        source,
+    })
 }
 
 /// This very binary serving as the VM's OOM guard (`lucid_swap::guard`).
@@ -347,12 +469,20 @@ fn main() -> ExitCode {
         Cmd::Bench { what } => lucid_bench::run(what).map_err(CliError::Bench),
         Cmd::Pools { what } => pools_cmd::run(what).map_err(CliError::PoolsCmd),
         Cmd::Sym(args) => sym_cmd::run(args).map_err(CliError::Sym),
-        Cmd::Guests => {
+        Cmd::Guests { write: None } => {
             for n in lucid_guests::NAMES {
                 println!("{n}");
             }
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Guests { write: Some(dir) } => lucid_guests::write_all(&dir)
+            .map(|paths| {
+                for p in paths {
+                    println!("{}", p.display());
+                }
+                ExitCode::SUCCESS
+            })
+            .map_err(|source| CliError::GuestsWrite { dir, source }),
     };
     result.unwrap_or_else(|e| {
         let msg = lucid_vmm::error_chain(&e);
