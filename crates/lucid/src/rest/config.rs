@@ -193,8 +193,15 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
 
     if let Some(mut cpus) = top.obj("cpus")? {
         let boot = cpus.u64("boot_vcpus")?.unwrap_or(1);
+        let max = u64::from(lucid_vmm::MAX_VCPUS);
         config.machine.vcpus = u8::try_from(boot)
-            .map_err(|_| Refusal(format!("cpus.boot_vcpus: {boot} is more than Lucid allows")))?;
+            .ok()
+            .filter(|&n| (1..=max).contains(&u64::from(n)))
+            .ok_or_else(|| {
+                Refusal(format!(
+                    "cpus.boot_vcpus: {boot} vCPUs; Lucid runs 1 to {max}"
+                ))
+            })?;
         if let Some(max) = cpus.u64("max_vcpus")? {
             if max != boot {
                 return refuse(format!(
@@ -218,6 +225,13 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
             if size % (1 << 20) != 0 {
                 return refuse(format!(
                     "memory.size: Lucid sizes guest RAM in whole MiB, got {size} bytes"
+                ));
+            }
+            let (min, max) = (lucid_vmm::MIN_MEM_MIB, lucid_vmm::MAX_MEM_MIB);
+            if !(min..=max).contains(&(size >> 20)) {
+                return refuse(format!(
+                    "memory.size: {} MiB; Lucid takes {min} to {max} MiB",
+                    size >> 20
                 ));
             }
             config.machine.mem_mib = size >> 20;

@@ -356,17 +356,16 @@ impl RestServer {
     }
 
     fn create(&mut self, body: &[u8]) -> Response {
-        if self.vm.is_some() {
-            return Response::error(
-                500,
-                "vm.create: a VM is already created (vm.delete it first)",
-            );
-        }
+        // As Cloud Hypervisor: the body is checked (400) before the state (500).
         let v: Value = match serde_json::from_slice(body) {
             Ok(v) => v,
             Err(e) => return Response::error(400, format!("vm.create: the body is not JSON: {e}")),
         };
         match config::map(v.clone()) {
+            Ok(_) if self.vm.is_some() => Response::error(
+                500,
+                "vm.create: a VM is already created (vm.delete it first)",
+            ),
             Ok(mut config) => {
                 config.machine.handle_signals = false;
                 config.devices.serial_stdin = false;
