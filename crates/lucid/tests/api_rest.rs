@@ -242,6 +242,7 @@ fn lifecycle_through_curl() {
     assert_eq!(info["state"], "Running", "{info}");
     assert_eq!(info["config"], config, "vm.info returns the config");
     assert_eq!(info["memory_actual_size"], 64u64 << 20);
+    assert!(info["device_tree"]["serial"].is_object(), "{info}");
     assert_eq!(s.curl("PUT", "vm.boot", None).0, 500, "booted twice");
 
     let before = s.exits();

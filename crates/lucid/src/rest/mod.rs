@@ -134,35 +134,40 @@ impl Managed {
         }
     }
 
-    /// Cloud Hypervisor's device tree, from the config: one entry per device, by id.
+    /// Cloud Hypervisor's device tree, by Lucid's device names (`blk0`, `net0`, `balloon`,
+    /// `edu`: the names of `vm.counters`): the PCI functions of a running VM with their
+    /// addresses, else the devices the config describes.
     fn device_tree(&self) -> Value {
+        let entry = |id: &str, bdf: Option<String>| json!({"id": id, "resources": [], "children": [], "pci_bdf": bdf});
         let mut tree = serde_json::Map::new();
-        let mut add = |id: String| {
-            tree.insert(
-                id.clone(),
-                json!({"id": id, "resources": [], "children": [], "pci_bdf": null}),
-            );
-        };
-        let (mut disks, mut nets) = (0, 0);
-        for d in &self.config.devices.pci {
-            match d.kind {
-                lucid_vmm::PciDeviceKind::Block(_) => {
-                    add(format!("_disk{disks}"));
-                    disks += 1;
+        match &self.state {
+            VmState::Running(vm) | VmState::Paused(vm) => {
+                for a in vm.devices().pci_devices() {
+                    let bdf = format!("0000:00:{:02x}.0", a.slot.slot);
+                    tree.insert(a.name.clone(), entry(&a.name, Some(bdf)));
                 }
-                lucid_vmm::PciDeviceKind::Net(_) => {
-                    add(format!("_net{nets}"));
-                    nets += 1;
+            }
+            _ => {
+                let mut names = lucid_vmm::devices::virtio_names(&self.config.devices.pci);
+                if self.config.devices.balloon.is_some() {
+                    names.push(lucid_vmm::devices::BALLOON.into());
+                }
+                names.extend(
+                    self.config
+                        .devices
+                        .platform_pci
+                        .iter()
+                        .map(|d| d.name().into()),
+                );
+                for n in names {
+                    tree.insert(n.clone(), entry(&n, None));
                 }
             }
         }
-        if self.config.devices.balloon.is_some() {
-            add("__balloon".into());
-        }
         if self.config.iommu.is_some() {
-            add("__iommu".into());
+            tree.insert("iommu".into(), entry("iommu", None));
         }
-        add("__serial".into());
+        tree.insert("serial".into(), entry("serial", None));
         Value::Object(tree)
     }
 }
