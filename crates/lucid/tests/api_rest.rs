@@ -2,8 +2,9 @@
 //! real KVM: the lifecycle driven by curl (ping, create with the built-in `spin` guest, boot,
 //! info, pause with the vCPU's exit counter still for 1 s, resume, counters, /metrics,
 //! shutdown, delete, vmm.shutdown with exit status 0), and bad input sent raw (malformed JSON,
-//! a wrong method, unknown paths and fields, a body over the cap, a stalled and a vanished
-//! client, a live socket) while a VM runs on and the server keeps answering.
+//! a wrong method, unknown paths and fields, a disk that is a directory, a body over the cap,
+//! a stalled and a vanished client, 100 clients at once, a live socket) while a VM runs on
+//! and the server keeps answering.
 
 mod common;
 
@@ -345,6 +346,11 @@ fn bad_input_is_refused_and_the_vmm_keeps_serving() {
         400,
         "memory.hugepages",
     );
+    refused(
+        &with("disks", json!([{"path": std::env::temp_dir()}])),
+        400,
+        "is a directory",
+    );
     // Wrong methods (Cloud Hypervisor answers 400), unknown paths, endpoints not built.
     refused(b"POST /api/v1/vm.info HTTP/1.1\r\n\r\n", 400, "takes GET");
     refused(b"GET /api/v1/vm.boot HTTP/1.1\r\n\r\n", 400, "takes PUT");
@@ -381,6 +387,19 @@ fn bad_input_is_refused_and_the_vmm_keeps_serving() {
     gone.write_all(b"PUT /api/v1/vm.pause HTTP/1.1\r\nContent-Le")
         .unwrap();
     drop(gone);
+
+    // 100 clients at once: each is answered (they wait in the listen backlog).
+    let clients: Vec<_> = (0..100)
+        .map(|_| {
+            let sock = sock.clone();
+            std::thread::spawn(move || {
+                raw(&sock, b"GET /api/v1/vmm.ping HTTP/1.1\r\n\r\n").map(|r| r.0)
+            })
+        })
+        .collect();
+    for c in clients {
+        assert_eq!(c.join().unwrap(), Some(200));
+    }
 
     // A second VMM on the same live socket is refused; a VM flag without a payload too.
     let second = common::run_cmd(

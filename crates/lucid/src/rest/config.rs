@@ -234,6 +234,12 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
                     size >> 20
                 ));
             }
+            if let Some(host) = host_ram_mib().filter(|&h| size >> 20 > h) {
+                return refuse(format!(
+                    "memory.size: {} MiB is more than this host's RAM ({host} MiB)",
+                    size >> 20
+                ));
+            }
             config.machine.mem_mib = size >> 20;
         }
         if memory.bool("shared")? == Some(true) {
@@ -278,6 +284,12 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
         if path.contains(',') {
             return refuse(format!(
                 "{}: Lucid cannot take a path with a comma",
+                d.field("path")
+            ));
+        }
+        if std::fs::metadata(&path).is_ok_and(|m| m.is_dir()) {
+            return refuse(format!(
+                "{}: {path} is a directory; a disk is an image file or a block device",
                 d.field("path")
             ));
         }
@@ -508,6 +520,14 @@ fn extension(mut ext: Obj, config: &mut VmConfig, mut nets: usize) -> Result<(),
     ext.finish(&[])
 }
 
+/// The host's RAM (`MemTotal`), when /proc/meminfo says.
+fn host_ram_mib() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib >> 10)
+}
+
 fn on(b: bool) -> &'static str {
     match b {
         true => "on",
@@ -577,5 +597,11 @@ mod tests {
         assert!(!refusal(zero).is_empty());
         let odd = json!({"payload": {"kernel": "builtin:spin"}, "memory": {"size": 1000}});
         assert!(refusal(odd).contains("memory.size"));
+        let host = host_ram_mib().expect("/proc/meminfo");
+        let big = json!({"payload": {"kernel": "builtin:spin"},
+                         "memory": {"size": (host + 1) << 20}});
+        assert!(refusal(big).contains("more than this host's RAM"));
+        let dir = json!({"payload": {"kernel": "builtin:spin"}, "disks": [{"path": "/tmp"}]});
+        assert!(refusal(dir).contains("disks[0].path: /tmp is a directory"));
     }
 }
