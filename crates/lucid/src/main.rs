@@ -39,7 +39,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Boot a kernel, or with no --kernel the built-in host-report probe guest.
+    /// Boot a kernel, or with no --kernel the built-in host-report probe guest; with
+    /// --api-socket and no --kernel or --guest, serve Cloud Hypervisor's REST API and wait for
+    /// vm.create (docs/api.md).
     Run(Box<RunArgs>),
     /// Report this host's KVM: backend, capabilities, CPUID interception, exit costs.
     Probe {

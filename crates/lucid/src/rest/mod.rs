@@ -287,15 +287,12 @@ impl RestServer {
         let resp = match name {
             "vmm.ping" => self.method(r, "GET", Self::ping),
             "vmm.shutdown" => {
-                let resp = self.method(r, "PUT", |_, _| Response::json(200, &Value::Null));
+                // 200 with no body, as Cloud Hypervisor; the VM stops after the reply.
+                let resp = self.method(r, "PUT", |_, _| Response {
+                    status: 200,
+                    ..Response::empty()
+                });
                 let quit = resp.status == 200;
-                let resp = match quit {
-                    true => Response {
-                        body: String::new(),
-                        ..resp
-                    },
-                    false => resp,
-                };
                 return (resp, quit);
             }
             "vm.create" => self.method(r, "PUT", Self::create),
