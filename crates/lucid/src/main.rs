@@ -207,8 +207,7 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
         if let Some(flag) = vm_flag_given(&args) {
             return Err(CliError::RestFlag(flag));
         }
-        rest::RestServer::bind(socket)?.serve();
-        return Ok(ExitCode::SUCCESS);
+        return Ok(exit(rest::RestServer::bind(socket)?.serve()));
     }
     let builtin_default = args.kernel.is_none() && args.guest.is_none();
     let kernel = match (&args.kernel, &args.guest) {

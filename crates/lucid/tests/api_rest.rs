@@ -434,3 +434,15 @@ fn bad_input_is_refused_and_the_vmm_keeps_serving() {
     assert_eq!(raw(&sock, &put("vmm.shutdown", "")).unwrap().0, 200);
     assert_eq!(s.wait(), Some(0), "{}", s.stderr());
 }
+
+#[test]
+fn sigterm_stops_the_vm_and_removes_the_socket() {
+    let mut s = Server::start("term");
+    let config = spin_config(&tmp("term.serial")).to_string();
+    assert_eq!(raw(&s.socket, &put("vm.create", &config)).unwrap().0, 204);
+    assert_eq!(raw(&s.socket, &put("vm.boot", "")).unwrap().0, 204);
+    // SAFETY: kill on our own child's pid.
+    assert_eq!(unsafe { libc::kill(s.pid() as i32, libc::SIGTERM) }, 0);
+    assert_eq!(s.wait(), Some(128 + libc::SIGTERM), "{}", s.stderr());
+    assert!(!s.socket.exists(), "the socket file is removed");
+}

@@ -182,6 +182,7 @@ struct RestCounters {
 /// The REST server on the calling thread.
 pub struct RestServer {
     sock: ApiSocket,
+    signals: StopSignals,
     vm: Option<Managed>,
     stats: Arc<StatsRegistry>,
     counters: RestCounters,
@@ -192,13 +193,11 @@ impl RestServer {
     /// one refused.
     pub fn bind(path: &Path) -> Result<Self, ApiError> {
         let sock = ApiSocket::bind(path)?;
-        sock.listener()
-            .set_nonblocking(false)
-            .map_err(|source| ApiError::Io {
-                path: path.into(),
-                what: "make the socket blocking",
-                source,
-            })?;
+        let signals = StopSignals::new().map_err(|source| ApiError::Io {
+            path: path.into(),
+            what: "take SIGINT and SIGTERM through a signalfd",
+            source,
+        })?;
         let stats = StatsRegistry::new();
         let c = |n: &str| stats.counter(format!("rest.{n}"));
         let counters = RestCounters {
@@ -208,22 +207,30 @@ impl RestServer {
         };
         Ok(RestServer {
             sock,
+            signals,
             vm: None,
             stats,
             counters,
         })
     }
 
-    /// Serves until `vmm.shutdown`; the VM, if any, is stopped on the way out.
-    pub fn serve(mut self) {
+    /// Serves until `vmm.shutdown` (exit status 0) or SIGINT/SIGTERM (128 + the signal);
+    /// the VM, if any, is stopped on the way out and the socket file removed.
+    pub fn serve(mut self) -> i32 {
         log::info!(
             "REST API (Cloud Hypervisor's) on {}: waiting for vm.create",
             self.sock.path().display()
         );
-        loop {
+        let code = loop {
+            if let Some(sig) = self.signals.wait(self.sock.listener()) {
+                log::info!("signal {sig}: stopping the VMM");
+                break 128 + sig;
+            }
             let stream = match self.sock.listener().accept() {
                 Ok((s, _)) => s,
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) if matches!(e.kind(), ErrorKind::Interrupted | ErrorKind::WouldBlock) => {
+                    continue
+                }
                 Err(e) => {
                     log::warn!("REST API: accept failed: {e}");
                     std::thread::sleep(Duration::from_millis(10));
@@ -231,13 +238,14 @@ impl RestServer {
                 }
             };
             if self.connection(stream) {
-                break;
+                log::info!("REST API: vmm.shutdown");
+                break 0;
             }
-        }
+        };
         if let Some(m) = &mut self.vm {
             m.stop();
         }
-        log::info!("REST API: vmm.shutdown");
+        code
     }
 
     /// Serves one request on `stream`; true after `vmm.shutdown`.
@@ -561,6 +569,69 @@ pub fn prometheus(counters: &BTreeMap<String, u64>) -> String {
         );
     }
     out
+}
+
+/// SIGINT and SIGTERM, blocked in this thread and every thread it starts from now on (the
+/// VM's inherit the mask), read from a signalfd beside the listening socket, so that they
+/// stop the VM and remove the socket as `vmm.shutdown` does.
+struct StopSignals {
+    fd: std::os::fd::OwnedFd,
+}
+
+impl StopSignals {
+    fn new() -> std::io::Result<Self> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: sigset manipulation on a local set, pthread_sigmask on the calling thread,
+        // and signalfd creating a new descriptor that is owned at once.
+        unsafe {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGINT);
+            libc::sigaddset(&mut set, libc::SIGTERM);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+            let fd = libc::signalfd(-1, &set, libc::SFD_CLOEXEC | libc::SFD_NONBLOCK);
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(StopSignals {
+                fd: std::os::fd::OwnedFd::from_raw_fd(fd),
+            })
+        }
+    }
+
+    /// Waits until `listener` has a client (None) or a stop signal came (Some(signal)).
+    fn wait(&self, listener: &std::os::unix::net::UnixListener) -> Option<i32> {
+        use std::os::fd::AsRawFd;
+        let mut fds = [
+            libc::pollfd {
+                fd: listener.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: poll on two valid descriptors in a local array of its stated length.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        if n <= 0 || fds[1].revents == 0 {
+            return None;
+        }
+        // SAFETY: signalfd_siginfo is plain data, valid all zeroes.
+        let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
+        let size = std::mem::size_of::<libc::signalfd_siginfo>();
+        // SAFETY: `info` is `size` bytes of writable plain data.
+        let got = unsafe {
+            libc::read(
+                self.fd.as_raw_fd(),
+                (&mut info as *mut libc::signalfd_siginfo).cast(),
+                size,
+            )
+        };
+        (got == size as isize).then_some(info.ssi_signo as i32)
+    }
 }
 
 /// A request, framed.
