@@ -10,7 +10,7 @@ if [[ "${1:-}" == "--test" || "${1:-}" == "--fuzz" ]]; then
   want+=(g++)
 fi
 if [[ "${1:-}" == "--test" ]]; then
-  want+=(qemu-system-x86 busybox-static lz4 cpio iproute2)
+  want+=(qemu-system-x86 busybox-static lz4 cpio iproute2 curl)
   # The small Linux guest: its source and build tools, and mke2fs for the test's root disk.
   want+=(linux-source-6.1 flex bison bc libelf-dev e2fsprogs)
 fi

@@ -153,6 +153,12 @@ impl ApiSocket {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// The listening socket (non-blocking), for a server other than the JSON-lines one (the
+    /// REST API of `lucid run --api-socket` with no payload).
+    pub fn listener(&self) -> &UnixListener {
+        &self.listener
+    }
 }
 
 impl Drop for ApiSocket {

@@ -4,6 +4,7 @@
 
 mod logger;
 mod pools_cmd;
+mod rest;
 mod sym_cmd;
 
 use std::path::PathBuf;
@@ -38,7 +39,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Boot a kernel, or with no --kernel the built-in host-report probe guest.
+    /// Boot a kernel, or with no --kernel the built-in host-report probe guest; with
+    /// --api-socket and no --kernel or --guest, serve Cloud Hypervisor's REST API and wait for
+    /// vm.create (docs/api.md).
     Run(Box<RunArgs>),
     /// Report this host's KVM: backend, capabilities, CPUID interception, exit costs.
     Probe {
@@ -186,9 +189,10 @@ struct RunArgs {
     /// SwapBypass and modules (docs/symbiotic.md).
     #[arg(long)]
     symbiotic: bool,
-    /// Serve the control API on this Unix socket (`lucid sym --socket PATH ...`: SymCalls,
-    /// modules, SymSpy, statistics; docs/symbiotic.md). A stale socket file is replaced; one
-    /// another process listens on is refused.
+    /// With --kernel or --guest: serve the control API on this Unix socket (`lucid sym --socket
+    /// PATH ...`: SymCalls, modules, SymSpy, statistics; docs/symbiotic.md). With neither:
+    /// serve Cloud Hypervisor's REST API here and wait for vm.create (docs/api.md). A stale
+    /// socket file is replaced; one another process listens on is refused.
     #[arg(long, value_name = "PATH")]
     api_socket: Option<PathBuf>,
 }
@@ -239,6 +243,13 @@ enum CliError {
         #[source]
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Api(#[from] lucid_vmm::api::ApiError),
+    #[error(
+        "--api-socket with neither --kernel nor --guest serves the REST API, where the VM comes \
+         from vm.create: {0} belongs in its body (docs/api.md)"
+    )]
+    RestFlag(&'static str),
 }
 
 impl CliError {
@@ -252,6 +263,7 @@ impl CliError {
                 | CliError::ConfigRead { .. }
                 | CliError::ConfigJson { .. }
                 | CliError::Vmm(lucid_vmm::VmmError::Config(_))
+                | CliError::RestFlag(_)
         )
     }
 }
@@ -316,6 +328,14 @@ fn flags_config(args: &RunArgs) -> Result<VmConfig, CliError> {
 }
 
 fn run(args: RunArgs) -> Result<ExitCode, CliError> {
+    if let (None, None, None, Some(socket)) =
+        (&args.config, &args.kernel, &args.guest, &args.api_socket)
+    {
+        if let Some(flag) = vm_flag_given(&args) {
+            return Err(CliError::RestFlag(flag));
+        }
+        return Ok(exit(rest::RestServer::bind(socket)?.serve()));
+    }
     let builtin_default = args.config.is_none() && args.kernel.is_none() && args.guest.is_none();
     let mut config = match &args.config {
         Some(path) => config_file(path)?,
@@ -419,6 +439,33 @@ fn write_stats(
         path: path.into(),
         source,
     })
+}
+
+/// The first flag that describes a VM, which the REST API takes from `vm.create` instead.
+fn vm_flag_given(a: &RunArgs) -> Option<&'static str> {
+    [
+        (a.initrd.is_some(), "--initrd"),
+        (!a.cmdline.is_empty(), "--cmdline"),
+        (a.memory != 256, "--memory"),
+        (a.vcpus != 1, "--vcpus"),
+        (a.serial != "stdio", "--serial"),
+        (a.backing != "anon", "--backing"),
+        (a.stats_json.is_some(), "--stats-json"),
+        (a.stats_prom.is_some(), "--stats-prom"),
+        (a.print_config, "--print-config"),
+        (!a.blk.is_empty(), "--blk"),
+        (!a.net.is_empty(), "--net"),
+        (a.iommu.is_some(), "--iommu"),
+        (a.balloon.is_some(), "--balloon"),
+        (!a.device.is_empty(), "--device"),
+        (a.memory_limit.is_some(), "--memory-limit"),
+        (a.symbiotic, "--symbiotic"),
+        (a.pool != "auto", "--pool"),
+        (a.low_noise, "--low-noise"),
+        (a.no_seccomp, "--no-seccomp"),
+    ]
+    .into_iter()
+    .find_map(|(given, flag)| given.then_some(flag))
 }
 
 /// This very binary serving as the VM's OOM guard (`lucid_swap::guard`).

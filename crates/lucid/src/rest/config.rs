@@ -1,0 +1,607 @@
+//! Cloud Hypervisor's `VmConfig` (the body of `vm.create`) mapped onto Lucid's [`VmConfig`]
+//! (docs/api.md lists every field). Nothing is ignored: a field Lucid supports is mapped, a
+//! Cloud Hypervisor field Lucid lacks is accepted only at its default (or `null`), and any
+//! other field is refused, each refusal naming the field.
+
+use std::path::PathBuf;
+
+use lucid_vmm::{KernelSource, SerialOutput, SwapMode, VmConfig};
+use serde_json::{json, Map, Value};
+
+/// Why a `vm.create` body was refused: one message that names the field.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Refusal(pub String);
+
+fn refuse<T>(msg: String) -> Result<T, Refusal> {
+    Err(Refusal(msg))
+}
+
+/// One JSON object being taken apart; what is left at [`Obj::finish`] is checked.
+struct Obj {
+    at: String,
+    map: Map<String, Value>,
+}
+
+impl Obj {
+    fn new(at: String, v: Value) -> Result<Obj, Refusal> {
+        match v {
+            Value::Object(map) => Ok(Obj { at, map }),
+            _ => refuse(format!("{}: expected a JSON object", at_or_top(&at))),
+        }
+    }
+
+    fn field(&self, k: &str) -> String {
+        match self.at.is_empty() {
+            true => k.to_string(),
+            false => format!("{}.{k}", self.at),
+        }
+    }
+
+    /// The value of `k`; `null` counts as absent.
+    fn take(&mut self, k: &str) -> Option<Value> {
+        self.map.remove(k).filter(|v| !v.is_null())
+    }
+
+    fn u64(&mut self, k: &str) -> Result<Option<u64>, Refusal> {
+        match self.take(k) {
+            None => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(n) => Ok(Some(n)),
+                None => refuse(format!(
+                    "{}: expected an unsigned integer, got {v}",
+                    self.field(k)
+                )),
+            },
+        }
+    }
+
+    fn bool(&mut self, k: &str) -> Result<Option<bool>, Refusal> {
+        match self.take(k) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(b)),
+            Some(v) => refuse(format!(
+                "{}: expected true or false, got {v}",
+                self.field(k)
+            )),
+        }
+    }
+
+    fn str(&mut self, k: &str) -> Result<Option<String>, Refusal> {
+        match self.take(k) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(v) => refuse(format!("{}: expected a string, got {v}", self.field(k))),
+        }
+    }
+
+    fn obj(&mut self, k: &str) -> Result<Option<Obj>, Refusal> {
+        let at = self.field(k);
+        self.take(k).map(|v| Obj::new(at, v)).transpose()
+    }
+
+    /// The elements of the array `k`, each an object.
+    fn objs(&mut self, k: &str) -> Result<Vec<Obj>, Refusal> {
+        let at = self.field(k);
+        match self.take(k) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(a)) => a
+                .into_iter()
+                .enumerate()
+                .map(|(i, v)| Obj::new(format!("{at}[{i}]"), v))
+                .collect(),
+            Some(v) => refuse(format!("{at}: expected an array, got {v}")),
+        }
+    }
+
+    /// The strings of the array `k`.
+    fn strs(&mut self, k: &str) -> Result<Vec<String>, Refusal> {
+        let at = self.field(k);
+        match self.take(k) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(a)) => a
+                .into_iter()
+                .enumerate()
+                .map(|(i, v)| match v {
+                    Value::String(s) => Ok(s),
+                    v => refuse(format!("{at}[{i}]: expected a string, got {v}")),
+                })
+                .collect(),
+            Some(v) => refuse(format!("{at}: expected an array of strings, got {v}")),
+        }
+    }
+
+    /// Refuses what is left: a field of `lacks` (Cloud Hypervisor's, which Lucid does not
+    /// support) unless it holds its default, and every other field.
+    fn finish(self, lacks: &[(&str, Value)]) -> Result<(), Refusal> {
+        for (k, v) in &self.map {
+            let field = self.field(k);
+            match lacks.iter().find(|(name, _)| name == k) {
+                Some(_) if is_empty(v) => {}
+                Some((_, default)) if v == default => {}
+                Some((_, default)) => {
+                    return refuse(format!(
+                        "{field}: Lucid does not support this field; only its default ({}) is \
+                         accepted, got {v}",
+                        match default {
+                            Value::Null => "absent or null".to_string(),
+                            d => d.to_string(),
+                        }
+                    ))
+                }
+                None => {
+                    return refuse(format!(
+                        "{field}: unknown field (docs/api.md lists the fields Lucid knows)"
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn at_or_top(at: &str) -> &str {
+    match at.is_empty() {
+        true => "the body",
+        false => at,
+    }
+}
+
+/// `null`, `false`, an empty array or object: the default of every optional feature.
+fn is_empty(v: &Value) -> bool {
+    match v {
+        Value::Null | Value::Bool(false) => true,
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        _ => false,
+    }
+}
+
+/// The prefix of a built-in probe guest as `payload.kernel` (`builtin:spin`).
+pub const BUILTIN_PREFIX: &str = "builtin:";
+
+/// Maps a `vm.create` body onto a validated [`VmConfig`].
+pub fn map(body: Value) -> Result<VmConfig, Refusal> {
+    let mut top = Obj::new(String::new(), body)?;
+
+    let mut payload = top
+        .obj("payload")?
+        .ok_or_else(|| Refusal("payload: required (payload.kernel names the kernel)".into()))?;
+    let kernel = payload
+        .str("kernel")?
+        .ok_or_else(|| Refusal("payload.kernel: required (a path, or builtin:NAME)".into()))?;
+    let kernel = match kernel.strip_prefix(BUILTIN_PREFIX) {
+        Some(name) => KernelSource::Builtin {
+            name: name.into(),
+            bytes: lucid_guests::get(name).ok_or_else(|| {
+                Refusal(format!(
+                    "payload.kernel: no built-in guest {name:?}; built-in guests: {}",
+                    lucid_guests::NAMES.join(", ")
+                ))
+            })?,
+        },
+        None => KernelSource::File(kernel.into()),
+    };
+    let mut config = VmConfig::new(kernel);
+    config.payload.cmdline = payload.str("cmdline")?.unwrap_or_default();
+    config.payload.initrd = payload.str("initramfs")?.map(PathBuf::from);
+    payload.finish(&[
+        ("firmware", Value::Null),
+        ("igvm", Value::Null),
+        ("host_data", Value::Null),
+    ])?;
+
+    if let Some(mut cpus) = top.obj("cpus")? {
+        let boot = cpus.u64("boot_vcpus")?.unwrap_or(1);
+        let max = u64::from(lucid_vmm::MAX_VCPUS);
+        config.machine.vcpus = u8::try_from(boot)
+            .ok()
+            .filter(|&n| (1..=max).contains(&u64::from(n)))
+            .ok_or_else(|| {
+                Refusal(format!(
+                    "cpus.boot_vcpus: {boot} vCPUs; Lucid runs 1 to {max}"
+                ))
+            })?;
+        if let Some(max) = cpus.u64("max_vcpus")? {
+            if max != boot {
+                return refuse(format!(
+                    "cpus.max_vcpus: Lucid has no vCPU hotplug, so max_vcpus must equal \
+                     boot_vcpus ({boot}), got {max}"
+                ));
+            }
+        }
+        cpus.finish(&[
+            ("topology", Value::Null),
+            ("kvm_hyperv", json!(false)),
+            ("max_phys_bits", json!(46)),
+            ("affinity", Value::Null),
+            ("features", Value::Null),
+            ("nested", json!(true)),
+        ])?;
+    }
+
+    if let Some(mut memory) = top.obj("memory")? {
+        if let Some(size) = memory.u64("size")? {
+            if size % (1 << 20) != 0 {
+                return refuse(format!(
+                    "memory.size: Lucid sizes guest RAM in whole MiB, got {size} bytes"
+                ));
+            }
+            let (min, max) = (lucid_vmm::MIN_MEM_MIB, lucid_vmm::MAX_MEM_MIB);
+            if !(min..=max).contains(&(size >> 20)) {
+                return refuse(format!(
+                    "memory.size: {} MiB; Lucid takes {min} to {max} MiB",
+                    size >> 20
+                ));
+            }
+            if let Some(host) = host_ram_mib().filter(|&h| size >> 20 > h) {
+                return refuse(format!(
+                    "memory.size: {} MiB is more than this host's RAM ({host} MiB)",
+                    size >> 20
+                ));
+            }
+            config.machine.mem_mib = size >> 20;
+        }
+        if memory.bool("shared")? == Some(true) {
+            config.machine.backing = lucid_vmm::Backing::SharedMemfd;
+        }
+        memory.finish(&[
+            ("mergeable", json!(false)),
+            ("hotplug_method", json!("Acpi")),
+            ("hotplug_size", Value::Null),
+            ("hotplugged_size", Value::Null),
+            ("hugepages", json!(false)),
+            ("hugepage_size", Value::Null),
+            ("prefault", json!(false)),
+            ("thp", json!(true)),
+            ("zones", Value::Null),
+        ])?;
+    } else {
+        // Cloud Hypervisor's default guest RAM.
+        config.machine.mem_mib = 512;
+    }
+
+    let iommu = top.bool("iommu")?.unwrap_or(false);
+    if iommu {
+        config.iommu = Some(lucid_vmm::parse_iommu("vtd").map_err(opt_refusal("iommu"))?);
+    }
+    let device_iommu = |d: &mut Obj| -> Result<(), Refusal> {
+        let want = d.bool("iommu")?.unwrap_or(false);
+        match want == iommu {
+            true => Ok(()),
+            false => refuse(format!(
+                "{}: Lucid puts every device behind the vIOMMU when the top-level `iommu` is \
+                 true and none otherwise, so this must equal it ({iommu})",
+                d.field("iommu")
+            )),
+        }
+    };
+
+    for mut d in top.objs("disks")? {
+        let path = d
+            .str("path")?
+            .ok_or_else(|| Refusal(format!("{}: required", d.field("path"))))?;
+        if path.contains(',') {
+            return refuse(format!(
+                "{}: Lucid cannot take a path with a comma",
+                d.field("path")
+            ));
+        }
+        if std::fs::metadata(&path).is_ok_and(|m| m.is_dir()) {
+            return refuse(format!(
+                "{}: {path} is a directory; a disk is an image file or a block device",
+                d.field("path")
+            ));
+        }
+        let ro = d.bool("readonly")?.unwrap_or(false);
+        let direct = d.bool("direct")?.unwrap_or(false);
+        let mut opts = format!(
+            "path={path},ro={},cache={}",
+            on(ro),
+            if direct { "none" } else { "writeback" }
+        );
+        if let Some(serial) = d.str("serial")? {
+            opts += &format!(",id={serial}");
+        }
+        device_iommu(&mut d)?;
+        let _id = d.str("id")?;
+        let at = d.at.clone();
+        d.finish(&[
+            ("num_queues", json!(1)),
+            ("queue_size", json!(128)),
+            ("vhost_user", json!(false)),
+            ("vhost_socket", Value::Null),
+            ("rate_limiter_config", Value::Null),
+            ("rate_limit_group", Value::Null),
+            ("pci_segment", json!(0)),
+            ("queue_affinity", Value::Null),
+            ("backing_files", json!(false)),
+            ("sparse", json!(true)),
+            ("image_type", Value::Null),
+            ("disable_io_uring", json!(false)),
+            ("disable_aio", json!(false)),
+        ])?;
+        config
+            .devices
+            .pci
+            .push(lucid_vmm::parse_blk(&opts).map_err(opt_refusal(&at))?);
+    }
+
+    let mut nets = 0;
+    for mut n in top.objs("net")? {
+        let tap = n.str("tap")?.ok_or_else(|| {
+            Refusal(format!(
+                "{}: Lucid's net back-ends are a tap interface (tap) or, in the extension, \
+                 lucid.net (echo, sink): give tap",
+                n.field("tap")
+            ))
+        })?;
+        let mut opts = format!("backend=tap:{tap}");
+        if let Some(mac) = n.str("mac")? {
+            opts += &format!(",mac={mac}");
+        }
+        device_iommu(&mut n)?;
+        let _id = n.str("id")?;
+        let at = n.at.clone();
+        n.finish(&[
+            ("ip", json!("192.168.249.1")),
+            ("mask", json!("255.255.255.0")),
+            ("host_mac", Value::Null),
+            ("mtu", Value::Null),
+            ("num_queues", json!(2)),
+            ("queue_size", json!(256)),
+            ("vhost_user", json!(false)),
+            ("vhost_socket", Value::Null),
+            ("vhost_mode", json!("Client")),
+            ("fds", Value::Null),
+            ("rate_limiter_config", Value::Null),
+            ("pci_segment", json!(0)),
+            ("offload_tso", json!(true)),
+            ("offload_ufo", json!(true)),
+            ("offload_csum", json!(true)),
+        ])?;
+        config
+            .devices
+            .pci
+            .push(lucid_vmm::parse_net(&opts, nets).map_err(opt_refusal(&at))?);
+        nets += 1;
+    }
+
+    // Cloud Hypervisor's serial defaults to Null: output dropped.
+    config.devices.serial = SerialOutput::File("/dev/null".into());
+    if let Some(mut serial) = top.obj("serial")? {
+        let mode = serial.str("mode")?.unwrap_or_else(|| "Null".into());
+        let file = serial.str("file")?;
+        let socket = serial.str("socket")?;
+        config.devices.serial = match (mode.as_str(), file, socket) {
+            ("Null" | "Off", None, None) => SerialOutput::File("/dev/null".into()),
+            ("Tty", None, None) => SerialOutput::Stdio,
+            ("File", Some(f), None) => SerialOutput::File(f.into()),
+            ("Socket", None, Some(s)) => SerialOutput::Unix(s.into()),
+            (m, _, _) => {
+                return refuse(format!(
+                    "serial: mode {m:?} with these fields is not supported: Lucid takes Null, \
+                     Off, Tty, File (with file) or Socket (with socket)"
+                ))
+            }
+        };
+        serial.finish(&[("iommu", json!(false))])?;
+    }
+    if let Some(mut console) = top.obj("console")? {
+        // Lucid has no virtio-console: the one console is the serial port.
+        match console.str("mode")?.as_deref() {
+            Some("Off" | "Null") => {}
+            m => {
+                return refuse(format!(
+                    "console.mode: Lucid has no virtio-console; only Off or Null is accepted, \
+                     got {}",
+                    m.unwrap_or("absent (Cloud Hypervisor's default is Tty)")
+                ))
+            }
+        }
+        console.finish(&[
+            ("file", Value::Null),
+            ("socket", Value::Null),
+            ("iommu", json!(false)),
+        ])?;
+    }
+
+    if let Some(mut b) = top.obj("balloon")? {
+        let size = b.u64("size")?.unwrap_or(0);
+        if size % (1 << 20) != 0 {
+            return refuse(format!(
+                "balloon.size: Lucid sizes the balloon in whole MiB, got {size} bytes"
+            ));
+        }
+        let opts = format!(
+            "size={},deflate_on_oom={},free_page_reporting={}",
+            size >> 20,
+            on(b.bool("deflate_on_oom")?.unwrap_or(false)),
+            on(b.bool("free_page_reporting")?.unwrap_or(false)),
+        );
+        b.finish(&[])?;
+        config.devices.balloon =
+            Some(lucid_vmm::parse_balloon(&opts).map_err(opt_refusal("balloon"))?);
+    }
+
+    if let Some(ext) = top.obj("lucid")? {
+        extension(ext, &mut config, nets)?;
+    }
+
+    top.finish(&[
+        ("rng", Value::Null),
+        ("fs", Value::Null),
+        ("pmem", Value::Null),
+        ("devices", Value::Null),
+        ("user_devices", Value::Null),
+        ("vdpa", Value::Null),
+        ("vsock", Value::Null),
+        ("sgx_epc", Value::Null),
+        ("numa", Value::Null),
+        ("watchdog", json!(false)),
+        ("pvpanic", json!(false)),
+        ("platform", Value::Null),
+        ("tpm", Value::Null),
+        ("landlock_enable", json!(false)),
+        ("landlock_rules", Value::Null),
+        ("rate_limit_groups", Value::Null),
+        ("debug_console", Value::Null),
+        ("pci_segments", Value::Null),
+        ("preserved_fds", Value::Null),
+    ])?;
+
+    config
+        .validate()
+        .map_err(|e| Refusal(lucid_vmm::error_chain(&e)))?;
+    Ok(config)
+}
+
+/// The `lucid` extension object: Lucid's own sections, in the values of Lucid's own flags.
+fn extension(mut ext: Obj, config: &mut VmConfig, mut nets: usize) -> Result<(), Refusal> {
+    for (i, b) in ext.strs("blk")?.iter().enumerate() {
+        let at = format!("lucid.blk[{i}]");
+        config
+            .devices
+            .pci
+            .push(lucid_vmm::parse_blk(b).map_err(opt_refusal(&at))?);
+    }
+    for (i, n) in ext.strs("net")?.iter().enumerate() {
+        let at = format!("lucid.net[{i}]");
+        config
+            .devices
+            .pci
+            .push(lucid_vmm::parse_net(n, nets).map_err(opt_refusal(&at))?);
+        nets += 1;
+    }
+    if let Some(s) = ext.str("iommu")? {
+        config.iommu = Some(lucid_vmm::parse_iommu(&s).map_err(opt_refusal("lucid.iommu"))?);
+    }
+    if let Some(s) = ext.str("balloon")? {
+        if config.devices.balloon.is_some() {
+            return refuse("lucid.balloon: the VM already has `balloon`: give one of them".into());
+        }
+        config.devices.balloon =
+            Some(lucid_vmm::parse_balloon(&s).map_err(opt_refusal("lucid.balloon"))?);
+    }
+    for (i, d) in ext.strs("device")?.iter().enumerate() {
+        let at = format!("lucid.device[{i}]");
+        config
+            .devices
+            .platform_pci
+            .push(lucid_vmm::parse_device(d).map_err(opt_refusal(&at))?);
+    }
+    if let Some(s) = ext.str("backing")? {
+        config.machine.backing =
+            lucid_vmm::parse_backing(&s).map_err(opt_refusal("lucid.backing"))?;
+    }
+    config.memory.limit_mib = ext.u64("memory_limit_mib")?;
+    if let Some(m) = ext.take("swap_mode") {
+        config.memory.swap_mode = serde_json::from_value::<SwapMode>(m).map_err(|e| {
+            Refusal(format!(
+                "lucid.swap_mode: {e} (baseline, mapper or vswapper)"
+            ))
+        })?;
+    }
+    if let Some(p) = ext.bool("swap_pager")? {
+        config.memory.pager = p;
+    }
+    if let Some(p) = ext.str("pool")? {
+        config.pools.pool = lucid_vmm::parse_pool(&p).map_err(opt_refusal("lucid.pool"))?;
+    }
+    if let Some(l) = ext.bool("low_noise")? {
+        config.pools.low_noise = l;
+    }
+    if let Some(s) = ext.bool("symbiotic")? {
+        config.symbiotic.enabled = s;
+    }
+    if let Some(s) = ext.bool("seccomp")? {
+        config.machine.seccomp = s;
+    }
+    ext.finish(&[])
+}
+
+/// The host's RAM (`MemTotal`), when /proc/meminfo says.
+fn host_ram_mib() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib >> 10)
+}
+
+fn on(b: bool) -> &'static str {
+    match b {
+        true => "on",
+        false => "off",
+    }
+}
+
+fn opt_refusal(at: &str) -> impl Fn(lucid_vmm::DeviceOptionError) -> Refusal + '_ {
+    move |e| Refusal(format!("{at}: {}", lucid_vmm::error_chain(&e)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refusal(v: Value) -> String {
+        map(v).expect_err("refused").0
+    }
+
+    #[test]
+    fn maps_the_supported_fields() {
+        let c = map(json!({
+            "payload": {"kernel": "builtin:spin", "cmdline": "x"},
+            "cpus": {"boot_vcpus": 2, "max_vcpus": 2},
+            "memory": {"size": 128u64 << 20, "shared": true, "thp": true},
+            "disks": [{"path": "/tmp/d.img", "readonly": true, "num_queues": 1}],
+            "serial": {"mode": "File", "file": "/tmp/s.out"},
+            "console": {"mode": "Off"},
+            "rng": null,
+            "lucid": {"symbiotic": true, "net": ["backend=echo"]}
+        }))
+        .unwrap();
+        assert_eq!(c.machine.vcpus, 2);
+        assert_eq!(c.machine.mem_mib, 128);
+        assert_eq!(c.machine.backing, lucid_vmm::Backing::SharedMemfd);
+        assert_eq!(c.devices.pci.len(), 2);
+        assert!(c.symbiotic.enabled);
+        assert_eq!(c.payload.cmdline, "x");
+    }
+
+    #[test]
+    fn refuses_unknown_and_unsupported_fields_by_name() {
+        let base = |extra: (&str, Value)| {
+            let mut v = json!({"payload": {"kernel": "builtin:spin"}});
+            v[extra.0] = extra.1;
+            refusal(v)
+        };
+        assert!(base(("bogus", json!(1))).contains("bogus: unknown field"));
+        assert!(base(("rng", json!({"src": "/dev/urandom"}))).contains("rng: Lucid does not"));
+        assert!(
+            base(("memory", json!({"size": 1u64 << 30, "hugepages": true})))
+                .contains("memory.hugepages")
+        );
+        assert!(base(("cpus", json!({"boot_vcpus": 1, "max_vcpus": 4}))).contains("max_vcpus"));
+        assert!(base(("disks", json!([{"path": "/x", "queue_size": 64}])))
+            .contains("disks[0].queue_size"));
+        assert!(base(("console", json!({"mode": "Tty"}))).contains("console.mode"));
+        assert!(base(("lucid", json!({"rung": "L2"}))).contains("lucid.rung: unknown"));
+        assert!(refusal(json!({"payload": {"kernel": "builtin:nope"}})).contains("nope"));
+        assert!(refusal(json!({"payload": {}})).contains("payload.kernel: required"));
+        assert!(refusal(json!([])).contains("expected a JSON object"));
+    }
+
+    #[test]
+    fn refuses_impossible_values() {
+        let zero = json!({"payload": {"kernel": "builtin:spin"}, "cpus": {"boot_vcpus": 0}});
+        assert!(!refusal(zero).is_empty());
+        let odd = json!({"payload": {"kernel": "builtin:spin"}, "memory": {"size": 1000}});
+        assert!(refusal(odd).contains("memory.size"));
+        let host = host_ram_mib().expect("/proc/meminfo");
+        let big = json!({"payload": {"kernel": "builtin:spin"},
+                         "memory": {"size": (host + 1) << 20}});
+        assert!(refusal(big).contains("more than this host's RAM"));
+        let dir = json!({"payload": {"kernel": "builtin:spin"}, "disks": [{"path": "/tmp"}]});
+        assert!(refusal(dir).contains("disks[0].path: /tmp is a directory"));
+    }
+}

@@ -1,0 +1,736 @@
+//! The Cloud Hypervisor REST API (docs/api.md): `lucid run --api-socket PATH` with no payload
+//! serves HTTP/1.1 on the Unix socket and waits for `vm.create`, as Cloud Hypervisor does.
+//!
+//! Requests are parsed by `httparse`; this module frames them (Content-Length only), caps
+//! them ([`MAX_HEAD`], [`MAX_BODY`]) and times them out ([`REQUEST_PATIENCE`]). The calling
+//! thread serves one connection at a time and closes it after one response
+//! (`Connection: close`), so a client that stalls holds the others for at most
+//! [`REQUEST_PATIENCE`]. That thread also builds, starts and stops the VM, so it is not
+//! confined by seccomp (the VM's own threads are).
+
+pub mod config;
+
+use std::collections::BTreeMap;
+use std::io::{ErrorKind, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lucid_stats::{Counter, StatsRegistry};
+use lucid_vmm::api::{ApiError, ApiSocket};
+use lucid_vmm::{StopReason, Vm, VmConfig};
+use serde_json::{json, Value};
+
+/// The longest request line and headers.
+pub const MAX_HEAD: usize = 16 << 10;
+/// The largest body (a `vm.create` config is a few KiB).
+pub const MAX_BODY: usize = 1 << 20;
+/// How long a client has to send its whole request.
+pub const REQUEST_PATIENCE: Duration = Duration::from_secs(5);
+/// How long a response may wait for a client that does not read.
+const WRITE_PATIENCE: Duration = Duration::from_secs(2);
+const PREFIX: &str = "/api/v1/";
+
+/// One HTTP response.
+struct Response {
+    status: u16,
+    content_type: &'static str,
+    body: String,
+}
+
+impl Response {
+    fn json(status: u16, v: &Value) -> Response {
+        Response {
+            status,
+            content_type: "application/json",
+            body: v.to_string(),
+        }
+    }
+    fn empty() -> Response {
+        Response {
+            status: 204,
+            content_type: "application/json",
+            body: String::new(),
+        }
+    }
+    /// An error, in Cloud Hypervisor's shape: a JSON array of the messages of the error chain.
+    fn error(status: u16, msg: impl Into<String>) -> Response {
+        Response::json(status, &json!([msg.into()]))
+    }
+}
+
+fn reason(status: u16) -> &'static str {
+    match status {
+        200 => "OK",
+        204 => "No Content",
+        400 => "Bad Request",
+        404 => "Not Found",
+        408 => "Request Timeout",
+        413 => "Payload Too Large",
+        431 => "Request Header Fields Too Large",
+        500 => "Internal Server Error",
+        501 => "Not Implemented",
+        _ => "",
+    }
+}
+
+/// The VM the API manages, Cloud Hypervisor's states.
+enum VmState {
+    Created,
+    Running(Box<Vm>),
+    Paused(Box<Vm>),
+    /// Stopped; its counters at the stop are kept for `vm.counters` and `/metrics`.
+    Shutdown(BTreeMap<String, u64>),
+}
+
+struct Managed {
+    /// The `vm.create` body as given: `vm.info` returns it.
+    body: Value,
+    config: VmConfig,
+    state: VmState,
+}
+
+impl Managed {
+    fn state_name(&self) -> &'static str {
+        match self.state {
+            VmState::Created => "Created",
+            VmState::Running(_) => "Running",
+            VmState::Paused(_) => "Paused",
+            VmState::Shutdown(_) => "Shutdown",
+        }
+    }
+
+    /// A VM whose guest ended by itself (or failed) is collected: it is Shutdown.
+    fn reap(&mut self) {
+        let ended = match &self.state {
+            VmState::Running(vm) | VmState::Paused(vm) => vm.lifecycle().is_stopping(),
+            _ => false,
+        };
+        if ended {
+            self.stop();
+        }
+    }
+
+    /// Stops a running or paused VM and keeps its last counters.
+    fn stop(&mut self) {
+        let state = std::mem::replace(&mut self.state, VmState::Created);
+        self.state = match state {
+            VmState::Running(vm) | VmState::Paused(vm) => {
+                vm.stop(StopReason::Shutdown);
+                let report = vm.wait();
+                log::info!("REST API: the VM stopped: {:?}", report.stop);
+                VmState::Shutdown(report.counters)
+            }
+            other => other,
+        };
+    }
+
+    fn counters(&self) -> BTreeMap<String, u64> {
+        match &self.state {
+            VmState::Running(vm) | VmState::Paused(vm) => vm.stats().snapshot(),
+            VmState::Shutdown(c) => c.clone(),
+            VmState::Created => BTreeMap::new(),
+        }
+    }
+
+    /// Cloud Hypervisor's device tree, by Lucid's device names (`blk0`, `net0`, `balloon`,
+    /// `edu`: the names of `vm.counters`): the PCI functions of a running VM with their
+    /// addresses, else the devices the config describes.
+    fn device_tree(&self) -> Value {
+        let entry = |id: &str, bdf: Option<String>| json!({"id": id, "resources": [], "children": [], "pci_bdf": bdf});
+        let mut tree = serde_json::Map::new();
+        match &self.state {
+            VmState::Running(vm) | VmState::Paused(vm) => {
+                for a in vm.devices().pci_devices() {
+                    let bdf = format!("0000:00:{:02x}.0", a.slot.slot);
+                    tree.insert(a.name.clone(), entry(&a.name, Some(bdf)));
+                }
+            }
+            _ => {
+                let mut names = lucid_vmm::devices::virtio_names(&self.config.devices.pci);
+                if self.config.devices.balloon.is_some() {
+                    names.push(lucid_vmm::devices::BALLOON.into());
+                }
+                names.extend(
+                    self.config
+                        .devices
+                        .platform_pci
+                        .iter()
+                        .map(|d| d.name().into()),
+                );
+                for n in names {
+                    tree.insert(n.clone(), entry(&n, None));
+                }
+            }
+        }
+        if self.config.iommu.is_some() {
+            tree.insert("iommu".into(), entry("iommu", None));
+        }
+        tree.insert("serial".into(), entry("serial", None));
+        Value::Object(tree)
+    }
+}
+
+/// `rest.*` counters of the server itself, in its own registry (a VM comes and goes).
+struct RestCounters {
+    requests: Arc<Counter>,
+    errors: Arc<Counter>,
+    dropped: Arc<Counter>,
+}
+
+/// The REST server on the calling thread.
+pub struct RestServer {
+    sock: ApiSocket,
+    signals: StopSignals,
+    vm: Option<Managed>,
+    stats: Arc<StatsRegistry>,
+    counters: RestCounters,
+}
+
+impl RestServer {
+    /// Binds `path` as the JSON-lines API does: mode 0600, a stale socket replaced, a live
+    /// one refused.
+    pub fn bind(path: &Path) -> Result<Self, ApiError> {
+        let sock = ApiSocket::bind(path)?;
+        let signals = StopSignals::new().map_err(|source| ApiError::Io {
+            path: path.into(),
+            what: "take SIGINT and SIGTERM through a signalfd",
+            source,
+        })?;
+        let stats = StatsRegistry::new();
+        let c = |n: &str| stats.counter(format!("rest.{n}"));
+        let counters = RestCounters {
+            requests: c("requests"),
+            errors: c("errors"),
+            dropped: c("clients_dropped"),
+        };
+        Ok(RestServer {
+            sock,
+            signals,
+            vm: None,
+            stats,
+            counters,
+        })
+    }
+
+    /// Serves until `vmm.shutdown` (exit status 0) or SIGINT/SIGTERM (128 + the signal);
+    /// the VM, if any, is stopped on the way out and the socket file removed.
+    pub fn serve(mut self) -> i32 {
+        log::info!(
+            "REST API (Cloud Hypervisor's) on {}: waiting for vm.create",
+            self.sock.path().display()
+        );
+        let code = loop {
+            if let Some(sig) = self.signals.wait(self.sock.listener()) {
+                log::info!("signal {sig}: stopping the VMM");
+                break 128 + sig;
+            }
+            let stream = match self.sock.listener().accept() {
+                Ok((s, _)) => s,
+                Err(e) if matches!(e.kind(), ErrorKind::Interrupted | ErrorKind::WouldBlock) => {
+                    continue
+                }
+                Err(e) => {
+                    log::warn!("REST API: accept failed: {e}");
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            };
+            if self.connection(stream) {
+                log::info!("REST API: vmm.shutdown");
+                break 0;
+            }
+        };
+        if let Some(m) = &mut self.vm {
+            m.stop();
+        }
+        code
+    }
+
+    /// Serves one request on `stream`; true after `vmm.shutdown`.
+    fn connection(&mut self, mut stream: UnixStream) -> bool {
+        let _ = stream.set_nonblocking(false);
+        let _ = stream.set_write_timeout(Some(WRITE_PATIENCE));
+        let request = match read_request(&mut stream) {
+            Ok(r) => r,
+            Err(Framing::Gone) => {
+                self.counters.dropped.inc();
+                return false;
+            }
+            Err(Framing::Refused(resp)) => {
+                self.counters.dropped.inc();
+                self.counters.errors.inc();
+                let _ = write_response(&mut stream, &resp);
+                return false;
+            }
+        };
+        self.counters.requests.inc();
+        let (resp, quit) = self.handle(&request);
+        if resp.status >= 400 {
+            self.counters.errors.inc();
+            log::info!(
+                "REST API: {} {} -> {} {}",
+                request.method,
+                request.path,
+                resp.status,
+                resp.body
+            );
+        }
+        let _ = write_response(&mut stream, &resp);
+        quit
+    }
+
+    fn handle(&mut self, r: &Request) -> (Response, bool) {
+        if let Some(m) = &mut self.vm {
+            m.reap();
+        }
+        let path = r.path.split('?').next().unwrap_or_default();
+        if path == "/metrics" {
+            return (self.method(r, "GET", Self::metrics), false);
+        }
+        let Some(name) = path.strip_prefix(PREFIX) else {
+            return (not_found(path), false);
+        };
+        let resp = match name {
+            "vmm.ping" => self.method(r, "GET", Self::ping),
+            "vmm.shutdown" => {
+                // 200 with no body, as Cloud Hypervisor; the VM stops after the reply.
+                let resp = self.method(r, "PUT", |_, _| Response {
+                    status: 200,
+                    ..Response::empty()
+                });
+                let quit = resp.status == 200;
+                return (resp, quit);
+            }
+            "vm.create" => self.method(r, "PUT", Self::create),
+            "vm.boot" => self.method(r, "PUT", Self::boot),
+            "vm.info" => self.method(r, "GET", Self::info),
+            "vm.counters" => self.method(r, "GET", Self::vm_counters),
+            "vm.pause" => self.method(r, "PUT", Self::pause),
+            "vm.resume" => self.method(r, "PUT", Self::resume),
+            "vm.shutdown" => self.method(r, "PUT", Self::shutdown),
+            "vm.delete" => self.method(r, "PUT", Self::delete),
+            "vm.reboot"
+            | "vm.power-button"
+            | "vm.add-disk"
+            | "vm.add-net"
+            | "vm.add-device"
+            | "vm.add-fs"
+            | "vm.add-pmem"
+            | "vm.add-vsock"
+            | "vm.add-vdpa"
+            | "vm.add-user-device"
+            | "vm.remove-device"
+            | "vm.resize"
+            | "vm.resize-zone"
+            | "vm.resize-disk"
+            | "vm.snapshot"
+            | "vm.restore"
+            | "vm.coredump"
+            | "vm.send-migration"
+            | "vm.receive-migration"
+            | "vm.nmi" => Response::error(
+                501,
+                format!("{name}: a Cloud Hypervisor endpoint Lucid does not serve yet"),
+            ),
+            _ => not_found(path),
+        };
+        (resp, false)
+    }
+
+    /// Runs `f` when the request's method is `want`; Cloud Hypervisor answers any other
+    /// method with 400.
+    fn method(
+        &mut self,
+        r: &Request,
+        want: &str,
+        f: impl FnOnce(&mut Self, &[u8]) -> Response,
+    ) -> Response {
+        match r.method == want {
+            true => f(self, &r.body),
+            false => Response::error(400, format!("{}: takes {want}, not {}", r.path, r.method)),
+        }
+    }
+
+    fn ping(&mut self, _: &[u8]) -> Response {
+        Response::json(
+            200,
+            &json!({
+                "build_version": format!("lucid {}", env!("CARGO_PKG_VERSION")),
+                "version": env!("CARGO_PKG_VERSION"),
+                "pid": std::process::id(),
+                "features": ["kvm", "lucid"],
+            }),
+        )
+    }
+
+    fn create(&mut self, body: &[u8]) -> Response {
+        // As Cloud Hypervisor: the body is checked (400) before the state (500).
+        let v: Value = match serde_json::from_slice(body) {
+            Ok(v) => v,
+            Err(e) => return Response::error(400, format!("vm.create: the body is not JSON: {e}")),
+        };
+        match config::map(v.clone()) {
+            Ok(_) if self.vm.is_some() => Response::error(
+                500,
+                "vm.create: a VM is already created (vm.delete it first)",
+            ),
+            Ok(mut config) => {
+                config.machine.handle_signals = false;
+                config.devices.serial_stdin = false;
+                config.runtime.builtin_modules = Some(lucid_guests::module);
+                self.vm = Some(Managed {
+                    body: v,
+                    config,
+                    state: VmState::Created,
+                });
+                Response::empty()
+            }
+            Err(e) => Response::error(400, format!("vm.create: {e}")),
+        }
+    }
+
+    fn boot(&mut self, _: &[u8]) -> Response {
+        let Some(m) = &mut self.vm else {
+            return no_vm("vm.boot");
+        };
+        match m.state {
+            VmState::Created | VmState::Shutdown(_) => {}
+            _ => return Response::error(500, "vm.boot: the VM is already booted"),
+        }
+        let built = Vm::build(m.config.clone()).and_then(|mut vm| vm.start().map(|()| vm));
+        match built {
+            Ok(vm) => {
+                m.state = VmState::Running(Box::new(vm));
+                Response::empty()
+            }
+            Err(e) => Response::error(500, format!("vm.boot: {}", lucid_vmm::error_chain(&e))),
+        }
+    }
+
+    fn info(&mut self, _: &[u8]) -> Response {
+        let Some(m) = &self.vm else {
+            return no_vm("vm.info");
+        };
+        Response::json(
+            200,
+            &json!({
+                "config": m.body,
+                "state": m.state_name(),
+                "memory_actual_size": m.config.machine.mem_mib << 20,
+                "device_tree": m.device_tree(),
+            }),
+        )
+    }
+
+    /// Cloud Hypervisor's shape: {device: {counter: value}}; a Lucid counter `a.b.c` is
+    /// counter `b.c` of device `a`.
+    fn vm_counters(&mut self, _: &[u8]) -> Response {
+        let Some(m) = &self.vm else {
+            return no_vm("vm.counters");
+        };
+        let mut out: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+        for (k, v) in m.counters() {
+            let (dev, c) = k.split_once('.').unwrap_or(("vm", k.as_str()));
+            out.entry(dev.into()).or_default().insert(c.into(), v);
+        }
+        Response::json(200, &json!(out))
+    }
+
+    fn pause(&mut self, _: &[u8]) -> Response {
+        let Some(m) = &mut self.vm else {
+            return no_vm("vm.pause");
+        };
+        let state = std::mem::replace(&mut m.state, VmState::Created);
+        let (state, resp) = match state {
+            VmState::Running(vm) => {
+                let failed = vm.vcpus().iter().find_map(|h| h.pause().err());
+                match failed {
+                    None => (VmState::Paused(vm), Response::empty()),
+                    Some(e) => {
+                        // Whatever paused runs on: the VM is still Running.
+                        for h in vm.vcpus() {
+                            let _ = h.resume();
+                        }
+                        let resp = Response::error(500, format!("vm.pause: {e}"));
+                        (VmState::Running(vm), resp)
+                    }
+                }
+            }
+            s => {
+                let msg = format!("vm.pause: the VM is {}, not Running", state_name(&s));
+                (s, Response::error(500, msg))
+            }
+        };
+        m.state = state;
+        resp
+    }
+
+    fn resume(&mut self, _: &[u8]) -> Response {
+        let Some(m) = &mut self.vm else {
+            return no_vm("vm.resume");
+        };
+        let state = std::mem::replace(&mut m.state, VmState::Created);
+        let (state, resp) = match state {
+            VmState::Paused(vm) => match vm.vcpus().iter().find_map(|h| h.resume().err()) {
+                None => (VmState::Running(vm), Response::empty()),
+                Some(e) => {
+                    let resp = Response::error(500, format!("vm.resume: {e}"));
+                    (VmState::Paused(vm), resp)
+                }
+            },
+            s => {
+                let msg = format!("vm.resume: the VM is {}, not Paused", state_name(&s));
+                (s, Response::error(500, msg))
+            }
+        };
+        m.state = state;
+        resp
+    }
+
+    fn shutdown(&mut self, _: &[u8]) -> Response {
+        let Some(m) = &mut self.vm else {
+            return no_vm("vm.shutdown");
+        };
+        match m.state {
+            VmState::Running(_) | VmState::Paused(_) => {
+                m.stop();
+                Response::empty()
+            }
+            _ => Response::error(
+                500,
+                format!("vm.shutdown: the VM is {}, not booted", m.state_name()),
+            ),
+        }
+    }
+
+    fn delete(&mut self, _: &[u8]) -> Response {
+        if let Some(mut m) = self.vm.take() {
+            m.stop();
+        }
+        Response::empty()
+    }
+
+    /// Every counter of the server's and the VM's registries in Prometheus' text format.
+    fn metrics(&mut self, _: &[u8]) -> Response {
+        let mut all = self.stats.snapshot();
+        if let Some(m) = &self.vm {
+            all.extend(m.counters());
+        }
+        Response {
+            status: 200,
+            content_type: "text/plain; version=0.0.4",
+            body: lucid_stats::prometheus_text(&all),
+        }
+    }
+}
+
+fn state_name(s: &VmState) -> &'static str {
+    match s {
+        VmState::Created => "Created",
+        VmState::Running(_) => "Running",
+        VmState::Paused(_) => "Paused",
+        VmState::Shutdown(_) => "Shutdown",
+    }
+}
+
+fn no_vm(what: &str) -> Response {
+    Response::error(404, format!("{what}: no VM is created (vm.create first)"))
+}
+
+fn not_found(path: &str) -> Response {
+    Response::error(
+        404,
+        format!("{path}: no such endpoint (the API is at {PREFIX}; docs/api.md lists them)"),
+    )
+}
+
+/// SIGINT and SIGTERM, blocked in this thread and every thread it starts from now on (the
+/// VM's inherit the mask), read from a signalfd beside the listening socket, so that they
+/// stop the VM and remove the socket as `vmm.shutdown` does.
+struct StopSignals {
+    fd: std::os::fd::OwnedFd,
+}
+
+impl StopSignals {
+    fn new() -> std::io::Result<Self> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: sigset manipulation on a local set, pthread_sigmask on the calling thread,
+        // and signalfd creating a new descriptor that is owned at once.
+        unsafe {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGINT);
+            libc::sigaddset(&mut set, libc::SIGTERM);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+            let fd = libc::signalfd(-1, &set, libc::SFD_CLOEXEC | libc::SFD_NONBLOCK);
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(StopSignals {
+                fd: std::os::fd::OwnedFd::from_raw_fd(fd),
+            })
+        }
+    }
+
+    /// Waits until `listener` has a client (None) or a stop signal came (Some(signal)).
+    fn wait(&self, listener: &std::os::unix::net::UnixListener) -> Option<i32> {
+        use std::os::fd::AsRawFd;
+        let mut fds = [
+            libc::pollfd {
+                fd: listener.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: poll on two valid descriptors in a local array of its stated length.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        if n <= 0 || fds[1].revents == 0 {
+            return None;
+        }
+        // SAFETY: signalfd_siginfo is plain data, valid all zeroes.
+        let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
+        let size = std::mem::size_of::<libc::signalfd_siginfo>();
+        // SAFETY: `info` is `size` bytes of writable plain data.
+        let got = unsafe {
+            libc::read(
+                self.fd.as_raw_fd(),
+                (&mut info as *mut libc::signalfd_siginfo).cast(),
+                size,
+            )
+        };
+        (got == size as isize).then_some(info.ssi_signo as i32)
+    }
+}
+
+/// A request, framed.
+struct Request {
+    method: String,
+    path: String,
+    body: Vec<u8>,
+}
+
+/// Why no request was read.
+enum Framing {
+    /// The client disconnected or stalled past [`REQUEST_PATIENCE`] before a whole request.
+    Gone,
+    /// Answered with this and closed.
+    Refused(Response),
+}
+
+fn read_request(s: &mut UnixStream) -> Result<Request, Framing> {
+    let deadline = Instant::now() + REQUEST_PATIENCE;
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 4096];
+    let mut read_more = |s: &mut UnixStream, buf: &mut Vec<u8>| -> Result<(), Framing> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(timed_out());
+        }
+        let _ = s.set_read_timeout(Some(left));
+        loop {
+            match s.read(&mut chunk) {
+                Ok(0) => return Err(Framing::Gone),
+                Ok(n) => {
+                    buf.extend_from_slice(&chunk[..n]);
+                    return Ok(());
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    return Err(timed_out())
+                }
+                Err(_) => return Err(Framing::Gone),
+            }
+        }
+    };
+    let (method, path, head_len, body_len) = loop {
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut req = httparse::Request::new(&mut headers);
+        match req.parse(&buf) {
+            Ok(httparse::Status::Complete(n)) => {
+                let mut len = 0usize;
+                for h in req.headers.iter() {
+                    if h.name.eq_ignore_ascii_case("transfer-encoding") {
+                        return Err(refused(
+                            400,
+                            "Transfer-Encoding is not supported: send the body with Content-Length",
+                        ));
+                    }
+                    if h.name.eq_ignore_ascii_case("content-length") {
+                        len = std::str::from_utf8(h.value)
+                            .ok()
+                            .and_then(|v| v.trim().parse().ok())
+                            .ok_or_else(|| refused(400, "Content-Length is not a number"))?;
+                    }
+                }
+                if len > MAX_BODY {
+                    return Err(refused(
+                        413,
+                        &format!("the body is {len} bytes; at most {MAX_BODY} are accepted"),
+                    ));
+                }
+                break (
+                    req.method.unwrap_or_default().to_string(),
+                    req.path.unwrap_or_default().to_string(),
+                    n,
+                    len,
+                );
+            }
+            Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => read_more(s, &mut buf)?,
+            Ok(httparse::Status::Partial) | Err(httparse::Error::TooManyHeaders) => {
+                return Err(refused(
+                    431,
+                    &format!(
+                        "the request line and headers are over {MAX_HEAD} bytes or 32 headers"
+                    ),
+                ))
+            }
+            Err(e) => return Err(refused(400, &format!("not an HTTP/1.1 request: {e}"))),
+        }
+    };
+    while buf.len() < head_len + body_len {
+        read_more(s, &mut buf)?;
+    }
+    buf.truncate(head_len + body_len);
+    Ok(Request {
+        method,
+        path,
+        body: buf.split_off(head_len),
+    })
+}
+
+fn refused(status: u16, msg: &str) -> Framing {
+    Framing::Refused(Response::error(status, msg))
+}
+
+fn timed_out() -> Framing {
+    refused(
+        408,
+        &format!(
+            "the request was not complete within {} s",
+            REQUEST_PATIENCE.as_secs()
+        ),
+    )
+}
+
+fn write_response(s: &mut UnixStream, r: &Response) -> std::io::Result<()> {
+    let mut out = format!(
+        "HTTP/1.1 {} {}\r\nServer: lucid\r\nConnection: close\r\nContent-Length: {}\r\n",
+        r.status,
+        reason(r.status),
+        r.body.len()
+    );
+    if !r.body.is_empty() {
+        out += &format!("Content-Type: {}\r\n", r.content_type);
+    }
+    out += "\r\n";
+    out += &r.body;
+    s.write_all(out.as_bytes())?;
+    s.flush()
+}

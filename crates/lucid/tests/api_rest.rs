@@ -1,0 +1,451 @@
+//! Cloud Hypervisor's REST API (`lucid run --api-socket PATH` with no payload, docs/api.md) on
+//! real KVM: the lifecycle driven by curl (ping, create with the built-in `spin` guest, boot,
+//! info, pause with the vCPU's exit counter still for 1 s, resume, counters, /metrics,
+//! shutdown, delete, vmm.shutdown with exit status 0), and bad input sent raw (malformed JSON,
+//! a wrong method, unknown paths and fields, a disk that is a directory, a body over the cap,
+//! a stalled and a vanished client, 100 clients at once, a live socket) while a VM runs on
+//! and the server keeps answering.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::tmp;
+use serde_json::{json, Value};
+
+/// How long any one wait may last.
+const LIMIT: Duration = Duration::from_secs(30);
+
+/// A `lucid run --api-socket` serving the REST API, killed if a test fails.
+struct Server {
+    child: Option<Child>,
+    socket: PathBuf,
+    err: PathBuf,
+}
+
+impl Server {
+    fn start(tag: &str) -> Server {
+        let socket = tmp(&format!("{tag}.sock"));
+        let err = tmp(&format!("{tag}.err"));
+        let child = Command::new(env!("CARGO_BIN_EXE_lucid"))
+            .args(["run", "--api-socket"])
+            .arg(&socket)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&err).unwrap())
+            .spawn()
+            .unwrap();
+        let mut s = Server {
+            child: Some(child),
+            socket,
+            err,
+        };
+        let t = Instant::now();
+        while raw(
+            &s.socket,
+            b"GET /api/v1/vmm.ping HTTP/1.1\r\nHost: x\r\n\r\n",
+        )
+        .is_none()
+        {
+            assert!(
+                s.child.as_mut().unwrap().try_wait().unwrap().is_none(),
+                "lucid ended: {}",
+                s.stderr()
+            );
+            assert!(t.elapsed() < LIMIT, "the socket never answered");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        s
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.err).unwrap_or_default()
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
+    }
+
+    /// Waits for the process to end by itself; its exit status.
+    fn wait(&mut self) -> Option<i32> {
+        let mut child = self.child.take().unwrap();
+        let t = Instant::now();
+        loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                return s.code();
+            }
+            if t.elapsed() > LIMIT {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("lucid did not exit: {}", self.stderr());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// `METHOD /api/v1/NAME` by curl, with `body` as JSON: (status, body).
+    fn curl(&self, method: &str, name: &str, body: Option<&Value>) -> (u16, String) {
+        let mut cmd = Command::new("curl");
+        cmd.args(["-s", "-m", "20", "-X", method, "--unix-socket"])
+            .arg(&self.socket)
+            .args(["-w", "\n%{http_code}"]);
+        if let Some(b) = body {
+            cmd.args(["-H", "Content-Type: application/json", "-d", &b.to_string()]);
+        }
+        let path = match name {
+            "/metrics" => name.to_string(),
+            n => format!("/api/v1/{n}"),
+        };
+        let out = cmd.arg(format!("http://localhost{path}")).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (body, code) = text.rsplit_once('\n').expect("curl's status line");
+        let code = code.trim().parse().unwrap_or_else(|_| {
+            panic!(
+                "curl {method} {name}: no status ({text:?}); lucid: {}",
+                self.stderr()
+            )
+        });
+        (code, body.to_string())
+    }
+
+    fn json(&self, method: &str, name: &str) -> Value {
+        let (code, body) = self.curl(method, name, None);
+        assert_eq!(code, 200, "{method} {name}: {body}");
+        serde_json::from_str(&body).unwrap()
+    }
+
+    fn state(&self) -> String {
+        self.json("GET", "vm.info")["state"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    }
+
+    /// KVM's count of vCPU 0's exits (host preemption included), from vm.counters.
+    fn exits(&self) -> u64 {
+        let c = self.json("GET", "vm.counters");
+        c["kvm"]["vcpu0.exits"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no kvm/vcpu0.exits in vm.counters: {c}"))
+    }
+
+    /// Waits until the exit counter moves past `from`.
+    fn exits_move(&self, from: u64) -> bool {
+        let t = Instant::now();
+        while t.elapsed() < LIMIT {
+            if self.exits() > from {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Sends `request` as is and reads the response to EOF (the server closes after one):
+/// (status, body), or None when the connection failed or was closed with no response.
+fn raw(socket: &Path, request: &[u8]) -> Option<(u16, String)> {
+    let mut s = UnixStream::connect(socket).ok()?;
+    s.set_read_timeout(Some(LIMIT)).unwrap();
+    s.write_all(request).ok()?;
+    read_response(&mut s)
+}
+
+fn read_response(s: &mut UnixStream) -> Option<(u16, String)> {
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let code = text.strip_prefix("HTTP/1.1 ")?.get(..3)?.parse().ok()?;
+    let body = text.split_once("\r\n\r\n")?.1.to_string();
+    Some((code, body))
+}
+
+fn put(name: &str, body: &str) -> Vec<u8> {
+    format!(
+        "PUT /api/v1/{name} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+fn spin_config(serial: &Path) -> Value {
+    json!({
+        "payload": {"kernel": "builtin:spin"},
+        "cpus": {"boot_vcpus": 1, "max_vcpus": 1},
+        "memory": {"size": 64u64 << 20},
+        "serial": {"mode": "File", "file": serial},
+        "console": {"mode": "Off"},
+    })
+}
+
+fn have_curl() -> bool {
+    Command::new("curl")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+#[test]
+fn lifecycle_through_curl() {
+    if !have_curl() {
+        return lucid_guests::skip_or_fail("curl is not installed (apt-get install curl)");
+    }
+    // A socket file a dead run left is replaced.
+    let stale = tmp("life.sock");
+    let _ = std::fs::remove_file(&stale);
+    drop(UnixListener::bind(&stale).unwrap());
+    let mut s = Server::start("life");
+    let mode = std::fs::metadata(&s.socket).unwrap();
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o777,
+        0o600
+    );
+
+    let ping = s.json("GET", "vmm.ping");
+    assert_eq!(ping["pid"].as_u64(), Some(u64::from(s.pid())), "{ping}");
+    assert!(
+        ping["version"].is_string() && ping["features"].is_array(),
+        "{ping}"
+    );
+    assert_eq!(s.curl("GET", "vm.info", None).0, 404, "no VM yet");
+    assert_eq!(s.curl("PUT", "vm.boot", None).0, 404, "no VM to boot");
+
+    let serial = tmp("life.serial");
+    let config = spin_config(&serial);
+    assert_eq!(
+        s.curl("PUT", "vm.create", Some(&config)),
+        (204, String::new())
+    );
+    assert_eq!(s.state(), "Created");
+    assert_eq!(
+        s.curl("PUT", "vm.create", Some(&config)).0,
+        500,
+        "created twice"
+    );
+    assert_eq!(s.curl("PUT", "vm.pause", None).0, 500, "pause before boot");
+    assert_eq!(s.curl("PUT", "vm.boot", None), (204, String::new()));
+    let info = s.json("GET", "vm.info");
+    assert_eq!(info["state"], "Running", "{info}");
+    assert_eq!(info["config"], config, "vm.info returns the config");
+    assert_eq!(info["memory_actual_size"], 64u64 << 20);
+    assert!(info["device_tree"]["serial"].is_object(), "{info}");
+    assert_eq!(s.curl("PUT", "vm.boot", None).0, 500, "booted twice");
+
+    let before = s.exits();
+    assert!(s.exits_move(before), "the running vCPU's exits never moved");
+    assert_eq!(s.curl("PUT", "vm.pause", None), (204, String::new()));
+    assert_eq!(s.state(), "Paused");
+    assert_eq!(s.curl("PUT", "vm.pause", None).0, 500, "paused twice");
+    let paused = s.exits();
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(s.exits(), paused, "a paused vCPU exited");
+    assert_eq!(s.curl("PUT", "vm.resume", None), (204, String::new()));
+    assert_eq!(s.state(), "Running");
+    assert_eq!(
+        s.curl("PUT", "vm.resume", None).0,
+        500,
+        "resumed while running"
+    );
+    assert!(s.exits_move(paused), "the resumed vCPU's exits never moved");
+
+    let counters = s.json("GET", "vm.counters");
+    assert!(counters["vcpu0"].is_object(), "{counters}");
+    let (code, metrics) = s.curl("GET", "/metrics", None);
+    assert_eq!(code, 200);
+    assert!(
+        metrics.contains("# TYPE lucid_kvm_vcpu0_exits_total counter"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("# HELP lucid_rest_requests_total "),
+        "{metrics}"
+    );
+    for line in metrics.lines().filter(|l| !l.starts_with('#')) {
+        let (name, value) = line.split_once(' ').unwrap();
+        assert!(
+            name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                && !name.starts_with(|c: char| c.is_ascii_digit()),
+            "metric name {name:?}"
+        );
+        value.parse::<u64>().unwrap();
+    }
+
+    assert_eq!(s.curl("PUT", "vm.shutdown", None), (204, String::new()));
+    assert_eq!(s.state(), "Shutdown");
+    assert_eq!(s.curl("PUT", "vm.shutdown", None).0, 500, "shut down twice");
+    assert_eq!(
+        s.curl("PUT", "vm.pause", None).0,
+        500,
+        "pause after shutdown"
+    );
+    assert!(std::fs::read_to_string(&serial)
+        .unwrap()
+        .contains("spin: looping forever"));
+    assert_eq!(s.curl("PUT", "vm.delete", None), (204, String::new()));
+    assert_eq!(s.curl("GET", "vm.info", None).0, 404, "deleted");
+
+    assert_eq!(s.curl("PUT", "vmm.shutdown", None).0, 200);
+    assert_eq!(s.wait(), Some(0), "{}", s.stderr());
+    assert!(!s.socket.exists(), "the socket file is removed at exit");
+}
+
+#[test]
+fn bad_input_is_refused_and_the_vmm_keeps_serving() {
+    let mut s = Server::start("bad");
+    let sock = s.socket.clone();
+    let serial = tmp("bad.serial");
+    let config = spin_config(&serial).to_string();
+    assert_eq!(raw(&sock, &put("vm.create", &config)).unwrap().0, 204);
+    assert_eq!(raw(&sock, &put("vm.boot", "")).unwrap().0, 204);
+
+    let refused = |req: &[u8], code: u16, says: &str| {
+        let (c, body) = raw(&sock, req).expect("a response");
+        assert_eq!(c, code, "{}: {body}", String::from_utf8_lossy(req));
+        assert!(body.contains(says), "{body} should say {says:?}");
+        let msgs: Vec<String> = serde_json::from_str(&body).expect("an array of messages");
+        assert!(!msgs.is_empty());
+    };
+    // Malformed JSON, unknown and unsupported fields, impossible values: 400, checked
+    // before the state (a VM exists).
+    refused(&put("vm.create", "{\"payload\":"), 400, "not JSON");
+    let with = |k: &str, v: Value| {
+        let mut c: Value = serde_json::from_str(&config).unwrap();
+        c[k] = v;
+        put("vm.create", &c.to_string())
+    };
+    refused(&with("bogus", json!(1)), 400, "bogus: unknown field");
+    refused(
+        &with("rng", json!({"src": "/dev/urandom"})),
+        400,
+        "rng: Lucid does not support",
+    );
+    refused(
+        &with("cpus", json!({"boot_vcpus": 0})),
+        400,
+        "cpus.boot_vcpus",
+    );
+    refused(
+        &with("memory", json!({"size": 1u64 << 50})),
+        400,
+        "memory.size",
+    );
+    refused(
+        &with("memory", json!({"size": 64u64 << 20, "hugepages": true})),
+        400,
+        "memory.hugepages",
+    );
+    refused(
+        &with("disks", json!([{"path": std::env::temp_dir()}])),
+        400,
+        "is a directory",
+    );
+    // Wrong methods (Cloud Hypervisor answers 400), unknown paths, endpoints not built.
+    refused(b"POST /api/v1/vm.info HTTP/1.1\r\n\r\n", 400, "takes GET");
+    refused(b"GET /api/v1/vm.boot HTTP/1.1\r\n\r\n", 400, "takes PUT");
+    refused(
+        b"GET /api/v1/vm.nothing HTTP/1.1\r\n\r\n",
+        404,
+        "no such endpoint",
+    );
+    refused(b"GET /index.html HTTP/1.1\r\n\r\n", 404, "no such endpoint");
+    refused(&put("vm.add-disk", "{}"), 501, "does not serve yet");
+    // Not HTTP; a body over the cap (refused from its Content-Length).
+    refused(b"\x01\x02 garbage\r\n\r\n", 400, "not an HTTP/1.1 request");
+    refused(
+        b"PUT /api/v1/vm.create HTTP/1.1\r\nContent-Length: 2000000\r\n\r\n",
+        413,
+        "at most",
+    );
+    refused(
+        b"PUT /api/v1/vm.create HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
+        400,
+        "Content-Length",
+    );
+
+    // A client that stalls mid-request is answered 408 and closed after the server's
+    // patience (5 s); one that vanishes mid-request costs nothing.
+    let mut stalled = UnixStream::connect(&sock).unwrap();
+    stalled.set_read_timeout(Some(LIMIT)).unwrap();
+    stalled
+        .write_all(b"PUT /api/v1/vm.create HTTP/1.1\r\nContent-Length: 100\r\n\r\n{")
+        .unwrap();
+    let (code, _) = read_response(&mut stalled).expect("a 408 before the close");
+    assert_eq!(code, 408);
+    let mut gone = UnixStream::connect(&sock).unwrap();
+    gone.write_all(b"PUT /api/v1/vm.pause HTTP/1.1\r\nContent-Le")
+        .unwrap();
+    drop(gone);
+
+    // 100 clients at once: each is answered (they wait in the listen backlog).
+    let clients: Vec<_> = (0..100)
+        .map(|_| {
+            let sock = sock.clone();
+            std::thread::spawn(move || {
+                raw(&sock, b"GET /api/v1/vmm.ping HTTP/1.1\r\n\r\n").map(|r| r.0)
+            })
+        })
+        .collect();
+    for c in clients {
+        assert_eq!(c.join().unwrap(), Some(200));
+    }
+
+    // A second VMM on the same live socket is refused; a VM flag without a payload too.
+    let second = common::run_cmd(
+        {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_lucid"));
+            c.args(["run", "--api-socket"]).arg(&sock);
+            c
+        },
+        LIMIT,
+    );
+    assert_eq!(second.status, Some(70), "{}", second.stderr);
+    assert!(second.stderr.contains("another process is listening"));
+    let flag = common::run_cmd(
+        {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_lucid"));
+            c.args(["run", "--memory", "512", "--api-socket"])
+                .arg(tmp("flag.sock"));
+            c
+        },
+        LIMIT,
+    );
+    assert_eq!(flag.status, Some(64), "{}", flag.stderr);
+    assert!(flag.stderr.contains("--memory"), "{}", flag.stderr);
+
+    // The VM ran on through all of it, and the server still answers.
+    let (code, body) = raw(&sock, b"GET /api/v1/vm.info HTTP/1.1\r\n\r\n").unwrap();
+    assert_eq!(code, 200);
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["state"],
+        "Running"
+    );
+    assert_eq!(raw(&sock, &put("vmm.shutdown", "")).unwrap().0, 200);
+    assert_eq!(s.wait(), Some(0), "{}", s.stderr());
+}
+
+#[test]
+fn sigterm_stops_the_vm_and_removes_the_socket() {
+    let mut s = Server::start("term");
+    let config = spin_config(&tmp("term.serial")).to_string();
+    assert_eq!(raw(&s.socket, &put("vm.create", &config)).unwrap().0, 204);
+    assert_eq!(raw(&s.socket, &put("vm.boot", "")).unwrap().0, 204);
+    // SAFETY: kill on our own child's pid.
+    assert_eq!(unsafe { libc::kill(s.pid() as i32, libc::SIGTERM) }, 0);
+    assert_eq!(s.wait(), Some(128 + libc::SIGTERM), "{}", s.stderr());
+    assert!(!s.socket.exists(), "the socket file is removed");
+}
