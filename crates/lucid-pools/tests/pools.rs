@@ -923,7 +923,7 @@ fn bad_definitions_are_refused_and_change_nothing() {
         (&["name=a,cpus=0,policy=realtime"], "unknown policy"),
         (&["name=a/b,cpus=0,policy=io"], "bad pool name"),
         (&["name=a,cpus=x,policy=io"], "bad CPU list"),
-        (&["name=a,cpus=0"], "no policy"),
+        (&["name=a,cpus=0"], "policy=noop|io|cpu|default is required"),
         (&[], "no pools"),
     ];
     for (d, want) in bad {
