@@ -68,6 +68,15 @@ pub fn tmp(name: &str) -> PathBuf {
 }
 
 /// Runs `lucid` with `args` (plus `--stats-json`), killing it with SIGKILL after `limit`.
+/// `lucid ARGS` as given (no `--stats-json` added, so any subcommand), bounded by `limit`.
+pub fn lucid_plain(args: &[&str], limit: Duration) -> Outcome {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lucid"));
+    cmd.args(args);
+    let o = run_cmd(cmd, limit);
+    assert!(!o.timed_out, "lucid {args:?} hung");
+    o
+}
+
 pub fn lucid(args: &[&str], limit: Duration) -> Outcome {
     lucid_pinned(args, limit, &[])
 }

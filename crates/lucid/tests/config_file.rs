@@ -4,20 +4,15 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::Duration;
 
-use common::{disk, lucid, run_cmd, tmp, Outcome};
+use common::{disk, lucid, tmp, Outcome};
 use lucid_vmm::EXIT_USAGE;
 
 const LIMIT: Duration = Duration::from_secs(30);
 
 fn run(args: &[&str]) -> Outcome {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lucid"));
-    cmd.args(args);
-    let o = run_cmd(cmd, LIMIT);
-    assert!(!o.timed_out, "lucid {args:?} hung");
-    o
+    common::lucid_plain(args, LIMIT)
 }
 
 /// `--print-config`'s JSON, which must exit 0.

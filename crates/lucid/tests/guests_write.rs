@@ -3,19 +3,14 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::Duration;
 
-use common::{run_cmd, tmp, Outcome};
+use common::{tmp, Outcome};
 
 const LIMIT: Duration = Duration::from_secs(30);
 
 fn run(args: &[&str]) -> Outcome {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lucid"));
-    cmd.args(args);
-    let o = run_cmd(cmd, LIMIT);
-    assert!(!o.timed_out, "lucid {args:?} hung");
-    o
+    common::lucid_plain(args, LIMIT)
 }
 
 #[test]
