@@ -38,8 +38,10 @@
 //! IRQ9 level/active-high that KVM's in-kernel irqchip routing (and the SCI) expect.
 
 use acpi_tables::aml::{
-    AddressSpace, AddressSpaceCacheable, Device, EISAName, Interrupt, Name, Package,
-    PackageBuilder, Path, ResourceTemplate, Scope, IO,
+    AddressSpace, AddressSpaceCacheable, And, Device, EISAName, Field, FieldAccessType, FieldEntry,
+    FieldLockRule, FieldUpdateRule, If, Interrupt, Local, Method, MethodCall, Name, Notify,
+    OpRegion, OpRegionSpace, Package, PackageBuilder, Path, ResourceTemplate, Scope, ShiftLeft,
+    Store, IO, ONE, ZERO,
 };
 use acpi_tables::facs::FACS;
 use acpi_tables::fadt::{FADTBuilder, Flags};
@@ -59,8 +61,8 @@ use std::ops::Range;
 
 use crate::area::BootArea;
 use crate::layout::{
-    pci_intx_gsi, ports, ACPI_END, ACPI_SCI_IRQ, ACPI_START, EBDA_START, IOAPIC_START, LAPIC_START,
-    PCI_MMIO_END, PCI_MMIO_START,
+    pci_hotplug, pci_intx_gsi, ports, ACPI_END, ACPI_SCI_IRQ, ACPI_START, EBDA_START, GED_GSI,
+    IOAPIC_START, LAPIC_START, PCI_MMIO_END, PCI_MMIO_START,
 };
 use crate::loader::write_bytes;
 use crate::BootError;
@@ -87,6 +89,8 @@ pub struct AcpiConfig {
     pub pm: bool,
     /// An Intel VT-d remapping unit: adds a DMAR table (see [`DmarUnit`]).
     pub dmar: Option<DmarUnit>,
+    /// ACPI PCI hotplug and the power button ([`hotplug_aml`]); needs `pci_ecam`.
+    pub hotplug: bool,
 }
 
 /// The one VT-d remapping unit the DMAR table describes: a DRHD with `INCLUDE_PCI_ALL` (every PCI
@@ -116,6 +120,7 @@ impl AcpiConfig {
             i8042: false,
             pm: true,
             dmar: None,
+            hotplug: false,
         }
     }
 }
@@ -186,12 +191,14 @@ fn dsdt_aml(cfg: &AcpiConfig) -> Vec<u8> {
         &ResourceTemplate::new(vec![&bus, &cfg_io, &io_lo, &io_hi, &mmio]),
     );
     let pci_prt = pci_routing_table();
-    let pci = Device::new(
-        Path::new("PCI0"),
-        vec![
-            &pci_hid, &pci_cid, &pci_adr, &pci_seg, &pci_uid, &pci_bbn, &pci_crs, &pci_prt,
-        ],
-    );
+    let hotplug = cfg.hotplug.then(HotplugAml::new);
+    let mut pci_children: Vec<&dyn Aml> = vec![
+        &pci_hid, &pci_cid, &pci_adr, &pci_seg, &pci_uid, &pci_bbn, &pci_crs, &pci_prt,
+    ];
+    if let Some(h) = &hotplug {
+        pci_children.push(&h.pci0);
+    }
+    let pci = Device::new(Path::new("PCI0"), pci_children);
 
     let mut children: Vec<&dyn Aml> = Vec::new();
     if cfg.com1 {
@@ -202,8 +209,130 @@ fn dsdt_aml(cfg: &AcpiConfig) -> Vec<u8> {
     }
     if cfg.pci_ecam.is_some() {
         children.push(&pci);
+        if let Some(h) = &hotplug {
+            children.push(&h.sb);
+        }
     }
     to_bytes(&Scope::new(Path::new("\\_SB_"), children))
+}
+
+/// AML already serialised, to put beside other objects.
+struct RawAml(Vec<u8>);
+
+impl Aml for RawAml {
+    fn to_aml_bytes(&self, sink: &mut dyn AmlSink) {
+        sink.vec(&self.0);
+    }
+}
+
+/// ACPI PCI hotplug, the scheme of QEMU's PIIX4 (what Linux's `acpiphp` drives), signalled
+/// through a Generic Event Device as Cloud Hypervisor does:
+///
+/// - in `PCI0`: the controller's registers ([`pci_hotplug`]) as fields `PCIU`, `PCID`, `B0EJ`,
+///   `GEVT`; a device `Sxx` per slot 1-31 with `_ADR`, `_SUN` and `_EJ0` (writes the slot's bit
+///   to `B0EJ`, so the VMM detaches it); `PCNT`, which notifies each slot in `PCIU` with Device
+///   Check (1: Linux scans it) and each slot in `PCID` with Eject Request (3: Linux releases the
+///   device and calls `_EJ0`);
+/// - in `\_SB`: `GED_` (`ACPI0013`, edge interrupt [`GED_GSI`]), whose `_EVT` reads `GEVT` and
+///   calls `PCNT` or notifies the power button; `PWRB` (`PNP0C0C`), the power button Linux's
+///   `button` driver binds (0x80: pressed).
+pub(crate) struct HotplugAml {
+    pci0: RawAml,
+    sb: RawAml,
+}
+
+impl HotplugAml {
+    fn new() -> Self {
+        let mut pci0 = Vec::new();
+        let base = u32::from(ports::PCI_HOTPLUG);
+        let len = pci_hotplug::LEN as u32;
+        OpRegion::new(Path::new("PCST"), OpRegionSpace::SystemIO, &base, &len)
+            .to_aml_bytes(&mut pci0);
+        let field = |name: &[u8; 4]| FieldEntry::Named(*name, 32);
+        Field::new(
+            Path::new("PCST"),
+            FieldAccessType::DWord,
+            FieldLockRule::NoLock,
+            FieldUpdateRule::WriteAsZeroes,
+            vec![
+                field(b"PCIU"),
+                field(b"PCID"),
+                field(b"B0EJ"),
+                field(b"GEVT"),
+            ],
+        )
+        .to_aml_bytes(&mut pci0);
+        let b0ej = Path::new("B0EJ");
+        let eject_bit = ShiftLeft::new(&b0ej, &ONE, &acpi_tables::aml::Arg(0));
+        Method::new(Path::new("PCEJ"), 1, true, vec![&eject_bit]).to_aml_bytes(&mut pci0);
+        let (up, down) = (Local(0), Local(1));
+        let (pciu, pcid) = (Path::new("PCIU"), Path::new("PCID"));
+        let read_up = Store::new(&up, &pciu);
+        let read_down = Store::new(&down, &pcid);
+        let mut notifies = Vec::new();
+        for slot in 1..PCI_SLOTS {
+            let name = slot_name(slot);
+            let adr = Name::new(Path::new("_ADR"), &(u32::from(slot) << 16));
+            let sun = Name::new(Path::new("_SUN"), &slot);
+            let call = MethodCall::new(Path::new("PCEJ"), vec![&slot]);
+            let ej0 = Method::new(Path::new("_EJ0"), 1, false, vec![&call]);
+            Device::new(Path::new(&name), vec![&adr, &sun, &ej0]).to_aml_bytes(&mut pci0);
+            let bit = 1u32 << slot;
+            let path = Path::new(&name);
+            let (check, eject) = (1u8, 3u8);
+            let in_up = And::new(&ZERO, &up, &bit);
+            let notify_up = Notify::new(&path, &check);
+            If::new(&in_up, vec![&notify_up]).to_aml_bytes(&mut notifies);
+            let in_down = And::new(&ZERO, &down, &bit);
+            let notify_down = Notify::new(&path, &eject);
+            If::new(&in_down, vec![&notify_down]).to_aml_bytes(&mut notifies);
+        }
+        let notifies = RawAml(notifies);
+        Method::new(
+            Path::new("PCNT"),
+            0,
+            true,
+            vec![&read_up, &read_down, &notifies],
+        )
+        .to_aml_bytes(&mut pci0);
+
+        let mut sb = Vec::new();
+        let hid = Name::new(Path::new("_HID"), &"ACPI0013");
+        let uid = Name::new(Path::new("_UID"), &ZERO);
+        let irq = Interrupt::new(true, true, false, false, GED_GSI);
+        let crs = Name::new(Path::new("_CRS"), &ResourceTemplate::new(vec![&irq]));
+        let events = Local(0);
+        let gevt = Path::new("\\_SB_.PCI0.GEVT");
+        let read_events = Store::new(&events, &gevt);
+        let pci_bit = pci_hotplug::EVENT_PCI;
+        let is_pci = And::new(&ZERO, &events, &pci_bit);
+        let scan = MethodCall::new(Path::new("\\_SB_.PCI0.PCNT"), vec![]);
+        let on_pci = If::new(&is_pci, vec![&scan]);
+        let button_bit = pci_hotplug::EVENT_POWER_BUTTON;
+        let is_button = And::new(&ZERO, &events, &button_bit);
+        let pressed = 0x80u8;
+        let pwrb = Path::new("\\_SB_.PWRB");
+        let press = Notify::new(&pwrb, &pressed);
+        let on_button = If::new(&is_button, vec![&press]);
+        let evt = Method::new(
+            Path::new("_EVT"),
+            1,
+            true,
+            vec![&read_events, &on_pci, &on_button],
+        );
+        Device::new(Path::new("GED_"), vec![&hid, &uid, &crs, &evt]).to_aml_bytes(&mut sb);
+        let pwrb_hid = Name::new(Path::new("_HID"), &EISAName::new("PNP0C0C"));
+        Device::new(Path::new("PWRB"), vec![&pwrb_hid, &uid]).to_aml_bytes(&mut sb);
+        HotplugAml {
+            pci0: RawAml(pci0),
+            sb: RawAml(sb),
+        }
+    }
+}
+
+/// The name of slot `slot`'s device in `PCI0`: `S01_`..`S1F_` (AML names are 4 characters).
+fn slot_name(slot: u8) -> String {
+    format!("S{slot:02X}_")
 }
 
 /// Bus-0 device numbers a `_PRT` covers (slot 0 is the host bridge, which raises no INTx).

@@ -84,7 +84,32 @@ pub mod ports {
     pub const ACPI_PM1A_EVT: u16 = ACPI_PM_BASE;
     pub const ACPI_PM1A_CNT: u16 = ACPI_PM_BASE + 4;
     pub const ACPI_PM_TMR: u16 = ACPI_PM_BASE + 8;
+    /// The PCI hotplug controller's registers ([`super::pci_hotplug`]), at the port QEMU's
+    /// PIIX4 hotplug block uses.
+    pub const PCI_HOTPLUG: u16 = 0xae00;
 }
+
+/// The PCI hotplug controller: four 32-bit registers at [`ports::PCI_HOTPLUG`], one bit per
+/// bus-0 slot, that the DSDT's AML reads when the Generic Event Device ([`GED_GSI`]) fires.
+pub mod pci_hotplug {
+    /// Length of the register block in bytes.
+    pub const LEN: u64 = 16;
+    /// Read: slots with a new device for the guest to check (cleared by the read).
+    pub const UP: u64 = 0;
+    /// Read: slots whose device the VMM asks the guest to release.
+    pub const DOWN: u64 = 4;
+    /// Write: slots the guest ejected (`_EJ0`): the VMM detaches their devices.
+    pub const EJECT: u64 = 8;
+    /// Read: which events fired since the last read (cleared by the read).
+    pub const EVENT: u64 = 12;
+    /// [`EVENT`] bit: a slot changed ([`UP`] or [`DOWN`]).
+    pub const EVENT_PCI: u32 = 1;
+    /// [`EVENT`] bit: the ACPI power button was pressed.
+    pub const EVENT_POWER_BUTTON: u32 = 2;
+}
+
+/// The Generic Event Device's interrupt (edge, active high): a free ISA IRQ.
+pub const GED_GSI: u32 = 5;
 
 /// The ACPI SCI: ISA IRQ 9, level-triggered, active high (the MADT overrides IRQ 9 so), through
 /// the IOAPIC pin of the same number.

@@ -1723,3 +1723,53 @@ fn dmar_table_in_the_xsdt_only_with_an_iommu() {
     }
     assert_eq!(ioapic_id, Some(d.drhds[0].4[0].1));
 }
+
+/// With hotplug the DSDT has the controller's fields in `PCI0`, a slot device with `_EJ0` for
+/// slots 1-31, the GED (`ACPI0013`) on its GSI and the power button (`PNP0C0C`, EISA id
+/// 0x0c0cd041); without it, none of them.
+#[test]
+fn dsdt_describes_pci_hotplug_and_the_power_button() {
+    let dsdt = |hotplug: bool| {
+        let mem = guest(MEM);
+        let cfg = AcpiConfig {
+            pci_ecam: Some((PCI_ECAM_START, 0, 255)),
+            hotplug,
+            ..AcpiConfig::new(1)
+        };
+        let rsdp = write_acpi_tables(&mem, &cfg).unwrap();
+        let xsdt = table(&mem, r64(&mem, rsdp + 24));
+        let fadt = table(&mem, u64::from_le_bytes(xsdt[36..44].try_into().unwrap()));
+        table(&mem, u64::from_le_bytes(fadt[140..148].try_into().unwrap()))
+    };
+    let with = dsdt(true);
+    let has = |t: &[u8], s: &[u8]| t.windows(s.len()).any(|w| w == s);
+    for name in [
+        &b"PCIU"[..],
+        b"PCID",
+        b"B0EJ",
+        b"GEVT",
+        b"PCNT",
+        b"PCEJ",
+        b"_EVT",
+        b"PWRB",
+    ] {
+        assert!(has(&with, name), "{}", String::from_utf8_lossy(name));
+    }
+    for slot in 1..32u8 {
+        assert!(
+            has(&with, format!("S{slot:02X}_").as_bytes()),
+            "slot {slot}"
+        );
+    }
+    assert!(!has(&with, b"S00_"), "slot 0 is the host bridge");
+    assert!(has(&with, b"ACPI0013\0"));
+    assert!(has(&with, &0x0c0c_d041u32.to_le_bytes()));
+    // The GED's extended interrupt descriptor: consumer, edge, active high, exclusive.
+    let mut irq = vec![0x89, 6, 0, 0x03, 1];
+    irq.extend(crate::layout::GED_GSI.to_le_bytes());
+    assert!(has(&with, &irq));
+    let without = dsdt(false);
+    for name in [&b"PCIU"[..], b"GEVT", b"_EVT", b"PWRB", b"S01_"] {
+        assert!(!has(&without, name));
+    }
+}

@@ -61,6 +61,7 @@ guests!(
     "sym-call",
     "sym-swap",
     "sym-mod",
+    "hotplug",
 );
 
 /// Symbiotic modules (docs/symbiotic.md §7): ELF64 relocatable objects built with

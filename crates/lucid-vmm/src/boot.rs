@@ -43,6 +43,7 @@ pub(crate) fn load_kernel(
     if pci {
         let last_bus = ((layout::PCI_ECAM_SIZE >> 20) - 1).min(255) as u8;
         acpi.pci_ecam = Some((layout::PCI_ECAM_START, 0, last_bus));
+        acpi.hotplug = config.devices.hotplug;
     }
     if iommu {
         acpi.dmar = Some(lucid_boot::DmarUnit {

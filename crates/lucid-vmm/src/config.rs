@@ -150,6 +150,9 @@ pub struct DevicesConfig {
     pub platform_pci: Vec<PlatformPciDevice>,
     /// A virtio-balloon (`--balloon`), on PCI after the devices of `pci`, named `balloon`.
     pub balloon: Option<BalloonConfig>,
+    /// ACPI PCI hotplug and the ACPI power button (`--hotplug`; always on for a VM made by
+    /// the REST API): the VM gets a PCI bus even with no device.
+    pub hotplug: bool,
 }
 
 impl Default for DevicesConfig {
@@ -160,6 +163,7 @@ impl Default for DevicesConfig {
             pci: Vec::new(),
             platform_pci: Vec::new(),
             balloon: None,
+            hotplug: false,
         }
     }
 }

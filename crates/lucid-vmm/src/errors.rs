@@ -67,4 +67,8 @@ pub enum VmmError {
     DeviceExists(String),
     #[error("{0}: the VM has no PCI bus")]
     NoPciBus(String),
+    #[error("{0}: the VM was built without PCI hotplug (--hotplug)")]
+    NoHotplug(String),
+    #[error("{0}: {1}")]
+    HotplugRefused(String, &'static str),
 }

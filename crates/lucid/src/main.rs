@@ -89,6 +89,7 @@ const VM_FLAGS: &[&str] = &[
     "iommu",
     "balloon",
     "device",
+    "hotplug",
     "no_seccomp",
     "pool",
     "low_noise",
@@ -150,6 +151,10 @@ struct RunArgs {
     balloon: Option<String>,
     #[arg(long = "device", value_name = "NAME", help = DEVICE.help())]
     device: Vec<String>,
+    /// ACPI PCI hotplug and the ACPI power button (docs/api.md); a VM made through the REST
+    /// API always has them.
+    #[arg(long)]
+    hotplug: bool,
     /// Run without the per-thread seccomp filters (see docs/security.md).
     #[arg(long)]
     no_seccomp: bool,
@@ -315,6 +320,7 @@ fn flags_config(args: &RunArgs) -> Result<VmConfig, CliError> {
     }
     config.pools.pool = lucid_vmm::parse_pool(&args.pool)?;
     config.pools.low_noise = args.low_noise;
+    config.devices.hotplug = args.hotplug;
     config.pools.monitor.window = std::time::Duration::from_millis(args.monitor_window_ms);
     config.pools.monitor.classifier.agree = args.classify_windows;
     config.pools.monitor.classifier.dwell =
@@ -458,6 +464,7 @@ fn vm_flag_given(a: &RunArgs) -> Option<&'static str> {
         (a.iommu.is_some(), "--iommu"),
         (a.balloon.is_some(), "--balloon"),
         (!a.device.is_empty(), "--device"),
+        (a.hotplug, "--hotplug"),
         (a.memory_limit.is_some(), "--memory-limit"),
         (a.symbiotic, "--symbiotic"),
         (a.pool != "auto", "--pool"),

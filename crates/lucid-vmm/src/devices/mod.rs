@@ -6,22 +6,28 @@
 //!   INTx line) and its functions, virtio transports and plain PCI functions (not virtio:
 //!   edu): [`pci`]. [`DeviceManager::attach`] and [`DeviceManager::detach`] put a function on
 //!   the bus and take it off, at build time and while the VM runs.
+//! - ACPI PCI hotplug and the power button ([`hotplug`]), with `VmConfig::devices.hotplug`:
+//!   [`DeviceManager::hot_add`], [`DeviceManager::hot_remove`],
+//!   [`DeviceManager::press_power_button`].
 //! - The device names (`blk0`, `net0`, `balloon`, `edu`): [`virtio_names`].
 //!
 //! [`DeviceManager::build`] attaches what the configuration lists, in a fixed order: the virtio
 //! devices in their order, the balloon, then the plain PCI functions.
 
+mod hotplug;
 mod legacy;
 mod pci;
 
 use std::sync::Arc;
 
+use lucid_boot::layout;
 use lucid_devices::{ConsoleOut, Lifecycle};
 use lucid_hv::GsiRouter;
 use lucid_mem::DmaPath;
 use lucid_stats::StatsRegistry;
 use lucid_thread::Spawner;
 use lucid_virtio::balloon::BalloonControl;
+use lucid_virtio::blk::BlockDataHook;
 
 pub use pci::{AttachedPci, NewPciFunction, PciFunction, PciSlot};
 
@@ -31,6 +37,7 @@ use crate::hooks::ExitHooks;
 use crate::swap::VmSwap;
 use crate::sym::{SwapCacheDevice, Symbiotic};
 use crate::VmmError;
+use hotplug::{HotplugPorts, PciHotplug};
 use legacy::LegacyDevices;
 use pci::{PciBus, PciParts};
 
@@ -58,9 +65,13 @@ pub fn virtio_names(pci: &[PciDeviceConfig]) -> Vec<String> {
 /// A VM's devices.
 pub struct DeviceManager {
     legacy: LegacyDevices,
-    pci: Option<PciBus>,
+    pci: Option<Arc<PciBus>>,
     /// The virtio-balloon's control (`VmConfig::balloon`).
     balloon: Option<BalloonControl>,
+    /// The hotplug controller (`VmConfig::devices.hotplug`).
+    hotplug: Option<Arc<PciHotplug>>,
+    /// The Swap Mapper on disks, for disks added while the VM runs too.
+    blk_hook: Option<Arc<dyn BlockDataHook>>,
 }
 
 /// What the devices need from the VM being built.
@@ -86,6 +97,7 @@ impl DeviceManager {
         !config.devices.pci.is_empty()
             || !config.devices.platform_pci.is_empty()
             || config.devices.balloon.is_some()
+            || config.devices.hotplug
     }
 
     /// The legacy devices, then the PCI bus with the devices the configuration lists.
@@ -102,11 +114,13 @@ impl DeviceManager {
             legacy,
             pci: None,
             balloon: None,
+            hotplug: None,
+            blk_hook: p.swap.blk_hook(),
         };
         let Some(router) = p.router.filter(|_| Self::wants_pci(p.config)) else {
             return Ok(dm);
         };
-        dm.pci = Some(PciBus::new(PciParts {
+        let bus = Arc::new(PciBus::new(PciParts {
             builder: p.builder,
             router,
             dma: p.dma,
@@ -115,8 +129,134 @@ impl DeviceManager {
             spawner: p.spawner,
             rungs: p.config.devices.pci.iter().map(|d| d.rung).collect(),
         })?);
+        if p.config.devices.hotplug {
+            let ged = legacy::eventfd("the GED interrupt")?;
+            p.builder.vm().register_irqfd(&ged, layout::GED_GSI)?;
+            let hp = Arc::new(PciHotplug::new(ged, Arc::downgrade(&bus), p.stats));
+            p.hooks.pio.insert(
+                layout::ports::PCI_HOTPLUG.into(),
+                layout::pci_hotplug::LEN,
+                "pci-hotplug",
+                Arc::new(std::sync::Mutex::new(HotplugPorts(hp.clone()))),
+            )?;
+            dm.hotplug = Some(hp);
+        }
+        dm.pci = Some(bus);
         dm.attach_configured(&p)?;
         Ok(dm)
+    }
+
+    /// The virtio device `d` describes, named `name`, for `slot`.
+    fn virtio_function(
+        &self,
+        name: &str,
+        d: &PciDeviceConfig,
+        slot: PciSlot,
+        swap_cache: Option<(&Arc<StatsRegistry>, &Arc<Symbiotic>)>,
+    ) -> Result<NewPciFunction, VmmError> {
+        let device: Box<dyn lucid_virtio::VirtioDevice> = match &d.kind {
+            PciDeviceKind::Block(b) => {
+                let mut blk = lucid_virtio::blk::Block::new(name.to_string(), b.clone())
+                    .map_err(|e| back_end(name.to_string(), e))?;
+                if let Some(h) = &self.blk_hook {
+                    blk.set_data_hook(h.clone());
+                }
+                // SwapBypass's swap cache (`--blk ...,swapcache=MiB`).
+                if let Some((stats, sym)) = swap_cache.filter(|_| d.swapcache_mib > 0) {
+                    blk.set_cache(SwapCacheDevice::new(
+                        d.swapcache_mib,
+                        slot.slot.into(),
+                        d.swapcache_spy_first,
+                        stats,
+                        sym,
+                    ));
+                }
+                Box::new(blk)
+            }
+            PciDeviceKind::Net(n) => Box::new(
+                lucid_virtio::net::Net::new(name.to_string(), n.clone())
+                    .map_err(|e| back_end(name.to_string(), e))?,
+            ),
+        };
+        Ok(NewPciFunction::Virtio {
+            device,
+            options: lucid_pci::TransportOptions {
+                rung: d.rung,
+                coalescing: d.coalescing,
+                poll_idle_us: d.poll_idle_us,
+                intx_gsi: None,
+            },
+        })
+    }
+
+    fn hotplug(&self, what: &str) -> Result<&Arc<PciHotplug>, VmmError> {
+        self.hotplug
+            .as_ref()
+            .ok_or_else(|| VmmError::NoHotplug(what.to_string()))
+    }
+
+    /// Adds virtio device `d` while the VM runs, as `name` (else the next free `blkN` or
+    /// `netN`), and tells the guest through ACPI: Linux's `acpiphp` scans the slot.
+    pub fn hot_add(
+        &self,
+        name: Option<&str>,
+        d: &PciDeviceConfig,
+    ) -> Result<AttachedPci, VmmError> {
+        let name = match name {
+            Some(n) => n.to_string(),
+            None => self.free_name(&d.kind),
+        };
+        let hp = self.hotplug(&name)?;
+        if d.swapcache_mib > 0 {
+            return Err(VmmError::HotplugRefused(
+                name,
+                "a swap cache (swapcache=) is set up at boot only",
+            ));
+        }
+        let a = self.attach(&name, |slot| self.virtio_function(&name, d, slot, None))?;
+        hp.plugged(a.slot.slot);
+        Ok(a)
+    }
+
+    /// Asks the guest to release device `name`; it is detached when the guest ejects it.
+    pub fn hot_remove(&self, name: &str) -> Result<(), VmmError> {
+        let hp = self.hotplug(name)?;
+        let a = self
+            .pci_devices()
+            .into_iter()
+            .find(|a| a.name == name)
+            .ok_or_else(|| VmmError::NoSuchDevice(name.to_string()))?;
+        hp.unplug_requested(a.slot.slot);
+        Ok(())
+    }
+
+    /// Whether device `name` waits for the guest to eject it.
+    pub fn removal_pending(&self, name: &str) -> bool {
+        let slot = self
+            .pci_devices()
+            .into_iter()
+            .find(|a| a.name == name)
+            .map(|a| a.slot.slot);
+        matches!((&self.hotplug, slot), (Some(hp), Some(s)) if hp.removal_pending(s))
+    }
+
+    /// Presses the ACPI power button (Linux's `button` driver reports it).
+    pub fn press_power_button(&self) -> Result<(), VmmError> {
+        self.hotplug("power button")?.press_power_button();
+        Ok(())
+    }
+
+    /// The first `blkN` or `netN` no attached function has.
+    fn free_name(&self, kind: &PciDeviceKind) -> String {
+        let prefix = match kind {
+            PciDeviceKind::Block(_) => "blk",
+            PciDeviceKind::Net(_) => "net",
+        };
+        let taken: Vec<String> = self.pci_devices().into_iter().map(|a| a.name).collect();
+        (0..)
+            .map(|i| format!("{prefix}{i}"))
+            .find(|n| !taken.contains(n))
+            .unwrap_or_default()
     }
 
     fn attach_configured(&mut self, p: &DeviceParts<'_>) -> Result<(), VmmError> {
@@ -124,45 +264,13 @@ impl DeviceManager {
         // The Swap Mapper on every disk (none in baseline mode); pages the balloon gives back
         // go through it when there is one (it forgets the image blocks they showed), else
         // through guest RAM itself (fresh anonymous memory over them).
-        let blk_hook = p.swap.blk_hook();
         for (name, d) in virtio_names(&config.devices.pci)
             .into_iter()
             .zip(&config.devices.pci)
         {
-            self.attach(&name.clone(), |slot| {
-                let device: Box<dyn lucid_virtio::VirtioDevice> = match &d.kind {
-                    PciDeviceKind::Block(b) => {
-                        let mut blk = lucid_virtio::blk::Block::new(name.clone(), b.clone())
-                            .map_err(|e| back_end(name, e))?;
-                        if let Some(h) = &blk_hook {
-                            blk.set_data_hook(h.clone());
-                        }
-                        // SwapBypass's swap cache (`--blk ...,swapcache=MiB`).
-                        if let Some(sym) = p.sym.filter(|_| d.swapcache_mib > 0) {
-                            blk.set_cache(SwapCacheDevice::new(
-                                d.swapcache_mib,
-                                slot.slot.into(),
-                                d.swapcache_spy_first,
-                                p.stats,
-                                sym,
-                            ));
-                        }
-                        Box::new(blk)
-                    }
-                    PciDeviceKind::Net(n) => Box::new(
-                        lucid_virtio::net::Net::new(name.clone(), n.clone())
-                            .map_err(|e| back_end(name, e))?,
-                    ),
-                };
-                Ok(NewPciFunction::Virtio {
-                    device,
-                    options: lucid_pci::TransportOptions {
-                        rung: d.rung,
-                        coalescing: d.coalescing,
-                        poll_idle_us: d.poll_idle_us,
-                        intx_gsi: None,
-                    },
-                })
+            let swap_cache = p.sym.map(|sym| (p.stats, sym));
+            self.attach(&name, |slot| {
+                self.virtio_function(&name, d, slot, swap_cache)
             })?;
         }
         if let Some(cfg) = &config.devices.balloon {
@@ -224,7 +332,7 @@ impl DeviceManager {
 
     /// The functions on the PCI bus, in attach order (none without a bus).
     pub fn pci_devices(&self) -> Vec<AttachedPci> {
-        self.pci.as_ref().map(PciBus::attached).unwrap_or_default()
+        self.pci.as_ref().map(|b| b.attached()).unwrap_or_default()
     }
 
     /// Whether the VM has a PCI bus.
@@ -234,7 +342,7 @@ impl DeviceManager {
 
     /// The GSI router the PCI functions' interrupts go through, with a PCI bus.
     pub fn pci_router(&self) -> Option<&Arc<GsiRouter>> {
-        self.pci.as_ref().map(PciBus::router)
+        self.pci.as_ref().map(|b| b.router())
     }
 
     /// The virtio-balloon's control, when the VM has one (`VmConfig::balloon`).

@@ -264,6 +264,17 @@ impl PciBus {
         })
     }
 
+    /// Takes the function in `slot` off the bus (see [`Self::detach`]), if there is one.
+    pub(crate) fn detach_slot(&self, slot: u8) -> Option<AttachedPci> {
+        let name = self
+            .lock()
+            .attached
+            .iter()
+            .find(|a| a.slot.slot == slot)
+            .map(|a| a.name.clone())?;
+        self.detach(&name).ok()
+    }
+
     /// Takes function `name` off the bus: its BARs stop decoding, it is reset (a virtio
     /// device's back-end stops) and its slot is free for the next attach.
     pub(crate) fn detach(&self, name: &str) -> Result<AttachedPci, VmmError> {

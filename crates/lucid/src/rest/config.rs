@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use lucid_vmm::{KernelSource, SerialOutput, SwapMode, VmConfig};
+use lucid_vmm::{KernelSource, PciDeviceConfig, SerialOutput, SwapMode, VmConfig};
 use serde_json::{json, Map, Value};
 
 /// Why a `vm.create` body was refused: one message that names the field.
@@ -265,105 +265,12 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
     if iommu {
         config.iommu = Some(lucid_vmm::parse_iommu("vtd").map_err(opt_refusal("iommu"))?);
     }
-    let device_iommu = |d: &mut Obj| -> Result<(), Refusal> {
-        let want = d.bool("iommu")?.unwrap_or(false);
-        match want == iommu {
-            true => Ok(()),
-            false => refuse(format!(
-                "{}: Lucid puts every device behind the vIOMMU when the top-level `iommu` is \
-                 true and none otherwise, so this must equal it ({iommu})",
-                d.field("iommu")
-            )),
-        }
-    };
-
-    for mut d in top.objs("disks")? {
-        let path = d
-            .str("path")?
-            .ok_or_else(|| Refusal(format!("{}: required", d.field("path"))))?;
-        if path.contains(',') {
-            return refuse(format!(
-                "{}: Lucid cannot take a path with a comma",
-                d.field("path")
-            ));
-        }
-        if std::fs::metadata(&path).is_ok_and(|m| m.is_dir()) {
-            return refuse(format!(
-                "{}: {path} is a directory; a disk is an image file or a block device",
-                d.field("path")
-            ));
-        }
-        let ro = d.bool("readonly")?.unwrap_or(false);
-        let direct = d.bool("direct")?.unwrap_or(false);
-        let mut opts = format!(
-            "path={path},ro={},cache={}",
-            on(ro),
-            if direct { "none" } else { "writeback" }
-        );
-        if let Some(serial) = d.str("serial")? {
-            opts += &format!(",id={serial}");
-        }
-        device_iommu(&mut d)?;
-        let _id = d.str("id")?;
-        let at = d.at.clone();
-        d.finish(&[
-            ("num_queues", json!(1)),
-            ("queue_size", json!(128)),
-            ("vhost_user", json!(false)),
-            ("vhost_socket", Value::Null),
-            ("rate_limiter_config", Value::Null),
-            ("rate_limit_group", Value::Null),
-            ("pci_segment", json!(0)),
-            ("queue_affinity", Value::Null),
-            ("backing_files", json!(false)),
-            ("sparse", json!(true)),
-            ("image_type", Value::Null),
-            ("disable_io_uring", json!(false)),
-            ("disable_aio", json!(false)),
-        ])?;
-        config
-            .devices
-            .pci
-            .push(lucid_vmm::parse_blk(&opts).map_err(opt_refusal(&at))?);
+    for d in top.objs("disks")? {
+        config.devices.pci.push(disk(d, iommu)?.0);
     }
-
     let mut nets = 0;
-    for mut n in top.objs("net")? {
-        let tap = n.str("tap")?.ok_or_else(|| {
-            Refusal(format!(
-                "{}: Lucid's net back-ends are a tap interface (tap) or, in the extension, \
-                 lucid.net (echo, sink): give tap",
-                n.field("tap")
-            ))
-        })?;
-        let mut opts = format!("backend=tap:{tap}");
-        if let Some(mac) = n.str("mac")? {
-            opts += &format!(",mac={mac}");
-        }
-        device_iommu(&mut n)?;
-        let _id = n.str("id")?;
-        let at = n.at.clone();
-        n.finish(&[
-            ("ip", json!("192.168.249.1")),
-            ("mask", json!("255.255.255.0")),
-            ("host_mac", Value::Null),
-            ("mtu", Value::Null),
-            ("num_queues", json!(2)),
-            ("queue_size", json!(256)),
-            ("vhost_user", json!(false)),
-            ("vhost_socket", Value::Null),
-            ("vhost_mode", json!("Client")),
-            ("fds", Value::Null),
-            ("rate_limiter_config", Value::Null),
-            ("pci_segment", json!(0)),
-            ("offload_tso", json!(true)),
-            ("offload_ufo", json!(true)),
-            ("offload_csum", json!(true)),
-        ])?;
-        config
-            .devices
-            .pci
-            .push(lucid_vmm::parse_net(&opts, nets).map_err(opt_refusal(&at))?);
+    for n in top.objs("net")? {
+        config.devices.pci.push(net(n, iommu, nets)?.0);
         nets += 1;
     }
 
@@ -454,6 +361,126 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
         .validate()
         .map_err(|e| Refusal(lucid_vmm::error_chain(&e)))?;
     Ok(config)
+}
+
+/// A device's `iommu` must equal the VM's: Lucid puts every device behind the vIOMMU or none.
+fn device_iommu(d: &mut Obj, iommu: bool) -> Result<(), Refusal> {
+    let want = d.bool("iommu")?.unwrap_or(false);
+    match want == iommu {
+        true => Ok(()),
+        false => refuse(format!(
+            "{}: Lucid puts every device behind the vIOMMU when the top-level `iommu` is \
+             true and none otherwise, so this must equal it ({iommu})",
+            d.field("iommu")
+        )),
+    }
+}
+
+/// One `DiskConfig` (of `disks`, or the body of `vm.add-disk`) and its `id`.
+fn disk(mut d: Obj, iommu: bool) -> Result<(PciDeviceConfig, Option<String>), Refusal> {
+    let path = d
+        .str("path")?
+        .ok_or_else(|| Refusal(format!("{}: required", d.field("path"))))?;
+    if path.contains(',') {
+        return refuse(format!(
+            "{}: Lucid cannot take a path with a comma",
+            d.field("path")
+        ));
+    }
+    if std::fs::metadata(&path).is_ok_and(|m| m.is_dir()) {
+        return refuse(format!(
+            "{}: {path} is a directory; a disk is an image file or a block device",
+            d.field("path")
+        ));
+    }
+    let ro = d.bool("readonly")?.unwrap_or(false);
+    let direct = d.bool("direct")?.unwrap_or(false);
+    let mut opts = format!(
+        "path={path},ro={},cache={}",
+        on(ro),
+        if direct { "none" } else { "writeback" }
+    );
+    if let Some(serial) = d.str("serial")? {
+        opts += &format!(",id={serial}");
+    }
+    device_iommu(&mut d, iommu)?;
+    let id = d.str("id")?;
+    let at = d.at.clone();
+    d.finish(&[
+        ("num_queues", json!(1)),
+        ("queue_size", json!(128)),
+        ("vhost_user", json!(false)),
+        ("vhost_socket", Value::Null),
+        ("rate_limiter_config", Value::Null),
+        ("rate_limit_group", Value::Null),
+        ("pci_segment", json!(0)),
+        ("queue_affinity", Value::Null),
+        ("backing_files", json!(false)),
+        ("sparse", json!(true)),
+        ("image_type", Value::Null),
+        ("disable_io_uring", json!(false)),
+        ("disable_aio", json!(false)),
+    ])?;
+    let blk = lucid_vmm::parse_blk(&opts).map_err(opt_refusal(&at))?;
+    Ok((blk, id))
+}
+
+/// One `NetConfig` (of `net`, or the body of `vm.add-net`), the VM's `index`th NIC, and its
+/// `id`.
+fn net(
+    mut n: Obj,
+    iommu: bool,
+    index: usize,
+) -> Result<(PciDeviceConfig, Option<String>), Refusal> {
+    let tap = n.str("tap")?.ok_or_else(|| {
+        Refusal(format!(
+            "{}: Lucid's net back-ends are a tap interface (tap) or, in the extension, \
+             lucid.net (echo, sink): give tap",
+            n.field("tap")
+        ))
+    })?;
+    let mut opts = format!("backend=tap:{tap}");
+    if let Some(mac) = n.str("mac")? {
+        opts += &format!(",mac={mac}");
+    }
+    device_iommu(&mut n, iommu)?;
+    let id = n.str("id")?;
+    let at = n.at.clone();
+    n.finish(&[
+        ("ip", json!("192.168.249.1")),
+        ("mask", json!("255.255.255.0")),
+        ("host_mac", Value::Null),
+        ("mtu", Value::Null),
+        ("num_queues", json!(2)),
+        ("queue_size", json!(256)),
+        ("vhost_user", json!(false)),
+        ("vhost_socket", Value::Null),
+        ("vhost_mode", json!("Client")),
+        ("fds", Value::Null),
+        ("rate_limiter_config", Value::Null),
+        ("pci_segment", json!(0)),
+        ("offload_tso", json!(true)),
+        ("offload_ufo", json!(true)),
+        ("offload_csum", json!(true)),
+    ])?;
+    let nic = lucid_vmm::parse_net(&opts, index).map_err(opt_refusal(&at))?;
+    Ok((nic, id))
+}
+
+/// The body of `vm.add-disk` (`what` = "disk") or `vm.add-net` ("net") for a VM whose
+/// devices are behind the vIOMMU (`iommu`) or not, with `nics` NICs so far: the device and
+/// the `id` the client gave it.
+pub fn hot_device(
+    what: &str,
+    body: Value,
+    iommu: bool,
+    nics: usize,
+) -> Result<(PciDeviceConfig, Option<String>), Refusal> {
+    let d = Obj::new(String::new(), body)?;
+    match what {
+        "disk" => disk(d, iommu),
+        _ => net(d, iommu, nics),
+    }
 }
 
 /// The `lucid` extension object: Lucid's own sections, in the values of Lucid's own flags.

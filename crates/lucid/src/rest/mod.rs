@@ -66,6 +66,7 @@ fn reason(status: u16) -> &'static str {
         204 => "No Content",
         400 => "Bad Request",
         404 => "Not Found",
+        409 => "Conflict",
         408 => "Request Timeout",
         413 => "Payload Too Large",
         431 => "Request Header Fields Too Large",
@@ -91,7 +92,56 @@ struct Managed {
     state: VmState,
 }
 
+/// The VM a `vm.create` body describes, as the REST API runs it: no signal handling or
+/// console input of its own (the API owns the process), hotplug on (as Cloud Hypervisor).
+fn rest_config(body: Value) -> Result<VmConfig, config::Refusal> {
+    let mut config = config::map(body)?;
+    config.machine.handle_signals = false;
+    config.devices.serial_stdin = false;
+    config.devices.hotplug = true;
+    config.runtime.builtin_modules = Some(lucid_guests::module);
+    Ok(config)
+}
+
+/// Removes the device `id` from a `vm.create` body's `disks` or `net`; whether it was there.
+fn remove_by_id(body: &mut Value, id: &str) -> bool {
+    for list in ["disks", "net"] {
+        if let Some(a) = body[list].as_array_mut() {
+            if let Some(i) = a.iter().position(|d| d["id"].as_str() == Some(id)) {
+                a.remove(i);
+                return true;
+            }
+        }
+    }
+    false
+}
+
 impl Managed {
+    /// A device added while the VM runs joins the configuration `vm.info` returns.
+    fn add_to_body(&mut self, list: &str, entry: Value) {
+        match self.body[list].as_array_mut() {
+            Some(a) => a.push(entry),
+            None => self.body[list] = json!([entry]),
+        }
+    }
+
+    /// A device removed while the VM runs leaves it.
+    fn remove_from_body(&mut self, id: &str) {
+        remove_by_id(&mut self.body, id);
+    }
+
+    /// Replaces the configuration of a VM not running with `body` (204), or refuses it (400).
+    fn reconfigure(&mut self, body: Value, endpoint: &str) -> Response {
+        match rest_config(body.clone()) {
+            Ok(config) => {
+                self.body = body;
+                self.config = config;
+                Response::empty()
+            }
+            Err(e) => Response::error(400, format!("{endpoint}: {e}")),
+        }
+    }
+
     fn state_name(&self) -> &'static str {
         match self.state {
             VmState::Created => "Created",
@@ -311,17 +361,17 @@ impl RestServer {
             "vm.resume" => self.method(r, "PUT", Self::resume),
             "vm.shutdown" => self.method(r, "PUT", Self::shutdown),
             "vm.delete" => self.method(r, "PUT", Self::delete),
+            "vm.add-disk" => self.method(r, "PUT", |s, b| s.add_device("disk", b)),
+            "vm.add-net" => self.method(r, "PUT", |s, b| s.add_device("net", b)),
+            "vm.remove-device" => self.method(r, "PUT", Self::remove_device),
+            "vm.power-button" => self.method(r, "PUT", Self::power_button),
             "vm.reboot"
-            | "vm.power-button"
-            | "vm.add-disk"
-            | "vm.add-net"
             | "vm.add-device"
             | "vm.add-fs"
             | "vm.add-pmem"
             | "vm.add-vsock"
             | "vm.add-vdpa"
             | "vm.add-user-device"
-            | "vm.remove-device"
             | "vm.resize"
             | "vm.resize-zone"
             | "vm.resize-disk"
@@ -371,15 +421,12 @@ impl RestServer {
             Ok(v) => v,
             Err(e) => return Response::error(400, format!("vm.create: the body is not JSON: {e}")),
         };
-        match config::map(v.clone()) {
+        match rest_config(v.clone()) {
             Ok(_) if self.vm.is_some() => Response::error(
                 500,
                 "vm.create: a VM is already created (vm.delete it first)",
             ),
-            Ok(mut config) => {
-                config.machine.handle_signals = false;
-                config.devices.serial_stdin = false;
-                config.runtime.builtin_modules = Some(lucid_guests::module);
+            Ok(config) => {
                 self.vm = Some(Managed {
                     body: v,
                     config,
@@ -510,6 +557,129 @@ impl RestServer {
             m.stop();
         }
         Response::empty()
+    }
+
+    /// `vm.add-disk` (`what` = "disk") and `vm.add-net` ("net"), as Cloud Hypervisor: to a
+    /// booted VM the device is hot-added (200 with its id and PCI address); to a VM not booted
+    /// yet it is added to the configuration (204).
+    fn add_device(&mut self, what: &str, body: &[u8]) -> Response {
+        let endpoint = format!("vm.add-{what}");
+        let v: Value = match serde_json::from_slice(body) {
+            Ok(v) => v,
+            Err(e) => {
+                return Response::error(400, format!("{endpoint}: the body is not JSON: {e}"))
+            }
+        };
+        let Some(m) = &mut self.vm else {
+            return no_vm(&endpoint);
+        };
+        let list = if what == "disk" { "disks" } else { "net" };
+        let nics = m.body[list].as_array().map_or(0, Vec::len);
+        let (device, id) = match config::hot_device(what, v.clone(), m.config.iommu.is_some(), nics)
+        {
+            Ok(d) => d,
+            Err(e) => return Response::error(400, format!("{endpoint}: {e}")),
+        };
+        match &m.state {
+            VmState::Running(vm) | VmState::Paused(vm) => {
+                match vm.devices().hot_add(id.as_deref(), &device) {
+                    Ok(a) => {
+                        let mut entry = v;
+                        entry["id"] = json!(a.name);
+                        m.add_to_body(list, entry);
+                        let bdf = format!("0000:00:{:02x}.0", a.slot.slot);
+                        Response::json(200, &json!({"id": a.name, "bdf": bdf}))
+                    }
+                    Err(e) => {
+                        let status = match e {
+                            lucid_vmm::VmmError::DeviceExists(_) => 409,
+                            _ => 500,
+                        };
+                        Response::error(
+                            status,
+                            format!("{endpoint}: {}", lucid_vmm::error_chain(&e)),
+                        )
+                    }
+                }
+            }
+            VmState::Created | VmState::Shutdown(_) => {
+                let mut body = m.body.clone();
+                match body[list].as_array_mut() {
+                    Some(a) => a.push(v),
+                    None => body[list] = json!([v]),
+                }
+                m.reconfigure(body, &endpoint)
+            }
+        }
+    }
+
+    /// `vm.remove-device` (`{"id": ...}`): a booted VM's guest is asked to release the device
+    /// (ACPI eject; Lucid detaches it when the guest has); before boot it leaves the
+    /// configuration.
+    fn remove_device(&mut self, body: &[u8]) -> Response {
+        let id = match serde_json::from_slice::<Value>(body) {
+            Ok(v) => match v.get("id").and_then(Value::as_str) {
+                Some(id) if v.as_object().is_some_and(|o| o.len() == 1) => id.to_string(),
+                _ => {
+                    return Response::error(
+                        400,
+                        "vm.remove-device: the body must be {\"id\": \"<device id>\"}",
+                    )
+                }
+            },
+            Err(e) => {
+                return Response::error(400, format!("vm.remove-device: the body is not JSON: {e}"))
+            }
+        };
+        let Some(m) = &mut self.vm else {
+            return no_vm("vm.remove-device");
+        };
+        match &m.state {
+            VmState::Running(vm) | VmState::Paused(vm) => match vm.devices().hot_remove(&id) {
+                Ok(()) => {
+                    m.remove_from_body(&id);
+                    Response::empty()
+                }
+                Err(e @ lucid_vmm::VmmError::NoSuchDevice(_)) => Response::error(
+                    404,
+                    format!("vm.remove-device: {}", lucid_vmm::error_chain(&e)),
+                ),
+                Err(e) => Response::error(
+                    500,
+                    format!("vm.remove-device: {}", lucid_vmm::error_chain(&e)),
+                ),
+            },
+            VmState::Created | VmState::Shutdown(_) => {
+                let mut body = m.body.clone();
+                if !remove_by_id(&mut body, &id) {
+                    return Response::error(
+                        404,
+                        format!("vm.remove-device: no device with id {id:?} in the configuration"),
+                    );
+                }
+                m.reconfigure(body, "vm.remove-device")
+            }
+        }
+    }
+
+    /// `vm.power-button`: the ACPI power button of a booted VM.
+    fn power_button(&mut self, _: &[u8]) -> Response {
+        let Some(m) = &mut self.vm else {
+            return no_vm("vm.power-button");
+        };
+        match &m.state {
+            VmState::Running(vm) | VmState::Paused(vm) => match vm.devices().press_power_button() {
+                Ok(()) => Response::empty(),
+                Err(e) => Response::error(
+                    500,
+                    format!("vm.power-button: {}", lucid_vmm::error_chain(&e)),
+                ),
+            },
+            _ => Response::error(
+                500,
+                format!("vm.power-button: the VM is {}, not booted", m.state_name()),
+            ),
+        }
     }
 
     /// Every counter of the server's and the VM's registries in Prometheus' text format.
