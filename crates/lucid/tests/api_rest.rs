@@ -449,3 +449,125 @@ fn sigterm_stops_the_vm_and_removes_the_socket() {
     assert_eq!(s.wait(), Some(128 + libc::SIGTERM), "{}", s.stderr());
     assert!(!s.socket.exists(), "the socket file is removed");
 }
+
+/// Polls `what` until it holds or [`LIMIT`] passes.
+fn eventually(what: impl Fn() -> bool) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < LIMIT {
+        if what() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+/// Whether process `pid` has `path` open.
+fn has_open(pid: u32, path: &Path) -> bool {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .any(|p| p == path)
+}
+
+/// The bar with hotplug: a probe guest written by `lucid guests --write` (the
+/// `hotplug` guest, which plays the OSPM's part of ACPI PCI hotplug), created, booted, paused,
+/// resumed; `vm.add-disk` puts a virtio-blk in a slot the guest finds in configuration space;
+/// `vm.remove-device` asks the guest to release it, the guest ejects it and Lucid closes the
+/// image; the power button reaches the guest; counters and `/metrics` count it all. Before
+/// boot, add-disk and remove-device edit the configuration (204).
+#[test]
+fn hotplug_through_the_api() {
+    if !have_curl() {
+        return lucid_guests::skip_or_fail("curl is not installed (apt-get install curl)");
+    }
+    let dir = tmp("hp-guests");
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = Command::new(env!("CARGO_BIN_EXE_lucid"))
+        .args(["guests", "--write"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let image = tmp("hp-disk.img");
+    std::fs::write(&image, vec![0u8; 1 << 20]).unwrap();
+    let mut s = Server::start("hp");
+    let disk = json!({"path": image, "id": "data"});
+    assert_eq!(s.curl("PUT", "vm.add-disk", Some(&disk)).0, 404, "no VM");
+
+    let serial = tmp("hp.serial");
+    let mut config = spin_config(&serial);
+    config["payload"]["kernel"] = json!(dir.join("hotplug.elf"));
+    assert_eq!(s.curl("PUT", "vm.create", Some(&config)).0, 204);
+    // Before boot: the configuration changes.
+    assert_eq!(s.curl("PUT", "vm.add-disk", Some(&disk)).0, 204);
+    assert_eq!(s.json("GET", "vm.info")["config"]["disks"][0], disk);
+    let gone = json!({"id": "data"});
+    assert_eq!(s.curl("PUT", "vm.remove-device", Some(&gone)).0, 204);
+    assert_eq!(s.json("GET", "vm.info")["config"]["disks"], json!([]));
+    assert_eq!(s.curl("PUT", "vm.remove-device", Some(&gone)).0, 404);
+
+    assert_eq!(s.curl("PUT", "vm.boot", None).0, 204);
+    let console = || std::fs::read_to_string(&serial).unwrap_or_default();
+    assert!(eventually(|| console().contains("hotplug: ready")));
+    assert_eq!(s.curl("PUT", "vm.pause", None).0, 204);
+    assert_eq!(s.state(), "Paused");
+    assert_eq!(s.curl("PUT", "vm.resume", None).0, 204);
+    assert_eq!(s.state(), "Running");
+
+    let (code, body) = s.curl("PUT", "vm.add-disk", Some(&disk));
+    assert_eq!(code, 200, "{body}");
+    let added: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(added["id"], "data", "{added}");
+    let bdf = added["bdf"].as_str().unwrap().to_string();
+    let slot = u8::from_str_radix(&bdf[8..10], 16).unwrap();
+    assert!(
+        eventually(|| console().contains(&format!("hotplug: slot {slot} up 1af4:1042"))),
+        "the guest never found the disk in slot {slot}: {}",
+        console()
+    );
+    assert!(has_open(s.pid(), &image));
+    let info = s.json("GET", "vm.info");
+    assert_eq!(info["device_tree"]["data"]["pci_bdf"], bdf.as_str(), "{info}");
+    assert_eq!(info["config"]["disks"][0]["id"], "data", "{info}");
+    assert_eq!(s.curl("PUT", "vm.add-disk", Some(&disk)).0, 409, "same id");
+    let bad = json!({"path": image, "id": "x", "queue_size": 64});
+    let (code, body) = s.curl("PUT", "vm.add-disk", Some(&bad));
+    assert!(code == 400 && body.contains("queue_size"), "{code} {body}");
+
+    assert_eq!(s.curl("PUT", "vm.remove-device", Some(&gone)).0, 204);
+    assert!(
+        eventually(|| console().contains(&format!("hotplug: slot {slot} ejected vendor=ffff"))),
+        "the guest never ejected slot {slot}: {}",
+        console()
+    );
+    assert!(
+        eventually(|| !has_open(s.pid(), &image)),
+        "the image stayed open after the eject"
+    );
+    let info = s.json("GET", "vm.info");
+    assert!(info["device_tree"]["data"].is_null(), "{info}");
+    assert_eq!(info["config"]["disks"], json!([]), "{info}");
+    let unknown = json!({"id": "nope"});
+    assert_eq!(s.curl("PUT", "vm.remove-device", Some(&unknown)).0, 404);
+
+    assert_eq!(s.curl("PUT", "vm.power-button", None).0, 204);
+    assert!(eventually(|| console().contains("hotplug: power button")));
+    let c = s.json("GET", "vm.counters");
+    for (k, v) in [
+        ("added", 1),
+        ("removal_requests", 1),
+        ("ejected", 1),
+        ("power_button", 1),
+    ] {
+        assert_eq!(c["hotplug"][k], v, "hotplug.{k}: {c}");
+    }
+    let (_, metrics) = s.curl("GET", "/metrics", None);
+    assert!(metrics.contains("# TYPE "), "{metrics}");
+    assert!(metrics.contains("lucid_hotplug_ejected_total 1"), "{metrics}");
+
+    assert_eq!(s.curl("PUT", "vm.shutdown", None).0, 204);
+    assert_eq!(s.curl("PUT", "vm.power-button", None).0, 500, "not booted");
+    assert_eq!(s.curl("PUT", "vmm.shutdown", None).0, 200);
+    assert_eq!(s.wait(), Some(0), "{}", s.stderr());
+}
