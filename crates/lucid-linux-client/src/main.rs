@@ -40,6 +40,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+mod hotplug;
 mod timed_boot;
 use timed_boot::{counter, first, Boot, Line};
 
@@ -135,6 +136,8 @@ struct Args {
     net: Tristate,
     /// `--iommu SPEC`: passed to `lucid run --iommu SPEC`.
     iommu: Option<String>,
+    /// `--hotplug`: the ACPI PCI hotplug check through the REST API instead ([`hotplug`]).
+    hotplug: bool,
     extra: Vec<String>,
 }
 
@@ -149,7 +152,8 @@ fn usage() -> ! {
     eprintln!(
         "usage: lucid-linux-client [--kernel VMLINUX] [--lucid PATH] [--rung L0|L1|L2|L3|L4|L4p] \
          [--timeout SECS] [--json FILE] [--log FILE] [--userspace auto|yes|no] \
-         [--net auto|yes|no] [--iommu vtd[,mode=..][,pin=..]] [-- extra lucid run args]"
+         [--net auto|yes|no] [--iommu vtd[,mode=..][,pin=..]] [--hotplug] \
+         [-- extra lucid run args]"
     );
     std::process::exit(2)
 }
@@ -173,6 +177,7 @@ fn parse_args() -> Args {
         userspace: Tristate::Auto,
         net: Tristate::Auto,
         iommu: None,
+        hotplug: false,
         extra: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
@@ -196,6 +201,7 @@ fn parse_args() -> Args {
             "--userspace" => a.userspace = tri(it.next()),
             "--net" => a.net = tri(it.next()),
             "--iommu" => a.iommu = Some(it.next().unwrap_or_else(|| usage())),
+            "--hotplug" => a.hotplug = true,
             "--" => a.extra = it.by_ref().collect(),
             _ => usage(),
         }
@@ -205,6 +211,17 @@ fn parse_args() -> Args {
 
 fn main() {
     let args = parse_args();
+    if args.hotplug {
+        let code = match WorkDir::new().and_then(|w| hotplug::run(&args, &w)) {
+            Ok(passed) => i32::from(!passed),
+            Err(e) => {
+                eprintln!("linux-client: {e}");
+                println!("linux-client: hotplug=fail error");
+                2
+            }
+        };
+        std::process::exit(code);
+    }
     let start = Instant::now();
     let mut report = Report {
         iommu: if args.iommu.is_some() {

@@ -29,7 +29,8 @@ pub struct Boot {
     lines: Vec<Line>,
     rx: mpsc::Receiver<Line>,
     stderr: Option<std::thread::JoinHandle<String>>,
-    stats: PathBuf,
+    /// The `--stats-json` file, read at the end.
+    stats: Option<PathBuf>,
     log: Option<File>,
 }
 
@@ -53,13 +54,7 @@ impl Boot {
             None => None,
         };
         let mut cmd = Command::new(lucid);
-        cmd.arg("run")
-            .args(args)
-            .arg("--stats-json")
-            .arg(&stats)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+        cmd.arg("run").args(args).arg("--stats-json").arg(&stats);
         if let Some(ns) = netns {
             let fd = ns.as_raw_fd();
             // SAFETY: the closure runs in the child between fork and exec and makes only the
@@ -73,10 +68,29 @@ impl Boot {
                 });
             }
         }
+        Self::spawn(cmd, Some(stats), log)
+    }
+
+    /// Starts `lucid run --api-socket SOCKET` with no VM: the REST API creates one, and its
+    /// console (`serial.mode` Tty) is read here; `log` as for [`Boot::start`].
+    pub fn serve(lucid: &Path, socket: &Path, log: Option<&Path>) -> Result<Boot, String> {
+        let log = match log {
+            Some(p) => Some(File::create(p).map_err(|e| format!("{}: {e}", p.display()))?),
+            None => None,
+        };
+        let mut cmd = Command::new(lucid);
+        cmd.arg("run").arg("--api-socket").arg(socket);
+        Self::spawn(cmd, None, log)
+    }
+
+    fn spawn(mut cmd: Command, stats: Option<PathBuf>, log: Option<File>) -> Result<Boot, String> {
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         let start = Instant::now();
         let mut child = cmd
             .spawn()
-            .map_err(|e| format!("spawn {}: {e}", lucid.display()))?;
+            .map_err(|e| format!("spawn {:?}: {e}", cmd.get_program()))?;
         let (tx, rx) = mpsc::channel();
         let stdout = child.stdout.take().expect("piped");
         std::thread::spawn(move || {
@@ -115,6 +129,16 @@ impl Boot {
             let _ = writeln!(f, "{:8.3} {}", l.t, l.text);
         }
         self.lines.push(l);
+    }
+
+    /// Lucid's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The console lines so far.
+    pub fn lines(&self) -> &[Line] {
+        &self.lines
     }
 
     /// Reads console lines until `done` holds, Lucid exits, a fatal line appears or `deadline`.
@@ -170,10 +194,13 @@ impl Boot {
             .take()
             .and_then(|h| h.join().ok())
             .unwrap_or_default();
-        let stats = std::fs::read_to_string(&self.stats)
-            .ok()
-            .and_then(|s| serde_json::from_str(&s).ok());
-        let _ = std::fs::remove_file(&self.stats);
+        let stats = self.stats.as_ref().and_then(|p| {
+            let v = std::fs::read_to_string(p)
+                .ok()
+                .and_then(|s| serde_json::from_str(&s).ok());
+            let _ = std::fs::remove_file(p);
+            v
+        });
         let lines = std::mem::take(&mut self.lines);
         (status.and_then(|s| s.code()), stderr, lines, stats)
     }
@@ -187,7 +214,9 @@ impl Drop for Boot {
         if self.child.try_wait().ok().flatten().is_none() {
             let _ = self.child.kill();
             let _ = self.child.wait();
-            let _ = std::fs::remove_file(&self.stats);
+            if let Some(p) = &self.stats {
+                let _ = std::fs::remove_file(p);
+            }
         }
     }
 }

@@ -534,3 +534,46 @@ fn small_linux_drives_lucid_devices_through_the_vtd_samecore_on_l1() {
 fn small_linux_drives_lucid_devices_through_the_vtd_sidecore_on_l1() {
     small_linux_on("L1", Some("vtd,mode=sidecore"));
 }
+
+/// CI: ACPI PCI hotplug with Linux's own drivers, through the REST API (`lucid-linux-client
+/// --hotplug`, crates/lucid-linux-client/src/hotplug.rs): `acpiphp` finds a disk `vm.add-disk`
+/// put in, virtio_blk logs its capacity and reads it; `vm.remove-device` makes Linux release
+/// and eject it and Lucid close the image; the power button reaches Linux's button driver.
+#[test]
+fn small_linux_hotplugs_a_disk_through_the_rest_api() {
+    let Some(kernel) = small_kernel() else {
+        return;
+    };
+    let _turn = one_boot_at_a_time();
+    let json = std::env::temp_dir().join(format!(
+        "lucid-linux-client-{}-hotplug.json",
+        std::process::id()
+    ));
+    let out = Command::new(linux_client())
+        .arg("--kernel")
+        .arg(&kernel)
+        .args(["--lucid", env!("CARGO_BIN_EXE_lucid"), "--hotplug"])
+        .args(["--timeout", "900", "--json"])
+        .arg(&json)
+        .arg("--log")
+        .arg(artifacts_dir().join("linux-client-hotplug.log"))
+        .stdin(Stdio::null())
+        .output()
+        .expect("run lucid-linux-client");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let report: serde_json::Value = std::fs::read_to_string(&json)
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok())
+        .unwrap_or_else(|| panic!("no report from lucid-linux-client:\n{stdout}\n{stderr}"));
+    let _ = std::fs::remove_file(&json);
+    for s in report["steps"].as_array().into_iter().flatten() {
+        println!(
+            "  {:<14}{:>8.1}  {}",
+            s["name"].as_str().unwrap_or("?"),
+            s["seconds"].as_f64().unwrap_or(0.0),
+            s["evidence"].as_str().unwrap_or("")
+        );
+    }
+    assert_eq!(report["passed"], true, "report: {report:#}\nstderr: {stderr}");
+}
