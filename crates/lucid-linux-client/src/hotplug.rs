@@ -190,7 +190,11 @@ pub fn run(args: &Args, work: &WorkDir) -> Result<bool, String> {
             && boot.wait_for(Instant::now() + STEP, |l| {
                 line_with(l, &["evbug", "Code: 116"]).is_some()
             });
-        ok = step("power-button", seen, format!("{code}; evbug saw KEY_POWER={seen}"));
+        ok = step(
+            "power-button",
+            seen,
+            format!("{code}; evbug saw KEY_POWER={seen}"),
+        );
     }
     let shutdown = curl(&socket, "PUT", "vm.shutdown", None).0;
     let vmm = curl(&socket, "PUT", "vmm.shutdown", None).0;

@@ -33,6 +33,10 @@ pub enum PciDeviceKind {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PciDeviceConfig {
     pub kind: PciDeviceKind,
+    /// The device's name (Cloud Hypervisor's `id`), in counters, `vm.info` and
+    /// `vm.remove-device`; none: `blkN`/`netN` ([`crate::devices::virtio_names`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
     #[serde(default)]
     pub rung: Rung,
     #[serde(default)]
@@ -51,10 +55,25 @@ pub struct PciDeviceConfig {
     pub swapcache_spy_first: bool,
 }
 
+/// Whether `name` can name a device: it becomes a counter prefix (no `.`), a `vm.info` key
+/// and an argument of `vm.remove-device`.
+pub fn device_name_ok(name: &str) -> bool {
+    (1..=32).contains(&name.len())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        && ![
+            "balloon", "edu", "iommu", "serial", "hotplug", "kvm", "rest",
+        ]
+        .contains(&name)
+        && !name.starts_with("vcpu")
+}
+
 impl PciDeviceConfig {
     pub fn new(kind: PciDeviceKind) -> Self {
         PciDeviceConfig {
             kind,
+            name: None,
             rung: Rung::default(),
             coalescing: Coalescing::default(),
             poll_idle_us: 0,
@@ -293,6 +312,15 @@ impl VmConfig {
         if let KernelSource::Builtin { name, bytes: [] } = &self.payload.kernel {
             return Err(ConfigError::BuiltinEmpty(name.clone()));
         }
+        let mut names = std::collections::BTreeSet::new();
+        for name in self.devices.pci.iter().filter_map(|d| d.name.as_deref()) {
+            if !device_name_ok(name) {
+                return Err(ConfigError::DeviceName(name.into()));
+            }
+            if !names.insert(name) {
+                return Err(ConfigError::DeviceNameTwice(name.into()));
+            }
+        }
         if let Some(offset) = self.payload.cmdline.find('\0') {
             return Err(ConfigError::CmdlineNul(offset));
         }
@@ -394,6 +422,13 @@ pub const MIN_MONITOR_WINDOW: std::time::Duration = std::time::Duration::from_mi
 /// A VM configuration this version cannot build.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
+    #[error(
+        "device name {0:?}: 1 to 32 letters, digits, `_` or `-`, and not a name Lucid gives \
+         its own devices (balloon, edu, iommu, serial)"
+    )]
+    DeviceName(String),
+    #[error("device name {0:?} is given to two devices")]
+    DeviceNameTwice(String),
     #[error("--vcpus {0} is out of range 1..={MAX_VCPUS}")]
     Vcpus(u8),
     #[error("--memory {0} MiB is out of range {MIN_MEM_MIB}..={MAX_MEM_MIB}")]

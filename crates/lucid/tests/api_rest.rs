@@ -363,7 +363,8 @@ fn bad_input_is_refused_and_the_vmm_keeps_serving() {
         "no such endpoint",
     );
     refused(b"GET /index.html HTTP/1.1\r\n\r\n", 404, "no such endpoint");
-    refused(&put("vm.add-disk", "{}"), 501, "does not serve yet");
+    refused(&put("vm.add-disk", "{}"), 400, "path: required");
+    refused(&put("vm.add-pmem", "{}"), 501, "does not serve yet");
     // Not HTTP; a body over the cap (refused from its Content-Length).
     refused(b"\x01\x02 garbage\r\n\r\n", 400, "not an HTTP/1.1 request");
     refused(
@@ -528,7 +529,11 @@ fn hotplug_through_the_api() {
     );
     assert!(has_open(s.pid(), &image));
     let info = s.json("GET", "vm.info");
-    assert_eq!(info["device_tree"]["data"]["pci_bdf"], bdf.as_str(), "{info}");
+    assert_eq!(
+        info["device_tree"]["data"]["pci_bdf"],
+        bdf.as_str(),
+        "{info}"
+    );
     assert_eq!(info["config"]["disks"][0]["id"], "data", "{info}");
     assert_eq!(s.curl("PUT", "vm.add-disk", Some(&disk)).0, 409, "same id");
     let bad = json!({"path": image, "id": "x", "queue_size": 64});
@@ -564,10 +569,59 @@ fn hotplug_through_the_api() {
     }
     let (_, metrics) = s.curl("GET", "/metrics", None);
     assert!(metrics.contains("# TYPE "), "{metrics}");
-    assert!(metrics.contains("lucid_hotplug_ejected_total 1"), "{metrics}");
+    assert!(
+        metrics.contains("lucid_hotplug_ejected_total 1"),
+        "{metrics}"
+    );
 
     assert_eq!(s.curl("PUT", "vm.shutdown", None).0, 204);
     assert_eq!(s.curl("PUT", "vm.power-button", None).0, 500, "not booted");
+    assert_eq!(s.curl("PUT", "vmm.shutdown", None).0, 200);
+    assert_eq!(s.wait(), Some(0), "{}", s.stderr());
+}
+
+/// `vm.reboot` boots the VM again from its configuration, with a disk hot-added before it;
+/// `vm.resize` moves the balloon's target (`desired_ram`, `desired_balloon`) and refuses what
+/// Lucid cannot do (more vCPUs, more RAM than at boot).
+#[test]
+fn reboot_and_resize() {
+    if !have_curl() {
+        return lucid_guests::skip_or_fail("curl is not installed (apt-get install curl)");
+    }
+    let mut s = Server::start("reboot");
+    let serial = tmp("reboot.serial");
+    let mut config = spin_config(&serial);
+    config["balloon"] = json!({"size": 0});
+    assert_eq!(s.curl("PUT", "vm.create", Some(&config)).0, 204);
+    assert_eq!(s.curl("PUT", "vm.reboot", None).0, 500, "not booted");
+    assert_eq!(s.curl("PUT", "vm.boot", None).0, 204);
+    let image = tmp("reboot-disk.img");
+    std::fs::write(&image, vec![0u8; 1 << 20]).unwrap();
+    let disk = json!({"path": image, "id": "kept"});
+    assert_eq!(s.curl("PUT", "vm.add-disk", Some(&disk)).0, 200);
+
+    let target = |s: &Server| s.json("GET", "vm.counters")["balloon"]["target_pages"].as_u64();
+    let resize = |body: Value| s.curl("PUT", "vm.resize", Some(&body));
+    assert_eq!(resize(json!({"desired_ram": 48u64 << 20})).0, 204);
+    assert_eq!(target(&s), Some(4096), "16 MiB in the balloon");
+    assert_eq!(resize(json!({"desired_balloon": 8u64 << 20})).0, 204);
+    assert_eq!(target(&s), Some(2048));
+    let (code, body) = resize(json!({"desired_vcpus": 2}));
+    assert!(
+        code == 400 && body.contains("desired_vcpus"),
+        "{code} {body}"
+    );
+    let (code, body) = resize(json!({"desired_ram": 128u64 << 20}));
+    assert!(code == 400 && body.contains("desired_ram"), "{code} {body}");
+    assert_eq!(resize(json!({"desired_cpus": 1})).0, 400, "unknown field");
+
+    let before = s.exits();
+    assert_eq!(s.curl("PUT", "vm.reboot", None), (204, String::new()));
+    let info = s.json("GET", "vm.info");
+    assert_eq!(info["state"], "Running", "{info}");
+    assert!(info["device_tree"]["kept"].is_object(), "{info}");
+    assert!(s.exits_move(0), "the rebooted vCPU never ran");
+    assert!(s.exits() < before + 1_000_000, "counters are the new VM's");
     assert_eq!(s.curl("PUT", "vmm.shutdown", None).0, 200);
     assert_eq!(s.wait(), Some(0), "{}", s.stderr());
 }

@@ -44,19 +44,26 @@ use pci::{PciBus, PciParts};
 /// The virtio-balloon's name.
 pub const BALLOON: &str = "balloon";
 
-/// The names of the virtio devices `pci` lists, in its order: `blkN` and `netN`, each kind
-/// numbered on its own.
+/// The names of the virtio devices `pci` lists, in its order: each device's own `name`, else
+/// `blkN` and `netN`, each kind numbered on its own, skipping numbers a named device took.
 pub fn virtio_names(pci: &[PciDeviceConfig]) -> Vec<String> {
+    let taken: Vec<&str> = pci.iter().filter_map(|d| d.name.as_deref()).collect();
     let (mut nblk, mut nnet) = (0, 0);
     pci.iter()
-        .map(|d| match d.kind {
-            PciDeviceKind::Block(_) => {
-                nblk += 1;
-                format!("blk{}", nblk - 1)
+        .map(|d| {
+            if let Some(n) = &d.name {
+                return n.clone();
             }
-            PciDeviceKind::Net(_) => {
-                nnet += 1;
-                format!("net{}", nnet - 1)
+            let (prefix, next) = match d.kind {
+                PciDeviceKind::Block(_) => ("blk", &mut nblk),
+                PciDeviceKind::Net(_) => ("net", &mut nnet),
+            };
+            loop {
+                let name = format!("{prefix}{next}");
+                *next += 1;
+                if !taken.contains(&name.as_str()) {
+                    return name;
+                }
             }
         })
         .collect()
@@ -195,15 +202,17 @@ impl DeviceManager {
             .ok_or_else(|| VmmError::NoHotplug(what.to_string()))
     }
 
-    /// Adds virtio device `d` while the VM runs, as `name` (else the next free `blkN` or
-    /// `netN`), and tells the guest through ACPI: Linux's `acpiphp` scans the slot.
-    pub fn hot_add(
-        &self,
-        name: Option<&str>,
-        d: &PciDeviceConfig,
-    ) -> Result<AttachedPci, VmmError> {
-        let name = match name {
-            Some(n) => n.to_string(),
+    /// Adds virtio device `d` while the VM runs, named `d.name` (else the next free `blkN`
+    /// or `netN`), and tells the guest through ACPI: Linux's `acpiphp` scans the slot.
+    pub fn hot_add(&self, d: &PciDeviceConfig) -> Result<AttachedPci, VmmError> {
+        let name = match &d.name {
+            Some(n) if !crate::config::device_name_ok(n) => {
+                return Err(VmmError::HotplugRefused(
+                    n.clone(),
+                    "a device name is 1 to 32 letters, digits, `_` or `-`",
+                ))
+            }
+            Some(n) => n.clone(),
             None => self.free_name(&d.kind),
         };
         let hp = self.hotplug(&name)?;
@@ -382,5 +391,11 @@ mod tests {
         let net = || crate::config::parse_net("backend=echo", 0).unwrap();
         let names = virtio_names(&[blk(), net(), blk(), net(), net()]);
         assert_eq!(names, ["blk0", "net0", "blk1", "net1", "net2"]);
+        let named = |name: &str| PciDeviceConfig {
+            name: Some(name.into()),
+            ..blk()
+        };
+        let names = virtio_names(&[blk(), named("blk1"), blk(), named("root"), net()]);
+        assert_eq!(names, ["blk0", "blk1", "blk2", "root", "net0"]);
     }
 }

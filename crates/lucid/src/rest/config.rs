@@ -266,11 +266,11 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
         config.iommu = Some(lucid_vmm::parse_iommu("vtd").map_err(opt_refusal("iommu"))?);
     }
     for d in top.objs("disks")? {
-        config.devices.pci.push(disk(d, iommu)?.0);
+        config.devices.pci.push(disk(d, iommu)?);
     }
     let mut nets = 0;
     for n in top.objs("net")? {
-        config.devices.pci.push(net(n, iommu, nets)?.0);
+        config.devices.pci.push(net(n, iommu, nets)?);
         nets += 1;
     }
 
@@ -376,8 +376,8 @@ fn device_iommu(d: &mut Obj, iommu: bool) -> Result<(), Refusal> {
     }
 }
 
-/// One `DiskConfig` (of `disks`, or the body of `vm.add-disk`) and its `id`.
-fn disk(mut d: Obj, iommu: bool) -> Result<(PciDeviceConfig, Option<String>), Refusal> {
+/// One `DiskConfig` (of `disks`, or the body of `vm.add-disk`), named by its `id`.
+fn disk(mut d: Obj, iommu: bool) -> Result<PciDeviceConfig, Refusal> {
     let path = d
         .str("path")?
         .ok_or_else(|| Refusal(format!("{}: required", d.field("path"))))?;
@@ -421,17 +421,14 @@ fn disk(mut d: Obj, iommu: bool) -> Result<(PciDeviceConfig, Option<String>), Re
         ("disable_io_uring", json!(false)),
         ("disable_aio", json!(false)),
     ])?;
-    let blk = lucid_vmm::parse_blk(&opts).map_err(opt_refusal(&at))?;
-    Ok((blk, id))
+    let mut blk = lucid_vmm::parse_blk(&opts).map_err(opt_refusal(&at))?;
+    blk.name = id;
+    Ok(blk)
 }
 
-/// One `NetConfig` (of `net`, or the body of `vm.add-net`), the VM's `index`th NIC, and its
-/// `id`.
-fn net(
-    mut n: Obj,
-    iommu: bool,
-    index: usize,
-) -> Result<(PciDeviceConfig, Option<String>), Refusal> {
+/// One `NetConfig` (of `net`, or the body of `vm.add-net`), the VM's `index`th NIC, named by
+/// its `id`.
+fn net(mut n: Obj, iommu: bool, index: usize) -> Result<PciDeviceConfig, Refusal> {
     let tap = n.str("tap")?.ok_or_else(|| {
         Refusal(format!(
             "{}: Lucid's net back-ends are a tap interface (tap) or, in the extension, \
@@ -463,19 +460,19 @@ fn net(
         ("offload_ufo", json!(true)),
         ("offload_csum", json!(true)),
     ])?;
-    let nic = lucid_vmm::parse_net(&opts, index).map_err(opt_refusal(&at))?;
-    Ok((nic, id))
+    let mut nic = lucid_vmm::parse_net(&opts, index).map_err(opt_refusal(&at))?;
+    nic.name = id;
+    Ok(nic)
 }
 
 /// The body of `vm.add-disk` (`what` = "disk") or `vm.add-net` ("net") for a VM whose
-/// devices are behind the vIOMMU (`iommu`) or not, with `nics` NICs so far: the device and
-/// the `id` the client gave it.
+/// devices are behind the vIOMMU (`iommu`) or not, with `nics` NICs so far.
 pub fn hot_device(
     what: &str,
     body: Value,
     iommu: bool,
     nics: usize,
-) -> Result<(PciDeviceConfig, Option<String>), Refusal> {
+) -> Result<PciDeviceConfig, Refusal> {
     let d = Obj::new(String::new(), body)?;
     match what {
         "disk" => disk(d, iommu),

@@ -365,14 +365,14 @@ impl RestServer {
             "vm.add-net" => self.method(r, "PUT", |s, b| s.add_device("net", b)),
             "vm.remove-device" => self.method(r, "PUT", Self::remove_device),
             "vm.power-button" => self.method(r, "PUT", Self::power_button),
-            "vm.reboot"
-            | "vm.add-device"
+            "vm.reboot" => self.method(r, "PUT", Self::reboot),
+            "vm.resize" => self.method(r, "PUT", Self::resize),
+            "vm.add-device"
             | "vm.add-fs"
             | "vm.add-pmem"
             | "vm.add-vsock"
             | "vm.add-vdpa"
             | "vm.add-user-device"
-            | "vm.resize"
             | "vm.resize-zone"
             | "vm.resize-disk"
             | "vm.snapshot"
@@ -575,33 +575,30 @@ impl RestServer {
         };
         let list = if what == "disk" { "disks" } else { "net" };
         let nics = m.body[list].as_array().map_or(0, Vec::len);
-        let (device, id) = match config::hot_device(what, v.clone(), m.config.iommu.is_some(), nics)
-        {
+        let device = match config::hot_device(what, v.clone(), m.config.iommu.is_some(), nics) {
             Ok(d) => d,
             Err(e) => return Response::error(400, format!("{endpoint}: {e}")),
         };
         match &m.state {
-            VmState::Running(vm) | VmState::Paused(vm) => {
-                match vm.devices().hot_add(id.as_deref(), &device) {
-                    Ok(a) => {
-                        let mut entry = v;
-                        entry["id"] = json!(a.name);
-                        m.add_to_body(list, entry);
-                        let bdf = format!("0000:00:{:02x}.0", a.slot.slot);
-                        Response::json(200, &json!({"id": a.name, "bdf": bdf}))
-                    }
-                    Err(e) => {
-                        let status = match e {
-                            lucid_vmm::VmmError::DeviceExists(_) => 409,
-                            _ => 500,
-                        };
-                        Response::error(
-                            status,
-                            format!("{endpoint}: {}", lucid_vmm::error_chain(&e)),
-                        )
-                    }
+            VmState::Running(vm) | VmState::Paused(vm) => match vm.devices().hot_add(&device) {
+                Ok(a) => {
+                    let mut entry = v;
+                    entry["id"] = json!(a.name);
+                    m.add_to_body(list, entry);
+                    let bdf = format!("0000:00:{:02x}.0", a.slot.slot);
+                    Response::json(200, &json!({"id": a.name, "bdf": bdf}))
                 }
-            }
+                Err(e) => {
+                    let status = match e {
+                        lucid_vmm::VmmError::DeviceExists(_) => 409,
+                        _ => 500,
+                    };
+                    Response::error(
+                        status,
+                        format!("{endpoint}: {}", lucid_vmm::error_chain(&e)),
+                    )
+                }
+            },
             VmState::Created | VmState::Shutdown(_) => {
                 let mut body = m.body.clone();
                 match body[list].as_array_mut() {
@@ -659,6 +656,103 @@ impl RestServer {
                 }
                 m.reconfigure(body, "vm.remove-device")
             }
+        }
+    }
+
+    /// `vm.reboot`: the VM stops (threads joined, devices closed) and boots again from its
+    /// configuration, hot-added devices included.
+    fn reboot(&mut self, _: &[u8]) -> Response {
+        let Some(m) = &mut self.vm else {
+            return no_vm("vm.reboot");
+        };
+        if !matches!(m.state, VmState::Running(_) | VmState::Paused(_)) {
+            return Response::error(
+                500,
+                format!("vm.reboot: the VM is {}, not booted", m.state_name()),
+            );
+        }
+        m.stop();
+        let config = match rest_config(m.body.clone()) {
+            Ok(c) => c,
+            Err(e) => return Response::error(500, format!("vm.reboot: {e}")),
+        };
+        m.config = config;
+        match Vm::build(m.config.clone()).and_then(|mut vm| vm.start().map(|()| vm)) {
+            Ok(vm) => {
+                m.state = VmState::Running(Box::new(vm));
+                Response::empty()
+            }
+            Err(e) => Response::error(500, format!("vm.reboot: {}", lucid_vmm::error_chain(&e))),
+        }
+    }
+
+    /// `vm.resize` (`desired_vcpus`, `desired_ram`, `desired_balloon`, in bytes): Lucid has
+    /// no vCPU or memory hotplug, so RAM shrinks and grows back through the balloon:
+    /// `desired_ram` sets the balloon to the boot RAM minus it, `desired_balloon` sets it
+    /// directly. A running VM with a balloon only.
+    fn resize(&mut self, body: &[u8]) -> Response {
+        #[derive(serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Resize {
+            desired_vcpus: Option<u64>,
+            desired_ram: Option<u64>,
+            desired_balloon: Option<u64>,
+        }
+        let r: Resize = match serde_json::from_slice(body) {
+            Ok(r) => r,
+            Err(e) => return Response::error(400, format!("vm.resize: {e}")),
+        };
+        let Some(m) = &self.vm else {
+            return no_vm("vm.resize");
+        };
+        let vcpus = u64::from(m.config.machine.vcpus);
+        if r.desired_vcpus.is_some_and(|n| n != vcpus) {
+            return Response::error(
+                400,
+                format!("vm.resize: desired_vcpus: Lucid has no vCPU hotplug; the VM has {vcpus}"),
+            );
+        }
+        let ram = m.config.machine.mem_mib << 20;
+        let balloon_bytes = match (r.desired_ram, r.desired_balloon) {
+            (Some(_), Some(_)) => {
+                return Response::error(400, "vm.resize: give desired_ram or desired_balloon, not both")
+            }
+            (Some(want), None) if want > ram => {
+                return Response::error(
+                    400,
+                    format!(
+                        "vm.resize: desired_ram: {want} bytes is more than the {ram} the VM                          booted with; Lucid has no memory hotplug, it can only give back what                          the balloon holds"
+                    ),
+                )
+            }
+            (Some(want), None) => Some(ram - want),
+            (None, b) => b,
+        };
+        let Some(bytes) = balloon_bytes else {
+            return Response::empty();
+        };
+        let vm = match &m.state {
+            VmState::Running(vm) | VmState::Paused(vm) => vm,
+            _ => {
+                return Response::error(
+                    500,
+                    format!("vm.resize: the VM is {}, not booted", m.state_name()),
+                )
+            }
+        };
+        match vm.balloon() {
+            Some(b) if bytes <= ram => {
+                b.set_target_pages(bytes >> 12);
+                Response::empty()
+            }
+            Some(_) => Response::error(
+                400,
+                format!("vm.resize: desired_balloon: {bytes} bytes is more than guest RAM ({ram})"),
+            ),
+            None => Response::error(
+                500,
+                "vm.resize: the VM has no balloon (vm.create with `balloon`) to resize RAM with",
+            ),
         }
     }
 
