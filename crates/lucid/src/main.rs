@@ -223,6 +223,12 @@ enum CliError {
         #[source]
         source: serde_json::Error,
     },
+    #[error("--config {path}: {source}")]
+    ConfigCh {
+        path: PathBuf,
+        #[source]
+        source: rest::config::Refusal,
+    },
     #[error("cannot write {flag} {path}")]
     StatsFile {
         flag: &'static str,
@@ -267,6 +273,7 @@ impl CliError {
                 | CliError::Config(_)
                 | CliError::ConfigRead { .. }
                 | CliError::ConfigJson { .. }
+                | CliError::ConfigCh { .. }
                 | CliError::Vmm(lucid_vmm::VmmError::Config(_))
                 | CliError::RestFlag(_)
         )
@@ -408,11 +415,20 @@ fn config_file(path: &std::path::Path) -> Result<VmConfig, CliError> {
         path: path.into(),
         source,
     })?;
-    let mut config: VmConfig =
-        serde_json::from_str(&text).map_err(|source| CliError::ConfigJson {
+    let json_error = |source| CliError::ConfigJson {
+        path: path.into(),
+        source,
+    };
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(json_error)?;
+    // Cloud Hypervisor's VmConfig (the body of `vm.create`) names the kernel by a string;
+    // Lucid's own by an object (`{"file": ...}`, `{"builtin": ...}`).
+    if value["payload"]["kernel"].is_string() {
+        return rest::config::map(value).map_err(|source| CliError::ConfigCh {
             path: path.into(),
             source,
-        })?;
+        });
+    }
+    let mut config: VmConfig = serde_json::from_value(value).map_err(json_error)?;
     if let KernelSource::Builtin { name, bytes } = &mut config.payload.kernel {
         *bytes = lucid_guests::get(name).ok_or_else(|| CliError::NoGuest(name.clone()))?;
     }

@@ -180,3 +180,43 @@ fn bad_files_are_usage_errors_that_name_the_problem() {
         assert!(o.stderr.contains("cannot be used with"), "{}", o.stderr);
     }
 }
+
+/// `--config` also takes Cloud Hypervisor's `VmConfig` (the body of `vm.create`, told apart by
+/// its string `payload.kernel`): the same VM as the flags, and its refusals name the field.
+#[test]
+fn a_cloud_hypervisor_config_is_the_same_vm_as_the_flags() {
+    let img = disk("config-ch", 1);
+    let serial = tmp("config-ch-serial.txt");
+    let flags = printed(&[
+        "run",
+        "--guest",
+        "hello",
+        "--vcpus",
+        "2",
+        "--memory",
+        "64",
+        "--blk",
+        &format!("path={},ro=on", img.display()),
+        "--serial",
+        &format!("file:{}", serial.display()),
+    ]);
+    let ch = serde_json::json!({
+        "payload": {"kernel": "builtin:hello"},
+        "cpus": {"boot_vcpus": 2, "max_vcpus": 2},
+        "memory": {"size": 64u64 << 20},
+        "disks": [{"path": img, "readonly": true}],
+        "serial": {"mode": "File", "file": serial},
+    });
+    let file = write("config-ch.json", &ch.to_string());
+    assert_eq!(printed(&["run", "--config", &file]), flags);
+    let o = run(&["run", "--config", &file]);
+    assert_eq!(o.status, Some(1), "hello exits 0 through the debug port: {}", o.stderr);
+
+    let bad = write(
+        "config-ch-bad.json",
+        r#"{"payload": {"kernel": "builtin:hello"}, "vsock": {"cid": 3, "socket": "/x"}}"#,
+    );
+    let o = run(&["run", "--config", &bad]);
+    assert_eq!(o.status, Some(EXIT_USAGE), "{}", o.stderr);
+    assert!(o.stderr.contains("vsock"), "{}", o.stderr);
+}
