@@ -210,7 +210,12 @@ fn a_cloud_hypervisor_config_is_the_same_vm_as_the_flags() {
     let file = write("config-ch.json", &ch.to_string());
     assert_eq!(printed(&["run", "--config", &file]), flags);
     let o = run(&["run", "--config", &file]);
-    assert_eq!(o.status, Some(1), "hello exits 0 through the debug port: {}", o.stderr);
+    assert_eq!(
+        o.status,
+        Some(1),
+        "hello exits 0 through the debug port: {}",
+        o.stderr
+    );
 
     let bad = write(
         "config-ch-bad.json",

@@ -263,6 +263,52 @@ fn linux_client() -> std::path::PathBuf {
     path
 }
 
+/// What a run of `lucid-linux-client` left.
+struct ClientRun {
+    report: serde_json::Value,
+    stdout: String,
+    stderr: String,
+    success: bool,
+    /// The console log.
+    log: PathBuf,
+}
+
+/// Runs `lucid-linux-client --kernel KERNEL ARGS` with a JSON report and a console log named
+/// by `tag`.
+fn run_linux_client(kernel: &Path, tag: &str, args: &[String]) -> ClientRun {
+    let json = std::env::temp_dir().join(format!(
+        "lucid-linux-client-{}-{tag}.json",
+        std::process::id()
+    ));
+    let log = artifacts_dir().join(format!("linux-client-{tag}.log"));
+    let out = Command::new(linux_client())
+        .arg("--kernel")
+        .arg(kernel)
+        .args(["--lucid", env!("CARGO_BIN_EXE_lucid")])
+        .args(args)
+        .args(["--timeout", "900", "--json"])
+        .arg(&json)
+        .arg("--log")
+        .arg(&log)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run lucid-linux-client");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let report: serde_json::Value = std::fs::read_to_string(&json)
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok())
+        .unwrap_or_else(|| panic!("no report from lucid-linux-client:\n{stdout}\n{stderr}"));
+    let _ = std::fs::remove_file(&json);
+    ClientRun {
+        report,
+        stdout,
+        stderr,
+        success: out.status.success(),
+        log,
+    }
+}
+
 /// Runs `lucid-linux-client` on `rung` and checks every milestone this host allows: Linux
 /// enumerates Lucid's virtio functions, one per device, and virtio_pci drives each of them with
 /// MSI-X, every interrupt an MSI-X message and none on INTx (which the DSDT's `_PRT` routes,
@@ -289,31 +335,17 @@ fn small_linux_on(rung: &str, iommu: Option<&str>) {
             .collect();
         format!("-{}", words.join("-"))
     });
-    let json = std::env::temp_dir().join(format!(
-        "lucid-linux-client-{}-{rung}{tag}.json",
-        std::process::id()
-    ));
-    let log = artifacts_dir().join(format!("linux-client-{rung}{tag}.log"));
-    let mut cmd = Command::new(linux_client());
-    cmd.arg("--kernel")
-        .arg(&kernel)
-        .args(["--lucid", env!("CARGO_BIN_EXE_lucid"), "--rung", rung])
-        .args(["--timeout", "900", "--json"])
-        .arg(&json)
-        .arg("--log")
-        .arg(&log)
-        .stdin(Stdio::null());
+    let mut args = vec!["--rung".to_string(), rung.to_string()];
     if let Some(spec) = iommu {
-        cmd.args(["--iommu", spec]);
+        args.extend(["--iommu".to_string(), spec.to_string()]);
     }
-    let out = cmd.output().expect("run lucid-linux-client");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let report: serde_json::Value = std::fs::read_to_string(&json)
-        .ok()
-        .and_then(|s| serde_json::from_str(&s).ok())
-        .unwrap_or_else(|| panic!("no report from lucid-linux-client:\n{stdout}\n{stderr}"));
-    let _ = std::fs::remove_file(&json);
+    let ClientRun {
+        report,
+        stdout,
+        stderr,
+        success,
+        log,
+    } = run_linux_client(&kernel, &format!("{rung}{tag}"), &args);
     let line = stdout.lines().last().unwrap_or_default();
     println!("{rung}{tag}: {line}");
     for m in report["milestones"].as_array().into_iter().flatten() {
@@ -463,7 +495,7 @@ fn small_linux_on(rung: &str, iommu: Option<&str>) {
         Some(spec) => check_iommu(spec, &report, &console, &why),
         None => assert_eq!(report["iommu"], "skipped", "{why}"),
     }
-    assert!(out.status.success(), "{why}");
+    assert!(success, "{why}");
 }
 
 /// What a boot behind the VT-d must show: the DMAR milestones (already checked with the others,
@@ -545,28 +577,8 @@ fn small_linux_hotplugs_a_disk_through_the_rest_api() {
         return;
     };
     let _turn = one_boot_at_a_time();
-    let json = std::env::temp_dir().join(format!(
-        "lucid-linux-client-{}-hotplug.json",
-        std::process::id()
-    ));
-    let out = Command::new(linux_client())
-        .arg("--kernel")
-        .arg(&kernel)
-        .args(["--lucid", env!("CARGO_BIN_EXE_lucid"), "--hotplug"])
-        .args(["--timeout", "900", "--json"])
-        .arg(&json)
-        .arg("--log")
-        .arg(artifacts_dir().join("linux-client-hotplug.log"))
-        .stdin(Stdio::null())
-        .output()
-        .expect("run lucid-linux-client");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let report: serde_json::Value = std::fs::read_to_string(&json)
-        .ok()
-        .and_then(|s| serde_json::from_str(&s).ok())
-        .unwrap_or_else(|| panic!("no report from lucid-linux-client:\n{stdout}\n{stderr}"));
-    let _ = std::fs::remove_file(&json);
+    let ClientRun { report, stderr, .. } =
+        run_linux_client(&kernel, "hotplug", &["--hotplug".to_string()]);
     for s in report["steps"].as_array().into_iter().flatten() {
         println!(
             "  {:<14}{:>8.1}  {}",
