@@ -29,9 +29,23 @@ struct Server {
 
 impl Server {
     fn start(tag: &str) -> Server {
+        Self::start_in(tag, &[])
+    }
+
+    /// Starts it under `wrapper` (`ip netns exec NS`), when not empty.
+    fn start_in(tag: &str, wrapper: &[&str]) -> Server {
         let socket = tmp(&format!("{tag}.sock"));
         let err = tmp(&format!("{tag}.err"));
-        let child = Command::new(env!("CARGO_BIN_EXE_lucid"))
+        let lucid = env!("CARGO_BIN_EXE_lucid");
+        let mut cmd = match wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(lucid);
+                c
+            }
+            None => Command::new(lucid),
+        };
+        let child = cmd
             .args(["run", "--api-socket"])
             .arg(&socket)
             .stdin(Stdio::null())
@@ -624,4 +638,79 @@ fn reboot_and_resize() {
     assert!(s.exits() < before + 1_000_000, "counters are the new VM's");
     assert_eq!(s.curl("PUT", "vmm.shutdown", None).0, 200);
     assert_eq!(s.wait(), Some(0), "{}", s.stderr());
+}
+
+/// The processes' descriptors that are open on `/dev/net/tun`.
+fn tun_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|p| p == Path::new("/dev/net/tun"))
+        .count()
+}
+
+/// `vm.add-net` on a tap (in a network namespace this test makes): the `hotplug` guest finds a
+/// virtio-net function (`1af4:1041`) in the slot; after `vm.remove-device` and the guest's
+/// eject, Lucid has closed the tap.
+#[test]
+fn hotplug_a_nic_on_a_tap() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return lucid_guests::skip_or_fail("the tap test needs root");
+    }
+    if !have_curl() {
+        return lucid_guests::skip_or_fail("curl is not installed (apt-get install curl)");
+    }
+    let ns = format!("lucid-hp-{}", std::process::id());
+    let ip = |args: &[&str]| {
+        let s = Command::new("ip")
+            .args(args)
+            .status()
+            .expect("ip (iproute2)");
+        assert!(s.success(), "ip {args:?}");
+    };
+    ip(&["netns", "add", &ns]);
+    ip(&[
+        "netns", "exec", &ns, "ip", "tuntap", "add", "dev", "hp0", "mode", "tap",
+    ]);
+    let s = Server::start_in("hpnet", &["ip", "netns", "exec", &ns]);
+    let serial = tmp("hpnet.serial");
+    let mut config = spin_config(&serial);
+    config["payload"]["kernel"] = json!("builtin:hotplug");
+    let checks = || {
+        assert_eq!(s.curl("PUT", "vm.create", Some(&config)).0, 204);
+        assert_eq!(s.curl("PUT", "vm.boot", None).0, 204);
+        let console = || std::fs::read_to_string(&serial).unwrap_or_default();
+        assert!(eventually(|| console().contains("hotplug: ready")));
+        // The server runs under `ip netns exec`, which execs lucid: the same pid.
+        let pid = s.pid();
+        assert_eq!(tun_fds(pid), 0);
+        let nic = json!({"tap": "hp0", "id": "nic", "mac": "52:54:00:12:34:99"});
+        let (code, body) = s.curl("PUT", "vm.add-net", Some(&nic));
+        assert_eq!(code, 200, "{body}");
+        let added: Value = serde_json::from_str(&body).unwrap();
+        let slot = u8::from_str_radix(&added["bdf"].as_str().unwrap()[8..10], 16).unwrap();
+        assert!(
+            eventually(|| console().contains(&format!("hotplug: slot {slot} up 1af4:1041"))),
+            "{}",
+            console()
+        );
+        assert_eq!(tun_fds(pid), 1);
+        assert_eq!(
+            s.curl("PUT", "vm.remove-device", Some(&json!({"id": "nic"})))
+                .0,
+            204
+        );
+        assert!(
+            eventually(|| tun_fds(pid) == 0),
+            "the tap stayed open after the eject"
+        );
+        assert_eq!(s.curl("PUT", "vmm.shutdown", None).0, 200);
+    };
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(checks));
+    drop(s);
+    ip(&["netns", "del", &ns]);
+    if let Err(e) = outcome {
+        std::panic::resume_unwind(e);
+    }
 }
