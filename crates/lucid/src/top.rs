@@ -534,7 +534,8 @@ fn display(snap: &Value) -> String {
     for n in snap["notes"].as_array().into_iter().flatten() {
         s += &format!("\n{}\n", n.as_str().unwrap_or_default());
     }
-    s
+    // An empty by-reason list leaves a line's padding behind.
+    s.lines().map(|l| l.trim_end().to_string() + "\n").collect()
 }
 
 pub fn run(args: TopArgs) -> Result<ExitCode, TopError> {
