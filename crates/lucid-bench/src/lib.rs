@@ -9,6 +9,8 @@
 //! The benchmarks spawn `lucid` itself (`std::env::current_exe`) for the runs that need a
 //! process of their own, so they are called from the `lucid` binary.
 
+mod api;
+pub mod http;
 mod io;
 mod iommu;
 mod pools;
@@ -52,6 +54,9 @@ pub enum BenchCmd {
     /// Symbiotic virtualization: SymSpy exits per update, SymCall cold and warm against one
     /// exit round trip, SwapBypass against plain swap to a virtio-blk disk, module load time.
     Sym(crate::sym::SymArgs),
+    /// The REST API: vm.create to the guest's first serial output (create, boot, first output)
+    /// beside `lucid run --guest` from process start to its first output.
+    Api(crate::api::ApiArgs),
 }
 
 pub fn run(cmd: BenchCmd) -> Result<ExitCode, String> {
@@ -62,6 +67,7 @@ pub fn run(cmd: BenchCmd) -> Result<ExitCode, String> {
         BenchCmd::Pools(args) => crate::pools::run(args),
         BenchCmd::Swap(args) => crate::swap::run(args),
         BenchCmd::Sym(args) => crate::sym::run(args),
+        BenchCmd::Api(args) => crate::api::run(args),
     }
 }
 

@@ -6,6 +6,7 @@ mod logger;
 mod pools_cmd;
 mod rest;
 mod sym_cmd;
+mod top;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -72,6 +73,9 @@ enum Cmd {
     /// Talk to a running VM's control API (`lucid run --api-socket`): SymCalls, modules,
     /// SymSpy, statistics (docs/symbiotic.md).
     Sym(sym_cmd::SymArgs),
+    /// Every running VMM whose API socket is in the run directory, live, as top shows
+    /// processes: exits/s by reason, interrupts/s, I/O per device and its rung (docs/api.md).
+    Top(top::TopArgs),
 }
 
 /// The flags that describe the VM: refused together with `--config`, which describes all of it.
@@ -256,6 +260,8 @@ enum CliError {
     },
     #[error(transparent)]
     Api(#[from] lucid_vmm::api::ApiError),
+    #[error(transparent)]
+    Top(#[from] top::TopError),
     #[error(
         "--api-socket with neither --kernel nor --guest serves the REST API, where the VM comes \
          from vm.create: {0} belongs in its body (docs/api.md)"
@@ -539,6 +545,7 @@ fn main() -> ExitCode {
         Cmd::Bench { what } => lucid_bench::run(what).map_err(CliError::Bench),
         Cmd::Pools { what } => pools_cmd::run(what).map_err(CliError::PoolsCmd),
         Cmd::Sym(args) => sym_cmd::run(args).map_err(CliError::Sym),
+        Cmd::Top(args) => top::run(args).map_err(CliError::from),
         Cmd::Guests { write: None } => {
             for n in lucid_guests::NAMES {
                 println!("{n}");

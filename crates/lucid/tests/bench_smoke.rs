@@ -167,3 +167,18 @@ fn bench_sym() {
         ],
     );
 }
+
+#[test]
+fn bench_api() {
+    let j = bench(&["api", "--runs", "1"], Duration::from_secs(120));
+    assert_finite(
+        &j,
+        &[
+            &["create_to_first_output_ms"],
+            &["create_ms"],
+            &["boot_ms"],
+            &["first_output_ms"],
+            &["flags_to_first_output_ms"],
+        ],
+    );
+}
