@@ -4,13 +4,13 @@
 
 mod logger;
 mod pools_cmd;
-mod rest;
 mod sym_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
+use lucid::rest;
 use lucid_vmm::options::{BACKING, BALLOON, BLK, DEVICE, IOMMU, NET, POOL, SERIAL};
 use lucid_vmm::{
     KernelSource, StopReason, Vm, VmConfig, EXIT_FAILURE, EXIT_USAGE, MAX_MEM_MIB, MAX_VCPUS,
@@ -334,7 +334,7 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
         if let Some(flag) = vm_flag_given(&args) {
             return Err(CliError::RestFlag(flag));
         }
-        return Ok(exit(rest::RestServer::bind(socket)?.serve()));
+        return Ok(exit(rest::RestServer::bind(socket)?.serve().code));
     }
     let builtin_default = args.config.is_none() && args.kernel.is_none() && args.guest.is_none();
     let mut config = match &args.config {
@@ -354,10 +354,20 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
         return Ok(ExitCode::SUCCESS);
     }
 
+    // The REST API beside the VM, bound before the VM's threads start: they inherit the signal
+    // mask through which the server, not the VM, takes SIGINT and SIGTERM, and a socket in use
+    // fails the run before the guest runs.
+    let server = match config.api.socket.take() {
+        Some(path) => {
+            config.machine.handle_signals = false;
+            Some(rest::RestServer::bind(&path)?)
+        }
+        None => None,
+    };
     // Checked before the run, not after it: a typo in the path should not cost a whole run.
     let stats_file = create_stats_file("--stats-json", &args.stats_json)?;
     let prom_file = create_stats_file("--stats-prom", &args.stats_prom)?;
-    let built = Vm::build(config);
+    let built = Vm::build(config.clone());
     if built.is_err() {
         for path in [&args.stats_json, &args.stats_prom].into_iter().flatten() {
             let _ = std::fs::remove_file(path);
@@ -371,8 +381,27 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
         );
     }
     vm.start()?;
-    vm.confine_caller()?;
-    let report = vm.wait();
+    let (report, code) = match server {
+        Some(mut server) => {
+            server.adopt(vm, config);
+            let served = server.serve();
+            match served.report {
+                Some(report) => (report, served.code),
+                None => return Ok(exit(served.code)),
+            }
+        }
+        None => {
+            vm.confine_caller()?;
+            let report = vm.wait();
+            // The built-in host report succeeds with exit status 0 when the guest reports
+            // success (0); every other run follows QEMU's debug-exit convention.
+            let code = match report.stop {
+                StopReason::DebugExit(0) if builtin_default => 0,
+                _ => report.exit_code(),
+            };
+            (report, code)
+        }
+    };
     for line in report.summary().lines() {
         log::info!("{line}");
     }
@@ -387,13 +416,7 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
     if let StopReason::Error(e) = &report.stop {
         log::error!("{}", lucid_vmm::error_chain(e.as_ref()));
     }
-    // The built-in host report succeeds with exit status 0 when the guest reports success (0);
-    // every other run follows QEMU's debug-exit convention.
-    let code = match report.stop {
-        StopReason::DebugExit(0) if builtin_default => 0,
-        _ => report.exit_code(),
-    };
-    Ok(ExitCode::from(code as u8))
+    Ok(exit(code))
 }
 
 /// `--config FILE`: the VM as JSON, a built-in guest's image filled in by its name.
