@@ -10,6 +10,7 @@
 //! confined by seccomp (the VM's own threads are).
 
 pub mod config;
+mod ext;
 
 use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
@@ -411,6 +412,7 @@ impl RestServer {
             "vm.resume" => self.method(r, "PUT", Self::resume),
             "vm.shutdown" => self.method(r, "PUT", Self::shutdown),
             "vm.delete" => self.method(r, "PUT", Self::delete),
+            lucid if lucid.starts_with("lucid.") => self.lucid(r, lucid),
             "vm.reboot"
             | "vm.power-button"
             | "vm.add-disk"
