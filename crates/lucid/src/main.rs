@@ -40,8 +40,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Boot a kernel, or with no --kernel the built-in host-report probe guest; with
-    /// --api-socket and no --kernel or --guest, serve Cloud Hypervisor's REST API and wait for
-    /// vm.create (docs/api.md).
+    /// --api-socket, serve Cloud Hypervisor's REST API beside it, or with no --kernel or
+    /// --guest wait for vm.create there (docs/api.md).
     Run(Box<RunArgs>),
     /// Report this host's KVM: backend, capabilities, CPUID interception, exit costs.
     Probe {
@@ -69,8 +69,8 @@ enum Cmd {
         #[command(subcommand)]
         what: pools_cmd::PoolsCmd,
     },
-    /// Talk to a running VM's control API (`lucid run --api-socket`): SymCalls, modules,
-    /// SymSpy, statistics (docs/symbiotic.md).
+    /// Talk to a running VM through the REST API's lucid.* endpoints (`lucid run
+    /// --api-socket`): SymCalls, modules, SymSpy, statistics (docs/api.md, docs/symbiotic.md).
     Sym(sym_cmd::SymArgs),
 }
 
@@ -189,10 +189,10 @@ struct RunArgs {
     /// SwapBypass and modules (docs/symbiotic.md).
     #[arg(long)]
     symbiotic: bool,
-    /// With --kernel or --guest: serve the control API on this Unix socket (`lucid sym --socket
-    /// PATH ...`: SymCalls, modules, SymSpy, statistics; docs/symbiotic.md). With neither:
-    /// serve Cloud Hypervisor's REST API here and wait for vm.create (docs/api.md). A stale
-    /// socket file is replaced; one another process listens on is refused.
+    /// Serve Cloud Hypervisor's REST API on this Unix socket (docs/api.md), with Lucid's own
+    /// endpoints (`lucid sym --socket PATH ...`). With --kernel or --guest the VM boots at once
+    /// and the API serves it; with neither it waits for vm.create. A stale socket file is
+    /// replaced; one another process listens on is refused.
     #[arg(long, value_name = "PATH")]
     api_socket: Option<PathBuf>,
 }
