@@ -25,7 +25,7 @@ impl RestServer {
             "lucid.module-unload" => ("PUT", Self::module_unload),
             "lucid.modules" => ("GET", Self::modules),
             "lucid.spy" => ("GET", Self::spy),
-            "lucid.stats" => ("GET", Self::sym_stats),
+            "lucid.stats" => ("GET", Self::counters_tree),
             _ => return not_found(&r.path),
         };
         self.method(r, want, |s, b| f(s, name, b).unwrap_or_else(|e| e))
@@ -55,7 +55,7 @@ impl RestServer {
     }
 
     /// The server's and the VM's counters as one tree, with or without a VM.
-    fn sym_stats(&mut self, _: &str, _: &[u8]) -> Result<Response, Response> {
+    fn counters_tree(&mut self, _: &str, _: &[u8]) -> Result<Response, Response> {
         let mut all = self.stats.snapshot();
         if let Some(m) = &self.vm {
             all.extend(m.counters());

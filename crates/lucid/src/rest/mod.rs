@@ -120,17 +120,18 @@ impl Managed {
             _ => false,
         };
         if ended {
-            self.stop();
+            self.stop(StopReason::Shutdown);
         }
         ended
     }
 
-    /// Stops a running or paused VM and keeps its last counters.
-    fn stop(&mut self) {
+    /// Stops a running or paused VM for `why` (unless it was stopping already) and keeps its
+    /// report.
+    fn stop(&mut self, why: StopReason) {
         let state = std::mem::replace(&mut self.state, VmState::Created);
         self.state = match state {
             VmState::Running(vm) | VmState::Paused(vm) => {
-                vm.stop(StopReason::Shutdown);
+                vm.stop(why);
                 let report = vm.wait();
                 log::info!("REST API: the VM stopped: {}", report.stop_text());
                 VmState::Shutdown(Box::new(report))
@@ -309,22 +310,22 @@ impl RestServer {
                 None => "waiting for vm.create",
             }
         );
-        let code = loop {
+        let (code, why) = loop {
             match self.signals.wait(self.sock.listener(), &self.stopped_rx) {
                 Wake::Signal(sig) => {
                     log::info!("signal {sig}: stopping the VMM");
-                    break 128 + sig;
+                    break (128 + sig, StopReason::Signal(sig));
                 }
                 Wake::VmStopped => {
                     if let Some(code) = self.reap() {
-                        break code;
+                        break (code, StopReason::Shutdown);
                     }
                     continue;
                 }
                 Wake::Client => {}
             }
             if let Some(code) = self.reap() {
-                break code;
+                break (code, StopReason::Shutdown);
             }
             let stream = match self.sock.listener().accept() {
                 Ok((s, _)) => s,
@@ -339,11 +340,11 @@ impl RestServer {
             };
             if self.connection(stream) {
                 log::info!("REST API: vmm.shutdown");
-                break 0;
+                break (0, StopReason::Shutdown);
             }
         };
         let report = self.vm.take().and_then(|mut m| {
-            m.stop();
+            m.stop(why);
             match m.state {
                 VmState::Shutdown(r) => Some(*r),
                 _ => None,
@@ -600,7 +601,7 @@ impl RestServer {
         };
         match m.state {
             VmState::Running(_) | VmState::Paused(_) => {
-                m.stop();
+                m.stop(StopReason::Shutdown);
                 Response::empty()
             }
             _ => Response::error(
@@ -612,7 +613,7 @@ impl RestServer {
 
     fn delete(&mut self, _: &[u8]) -> Response {
         if let Some(mut m) = self.vm.take() {
-            m.stop();
+            m.stop(StopReason::Shutdown);
         }
         Response::empty()
     }
