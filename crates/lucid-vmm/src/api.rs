@@ -37,7 +37,7 @@ pub const MAX_SYMCALL_TIMEOUT_MS: u64 = 10_000;
 /// not embed the guest kit.
 pub type BuiltinModules = fn(&str) -> Option<&'static [u8]>;
 
-/// Why the control API could not start.
+/// Why the API socket could not be bound.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
     #[error(
@@ -56,8 +56,6 @@ pub enum ApiError {
         #[source]
         source: std::io::Error,
     },
-    #[error(transparent)]
-    Thread(#[from] lucid_thread::SpawnError),
 }
 
 /// The bound socket, before its thread starts. Dropping it removes the socket file (when it is
