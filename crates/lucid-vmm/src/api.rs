@@ -1,61 +1,43 @@
-//! The control API (`--api-socket PATH`, docs/symbiotic.md): a Unix stream socket served by the
-//! thread `lucid-api`, one JSON object per line each way. It issues SymCalls, loads and unloads
-//! symbiotic modules, shows the SymSpy pages and the statistics of a running VM, and will grow
-//! into the management API.
+//! The control API's VMM side (docs/api.md): the socket it is served on ([`ApiSocket`]: mode
+//! 0600, a stale socket replaced, a live one refused, the file removed when it goes) and
+//! Lucid's own operations on a running VM, which the REST server of the `lucid` command serves
+//! as `/api/v1/lucid.*`: SymCalls ([`symcall`]), symbiotic modules ([`module_load`],
+//! [`module_unload`], [`modules`]) and the SymSpy pages ([`spy`]). Their request and answer
+//! types are in [`proto`], shared with the client (`lucid sym`).
 //!
-//! Requests (`op`): `symcall` (`vcpu`, `call`: a name or a number, `args`: up to 5),
-//! `module_load` (`path` of a file Lucid reads, or `builtin`; `read_only`), `module_unload`
-//! (`id`), `modules`, `spy`, `stats`, `stop`. Replies: `{"ok":true,...}` or
-//! `{"ok":false,"error":"..."}`; the types of both are in [`proto`]. A client's bad input (not JSON, an unknown op, a line over
-//! [`MAX_LINE`] bytes, a disconnect mid-line) costs it an error reply or its connection, never
-//! the VM. Up to [`MAX_CLIENTS`] clients at once; requests are served one at a time.
-//!
-//! Module objects go by path (or built-in name), not inline: the thread opens the file
-//! read-only (its seccomp role allows `openat` without write access) and reads at most
-//! [`MAX_MODULE_BYTES`]. The socket file is created mode 0600, replaced when a dead run left it
-//! (nobody listening), refused when another process listens there, and removed at VM exit.
+//! Module objects go by path (or built-in name), not inline: Lucid opens the file read-only
+//! and reads at most [`MAX_MODULE_BYTES`].
 
 use std::ffi::CString;
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, Read};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use lucid_devices::{Lifecycle, StopReason};
-use lucid_stats::{Counter, StatsRegistry};
-use serde::Serialize;
 use serde_json::Value;
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::report::error_chain;
 use crate::sym::{ModuleOptions, Symbiotic};
+use crate::Vm;
 
 pub mod proto;
-use proto::{Counters, ModuleList, Reply, Request, Stopping, Unloaded};
+use proto::{ModuleInfo, ModuleList, ModuleLoad, SymReturn, Symcall, Unloaded};
 
-/// The longest request line, newline excluded: module objects go by path, so requests are
-/// small.
-pub const MAX_LINE: usize = 64 << 10;
-/// Clients served at once; more wait in the listen backlog.
-pub const MAX_CLIENTS: usize = 8;
-/// The largest module file `module_load` reads.
+/// The largest module file [`module_load`] reads.
 pub const MAX_MODULE_BYTES: u64 = 16 << 20;
-/// How long a reply may wait for a client that does not read before the client is dropped.
-const WRITE_PATIENCE: Duration = Duration::from_secs(2);
-/// The longest `timeout_ms` a `symcall` request may ask for: requests are served one at a time,
-/// so one call must not hold the other clients for long (`lucid sym` waits 30 s for a reply).
+/// The longest `timeout_ms` a SymCall may ask for: the API serves one request at a time, so
+/// one call must not hold the other clients for long (`lucid sym` waits 30 s for a reply).
 pub const MAX_SYMCALL_TIMEOUT_MS: u64 = 10_000;
 
 /// Finds a built-in module object by name (`lucid_guests::module` in the CLI): lucid-vmm does
 /// not embed the guest kit.
 pub type BuiltinModules = fn(&str) -> Option<&'static [u8]>;
 
-/// Why the control API could not start.
+/// Why the API socket could not be bound.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
     #[error(
@@ -74,8 +56,6 @@ pub enum ApiError {
         #[source]
         source: std::io::Error,
     },
-    #[error(transparent)]
-    Thread(#[from] lucid_thread::SpawnError),
 }
 
 /// The bound socket, before its thread starts. Dropping it removes the socket file (when it is
@@ -83,9 +63,9 @@ pub enum ApiError {
 pub struct ApiSocket {
     listener: UnixListener,
     path: PathBuf,
-    /// The socket's directory (`O_PATH`): the file is removed through it, which is all the
-    /// API thread's seccomp role allows.
-    dir: Arc<OwnedFd>,
+    /// The socket's directory (`O_PATH`): the file is removed through it, so that the file
+    /// removed is the one in the directory bound, whatever the working directory is by then.
+    dir: OwnedFd,
     name: CString,
     /// (device, inode) of the socket file bound here.
     id: (u64, u64),
@@ -133,7 +113,7 @@ impl ApiSocket {
         let mut sock = ApiSocket {
             listener,
             path: path.into(),
-            dir: Arc::new(dir),
+            dir,
             name,
             id: (0, 0),
         };
@@ -154,8 +134,7 @@ impl ApiSocket {
         &self.path
     }
 
-    /// The listening socket (non-blocking), for a server other than the JSON-lines one (the
-    /// REST API of `lucid run --api-socket` with no payload).
+    /// The listening socket (non-blocking).
     pub fn listener(&self) -> &UnixListener {
         &self.listener
     }
@@ -183,417 +162,109 @@ impl Drop for ApiSocket {
     }
 }
 
-/// What the API thread serves.
-pub struct ApiContext {
-    /// The VM's symbiotic state (`--symbiotic`), for SymCalls, modules and SymSpy.
-    pub sym: Option<Arc<Symbiotic>>,
-    pub stats: Arc<StatsRegistry>,
-    /// For `stop`.
-    pub lifecycle: Arc<Lifecycle>,
-    pub vcpus: u32,
-    pub builtin_modules: Option<BuiltinModules>,
+/// Why a `lucid.*` operation was not done.
+#[derive(Debug, thiserror::Error)]
+pub enum OpError {
+    /// The request cannot be served as asked (a vCPU the VM lacks, an unknown call, a module
+    /// file Lucid cannot read): nothing was tried.
+    #[error("{0}")]
+    Request(String),
+    /// The operation needs `--symbiotic` (`lucid.symbiotic` in `vm.create`).
+    #[error("{0} needs the symbiotic interfaces: this VM runs without --symbiotic")]
+    NotSymbiotic(&'static str),
+    /// It was tried and failed (the guest's loader refused a module, a call timed out).
+    #[error("{0}")]
+    Failed(String),
 }
 
-/// `api.*` counters.
-struct ApiCounters {
-    connections: Arc<Counter>,
-    requests: Arc<Counter>,
-    errors: Arc<Counter>,
-    /// Clients dropped for bad framing (a line too long, a disconnect mid-line, a stalled
-    /// reader).
-    dropped: Arc<Counter>,
+fn sym<'a>(vm: &'a Vm, what: &'static str) -> Result<&'a Arc<Symbiotic>, OpError> {
+    vm.sym().ok_or(OpError::NotSymbiotic(what))
 }
 
-/// The running API thread.
-pub struct ApiServer {
-    thread: Option<JoinHandle<()>>,
-    shutdown: EventFd,
+/// Runs a SymCall on a vCPU of `vm` and waits for its return (at most its time bound).
+pub fn symcall(vm: &Vm, req: &Symcall) -> Result<SymReturn, OpError> {
+    let sym = sym(vm, "lucid.symcall")?;
+    let nr = req.call.number().map_err(OpError::Request)?;
+    if req.args.len() > 5 {
+        return Err(OpError::Request(format!(
+            "lucid.symcall takes at most 5 args (rdi, rsi, rdx, r10, r8), got {}",
+            req.args.len()
+        )));
+    }
+    let vcpus = u32::from(vm.config().machine.vcpus);
+    if req.vcpu >= vcpus {
+        return Err(OpError::Request(format!(
+            "no vCPU {}: the VM has {vcpus} (0..={})",
+            req.vcpu,
+            vcpus - 1
+        )));
+    }
+    let mut limits = sym.call_limits();
+    if let Some(ms) = req.timeout_ms {
+        if !(1..=MAX_SYMCALL_TIMEOUT_MS).contains(&ms) {
+            return Err(OpError::Request(format!(
+                "lucid.symcall timeout_ms must be 1..={MAX_SYMCALL_TIMEOUT_MS}, got {ms}"
+            )));
+        }
+        limits.timeout = Duration::from_millis(ms);
+    }
+    let mut a = [0u64; 5];
+    a[..req.args.len()].copy_from_slice(&req.args);
+    sym.call_with(req.vcpu, nr, a, limits).map_err(|e| {
+        OpError::Failed(format!(
+            "SymCall {nr:#x} on vCPU {}: {}",
+            req.vcpu,
+            error_chain(&e)
+        ))
+    })
 }
 
-impl ApiServer {
-    /// Starts `lucid-api` on `sock`; it confines itself to the `api` seccomp role.
-    pub fn spawn(
-        sock: ApiSocket,
-        ctx: ApiContext,
-        spawner: &lucid_thread::Spawner,
-    ) -> Result<Self, ApiError> {
-        let shutdown = EventFd::new(EFD_NONBLOCK).map_err(|source| ApiError::Io {
-            path: sock.path.clone(),
-            what: "create the API thread's shutdown eventfd",
-            source,
-        })?;
-        let wake = shutdown.try_clone().map_err(|source| ApiError::Io {
-            path: sock.path.clone(),
-            what: "create the API thread's shutdown eventfd",
-            source,
-        })?;
-        let c = |n: &str| ctx.stats.counter(format!("api.{n}"));
-        let counters = ApiCounters {
-            connections: c("connections"),
-            requests: c("requests"),
-            errors: c("errors"),
-            dropped: c("clients_dropped"),
-        };
-        let lifecycle = ctx.lifecycle.clone();
-        let spec = lucid_thread::ThreadSpec::new(
-            "lucid-api",
-            lucid_stats::ThreadRole::Other,
-            lucid_seccomp::Role::Api,
-        )
-        .api_socket_dir(sock.dir.clone());
-        let thread = spawner.spawn(spec, move |confined| {
-            if let Err(e) = confined {
-                return lifecycle.stop(StopReason::error(e));
-            }
-            Server {
-                sock,
-                ctx,
-                counters,
-                wake,
-            }
-            .run()
-        })?;
-        Ok(ApiServer {
-            thread: Some(thread),
-            shutdown,
-        })
-    }
-
-    /// Asks the thread to stop (it closes its clients and removes the socket file).
-    pub fn signal_stop(&self) {
-        let _ = self.shutdown.write(1);
-    }
-
-    /// Stops the thread and waits for it.
-    pub fn stop(&mut self) {
-        self.signal_stop();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+/// Loads a module, from a file Lucid reads or built in (`RuntimeConfig::builtin_modules`).
+pub fn module_load(vm: &Vm, req: &ModuleLoad) -> Result<ModuleInfo, OpError> {
+    let sym = sym(vm, "lucid.module-load")?;
+    let bytes: std::borrow::Cow<[u8]> = match (&req.path, &req.builtin) {
+        (Some(p), None) => read_module(p).map_err(OpError::Request)?.into(),
+        (None, Some(name)) => {
+            let find = vm.config().runtime.builtin_modules.ok_or_else(|| {
+                OpError::Request("this Lucid has no built-in modules: load one by path".into())
+            })?;
+            find(name)
+                .ok_or_else(|| OpError::Request(format!("no built-in module {name:?}")))?
+                .into()
         }
-    }
+        _ => {
+            return Err(OpError::Request(
+                "lucid.module-load takes one of `path` or `builtin`".into(),
+            ))
+        }
+    };
+    let opts = ModuleOptions {
+        read_only: req.read_only,
+        ..ModuleOptions::default()
+    };
+    sym.load_module(&bytes, &opts)
+        .map_err(|e| OpError::Failed(format!("module_load: {}", error_chain(&e))))
 }
 
-impl Drop for ApiServer {
-    fn drop(&mut self) {
-        self.stop();
-    }
+/// Unloads module `id`.
+pub fn module_unload(vm: &Vm, id: u32) -> Result<Unloaded, OpError> {
+    sym(vm, "lucid.module-unload")?
+        .unload_module(id)
+        .map_err(|e| OpError::Failed(format!("module_unload {id}: {}", error_chain(&e))))?;
+    Ok(Unloaded { id })
 }
 
-/// The control API (`--api-socket`) as one of the VM's techniques: the socket is bound while
-/// the VM is built (a path in use fails the build), `lucid-api` starts after the vCPU threads,
-/// takes no new request once the VM stops (quiesce) and removes its socket file when it stops.
-pub(crate) struct ApiTechnique {
-    socket: Option<ApiSocket>,
-    ctx: Option<ApiContext>,
-    server: Option<ApiServer>,
+/// The modules loaded now.
+pub fn modules(vm: &Vm) -> Result<ModuleList, OpError> {
+    Ok(ModuleList {
+        modules: sym(vm, "lucid.modules")?.modules(),
+    })
 }
 
-impl ApiTechnique {
-    pub(crate) fn new(socket: ApiSocket, ctx: ApiContext) -> Self {
-        ApiTechnique {
-            socket: Some(socket),
-            ctx: Some(ctx),
-            server: None,
-        }
-    }
-}
-
-impl crate::technique::Technique for ApiTechnique {
-    fn name(&self) -> &'static str {
-        "api"
-    }
-
-    fn start(&mut self, cx: &crate::technique::StartContext<'_>) -> Result<(), crate::VmmError> {
-        if let (Some(sock), Some(ctx)) = (self.socket.take(), self.ctx.take()) {
-            self.server = Some(ApiServer::spawn(sock, ctx, cx.spawner)?);
-        }
-        Ok(())
-    }
-
-    fn quiesce(&mut self) {
-        // No new requests; one in progress ends when its vCPU stops.
-        if let Some(s) = &self.server {
-            s.signal_stop();
-        }
-    }
-
-    fn stop(&mut self) {
-        // Its socket file goes with it.
-        if let Some(mut s) = self.server.take() {
-            s.stop();
-        }
-    }
-
-    fn counters(&self) -> &'static [&'static str] {
-        &["api."]
-    }
-
-    fn summary(&self) -> Vec<String> {
-        self.socket
-            .iter()
-            .map(|s| format!("control API on {}", s.path().display()))
-            .collect()
-    }
-}
-
-struct Client {
-    stream: UnixStream,
-    buf: Vec<u8>,
-}
-
-struct Server {
-    sock: ApiSocket,
-    ctx: ApiContext,
-    counters: ApiCounters,
-    wake: EventFd,
-}
-
-impl Server {
-    fn run(self) {
-        let mut clients: Vec<Client> = Vec::new();
-        loop {
-            let mut fds = vec![pollfd(self.wake.as_raw_fd())];
-            let listening = clients.len() < MAX_CLIENTS;
-            if listening {
-                fds.push(pollfd(self.sock.listener.as_raw_fd()));
-            }
-            fds.extend(clients.iter().map(|c| pollfd(c.stream.as_raw_fd())));
-            // SAFETY: poll on a valid array of pollfds of descriptors we hold.
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == ErrorKind::Interrupted {
-                    continue;
-                }
-                log::error!("control API: poll: {e}; the API stops (the VM goes on)");
-                break;
-            }
-            if fds[0].revents != 0 {
-                break;
-            }
-            let first_client = 1 + usize::from(listening);
-            // Clients first, from the last, so that removing one keeps the others' indices.
-            for i in (0..clients.len()).rev() {
-                if fds[first_client + i].revents != 0 && !self.serve(&mut clients[i]) {
-                    clients.swap_remove(i);
-                }
-            }
-            if listening && fds[1].revents != 0 {
-                self.accept(&mut clients);
-            }
-        }
-        log::debug!("control API: stopping");
-    }
-
-    fn accept(&self, clients: &mut Vec<Client>) {
-        match self.sock.listener.accept() {
-            Ok((stream, _)) => {
-                if let Err(e) = stream.set_nonblocking(true) {
-                    log::warn!("control API: a client: {e}");
-                    return;
-                }
-                self.counters.connections.inc();
-                clients.push(Client {
-                    stream,
-                    buf: Vec::new(),
-                });
-            }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
-            Err(e) => log::warn!("control API: accept: {e}"),
-        }
-    }
-
-    /// Reads what `c` sent and answers each complete line; false drops the client.
-    fn serve(&self, c: &mut Client) -> bool {
-        let mut chunk = [0u8; 16 << 10];
-        loop {
-            match c.stream.read(&mut chunk) {
-                Ok(0) => {
-                    if c.buf.iter().any(|b| !b.is_ascii_whitespace()) {
-                        // It may have shut only its sending side: tell it.
-                        self.counters.dropped.inc();
-                        let _ = self.reply(
-                            c,
-                            &self.error(
-                                "connection closed mid-line: end each request with a newline",
-                            ),
-                        );
-                    }
-                    return false;
-                }
-                Ok(n) => c.buf.extend_from_slice(&chunk[..n]),
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return true,
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(_) => return false,
-            }
-            while let Some(end) = c.buf.iter().position(|&b| b == b'\n') {
-                let line: Vec<u8> = c.buf.drain(..=end).collect();
-                let text = &line[..end];
-                if text.iter().all(u8::is_ascii_whitespace) {
-                    continue;
-                }
-                let reply = self.handle(text);
-                if !self.reply(c, &reply) {
-                    return false;
-                }
-            }
-            if c.buf.len() > MAX_LINE {
-                self.counters.dropped.inc();
-                let e = self.error(&format!(
-                    "request line longer than {MAX_LINE} bytes: send module objects by path; \
-                     closing the connection"
-                ));
-                let _ = self.reply(c, &e);
-                return false;
-            }
-        }
-    }
-
-    /// Writes one reply line; false when the client cannot take it.
-    fn reply(&self, c: &mut Client, v: &Value) -> bool {
-        let mut out = v.to_string().into_bytes();
-        out.push(b'\n');
-        let deadline = Instant::now() + WRITE_PATIENCE;
-        let mut at = 0;
-        while at < out.len() {
-            match c.stream.write(&out[at..]) {
-                Ok(0) => return false,
-                Ok(n) => at += n,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        self.counters.dropped.inc();
-                        log::warn!("control API: a client does not read its replies: dropped");
-                        return false;
-                    }
-                    let mut fd = pollfd(c.stream.as_raw_fd());
-                    fd.events = libc::POLLOUT;
-                    // SAFETY: poll on one valid pollfd.
-                    unsafe { libc::poll(&mut fd, 1, left.as_millis().max(1) as libc::c_int) };
-                }
-                Err(_) => return false,
-            }
-        }
-        true
-    }
-
-    fn error(&self, msg: &str) -> Value {
-        self.counters.errors.inc();
-        serde_json::to_value(Reply::<Stopping>::error(msg)).expect("JSON of plain values")
-    }
-
-    fn handle(&self, line: &[u8]) -> Value {
-        self.counters.requests.inc();
-        let req: Request = match serde_json::from_slice(line) {
-            Ok(r) => r,
-            Err(e) => return self.error(&format!("bad request: {e}")),
-        };
-        match self.dispatch(req) {
-            Ok(v) => v,
-            Err(e) => self.error(&e),
-        }
-    }
-
-    fn sym(&self, what: &str) -> Result<&Arc<Symbiotic>, String> {
-        self.ctx.sym.as_ref().ok_or_else(|| {
-            format!("{what} needs the symbiotic interfaces: this VM runs without --symbiotic")
-        })
-    }
-
-    /// The reply to `req`, or why it failed.
-    fn dispatch(&self, req: Request) -> Result<Value, String> {
-        match req {
-            Request::Symcall {
-                vcpu,
-                call,
-                args,
-                timeout_ms,
-            } => {
-                let sym = self.sym("symcall")?;
-                let nr = call.number()?;
-                if args.len() > 5 {
-                    return Err(format!(
-                        "symcall takes at most 5 args (rdi, rsi, rdx, r10, r8), got {}",
-                        args.len()
-                    ));
-                }
-                if vcpu >= self.ctx.vcpus {
-                    return Err(format!(
-                        "no vCPU {vcpu}: the VM has {} (0..={})",
-                        self.ctx.vcpus,
-                        self.ctx.vcpus - 1
-                    ));
-                }
-                let mut limits = sym.call_limits();
-                if let Some(ms) = timeout_ms {
-                    if !(1..=MAX_SYMCALL_TIMEOUT_MS).contains(&ms) {
-                        return Err(format!(
-                            "symcall timeout_ms must be 1..={MAX_SYMCALL_TIMEOUT_MS}, got {ms}"
-                        ));
-                    }
-                    limits.timeout = Duration::from_millis(ms);
-                }
-                let mut a = [0u64; 5];
-                a[..args.len()].copy_from_slice(&args);
-                let r = sym
-                    .call_with(vcpu, nr, a, limits)
-                    .map_err(|e| format!("symcall {nr:#x} on vCPU {vcpu}: {}", error_chain(&e)))?;
-                answer(r)
-            }
-            Request::ModuleLoad {
-                path,
-                builtin,
-                read_only,
-            } => {
-                let sym = self.sym("module_load")?;
-                let bytes: std::borrow::Cow<[u8]> = match (path, builtin) {
-                    (Some(p), None) => read_module(&p)?.into(),
-                    (None, Some(name)) => self.builtin(&name)?.into(),
-                    _ => return Err("module_load takes one of `path` or `builtin`".into()),
-                };
-                let opts = ModuleOptions {
-                    read_only,
-                    ..ModuleOptions::default()
-                };
-                let info = sym
-                    .load_module(&bytes, &opts)
-                    .map_err(|e| format!("module_load: {}", error_chain(&e)))?;
-                answer(info)
-            }
-            Request::ModuleUnload { id } => {
-                self.sym("module_unload")?
-                    .unload_module(id)
-                    .map_err(|e| format!("module_unload {id}: {}", error_chain(&e)))?;
-                answer(Unloaded { id })
-            }
-            Request::Modules => answer(ModuleList {
-                modules: self.sym("modules")?.modules(),
-            }),
-            Request::Spy => answer(self.sym("spy")?.spy_snapshot()),
-            Request::Stats => answer(Counters {
-                counters: lucid_stats::nest(&self.ctx.stats.snapshot()),
-            }),
-            Request::Stop => {
-                log::info!("control API: stop requested");
-                self.ctx.lifecycle.stop(StopReason::Shutdown);
-                answer(Stopping {})
-            }
-        }
-    }
-
-    fn builtin(&self, name: &str) -> Result<&'static [u8], String> {
-        let find = self
-            .ctx
-            .builtin_modules
-            .ok_or("this Lucid has no built-in modules: load one by path")?;
-        find(name).ok_or_else(|| format!("no built-in module {name:?}"))
-    }
-}
-
-/// `{"ok":true}` beside the fields of `a`.
-fn answer(a: impl Serialize) -> Result<Value, String> {
-    serde_json::to_value(Reply::answer(a)).map_err(|e| e.to_string())
+/// The SymSpy pages the guest registered, and their fields.
+pub fn spy(vm: &Vm) -> Result<Value, OpError> {
+    serde_json::to_value(sym(vm, "lucid.spy")?.spy_snapshot())
+        .map_err(|e| OpError::Failed(format!("lucid.spy: {e}")))
 }
 
 /// Reads a module file: a regular file of at most [`MAX_MODULE_BYTES`].
@@ -621,14 +292,6 @@ fn read_module(path: &Path) -> Result<Vec<u8>, String> {
         .read_to_end(&mut bytes)
         .map_err(what)?;
     Ok(bytes)
-}
-
-fn pollfd(fd: i32) -> libc::pollfd {
-    libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    }
 }
 
 #[cfg(test)]

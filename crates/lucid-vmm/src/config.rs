@@ -235,19 +235,20 @@ pub struct SymbioticConfig {
     pub enabled: bool,
 }
 
-/// The control API (`crate::api`).
+/// The control API (docs/api.md), which the embedding program serves beside the VM (the
+/// `lucid` command's REST server); [`crate::Vm::build`] does not bind it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ApiConfig {
-    /// `--api-socket`: serve the control API on this Unix socket.
+    /// `--api-socket`: serve the REST API on this Unix socket.
     pub socket: Option<PathBuf>,
 }
 
 /// What the embedding program supplies as code, not as data: never serialised.
 #[derive(Clone, Debug, Default)]
 pub struct RuntimeConfig {
-    /// Where the control API finds the modules `{"op":"module_load","builtin":NAME}` names
-    /// (the CLI gives the guest kit's).
+    /// Where `lucid.module-load` finds the modules `{"builtin":NAME}` names (the CLI gives
+    /// the guest kit's).
     pub builtin_modules: Option<crate::api::BuiltinModules>,
     /// The command that runs `lucid_swap::guard::serve` (the CLI: `lucid __oom-guard`): with a
     /// cgroup v1 limit and the pager, a process outside the limit that frees guest RAM when

@@ -59,8 +59,6 @@ pub enum VmmError {
     Pools(#[from] crate::pools::PoolsError),
     #[error(transparent)]
     Swap(#[from] crate::swap::SwapError),
-    #[error(transparent)]
-    Api(#[from] crate::api::ApiError),
     #[error("no PCI device named {0}")]
     NoSuchDevice(String),
     #[error("a PCI device named {0} is already attached")]

@@ -1,5 +1,5 @@
 //! One lifecycle for the techniques a VM runs besides its devices (the vIOMMU, VSWAPPER, the
-//! CPU pools, the symbiotic interfaces, the balloon manager, the control API): each is built by
+//! CPU pools, the symbiotic interfaces, the balloon manager): each is built by
 //! [`crate::Vm::build`], started by [`crate::Vm::start`] in list order and stopped in reverse
 //! order by the one path that both [`crate::Vm::wait`] and dropping the VM take.
 //!

@@ -178,20 +178,6 @@ impl Vm {
                 limit_pressure: swap.pressure(),
                 manager: None,
             });
-        // Bound now, so that a path in use fails the build, not a running VM.
-        let api = match config.api.socket.as_deref() {
-            Some(path) => Some(crate::api::ApiTechnique::new(
-                crate::api::ApiSocket::bind(path)?,
-                crate::api::ApiContext {
-                    sym: sym.clone(),
-                    stats: stats.clone(),
-                    lifecycle: lifecycle.clone(),
-                    vcpus: config.machine.vcpus.into(),
-                    builtin_modules: config.runtime.builtin_modules,
-                },
-            )),
-            None => None,
-        };
         let vtd = iommu.as_ref().map(|i| i.vtd.clone());
         let mut techniques = Techniques::default();
         techniques.push(Some(swap));
@@ -202,7 +188,6 @@ impl Vm {
             publish: !config.pools.low_noise,
         }));
         techniques.push(balloon_manager);
-        techniques.push(api);
 
         let backend = b.backend();
         let (vm, ram) = b.finish();
@@ -331,6 +316,10 @@ impl Vm {
 
     pub fn stats(&self) -> &Arc<StatsRegistry> {
         &self.stats
+    }
+    /// What the VM was built from.
+    pub fn config(&self) -> &VmConfig {
+        &self.config
     }
     pub fn hooks(&self) -> &Arc<ExitHooks> {
         &self.hooks

@@ -4,7 +4,6 @@
 
 mod logger;
 mod pools_cmd;
-mod rest;
 mod sym_cmd;
 mod top;
 
@@ -12,6 +11,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
+use lucid::rest;
 use lucid_vmm::options::{BACKING, BALLOON, BLK, DEVICE, IOMMU, NET, POOL, SERIAL};
 use lucid_vmm::{
     KernelSource, StopReason, Vm, VmConfig, EXIT_FAILURE, EXIT_USAGE, MAX_MEM_MIB, MAX_VCPUS,
@@ -41,8 +41,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Boot a kernel, or with no --kernel the built-in host-report probe guest; with
-    /// --api-socket and no --kernel or --guest, serve Cloud Hypervisor's REST API and wait for
-    /// vm.create (docs/api.md).
+    /// --api-socket, serve Cloud Hypervisor's REST API beside it, or with no --kernel or
+    /// --guest wait for vm.create there (docs/api.md).
     Run(Box<RunArgs>),
     /// Report this host's KVM: backend, capabilities, CPUID interception, exit costs.
     Probe {
@@ -70,8 +70,8 @@ enum Cmd {
         #[command(subcommand)]
         what: pools_cmd::PoolsCmd,
     },
-    /// Talk to a running VM's control API (`lucid run --api-socket`): SymCalls, modules,
-    /// SymSpy, statistics (docs/symbiotic.md).
+    /// Talk to a running VM through the REST API's lucid.* endpoints (`lucid run
+    /// --api-socket`): SymCalls, modules, SymSpy, statistics (docs/api.md, docs/symbiotic.md).
     Sym(sym_cmd::SymArgs),
     /// Every running VMM whose API socket is in the run directory, live, as top shows
     /// processes: exits/s by reason, interrupts/s, I/O per device and its rung (docs/api.md).
@@ -198,10 +198,10 @@ struct RunArgs {
     /// SwapBypass and modules (docs/symbiotic.md).
     #[arg(long)]
     symbiotic: bool,
-    /// With --kernel or --guest: serve the control API on this Unix socket (`lucid sym --socket
-    /// PATH ...`: SymCalls, modules, SymSpy, statistics; docs/symbiotic.md). With neither:
-    /// serve Cloud Hypervisor's REST API here and wait for vm.create (docs/api.md). A stale
-    /// socket file is replaced; one another process listens on is refused.
+    /// Serve Cloud Hypervisor's REST API on this Unix socket (docs/api.md), with Lucid's own
+    /// endpoints (`lucid sym --socket PATH ...`). With --kernel or --guest the VM boots at once
+    /// and the API serves it; with neither it waits for vm.create. A stale socket file is
+    /// replaced; one another process listens on is refused.
     #[arg(long, value_name = "PATH")]
     api_socket: Option<PathBuf>,
 }
@@ -353,7 +353,7 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
         if let Some(flag) = vm_flag_given(&args) {
             return Err(CliError::RestFlag(flag));
         }
-        return Ok(exit(rest::RestServer::bind(socket)?.serve()));
+        return Ok(exit(rest::RestServer::bind(socket)?.serve().code));
     }
     let builtin_default = args.config.is_none() && args.kernel.is_none() && args.guest.is_none();
     let mut config = match &args.config {
@@ -373,10 +373,20 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
         return Ok(ExitCode::SUCCESS);
     }
 
+    // The REST API beside the VM, bound before the VM's threads start: they inherit the signal
+    // mask through which the server, not the VM, takes SIGINT and SIGTERM, and a socket in use
+    // fails the run before the guest runs.
+    let server = match config.api.socket.take() {
+        Some(path) => {
+            config.machine.handle_signals = false;
+            Some(rest::RestServer::bind(&path)?)
+        }
+        None => None,
+    };
     // Checked before the run, not after it: a typo in the path should not cost a whole run.
     let stats_file = create_stats_file("--stats-json", &args.stats_json)?;
     let prom_file = create_stats_file("--stats-prom", &args.stats_prom)?;
-    let built = Vm::build(config);
+    let built = Vm::build(config.clone());
     if built.is_err() {
         for path in [&args.stats_json, &args.stats_prom].into_iter().flatten() {
             let _ = std::fs::remove_file(path);
@@ -390,8 +400,27 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
         );
     }
     vm.start()?;
-    vm.confine_caller()?;
-    let report = vm.wait();
+    let (report, code) = match server {
+        Some(mut server) => {
+            server.adopt(vm, config);
+            let served = server.serve();
+            match served.report {
+                Some(report) => (report, served.code),
+                None => return Ok(exit(served.code)),
+            }
+        }
+        None => {
+            vm.confine_caller()?;
+            let report = vm.wait();
+            // The built-in host report succeeds with exit status 0 when the guest reports
+            // success (0); every other run follows QEMU's debug-exit convention.
+            let code = match report.stop {
+                StopReason::DebugExit(0) if builtin_default => 0,
+                _ => report.exit_code(),
+            };
+            (report, code)
+        }
+    };
     for line in report.summary().lines() {
         log::info!("{line}");
     }
@@ -406,13 +435,7 @@ fn run(args: RunArgs) -> Result<ExitCode, CliError> {
     if let StopReason::Error(e) = &report.stop {
         log::error!("{}", lucid_vmm::error_chain(e.as_ref()));
     }
-    // The built-in host report succeeds with exit status 0 when the guest reports success (0);
-    // every other run follows QEMU's debug-exit convention.
-    let code = match report.stop {
-        StopReason::DebugExit(0) if builtin_default => 0,
-        _ => report.exit_code(),
-    };
-    Ok(ExitCode::from(code as u8))
+    Ok(exit(code))
 }
 
 /// `--config FILE`: the VM as JSON, a built-in guest's image filled in by its name.

@@ -1,16 +1,18 @@
-//! `lucid sym --socket PATH <cmd>`: the client of a running VM's control API (`lucid run
-//! --api-socket PATH`, docs/symbiotic.md): SymCalls, modules, the SymSpy pages and the
-//! statistics. One request, one reply (the API's own types, `lucid_vmm::api::proto`); `--json`
-//! prints the reply as the API sent it.
+//! `lucid sym --socket PATH <cmd>`: a client of the REST API (`lucid run --api-socket PATH`,
+//! docs/api.md) for Lucid's own endpoints, `/api/v1/lucid.*`: SymCalls, modules, the SymSpy
+//! pages and the statistics, and `vmm.shutdown` to stop. One HTTP/1.1 request per connection
+//! (the API's own types, `lucid_vmm::api::proto`); `--json` prints the answer's body as the
+//! API sent it.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use lucid_vmm::api::proto::{
-    CallName, Counters, ModuleInfo, ModuleList, Reply, Request, Stopping, SymReturn, Unloaded,
+    CallName, Counters, ModuleInfo, ModuleList, ModuleLoad, ModuleUnload, SymReturn, Symcall,
+    Unloaded,
 };
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -18,13 +20,15 @@ use serde_json::Value;
 /// How long the client waits for a reply (a SymCall is bounded by its timeout, 1 s by default
 /// and at most 10 s, a module load by the guest loader's timeout).
 const REPLY_PATIENCE: Duration = Duration::from_secs(30);
+/// The largest reply read (the statistics of a big VM are some 100 KiB).
+const MAX_REPLY: u64 = 64 << 20;
 
 #[derive(clap::Args)]
 pub struct SymArgs {
-    /// The VM's control socket (`lucid run --api-socket PATH`).
+    /// The VMM's API socket (`lucid run --api-socket PATH`).
     #[arg(long, value_name = "PATH")]
     socket: PathBuf,
-    /// Print the API's JSON reply as is.
+    /// Print the body of the API's answer as is.
     #[arg(long, global = true)]
     json: bool,
     #[command(subcommand)]
@@ -64,9 +68,9 @@ enum SymCmd {
     Modules,
     /// The SymSpy pages the guest registered, and their fields.
     Spy,
-    /// The VM's statistics (the counters of --stats-json).
+    /// The VMM's and the VM's statistics (the counters of --stats-json, and rest.*).
     Stats,
-    /// Stop the VM.
+    /// Stop the VM and the VMM (`vmm.shutdown`).
     Stop,
 }
 
@@ -78,9 +82,32 @@ fn number(s: &str) -> Result<u64, String> {
     .map_err(|_| format!("{s:?} is not a number (decimal or 0x hex)"))
 }
 
+/// One API request: method, endpoint under `/api/v1/`, body.
+struct ApiRequest {
+    method: &'static str,
+    endpoint: &'static str,
+    body: Option<Value>,
+}
+
+fn put(endpoint: &'static str, body: impl serde::Serialize) -> Result<ApiRequest, String> {
+    Ok(ApiRequest {
+        method: "PUT",
+        endpoint,
+        body: Some(serde_json::to_value(body).map_err(|e| e.to_string())?),
+    })
+}
+
+fn get(endpoint: &'static str) -> ApiRequest {
+    ApiRequest {
+        method: "GET",
+        endpoint,
+        body: None,
+    }
+}
+
 /// The request of `cmd`.
-fn request(cmd: &SymCmd) -> Result<Request, String> {
-    Ok(match cmd {
+fn request(cmd: &SymCmd) -> Result<ApiRequest, String> {
+    match cmd {
         SymCmd::Call {
             vcpu,
             call,
@@ -102,93 +129,145 @@ fn request(cmd: &SymCmd) -> Result<Request, String> {
                 Ok(n) => CallName::Number(n),
                 Err(_) => CallName::Name(call.clone()),
             };
-            Request::Symcall {
-                vcpu: *vcpu,
-                call,
-                args,
-                timeout_ms: *timeout_ms,
-            }
+            put(
+                "lucid.symcall",
+                Symcall {
+                    vcpu: *vcpu,
+                    call,
+                    args,
+                    timeout_ms: *timeout_ms,
+                },
+            )
         }
         SymCmd::Load {
             file,
             builtin,
             read_only,
-        } => match (file, builtin) {
-            (_, Some(name)) => Request::ModuleLoad {
-                path: None,
-                builtin: Some(name.clone()),
-                read_only: *read_only,
-            },
-            (Some(f), None) => Request::ModuleLoad {
-                // Lucid resolves paths from its own working directory.
-                path: Some(
-                    std::fs::canonicalize(f)
-                        .map_err(|e| format!("module file {}: {e}", f.display()))?,
-                ),
-                builtin: None,
-                read_only: *read_only,
-            },
-            (None, None) => return Err("load: give a FILE or --builtin NAME".into()),
-        },
-        SymCmd::Unload { id } => Request::ModuleUnload { id: *id },
-        SymCmd::Modules => Request::Modules,
-        SymCmd::Spy => Request::Spy,
-        SymCmd::Stats => Request::Stats,
-        SymCmd::Stop => Request::Stop,
-    })
+        } => {
+            let load = match (file, builtin) {
+                (_, Some(name)) => ModuleLoad {
+                    path: None,
+                    builtin: Some(name.clone()),
+                    read_only: *read_only,
+                },
+                (Some(f), None) => ModuleLoad {
+                    // Lucid resolves paths from its own working directory.
+                    path: Some(
+                        std::fs::canonicalize(f)
+                            .map_err(|e| format!("module file {}: {e}", f.display()))?,
+                    ),
+                    builtin: None,
+                    read_only: *read_only,
+                },
+                (None, None) => return Err("load: give a FILE or --builtin NAME".into()),
+            };
+            put("lucid.module-load", load)
+        }
+        SymCmd::Unload { id } => put("lucid.module-unload", ModuleUnload { id: *id }),
+        SymCmd::Modules => Ok(get("lucid.modules")),
+        SymCmd::Spy => Ok(get("lucid.spy")),
+        SymCmd::Stats => Ok(get("lucid.stats")),
+        SymCmd::Stop => Ok(ApiRequest {
+            method: "PUT",
+            endpoint: "vmm.shutdown",
+            body: None,
+        }),
+    }
 }
 
-/// Sends one request and returns the reply line.
-fn exchange(socket: &std::path::Path, req: &Request) -> Result<String, String> {
-    let at = || format!("the control API at {}", socket.display());
+/// Sends `req` over a connection of its own; the status and the body of the answer.
+fn exchange(socket: &std::path::Path, req: &ApiRequest) -> Result<(u16, String), String> {
+    let at = || format!("the API at {}", socket.display());
     let mut s = UnixStream::connect(socket).map_err(|e| {
         format!(
-            "cannot connect to {}: {e} (is the VM running with --api-socket?)",
+            "cannot connect to {}: {e} (is Lucid running with --api-socket?)",
             at()
         )
     })?;
-    s.set_read_timeout(Some(REPLY_PATIENCE))
-        .map_err(|e| e.to_string())?;
-    let mut line = serde_json::to_string(req).map_err(|e| e.to_string())?;
-    line.push('\n');
-    s.write_all(line.as_bytes())
+    for t in [
+        s.set_read_timeout(Some(REPLY_PATIENCE)),
+        s.set_write_timeout(Some(REPLY_PATIENCE)),
+    ] {
+        t.map_err(|e| e.to_string())?;
+    }
+    let body = req.body.as_ref().map(Value::to_string).unwrap_or_default();
+    let head = format!(
+        "{} /api/v1/{} HTTP/1.1\r\nHost: localhost\r\nAccept: application/json\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        req.method,
+        req.endpoint,
+        body.len()
+    );
+    s.write_all((head + &body).as_bytes())
         .map_err(|e| format!("cannot send to {}: {e}", at()))?;
-    let mut reply = String::new();
-    BufReader::new(s)
-        .read_line(&mut reply)
+    // The server closes each connection after its response.
+    let mut reply = Vec::new();
+    (&mut s)
+        .take(MAX_REPLY)
+        .read_to_end(&mut reply)
         .map_err(|e| format!("no reply from {}: {e}", at()))?;
     if reply.is_empty() {
         return Err(format!("{} closed the connection without a reply", at()));
     }
-    Ok(reply.trim_end().to_string())
+    response(&reply).map_err(|e| format!("bad reply from {}: {e}", at()))
+}
+
+/// The status and the body of one HTTP response, parsed by `httparse`.
+fn response(bytes: &[u8]) -> Result<(u16, String), String> {
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut r = httparse::Response::new(&mut headers);
+    let head = match r.parse(bytes).map_err(|e| e.to_string())? {
+        httparse::Status::Complete(n) => n,
+        httparse::Status::Partial => return Err("cut off in its headers".into()),
+    };
+    let len = r
+        .headers
+        .iter()
+        .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+        .and_then(|h| std::str::from_utf8(h.value).ok()?.trim().parse().ok())
+        .unwrap_or(bytes.len() - head);
+    let body = bytes
+        .get(head..head + len)
+        .ok_or("shorter than its Content-Length")?;
+    let body = String::from_utf8(body.to_vec()).map_err(|_| "a body that is not UTF-8")?;
+    Ok((r.code.unwrap_or_default(), body))
 }
 
 pub fn run(a: SymArgs) -> Result<ExitCode, String> {
     let req = request(&a.cmd)?;
-    let line = exchange(&a.socket, &req)?;
-    // Decoded also for --json: a refusal is an error either way.
-    let text = human(&a.cmd, &line)?;
+    let (status, body) = exchange(&a.socket, &req)?;
+    if status >= 400 {
+        return Err(refusal(status, &body));
+    }
+    // Decoded also for --json: an answer the client cannot read is an error either way.
+    let text = human(&a.cmd, &body)?;
     if a.json {
-        println!("{line}");
+        println!("{body}");
     } else {
         print!("{text}");
     }
     Ok(ExitCode::SUCCESS)
 }
 
-/// The answer in a reply line, or the API's error.
-fn answer<T: DeserializeOwned>(line: &str) -> Result<T, String> {
-    serde_json::from_str::<Reply<T>>(line)
-        .map_err(|e| format!("bad reply {line:?}: {e}"))?
-        .into_result()
+/// The API's refusal in words: Cloud Hypervisor's body is a JSON array of messages.
+fn refusal(status: u16, body: &str) -> String {
+    match serde_json::from_str::<Vec<String>>(body) {
+        Ok(msgs) if !msgs.is_empty() => msgs.join(": "),
+        _ => format!("the API answered {status}: {body}"),
+    }
 }
 
-/// The reply as text: `key=value` lines (the tests parse them), a table for the modules.
-fn human(cmd: &SymCmd, line: &str) -> Result<String, String> {
+/// The answer in a body.
+fn answer<T: DeserializeOwned>(body: &str) -> Result<T, String> {
+    serde_json::from_str::<T>(body).map_err(|e| format!("bad answer {body:?}: {e}"))
+}
+
+/// The answer as text: `key=value` lines (the tests parse them), a table for the modules.
+fn human(cmd: &SymCmd, body: &str) -> Result<String, String> {
     let mut out = String::new();
     match cmd {
         SymCmd::Call { .. } => {
-            let r: SymReturn = answer(line)?;
+            let r: SymReturn = answer(body)?;
             let [v0, v1] = r.values;
             out += &format!("status={}\n", r.status);
             out += &format!("value0={v0} ({v0:#x})\n");
@@ -196,18 +275,15 @@ fn human(cmd: &SymCmd, line: &str) -> Result<String, String> {
             out += &format!("exits={}\n", r.exits);
             out += &format!("ns={}\n", r.ns);
         }
-        SymCmd::Load { .. } => module_lines(&mut out, &answer(line)?),
+        SymCmd::Load { .. } => module_lines(&mut out, &answer(body)?),
         SymCmd::Unload { .. } => {
-            let u: Unloaded = answer(line)?;
+            let u: Unloaded = answer(body)?;
             out += &format!("unloaded={}\n", u.id);
         }
-        SymCmd::Modules => out += &modules_table(&answer::<ModuleList>(line)?.modules),
-        SymCmd::Spy => flat(&mut out, "", &answer::<Value>(line)?, &[]),
-        SymCmd::Stats => flat(&mut out, "", &answer::<Counters>(line)?.counters, &[]),
-        SymCmd::Stop => {
-            answer::<Stopping>(line)?;
-            out += "stopping\n";
-        }
+        SymCmd::Modules => out += &modules_table(&answer::<ModuleList>(body)?.modules),
+        SymCmd::Spy => flat(&mut out, "", &answer::<Value>(body)?, &[]),
+        SymCmd::Stats => flat(&mut out, "", &answer::<Counters>(body)?.counters, &[]),
+        SymCmd::Stop => out += "stopping\n",
     }
     Ok(out)
 }
@@ -268,7 +344,7 @@ mod tests {
     use serde_json::json;
 
     fn wire(cmd: &SymCmd) -> Result<Value, String> {
-        request(cmd).map(|r| serde_json::to_value(r).unwrap())
+        request(cmd).map(|r| r.body.unwrap_or(Value::Null))
     }
 
     #[test]
@@ -279,9 +355,10 @@ mod tests {
             args: vec!["1".into(), "0x10".into()],
             timeout_ms: None,
         };
+        assert_eq!(request(&call).unwrap().endpoint, "lucid.symcall");
         assert_eq!(
             wire(&call).unwrap(),
-            json!({"op":"symcall","vcpu":1,"call":"echo","args":[1,16]})
+            json!({"vcpu":1,"call":"echo","args":[1,16]})
         );
         let call = SymCmd::Call {
             vcpu: 0,
@@ -312,13 +389,29 @@ mod tests {
         };
         assert_eq!(
             wire(&load).unwrap(),
-            json!({"op":"module_load","builtin":"hello","read_only":true})
+            json!({"builtin":"hello","read_only":true})
         );
+        let stop = request(&SymCmd::Stop).unwrap();
+        assert_eq!((stop.method, stop.endpoint), ("PUT", "vmm.shutdown"));
+        assert!(stop.body.is_none());
+        assert_eq!(request(&SymCmd::Spy).unwrap().method, "GET");
+    }
+
+    #[test]
+    fn responses_and_refusals() {
+        let ok = b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\n{\"id\":3}";
+        assert_eq!(response(ok).unwrap(), (200, "{\"id\":3}".into()));
+        let bad = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 9\r\n\r\n[\"a\",\"b\"]";
+        let (status, body) = response(bad).unwrap();
+        assert_eq!(refusal(status, &body), "a: b");
+        assert_eq!(refusal(500, "oops"), "the API answered 500: oops");
+        assert!(response(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n{}").is_err());
+        assert!(response(b"HTTP/1.1 200 OK\r\n").is_err());
     }
 
     #[test]
     fn the_modules_table_lines_up() {
-        let r = json!({"ok":true,"modules":[
+        let r = json!({"modules":[
             {"id":1,"name":"hello","base":0x800000,"size":202,"read_only":false,"init_result":7,"load_us":3},
             {"id":12,"name":"counter","base":0x7000_0000u64,"size":8,"read_only":true,"init_result":512,"load_us":4},
         ]});
@@ -328,10 +421,9 @@ mod tests {
         assert!(lines.iter().all(|l| l.len() == lines[0].len()), "{text}");
         assert!(lines[2].contains("counter") && lines[2].contains("0x70000000"));
         assert!(lines[2].contains(" yes "), "{text}");
-        let none = human(&SymCmd::Modules, r#"{"ok":true,"modules":[]}"#).unwrap();
+        let none = human(&SymCmd::Modules, r#"{"modules":[]}"#).unwrap();
         assert_eq!(none, "no modules loaded\n");
-        let refused = human(&SymCmd::Modules, r#"{"ok":false,"error":"no --symbiotic"}"#);
-        assert_eq!(refused.unwrap_err(), "no --symbiotic");
+        assert!(human(&SymCmd::Modules, "[]").is_err());
     }
 
     #[test]

@@ -1,8 +1,7 @@
-//! The control API's wire types, shared by the server ([`super::ApiServer`]) and its client
-//! (`lucid sym`): one JSON object per line each way.
-//!
-//! A request names its operation in `op` ([`Request`]). A reply is a [`Reply`]: `"ok":true`
-//! beside the fields of the operation's answer, or `"ok":false` and an `error` in words.
+//! The wire types of Lucid's `/api/v1/lucid.*` endpoints (docs/api.md), shared by the VMM
+//! side ([`super`]) and the client (`lucid sym`): a request body is a JSON object of the
+//! operation's fields (unknown fields refused), an answer is the operation's JSON object; a
+//! refusal is Cloud Hypervisor's error body, a JSON array of messages.
 
 use std::path::PathBuf;
 
@@ -12,42 +11,39 @@ use serde_json::Value;
 
 pub use crate::sym::{ModuleInfo, SymReturn};
 
-/// One request line.
+/// `PUT lucid.symcall`: runs a SymCall on `vcpu`; answered by a [`SymReturn`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
-pub enum Request {
-    /// Runs a SymCall on `vcpu`; answered by a [`SymReturn`].
-    Symcall {
-        #[serde(default)]
-        vcpu: u32,
-        call: CallName,
-        /// Up to 5 (rdi, rsi, rdx, r10, r8).
-        #[serde(default)]
-        args: Vec<u64>,
-        /// The call's time bound in ms (default: the VM's, `Symbiotic::call_limits`).
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        timeout_ms: Option<u64>,
-    },
-    /// Loads a module from a file Lucid reads, or a built-in one; answered by a
-    /// [`ModuleInfo`].
-    ModuleLoad {
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        path: Option<PathBuf>,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        builtin: Option<String>,
-        #[serde(default)]
-        read_only: bool,
-    },
-    /// Answered by [`Unloaded`].
-    ModuleUnload { id: u32 },
-    /// Answered by [`ModuleList`].
-    Modules,
-    /// Answered by the SymSpy pages (`Symbiotic::spy_snapshot`).
-    Spy,
-    /// Answered by [`Counters`].
-    Stats,
-    /// Answered by [`Stopping`].
-    Stop,
+#[serde(deny_unknown_fields)]
+pub struct Symcall {
+    #[serde(default)]
+    pub vcpu: u32,
+    pub call: CallName,
+    /// Up to 5 (rdi, rsi, rdx, r10, r8).
+    #[serde(default)]
+    pub args: Vec<u64>,
+    /// The call's time bound in ms (default: the VM's, `Symbiotic::call_limits`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+}
+
+/// `PUT lucid.module-load`: loads a module from a file Lucid reads, or a built-in one;
+/// answered by a [`ModuleInfo`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModuleLoad {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub builtin: Option<String>,
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+/// `PUT lucid.module-unload`; answered by [`Unloaded`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModuleUnload {
+    pub id: u32,
 }
 
 /// A SymCall by name (`echo`, `page_state`, `read_counter`, `slot_live`) or number.
@@ -85,160 +81,58 @@ pub fn call_number(name: &str) -> Result<u64, String> {
     })
 }
 
-/// One reply line: the answer's fields beside `ok`, or `error` when `ok` is false.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Reply<T> {
-    pub ok: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-    #[serde(flatten)]
-    pub answer: Option<T>,
-}
-
-impl<T> Reply<T> {
-    pub fn answer(answer: T) -> Self {
-        Reply {
-            ok: true,
-            error: None,
-            answer: Some(answer),
-        }
-    }
-
-    pub fn error(msg: impl Into<String>) -> Self {
-        Reply {
-            ok: false,
-            error: Some(msg.into()),
-            answer: None,
-        }
-    }
-
-    /// The answer, or the error the server gave.
-    pub fn into_result(self) -> Result<T, String> {
-        match (self.ok, self.answer) {
-            (true, Some(a)) => Ok(a),
-            (true, None) => Err("the API's reply has no answer".into()),
-            (false, _) => Err(self
-                .error
-                .unwrap_or_else(|| "the API refused the request without saying why".into())),
-        }
-    }
-}
-
-/// The answer to [`Request::ModuleUnload`].
+/// The answer to [`ModuleUnload`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Unloaded {
     pub id: u32,
 }
 
-/// The answer to [`Request::Modules`]: the modules loaded now.
+/// The answer to `GET lucid.modules`: the modules loaded now.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ModuleList {
     pub modules: Vec<ModuleInfo>,
 }
 
-/// The answer to [`Request::Stats`]: the counters as a tree (`lucid_stats::nest`).
+/// The answer to `GET lucid.stats`: the counters as a tree (`lucid_stats::nest`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Counters {
     pub counters: Value,
 }
-
-/// The answer to [`Request::Stop`]: nothing but `ok`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Stopping {}
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
 
-    fn parse(s: &str) -> Result<Request, String> {
-        serde_json::from_str(s).map_err(|e| e.to_string())
-    }
-
     #[test]
-    fn requests_parse_and_bad_ones_say_why() {
-        match parse(r#"{"op":"symcall","vcpu":1,"call":"echo","args":[1,2,3]}"#).unwrap() {
-            Request::Symcall {
-                vcpu,
-                call,
-                args,
-                timeout_ms,
-            } => {
-                assert_eq!((vcpu, call.number().unwrap(), args), (1, 0, vec![1, 2, 3]));
-                assert_eq!(timeout_ms, None);
-            }
-            r => panic!("{r:?}"),
-        }
-        match parse(r#"{"op":"symcall","call":257,"timeout_ms":5000}"#).unwrap() {
-            Request::Symcall {
-                vcpu,
-                call,
-                args,
-                timeout_ms,
-            } => {
-                assert_eq!((vcpu, call.number().unwrap(), args.len()), (0, 257, 0));
-                assert_eq!(timeout_ms, Some(5000));
-            }
-            r => panic!("{r:?}"),
-        }
-        assert!(matches!(
-            parse(r#"{"op":"module_load","path":"/x.o","read_only":true}"#).unwrap(),
-            Request::ModuleLoad {
-                read_only: true,
-                ..
-            }
-        ));
-        assert!(matches!(parse(r#"{"op":"stats"}"#), Ok(Request::Stats)));
-        let e = parse(r#"{"op":"frobnicate"}"#).unwrap_err();
-        assert!(e.contains("unknown variant `frobnicate`"), "{e}");
-        let e = parse(r#"{"op":"symcall","call":"echo","arg":[1]}"#).unwrap_err();
-        assert!(e.contains("unknown field `arg`"), "{e}");
-        assert!(parse("{not json").is_err());
-        assert!(parse(r#"{"op":"module_unload"}"#).is_err());
-    }
-
-    #[test]
-    fn requests_serialise_to_what_the_server_parses() {
-        let to = |r: &Request| serde_json::to_value(r).unwrap();
-        let call = Request::Symcall {
-            vcpu: 1,
-            call: CallName::Name("echo".into()),
-            args: vec![1, 16],
-            timeout_ms: None,
-        };
+    fn bodies_parse_and_bad_ones_say_why() {
+        let c: Symcall =
+            serde_json::from_value(json!({"vcpu":1,"call":"echo","args":[1,2,3]})).unwrap();
         assert_eq!(
-            to(&call),
-            json!({"op":"symcall","vcpu":1,"call":"echo","args":[1,16]})
+            (c.vcpu, c.call.number().unwrap(), c.args),
+            (1, 0, vec![1, 2, 3])
         );
-        let load = Request::ModuleLoad {
+        assert_eq!(c.timeout_ms, None);
+        let c: Symcall = serde_json::from_value(json!({"call":257,"timeout_ms":5000})).unwrap();
+        assert_eq!(
+            (c.vcpu, c.call.number().unwrap(), c.timeout_ms),
+            (0, 257, Some(5000))
+        );
+        let e = serde_json::from_value::<Symcall>(json!({"call":"echo","arg":[1]})).unwrap_err();
+        assert!(e.to_string().contains("unknown field `arg`"), "{e}");
+        let m: ModuleLoad =
+            serde_json::from_value(json!({"path":"/x.o","read_only":true})).unwrap();
+        assert!(m.read_only && m.builtin.is_none());
+        assert!(serde_json::from_value::<ModuleUnload>(json!({})).is_err());
+        let load = ModuleLoad {
             path: None,
             builtin: Some("hello".into()),
             read_only: true,
         };
         assert_eq!(
-            to(&load),
-            json!({"op":"module_load","builtin":"hello","read_only":true})
+            serde_json::to_value(&load).unwrap(),
+            json!({"builtin":"hello","read_only":true})
         );
-        assert_eq!(to(&Request::Stop), json!({"op":"stop"}));
-        for r in [call, load, Request::ModuleUnload { id: 3 }, Request::Spy] {
-            assert_eq!(parse(&serde_json::to_string(&r).unwrap()).unwrap(), r);
-        }
-    }
-
-    #[test]
-    fn replies_have_ok_beside_the_answer_or_an_error() {
-        let v = serde_json::to_value(Reply::answer(Unloaded { id: 4 })).unwrap();
-        assert_eq!(v, json!({"ok":true,"id":4}));
-        let v = serde_json::to_value(Reply::answer(Stopping {})).unwrap();
-        assert_eq!(v, json!({"ok":true}));
-        let v = serde_json::to_value(Reply::<Stopping>::error("no")).unwrap();
-        assert_eq!(v, json!({"ok":false,"error":"no"}));
-        let r: Reply<Unloaded> = serde_json::from_value(json!({"ok":true,"id":4})).unwrap();
-        assert_eq!(r.into_result(), Ok(Unloaded { id: 4 }));
-        let r: Reply<Unloaded> = serde_json::from_value(json!({"ok":false,"error":"x"})).unwrap();
-        assert_eq!(r.into_result(), Err("x".into()));
-        let r: Reply<Value> = serde_json::from_value(json!({"ok":true,"a":{"b":1}})).unwrap();
-        assert_eq!(r.into_result(), Ok(json!({"a":{"b":1}})));
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! The Cloud Hypervisor REST API (docs/api.md): `lucid run --api-socket PATH` with no payload
-//! serves HTTP/1.1 on the Unix socket and waits for `vm.create`, as Cloud Hypervisor does.
+//! The Cloud Hypervisor REST API (docs/api.md): `lucid run --api-socket PATH` serves HTTP/1.1
+//! on the Unix socket, with no payload waiting for `vm.create` as Cloud Hypervisor does, with
+//! one beside the VM the flags booted ([`RestServer::adopt`]).
 //!
 //! Requests are parsed by `httparse`; this module frames them (Content-Length only), caps
 //! them ([`MAX_HEAD`], [`MAX_BODY`]) and times them out ([`REQUEST_PATIENCE`]). The calling
@@ -9,6 +10,7 @@
 //! confined by seccomp (the VM's own threads are).
 
 pub mod config;
+mod ext;
 
 use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
@@ -19,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use lucid_stats::{Counter, StatsRegistry};
 use lucid_vmm::api::{ApiError, ApiSocket};
-use lucid_vmm::{StopReason, Vm, VmConfig};
+use lucid_vmm::{RunReport, StopReason, Vm, VmConfig};
 use serde_json::{json, Value};
 
 /// The longest request line and headers.
@@ -33,13 +35,21 @@ const WRITE_PATIENCE: Duration = Duration::from_secs(2);
 const PREFIX: &str = "/api/v1/";
 
 /// One HTTP response.
-struct Response {
+#[derive(Debug)]
+pub struct Response {
     status: u16,
     content_type: &'static str,
     body: String,
 }
 
 impl Response {
+    pub fn status(&self) -> u16 {
+        self.status
+    }
+    pub fn body(&self) -> &str {
+        &self.body
+    }
+
     fn json(status: u16, v: &Value) -> Response {
         Response {
             status,
@@ -81,8 +91,9 @@ enum VmState {
     Created,
     Running(Box<Vm>),
     Paused(Box<Vm>),
-    /// Stopped; its counters at the stop are kept for `vm.counters` and `/metrics`.
-    Shutdown(BTreeMap<String, u64>),
+    /// Stopped; its report (why, and the counters at the stop) is kept for `vm.counters`,
+    /// `/metrics` and the exit status of a flag-booted VM.
+    Shutdown(Box<RunReport>),
 }
 
 struct Managed {
@@ -151,26 +162,29 @@ impl Managed {
         }
     }
 
-    /// A VM whose guest ended by itself (or failed) is collected: it is Shutdown.
-    fn reap(&mut self) {
+    /// A VM whose guest ended by itself (or failed) is collected: it is Shutdown. True when
+    /// this call collected it.
+    fn reap(&mut self) -> bool {
         let ended = match &self.state {
             VmState::Running(vm) | VmState::Paused(vm) => vm.lifecycle().is_stopping(),
             _ => false,
         };
         if ended {
-            self.stop();
+            self.stop(StopReason::Shutdown);
         }
+        ended
     }
 
-    /// Stops a running or paused VM and keeps its last counters.
-    fn stop(&mut self) {
+    /// Stops a running or paused VM for `why` (unless it was stopping already) and keeps its
+    /// report.
+    fn stop(&mut self, why: StopReason) {
         let state = std::mem::replace(&mut self.state, VmState::Created);
         self.state = match state {
             VmState::Running(vm) | VmState::Paused(vm) => {
-                vm.stop(StopReason::Shutdown);
+                vm.stop(why);
                 let report = vm.wait();
-                log::info!("REST API: the VM stopped: {:?}", report.stop);
-                VmState::Shutdown(report.counters)
+                log::info!("REST API: the VM stopped: {}", report.stop_text());
+                VmState::Shutdown(Box::new(report))
             }
             other => other,
         };
@@ -179,7 +193,7 @@ impl Managed {
     fn counters(&self) -> BTreeMap<String, u64> {
         match &self.state {
             VmState::Running(vm) | VmState::Paused(vm) => vm.stats().snapshot(),
-            VmState::Shutdown(c) => c.clone(),
+            VmState::Shutdown(r) => r.counters.clone(),
             VmState::Created => BTreeMap::new(),
         }
     }
@@ -233,9 +247,31 @@ struct RestCounters {
 pub struct RestServer {
     sock: ApiSocket,
     signals: StopSignals,
+    /// Readable once a VM of this server stops by itself (its lifecycle's kicker writes to
+    /// `stopped_tx`), so that the server collects it without waiting for a request.
+    stopped_rx: UnixStream,
+    stopped_tx: UnixStream,
     vm: Option<Managed>,
+    /// The VM was booted from flags: the process ends with it, as `lucid run` without the API.
+    exit_with_guest: bool,
     stats: Arc<StatsRegistry>,
     counters: RestCounters,
+}
+
+/// How [`RestServer::serve`] ended.
+pub struct Served {
+    /// The process exit status: 0 after `vmm.shutdown`, 128 + n after signal n, the guest's
+    /// (`RunReport::exit_code`) when a flag-booted VM ended by itself.
+    pub code: i32,
+    /// The last run of the VM, when one ran and was not deleted.
+    pub report: Option<RunReport>,
+}
+
+/// What woke the server.
+enum Wake {
+    Client,
+    Signal(i32),
+    VmStopped,
 }
 
 impl RestServer {
@@ -243,11 +279,18 @@ impl RestServer {
     /// one refused.
     pub fn bind(path: &Path) -> Result<Self, ApiError> {
         let sock = ApiSocket::bind(path)?;
-        let signals = StopSignals::new().map_err(|source| ApiError::Io {
-            path: path.into(),
-            what: "take SIGINT and SIGTERM through a signalfd",
-            source,
-        })?;
+        let io = |what| {
+            let path = path.to_path_buf();
+            move |source| ApiError::Io { path, what, source }
+        };
+        let signals =
+            StopSignals::new().map_err(io("take SIGINT and SIGTERM through a signalfd"))?;
+        let (stopped_rx, stopped_tx) =
+            UnixStream::pair().map_err(io("make the VM-stopped wake-up pair"))?;
+        for s in [&stopped_rx, &stopped_tx] {
+            s.set_nonblocking(true)
+                .map_err(io("make the VM-stopped wake-up pair non-blocking"))?;
+        }
         let stats = StatsRegistry::new();
         let c = |n: &str| stats.counter(format!("rest.{n}"));
         let counters = RestCounters {
@@ -258,23 +301,81 @@ impl RestServer {
         Ok(RestServer {
             sock,
             signals,
+            stopped_rx,
+            stopped_tx,
             vm: None,
+            exit_with_guest: false,
             stats,
             counters,
         })
     }
 
-    /// Serves until `vmm.shutdown` (exit status 0) or SIGINT/SIGTERM (128 + the signal);
-    /// the VM, if any, is stopped on the way out and the socket file removed.
-    pub fn serve(mut self) -> i32 {
+    /// Serves beside `vm`, built from `config` and started by the caller (`lucid run` with a
+    /// payload): the VM is Running, `vm.info`'s `config` is Lucid's `VmConfig` JSON, and when
+    /// the guest ends by itself [`RestServer::serve`] returns with its exit status.
+    pub fn adopt(&mut self, vm: Vm, config: VmConfig) {
+        self.watch(&vm);
+        let body = serde_json::to_value(&config).unwrap_or(Value::Null);
+        self.vm = Some(Managed {
+            body,
+            config,
+            state: VmState::Running(Box::new(vm)),
+        });
+        self.exit_with_guest = true;
+    }
+
+    /// Wakes the server when `vm` stops (one byte per stop request; a full pipe is as good).
+    fn watch(&self, vm: &Vm) {
+        match self.stopped_tx.try_clone() {
+            Ok(tx) => vm.lifecycle().add_kicker(Box::new(move || {
+                let _ = (&tx).write(&[0]);
+            })),
+            Err(e) => log::warn!("REST API: the VM's stop is seen at the next request: {e}"),
+        }
+    }
+
+    /// Collects a VM that stopped by itself; its exit status when the process ends with it.
+    fn reap(&mut self) -> Option<i32> {
+        let mut drained = [0u8; 64];
+        while matches!((&self.stopped_rx).read(&mut drained), Ok(n) if n > 0) {}
+        let m = self.vm.as_mut()?;
+        if !m.reap() || !self.exit_with_guest {
+            return None;
+        }
+        match &m.state {
+            VmState::Shutdown(r) => Some(r.exit_code()),
+            _ => None,
+        }
+    }
+
+    /// Serves until `vmm.shutdown` (exit status 0), SIGINT/SIGTERM (128 + the signal) or,
+    /// for an adopted VM, the guest's end (its exit status); the VM, if any, is stopped on
+    /// the way out and the socket file removed.
+    pub fn serve(mut self) -> Served {
         log::info!(
-            "REST API (Cloud Hypervisor's) on {}: waiting for vm.create",
-            self.sock.path().display()
+            "REST API (Cloud Hypervisor's) on {}: {}",
+            self.sock.path().display(),
+            match self.vm {
+                Some(_) => "the VM runs",
+                None => "waiting for vm.create",
+            }
         );
-        let code = loop {
-            if let Some(sig) = self.signals.wait(self.sock.listener()) {
-                log::info!("signal {sig}: stopping the VMM");
-                break 128 + sig;
+        let (code, why) = loop {
+            match self.signals.wait(self.sock.listener(), &self.stopped_rx) {
+                Wake::Signal(sig) => {
+                    log::info!("signal {sig}: stopping the VMM");
+                    break (128 + sig, StopReason::Signal(sig));
+                }
+                Wake::VmStopped => {
+                    if let Some(code) = self.reap() {
+                        break (code, StopReason::Shutdown);
+                    }
+                    continue;
+                }
+                Wake::Client => {}
+            }
+            if let Some(code) = self.reap() {
+                break (code, StopReason::Shutdown);
             }
             let stream = match self.sock.listener().accept() {
                 Ok((s, _)) => s,
@@ -289,13 +390,17 @@ impl RestServer {
             };
             if self.connection(stream) {
                 log::info!("REST API: vmm.shutdown");
-                break 0;
+                break (0, StopReason::Shutdown);
             }
         };
-        if let Some(m) = &mut self.vm {
-            m.stop();
-        }
-        code
+        let report = self.vm.take().and_then(|mut m| {
+            m.stop(why);
+            match m.state {
+                VmState::Shutdown(r) => Some(*r),
+                _ => None,
+            }
+        });
+        Served { code, report }
     }
 
     /// Serves one request on `stream`; true after `vmm.shutdown`.
@@ -332,9 +437,6 @@ impl RestServer {
     }
 
     fn handle(&mut self, r: &Request) -> (Response, bool) {
-        if let Some(m) = &mut self.vm {
-            m.reap();
-        }
         let path = r.path.split('?').next().unwrap_or_default();
         if path == "/metrics" {
             return (self.method(r, "GET", Self::metrics), false);
@@ -367,6 +469,7 @@ impl RestServer {
             "vm.power-button" => self.method(r, "PUT", Self::power_button),
             "vm.reboot" => self.method(r, "PUT", Self::reboot),
             "vm.resize" => self.method(r, "PUT", Self::resize),
+            lucid if lucid.starts_with("lucid.") => self.lucid(r, lucid),
             "vm.add-device"
             | "vm.add-fs"
             | "vm.add-pmem"
@@ -439,7 +542,7 @@ impl RestServer {
     }
 
     fn boot(&mut self, _: &[u8]) -> Response {
-        let Some(m) = &mut self.vm else {
+        let Some(m) = &self.vm else {
             return no_vm("vm.boot");
         };
         match m.state {
@@ -449,7 +552,10 @@ impl RestServer {
         let built = Vm::build(m.config.clone()).and_then(|mut vm| vm.start().map(|()| vm));
         match built {
             Ok(vm) => {
-                m.state = VmState::Running(Box::new(vm));
+                self.watch(&vm);
+                if let Some(m) = &mut self.vm {
+                    m.state = VmState::Running(Box::new(vm));
+                }
                 Response::empty()
             }
             Err(e) => Response::error(500, format!("vm.boot: {}", lucid_vmm::error_chain(&e))),
@@ -542,7 +648,7 @@ impl RestServer {
         };
         match m.state {
             VmState::Running(_) | VmState::Paused(_) => {
-                m.stop();
+                m.stop(StopReason::Shutdown);
                 Response::empty()
             }
             _ => Response::error(
@@ -554,7 +660,7 @@ impl RestServer {
 
     fn delete(&mut self, _: &[u8]) -> Response {
         if let Some(mut m) = self.vm.take() {
-            m.stop();
+            m.stop(StopReason::Shutdown);
         }
         Response::empty()
     }
@@ -671,19 +777,16 @@ impl RestServer {
                 format!("vm.reboot: the VM is {}, not booted", m.state_name()),
             );
         }
-        m.stop();
-        let config = match rest_config(m.body.clone()) {
-            Ok(c) => c,
-            Err(e) => return Response::error(500, format!("vm.reboot: {e}")),
-        };
-        m.config = config;
-        match Vm::build(m.config.clone()).and_then(|mut vm| vm.start().map(|()| vm)) {
-            Ok(vm) => {
-                m.state = VmState::Running(Box::new(vm));
-                Response::empty()
+        m.stop(StopReason::Shutdown);
+        // A VM made by `vm.create` boots from its body, with the devices added since; one
+        // booted from flags from its configuration.
+        if m.body["payload"]["kernel"].is_string() {
+            match rest_config(m.body.clone()) {
+                Ok(c) => m.config = c,
+                Err(e) => return Response::error(500, format!("vm.reboot: {e}")),
             }
-            Err(e) => Response::error(500, format!("vm.reboot: {}", lucid_vmm::error_chain(&e))),
         }
+        self.boot(&[])
     }
 
     /// `vm.resize` (`desired_vcpus`, `desired_ram`, `desired_balloon`, in bytes): Lucid has
@@ -838,25 +941,27 @@ impl StopSignals {
         }
     }
 
-    /// Waits until `listener` has a client (None) or a stop signal came (Some(signal)).
-    fn wait(&self, listener: &std::os::unix::net::UnixListener) -> Option<i32> {
+    /// Waits until a stop signal came, the VM stopped (`stopped` is readable) or `listener`
+    /// has a client, in that order of precedence.
+    fn wait(&self, listener: &std::os::unix::net::UnixListener, stopped: &UnixStream) -> Wake {
         use std::os::fd::AsRawFd;
+        let pollfd = |fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
         let mut fds = [
-            libc::pollfd {
-                fd: listener.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: self.fd.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
+            pollfd(listener.as_raw_fd()),
+            pollfd(self.fd.as_raw_fd()),
+            pollfd(stopped.as_raw_fd()),
         ];
-        // SAFETY: poll on two valid descriptors in a local array of its stated length.
+        // SAFETY: poll on three valid descriptors in a local array of its stated length.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        if n > 0 && fds[1].revents == 0 && fds[2].revents != 0 {
+            return Wake::VmStopped;
+        }
         if n <= 0 || fds[1].revents == 0 {
-            return None;
+            return Wake::Client;
         }
         // SAFETY: signalfd_siginfo is plain data, valid all zeroes.
         let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
@@ -869,15 +974,28 @@ impl StopSignals {
                 size,
             )
         };
-        (got == size as isize).then_some(info.ssi_signo as i32)
+        match got == size as isize {
+            true => Wake::Signal(info.ssi_signo as i32),
+            false => Wake::Client,
+        }
     }
 }
 
 /// A request, framed.
-struct Request {
-    method: String,
-    path: String,
-    body: Vec<u8>,
+#[derive(Debug)]
+pub struct Request {
+    pub method: String,
+    pub path: String,
+    pub body: Vec<u8>,
+}
+
+/// What the bytes read so far hold.
+#[derive(Debug)]
+pub enum Parsed {
+    /// Not a whole request yet: read more.
+    Partial,
+    /// A whole request (bytes past its body are ignored: one request per connection).
+    Complete(Request),
 }
 
 /// Why no request was read.
@@ -888,99 +1006,96 @@ enum Framing {
     Refused(Response),
 }
 
+/// The framing of one request in `buf`, the bytes a client sent so far: `httparse` parses
+/// the head, the body is `Content-Length` bytes after it. A refusal is the response to send
+/// before closing (400, 413, 431), whatever more the client would send.
+pub fn parse_request(buf: &[u8]) -> Result<Parsed, Response> {
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut req = httparse::Request::new(&mut headers);
+    let head_len = match req.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => return Ok(Parsed::Partial),
+        Ok(httparse::Status::Partial) | Err(httparse::Error::TooManyHeaders) => {
+            return Err(Response::error(
+                431,
+                format!("the request line and headers are over {MAX_HEAD} bytes or 32 headers"),
+            ))
+        }
+        Err(e) => {
+            return Err(Response::error(
+                400,
+                format!("not an HTTP/1.1 request: {e}"),
+            ))
+        }
+    };
+    let mut body_len = 0usize;
+    for h in req.headers.iter() {
+        if h.name.eq_ignore_ascii_case("transfer-encoding") {
+            return Err(Response::error(
+                400,
+                "Transfer-Encoding is not supported: send the body with Content-Length",
+            ));
+        }
+        if h.name.eq_ignore_ascii_case("content-length") {
+            body_len = std::str::from_utf8(h.value)
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .ok_or_else(|| Response::error(400, "Content-Length is not a number"))?;
+        }
+    }
+    if body_len > MAX_BODY {
+        return Err(Response::error(
+            413,
+            format!("the body is {body_len} bytes; at most {MAX_BODY} are accepted"),
+        ));
+    }
+    if buf.len() - head_len < body_len {
+        return Ok(Parsed::Partial);
+    }
+    Ok(Parsed::Complete(Request {
+        method: req.method.unwrap_or_default().to_string(),
+        path: req.path.unwrap_or_default().to_string(),
+        body: buf[head_len..head_len + body_len].to_vec(),
+    }))
+}
+
+/// Reads from `s` until [`parse_request`] has a whole request or a refusal, within
+/// [`REQUEST_PATIENCE`].
 fn read_request(s: &mut UnixStream) -> Result<Request, Framing> {
     let deadline = Instant::now() + REQUEST_PATIENCE;
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 4096];
-    let mut read_more = |s: &mut UnixStream, buf: &mut Vec<u8>| -> Result<(), Framing> {
+    loop {
+        match parse_request(&buf) {
+            Ok(Parsed::Complete(r)) => return Ok(r),
+            Err(resp) => return Err(Framing::Refused(resp)),
+            Ok(Parsed::Partial) => {}
+        }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(timed_out());
         }
         let _ = s.set_read_timeout(Some(left));
-        loop {
-            match s.read(&mut chunk) {
-                Ok(0) => return Err(Framing::Gone),
-                Ok(n) => {
-                    buf.extend_from_slice(&chunk[..n]);
-                    return Ok(());
-                }
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                    return Err(timed_out())
-                }
-                Err(_) => return Err(Framing::Gone),
+        match s.read(&mut chunk) {
+            Ok(0) => return Err(Framing::Gone),
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                return Err(timed_out())
             }
+            Err(_) => return Err(Framing::Gone),
         }
-    };
-    let (method, path, head_len, body_len) = loop {
-        let mut headers = [httparse::EMPTY_HEADER; 32];
-        let mut req = httparse::Request::new(&mut headers);
-        match req.parse(&buf) {
-            Ok(httparse::Status::Complete(n)) => {
-                let mut len = 0usize;
-                for h in req.headers.iter() {
-                    if h.name.eq_ignore_ascii_case("transfer-encoding") {
-                        return Err(refused(
-                            400,
-                            "Transfer-Encoding is not supported: send the body with Content-Length",
-                        ));
-                    }
-                    if h.name.eq_ignore_ascii_case("content-length") {
-                        len = std::str::from_utf8(h.value)
-                            .ok()
-                            .and_then(|v| v.trim().parse().ok())
-                            .ok_or_else(|| refused(400, "Content-Length is not a number"))?;
-                    }
-                }
-                if len > MAX_BODY {
-                    return Err(refused(
-                        413,
-                        &format!("the body is {len} bytes; at most {MAX_BODY} are accepted"),
-                    ));
-                }
-                break (
-                    req.method.unwrap_or_default().to_string(),
-                    req.path.unwrap_or_default().to_string(),
-                    n,
-                    len,
-                );
-            }
-            Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => read_more(s, &mut buf)?,
-            Ok(httparse::Status::Partial) | Err(httparse::Error::TooManyHeaders) => {
-                return Err(refused(
-                    431,
-                    &format!(
-                        "the request line and headers are over {MAX_HEAD} bytes or 32 headers"
-                    ),
-                ))
-            }
-            Err(e) => return Err(refused(400, &format!("not an HTTP/1.1 request: {e}"))),
-        }
-    };
-    while buf.len() < head_len + body_len {
-        read_more(s, &mut buf)?;
     }
-    buf.truncate(head_len + body_len);
-    Ok(Request {
-        method,
-        path,
-        body: buf.split_off(head_len),
-    })
-}
-
-fn refused(status: u16, msg: &str) -> Framing {
-    Framing::Refused(Response::error(status, msg))
 }
 
 fn timed_out() -> Framing {
-    refused(
+    Framing::Refused(Response::error(
         408,
-        &format!(
+        format!(
             "the request was not complete within {} s",
             REQUEST_PATIENCE.as_secs()
         ),
-    )
+    ))
 }
 
 fn write_response(s: &mut UnixStream, r: &Response) -> std::io::Result<()> {
@@ -997,4 +1112,55 @@ fn write_response(s: &mut UnixStream, r: &Response) -> std::io::Result<()> {
     out += &r.body;
     s.write_all(out.as_bytes())?;
     s.flush()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn complete(b: &[u8]) -> Request {
+        match parse_request(b) {
+            Ok(Parsed::Complete(r)) => r,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn refusal(b: &[u8]) -> u16 {
+        parse_request(b).expect_err("refused").status()
+    }
+
+    #[test]
+    fn framing_takes_whole_requests_and_refuses_what_it_cannot_serve() {
+        let r = complete(b"PUT /api/v1/vm.create HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}extra");
+        assert_eq!(
+            (r.method.as_str(), r.path.as_str()),
+            ("PUT", "/api/v1/vm.create")
+        );
+        assert_eq!(r.body, b"{}");
+        assert!(complete(b"GET /metrics HTTP/1.1\r\n\r\n").body.is_empty());
+        for partial in [
+            &b""[..],
+            b"GET /api/v1/vmm.ping HTTP/1.1\r\n",
+            b"PUT /x HTTP/1.1\r\nContent-Length: 5\r\n\r\nabc",
+        ] {
+            assert!(matches!(parse_request(partial), Ok(Parsed::Partial)));
+        }
+        assert_eq!(refusal(b"\x00\x01 nonsense\r\n\r\n"), 400);
+        assert_eq!(
+            refusal(b"PUT /x HTTP/1.1\r\nContent-Length: x\r\n\r\n"),
+            400
+        );
+        assert_eq!(
+            refusal(b"PUT /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"),
+            400
+        );
+        let big = format!(
+            "PUT /x HTTP/1.1\r\nContent-Length: {}\r\n\r\n",
+            MAX_BODY + 1
+        );
+        assert_eq!(refusal(big.as_bytes()), 413);
+        let mut long = b"GET /".to_vec();
+        long.resize(MAX_HEAD + 1, b'a');
+        assert_eq!(refusal(&long), 431);
+    }
 }
