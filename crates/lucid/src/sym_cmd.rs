@@ -4,8 +4,6 @@
 //! (the API's own types, `lucid_vmm::api::proto`); `--json` prints the answer's body as the
 //! API sent it.
 
-use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -20,8 +18,6 @@ use serde_json::Value;
 /// How long the client waits for a reply (a SymCall is bounded by its timeout, 1 s by default
 /// and at most 10 s, a module load by the guest loader's timeout).
 const REPLY_PATIENCE: Duration = Duration::from_secs(30);
-/// The largest reply read (the statistics of a big VM are some 100 KiB).
-const MAX_REPLY: u64 = 64 << 20;
 
 #[derive(clap::Args)]
 pub struct SymArgs {
@@ -175,62 +171,21 @@ fn request(cmd: &SymCmd) -> Result<ApiRequest, String> {
     }
 }
 
-/// Sends `req` over a connection of its own; the status and the body of the answer.
+/// Sends `req` over a connection of its own (`lucid_bench::http`, the client `lucid top` and
+/// the benchmarks use too); the status and the body of the answer.
 fn exchange(socket: &std::path::Path, req: &ApiRequest) -> Result<(u16, String), String> {
-    let at = || format!("the API at {}", socket.display());
-    let mut s = UnixStream::connect(socket).map_err(|e| {
-        format!(
-            "cannot connect to {}: {e} (is Lucid running with --api-socket?)",
-            at()
-        )
-    })?;
-    for t in [
-        s.set_read_timeout(Some(REPLY_PATIENCE)),
-        s.set_write_timeout(Some(REPLY_PATIENCE)),
-    ] {
-        t.map_err(|e| e.to_string())?;
-    }
-    let body = req.body.as_ref().map(Value::to_string).unwrap_or_default();
-    let head = format!(
-        "{} /api/v1/{} HTTP/1.1\r\nHost: localhost\r\nAccept: application/json\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-        req.method,
-        req.endpoint,
-        body.len()
-    );
-    s.write_all((head + &body).as_bytes())
-        .map_err(|e| format!("cannot send to {}: {e}", at()))?;
-    // The server closes each connection after its response.
-    let mut reply = Vec::new();
-    (&mut s)
-        .take(MAX_REPLY)
-        .read_to_end(&mut reply)
-        .map_err(|e| format!("no reply from {}: {e}", at()))?;
-    if reply.is_empty() {
-        return Err(format!("{} closed the connection without a reply", at()));
-    }
-    response(&reply).map_err(|e| format!("bad reply from {}: {e}", at()))
-}
-
-/// The status and the body of one HTTP response, parsed by `httparse`.
-fn response(bytes: &[u8]) -> Result<(u16, String), String> {
-    let mut headers = [httparse::EMPTY_HEADER; 32];
-    let mut r = httparse::Response::new(&mut headers);
-    let head = match r.parse(bytes).map_err(|e| e.to_string())? {
-        httparse::Status::Complete(n) => n,
-        httparse::Status::Partial => return Err("cut off in its headers".into()),
-    };
-    let len = r
-        .headers
-        .iter()
-        .find(|h| h.name.eq_ignore_ascii_case("content-length"))
-        .and_then(|h| std::str::from_utf8(h.value).ok()?.trim().parse().ok())
-        .unwrap_or(bytes.len() - head);
-    let body = bytes
-        .get(head..head + len)
-        .ok_or("shorter than its Content-Length")?;
-    let body = String::from_utf8(body.to_vec()).map_err(|_| "a body that is not UTF-8")?;
-    Ok((r.code.unwrap_or_default(), body))
+    let body = req.body.as_ref().map(Value::to_string);
+    let path = format!("/api/v1/{}", req.endpoint);
+    let reply =
+        lucid_bench::http::request(socket, req.method, &path, body.as_deref(), REPLY_PATIENCE)
+            .map_err(|e| {
+                format!(
+                    "{} (is Lucid running with --api-socket?)",
+                    lucid_vmm::error_chain(&e)
+                )
+            })?;
+    let text = String::from_utf8(reply.body).map_err(|_| "a reply body that is not UTF-8")?;
+    Ok((reply.status, text))
 }
 
 pub fn run(a: SymArgs) -> Result<ExitCode, String> {
@@ -398,15 +353,9 @@ mod tests {
     }
 
     #[test]
-    fn responses_and_refusals() {
-        let ok = b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\n{\"id\":3}";
-        assert_eq!(response(ok).unwrap(), (200, "{\"id\":3}".into()));
-        let bad = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 9\r\n\r\n[\"a\",\"b\"]";
-        let (status, body) = response(bad).unwrap();
-        assert_eq!(refusal(status, &body), "a: b");
+    fn refusals() {
+        assert_eq!(refusal(400, r#"["a","b"]"#), "a: b");
         assert_eq!(refusal(500, "oops"), "the API answered 500: oops");
-        assert!(response(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n{}").is_err());
-        assert!(response(b"HTTP/1.1 200 OK\r\n").is_err());
     }
 
     #[test]
