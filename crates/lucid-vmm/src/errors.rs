@@ -61,6 +61,8 @@ pub enum VmmError {
     Swap(#[from] crate::swap::SwapError),
     #[error(transparent)]
     Api(#[from] crate::api::ApiError),
+    #[error(transparent)]
+    Jail(#[from] lucid_jail::JailError),
     #[error("no PCI device named {0}")]
     NoSuchDevice(String),
     #[error("a PCI device named {0} is already attached")]
