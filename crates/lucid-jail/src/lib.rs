@@ -421,3 +421,100 @@ mod tests {
         }
     }
 }
+
+/// The drop itself, in a child process (it cannot be undone): as root only.
+#[cfg(test)]
+mod drop_tests {
+    use super::*;
+    use std::io::Write;
+
+    const CHILD_ENV: &str = "LUCID_JAIL_TEST_CHILD";
+    const NAME: &str = "drop_tests::child_enters_the_jail";
+
+    fn status_field(key: &str) -> String {
+        let s = std::fs::read_to_string("/proc/thread-self/status").unwrap();
+        s.lines()
+            .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    }
+
+    #[test]
+    fn child_enters_the_jail() {
+        let Some(dir) = std::env::var_os(CHILD_ENV) else {
+            return;
+        };
+        let dir = PathBuf::from(dir);
+        let allowed = dir.join("allowed");
+        let c = JailConfig {
+            uid: 65534,
+            gid: 65534,
+            chroot: None,
+        };
+        let allow = [
+            Allow {
+                path: allowed.clone(),
+                access: Access::ReadWriteFile,
+            },
+            Allow {
+                path: "/proc/self".into(),
+                access: Access::ReadTree,
+            },
+        ];
+        let e = enter(&c, &allow).unwrap();
+        let (mut r, mut eu, mut s) = (0, 0, 0);
+        // SAFETY: getresuid writes three ids through valid pointers.
+        unsafe { libc::getresuid(&mut r, &mut eu, &mut s) };
+        assert_eq!((r, eu, s), (65534, 65534, 65534));
+        for key in ["CapEff", "CapPrm", "CapInh", "CapBnd", "CapAmb"] {
+            assert_eq!(status_field(key), "0000000000000000", "{key}");
+        }
+        assert_eq!(status_field("NoNewPrivs"), "1");
+        assert_eq!(status_field("Groups"), "65534");
+        // The allowed file opens for writing (it is world-writable, so only Landlock could
+        // refuse); a world-readable file elsewhere does not, where Landlock is enforced.
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&allowed)
+            .unwrap();
+        f.write_all(b"jailed").unwrap();
+        let other = std::fs::read(dir.join("other"));
+        match e.landlock_abi {
+            Some(_) => assert_eq!(
+                other.map_err(|e| e.kind()),
+                Err(std::io::ErrorKind::PermissionDenied)
+            ),
+            None => assert!(other.is_ok()),
+        }
+        eprintln!("jail entered: landlock {:?}", e.landlock_abi);
+    }
+
+    #[test]
+    fn the_drop_leaves_no_privilege() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: the drop needs root");
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("lucid-jail-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for name in ["allowed", "other"] {
+            let p = dir.join(name);
+            std::fs::write(&p, b"x").unwrap();
+            std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o666))
+                .unwrap();
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
+            .env(CHILD_ENV, &dir)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{stdout}\n{stderr}");
+        assert!(stderr.contains("jail entered"), "{stdout}\n{stderr}");
+        assert_eq!(std::fs::read(dir.join("allowed")).unwrap(), b"jailed");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
