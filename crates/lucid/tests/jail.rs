@@ -1,0 +1,216 @@
+//! `--jail` on real KVM: the jailed VMM runs as the jail's user with no capabilities and
+//! no-new-privileges, in every thread, and its guest's disk and network work as without a jail;
+//! bad jail options are refused before anything runs.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::{disk, field, lucid, lucid_plain, tmp};
+
+const LIMIT: Duration = Duration::from_secs(120);
+const JAIL: &str = "uid=65534,gid=65534";
+
+/// `key:` of a `/proc/.../status` text, its tabs kept.
+fn status_line<'a>(status: &'a str, key: &str) -> &'a str {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .unwrap_or_else(|| panic!("no {key} in {status}"))
+}
+
+/// Runs `lucid args`, hands back its stdout up to the line starting with `until`, the
+/// `/proc/PID/status` of the process and of each of its threads (name, status) read then, and
+/// kills it.
+fn status_when(args: &[&str], until: &str) -> (String, String, Vec<(String, String)>) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lucid"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let deadline = Instant::now() + LIMIT;
+    let mut stdout = String::new();
+    while let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        stdout.push_str(&line);
+        stdout.push('\n');
+        if line.starts_with(until) {
+            break;
+        }
+    }
+    let pid = child.id();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let mut threads = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+    {
+        let t = t.unwrap().path();
+        let comm = std::fs::read_to_string(t.join("comm")).unwrap_or_default();
+        let st = std::fs::read_to_string(t.join("status")).unwrap_or_default();
+        threads.push((comm.trim().to_string(), st));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    drop(rx);
+    reader.join().unwrap();
+    assert!(
+        stdout.contains(until),
+        "the guest never printed {until:?}:\n{stdout}"
+    );
+    (stdout, status, threads)
+}
+
+#[test]
+fn the_jailed_vmm_runs_as_the_user_with_no_capabilities_and_its_disk_works() {
+    let img = disk("jail-blk", 8);
+    let (stdout, status, threads) = status_when(
+        &[
+            "run",
+            "--guest",
+            "virtio-blk",
+            "--blk",
+            &format!("path={},rung=L1", img.display()),
+            "--cmdline",
+            "op=write pattern=seq bs=4096 qd=4 count=128 verify=1 flush=1 hold=1 seed=0x5a",
+            "--jail",
+            JAIL,
+        ],
+        "virtio-blk: holding",
+    );
+    assert_eq!(status_line(&status, "Uid"), "\t65534\t65534\t65534\t65534");
+    assert_eq!(status_line(&status, "Gid"), "\t65534\t65534\t65534\t65534");
+    assert_eq!(status_line(&status, "Groups").trim(), "65534");
+    for key in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        assert_eq!(status_line(&status, key), "\t0000000000000000", "{key}");
+    }
+    assert_eq!(status_line(&status, "NoNewPrivs"), "\t1");
+    // Every thread: credentials are per thread, the drop reaches them all.
+    assert!(threads.len() >= 3, "{threads:?}");
+    for (name, st) in &threads {
+        assert_eq!(
+            status_line(st, "Uid"),
+            "\t65534\t65534\t65534\t65534",
+            "{name}"
+        );
+        for key in ["CapInh", "CapPrm", "CapEff", "CapAmb"] {
+            assert_eq!(status_line(st, key), "\t0000000000000000", "{name} {key}");
+        }
+        assert_eq!(status_line(st, "NoNewPrivs"), "\t1", "{name}");
+    }
+    // Threads started after the drop inherit its empty bounding set.
+    for name in ["lucid-vcpu0", "lucid-blk0-io"] {
+        let (_, st) = threads
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("no thread {name}: {threads:?}"));
+        assert_eq!(status_line(st, "CapBnd"), "\t0000000000000000", "{name}");
+    }
+    // The guest wrote, flushed and read back its disk through the jailed back-end.
+    assert_eq!(
+        field(&stdout, "virtio-blk op=", "ops"),
+        Some("128"),
+        "{stdout}"
+    );
+    assert_eq!(field(&stdout, "virtio-blk op=", "mismatches"), Some("0"));
+    assert!(stdout.contains("virtio-blk flush status=0"), "{stdout}");
+    let data = std::fs::read(&img).unwrap();
+    assert_eq!(u64::from_le_bytes(data[8..16].try_into().unwrap()), 0x5a);
+    std::fs::remove_file(img).unwrap();
+}
+
+#[test]
+fn the_jailed_guest_network_works_as_without_a_jail() {
+    let net = |jail: Option<&str>| {
+        let mut args = vec![
+            "run",
+            "--guest",
+            "virtio-net",
+            "--net",
+            "backend=echo,rung=L1",
+            "--cmdline",
+            "op=rr size=256 count=200 mode=irq",
+        ];
+        args.extend(jail.map(|j| ["--jail", j]).into_iter().flatten());
+        let o = lucid(&args, LIMIT);
+        assert!(!o.timed_out, "{jail:?}: Lucid hung");
+        o
+    };
+    let plain = net(None);
+    let jailed = net(Some(JAIL));
+    assert!(
+        jailed
+            .stderr
+            .contains("jail: running as uid 65534 gid 65534"),
+        "{}",
+        jailed.stderr
+    );
+    assert_eq!(jailed.status, plain.status, "{}", jailed.stderr);
+    assert_eq!(jailed.status, Some(1), "the guest's success status");
+    for o in [&plain, &jailed] {
+        assert_eq!(field(&o.stdout, "virtio-net op=", "packets"), Some("200"));
+        assert_eq!(field(&o.stdout, "virtio-net op=", "mismatches"), Some("0"));
+    }
+    // The statistics file, opened before the drop, is written after it.
+    assert_eq!(jailed.counter("net0.rx_packets"), 200);
+}
+
+#[test]
+fn a_chroot_jail_runs_the_guest() {
+    let root = tmp("jail-root");
+    std::fs::create_dir_all(&root).unwrap();
+    let o = lucid(
+        &[
+            "run",
+            "--guest",
+            "virtio-net",
+            "--net",
+            "backend=echo",
+            "--cmdline",
+            "op=rr size=64 count=20 mode=irq",
+            "--jail",
+            &format!("{JAIL},chroot={}", root.display()),
+        ],
+        LIMIT,
+    );
+    assert_eq!(o.status, Some(1), "{}", o.stderr);
+    assert!(o.stderr.contains("in chroot"), "{}", o.stderr);
+    assert_eq!(field(&o.stdout, "virtio-net op=", "mismatches"), Some("0"));
+    std::fs::remove_dir(root).unwrap();
+}
+
+#[test]
+fn bad_jail_options_are_refused_before_anything_runs() {
+    for (jail, says) in [
+        (
+            "uid=nobody,gid=65534",
+            "--jail uid=nobody: expected a numeric id",
+        ),
+        ("uid=65534", "gid=N is required"),
+        ("uid=65534,gid=65534,user=x", "unknown option \"user\""),
+        ("uid=0,gid=0", "uid=0 or gid=0 is root's"),
+        (
+            "uid=65534,gid=65534,chroot=/nonexistent/lucid-jail",
+            "chroot=/nonexistent/lucid-jail is not a directory",
+        ),
+    ] {
+        let o = lucid_plain(&["run", "--guest", "hello", "--jail", jail], LIMIT);
+        assert_eq!(o.status, Some(64), "{jail}: {}", o.stderr);
+        assert!(o.stderr.contains(says), "{jail}: {}", o.stderr);
+        assert!(!o.stderr.contains("panicked"), "{jail}: {}", o.stderr);
+    }
+}
