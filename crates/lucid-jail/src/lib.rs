@@ -141,19 +141,16 @@ pub fn enter(c: &JailConfig, allow: &[Allow]) -> Result<Entered, JailError> {
     no_new_privs()?;
     drop_bounding_set()?;
     // SAFETY: prctl with integer arguments only.
-    check(
-        unsafe {
-            libc::prctl(
-                libc::PR_CAP_AMBIENT,
-                libc::PR_CAP_AMBIENT_CLEAR_ALL,
-                0,
-                0,
-                0,
-            )
-        }
-        .into(),
-    )
-    .map_err(step("prctl(PR_CAP_AMBIENT_CLEAR_ALL)"))?;
+    let r = unsafe {
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL,
+            0,
+            0,
+            0,
+        )
+    };
+    check(r.into()).map_err(step("prctl(PR_CAP_AMBIENT_CLEAR_ALL)"))?;
     // glibc's set*id calls make every thread of the process take the change.
     // SAFETY: setgroups reads one gid from a live local; setresgid/setresuid take integers.
     unsafe {
