@@ -6,9 +6,9 @@ use crate::config::{PciDeviceKind, VmConfig};
 use crate::VmmError;
 
 /// Drops the process into jail `j`. Called once everything the VM opens at build time is open
-/// and the root-only techniques (memory limit, pools) are set up, before any vCPU thread
-/// starts: the vCPU threads, the device back-ends they start and every later thread inherit
-/// the whole jail.
+/// (the pools' cgroup files included) and the memory limit's pager and OOM guard run, before
+/// any vCPU thread starts: the vCPU threads, the device back-ends they start and the techniques
+/// that start after them inherit the whole jail.
 pub(crate) fn enter(j: &JailConfig, config: &VmConfig) -> Result<(), VmmError> {
     let allow = allowed_paths(config);
     let entered = lucid_jail::enter(j, &allow)?;
@@ -29,9 +29,9 @@ pub(crate) fn enter(j: &JailConfig, config: &VmConfig) -> Result<(), VmmError> {
 }
 
 /// What the VM may still open once jailed: its disk images (already open; listed so that a
-/// reopen of its own image is not refused), this process's own `/proc` directory (threads
-/// register and read their `/proc/thread-self` files as they start), and the API socket's
-/// directory, where the socket file is removed at exit.
+/// reopen of its own image is not refused), this process's own `/proc` directory (threads read
+/// their `/proc/thread-self` files as they start, the pools' monitor each thread's), the host's
+/// `/proc/meminfo`, and the API socket's directory, where the socket file is removed at exit.
 fn allowed_paths(config: &VmConfig) -> Vec<Allow> {
     let mut allow: Vec<Allow> = config
         .devices
@@ -51,6 +51,11 @@ fn allowed_paths(config: &VmConfig) -> Vec<Allow> {
     allow.push(Allow {
         path: "/proc/self".into(),
         access: Access::ReadTree,
+    });
+    // The balloon manager, which starts after the vCPUs, weighs the host's available memory.
+    allow.push(Allow {
+        path: "/proc/meminfo".into(),
+        access: Access::ReadFile,
     });
     if let Some(dir) = config.api.socket.as_deref().and_then(|s| s.parent()) {
         let dir = match dir.as_os_str().is_empty() {

@@ -75,23 +75,33 @@ fn status_when(args: &[&str], until: &str) -> (String, String, Vec<(String, Stri
     (stdout, status, threads)
 }
 
+/// With and without seccomp: without it, no-new-privileges on the threads started before the
+/// drop comes from the jail alone.
 #[test]
 fn the_jailed_vmm_runs_as_the_user_with_no_capabilities_and_its_disk_works() {
+    for seccomp in [true, false] {
+        jailed_disk(seccomp);
+    }
+}
+
+fn jailed_disk(seccomp: bool) {
     let img = disk("jail-blk", 8);
-    let (stdout, status, threads) = status_when(
-        &[
-            "run",
-            "--guest",
-            "virtio-blk",
-            "--blk",
-            &format!("path={},rung=L1", img.display()),
-            "--cmdline",
-            "op=write pattern=seq bs=4096 qd=4 count=128 verify=1 flush=1 hold=1 seed=0x5a",
-            "--jail",
-            JAIL,
-        ],
-        "virtio-blk: holding",
-    );
+    let blk = format!("path={},rung=L1", img.display());
+    let mut args = vec![
+        "run",
+        "--guest",
+        "virtio-blk",
+        "--blk",
+        &blk,
+        "--cmdline",
+        "op=write pattern=seq bs=4096 qd=4 count=128 verify=1 flush=1 hold=1 seed=0x5a",
+        "--jail",
+        JAIL,
+    ];
+    if !seccomp {
+        args.push("--no-seccomp");
+    }
+    let (stdout, status, threads) = status_when(&args, "virtio-blk: holding");
     assert_eq!(status_line(&status, "Uid"), "\t65534\t65534\t65534\t65534");
     assert_eq!(status_line(&status, "Gid"), "\t65534\t65534\t65534\t65534");
     assert_eq!(status_line(&status, "Groups").trim(), "65534");
