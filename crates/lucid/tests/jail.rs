@@ -284,3 +284,37 @@ fn a_jailed_tap_backend_pings_a_host_peer() {
         Some("0")
     );
 }
+
+/// `--jail` is VmConfig's `jail` section: `--print-config` shows it, and a `--config` file with
+/// it runs jailed.
+#[test]
+fn the_jail_is_a_section_of_the_config_file() {
+    let args = [
+        "run",
+        "--guest",
+        "virtio-net",
+        "--net",
+        "backend=echo",
+        "--cmdline",
+        "op=rr size=64 count=20 mode=irq",
+        "--jail",
+        JAIL,
+    ];
+    let o = lucid_plain(&[&args[..], &["--print-config"]].concat(), LIMIT);
+    assert_eq!(o.status, Some(0), "{}", o.stderr);
+    let config: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+    assert_eq!(
+        config["jail"],
+        serde_json::json!({"uid": 65534, "gid": 65534, "chroot": null})
+    );
+    let file = tmp("jail-config.json");
+    std::fs::write(&file, &o.stdout).unwrap();
+    let o = lucid(&["run", "--config", file.to_str().unwrap()], LIMIT);
+    assert_eq!(o.status, Some(1), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("jail: running as uid 65534"),
+        "{}",
+        o.stderr
+    );
+    std::fs::remove_file(file).unwrap();
+}
