@@ -139,7 +139,12 @@ pub fn enter(c: &JailConfig, allow: &[Allow]) -> Result<Entered, JailError> {
         }
     }
     no_new_privs()?;
-    drop_bounding_set()?;
+    // A caller without root's capabilities (a member of group kvm jailing itself) has none to
+    // drop: its bounding set cannot change, and its groups stay if they are the jail's already.
+    let held = effective_caps()?;
+    if held & CAP_SETPCAP != 0 {
+        drop_bounding_set()?;
+    }
     // SAFETY: prctl with integer arguments only.
     let r = unsafe {
         libc::prctl(
@@ -154,7 +159,9 @@ pub fn enter(c: &JailConfig, allow: &[Allow]) -> Result<Entered, JailError> {
     // glibc's set*id calls make every thread of the process take the change.
     // SAFETY: setgroups reads one gid from a live local; setresgid/setresuid take integers.
     unsafe {
-        check(libc::setgroups(1, &c.gid).into()).map_err(step("setgroups"))?;
+        if held & CAP_SETGID != 0 || !groups_within(c.gid)? {
+            check(libc::setgroups(1, &c.gid).into()).map_err(step("setgroups"))?;
+        }
         check(libc::setresgid(c.gid, c.gid, c.gid).into()).map_err(step("setresgid"))?;
         check(libc::setresuid(c.uid, c.uid, c.uid).into()).map_err(step("setresuid"))?;
     }
@@ -181,6 +188,20 @@ pub fn enter(c: &JailConfig, allow: &[Allow]) -> Result<Entered, JailError> {
 
 fn cstring(p: &Path) -> Result<CString, JailError> {
     CString::new(p.as_os_str().as_bytes()).map_err(|_| JailError::ChrootNotDir(p.into()))
+}
+
+/// `CAP_SETGID` and `CAP_SETPCAP` (linux/capability.h) as bits of a set.
+const CAP_SETGID: u64 = 1 << 6;
+const CAP_SETPCAP: u64 = 1 << 8;
+
+/// Whether the process's supplementary groups are none or only `gid`.
+fn groups_within(gid: u32) -> Result<bool, JailError> {
+    let mut groups = vec![0; 65536];
+    // SAFETY: getgroups writes at most `groups.len()` ids into the live buffer.
+    let n = check(unsafe { libc::getgroups(groups.len() as i32, groups.as_mut_ptr()) }.into())
+        .map_err(step("getgroups"))?;
+    groups.truncate(n as usize);
+    Ok(groups.iter().all(|&g| g == gid))
 }
 
 /// Drops every capability from the calling thread's bounding set.

@@ -318,3 +318,49 @@ fn the_jail_is_a_section_of_the_config_file() {
     );
     std::fs::remove_file(file).unwrap();
 }
+
+/// `lucid run` as an unprivileged member of a group that may open `/dev/kvm` (with no root-only
+/// option): this host's `/dev/kvm` is root's alone, so the test gives a private mount namespace a
+/// `/dev/kvm` of group 65533 and runs Lucid as uid 65534 in it, without and with a jail to its
+/// own ids (a non-root caller may not chroot, change its ids or keep other groups).
+#[test]
+fn an_unprivileged_member_of_the_kvm_group_runs_and_jails_a_vm() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return lucid_guests::skip_or_fail("making a /dev/kvm in a mount namespace needs root");
+    }
+    let node = tmp("kvm-node");
+    let _ = std::fs::remove_file(&node);
+    let lucid_bin = env!("CARGO_BIN_EXE_lucid");
+    let run = format!(
+        "setpriv --reuid=65534 --regid=65533 --clear-groups --inh-caps=-all {lucid_bin} run \
+         --guest virtio-net --net backend=echo --cmdline 'op=rr size=64 count=20 mode=irq'"
+    );
+    let script = format!(
+        "set -e; mknod {n} c 10 232; chgrp 65533 {n}; chmod 660 {n}; mount --bind {n} /dev/kvm; \
+         set +e; {run}; echo plain-status=$?; {run} --jail uid=65534,gid=65533; \
+         echo jailed-status=$?; {run} --jail uid=65534,gid=65533,chroot=/; \
+         echo chroot-status=$?",
+        n = node.display()
+    );
+    let mut cmd = Command::new("unshare");
+    cmd.args(["-m", "--propagation", "private", "sh", "-c", &script]);
+    let o = common::run_cmd(cmd, LIMIT);
+    let _ = std::fs::remove_file(&node);
+    let all = format!("{}\n{}", o.stdout, o.stderr);
+    assert_eq!(o.status, Some(0), "{all}");
+    assert!(o.stdout.contains("plain-status=1"), "{all}");
+    assert!(o.stdout.contains("jailed-status=1"), "{all}");
+    assert!(
+        o.stderr.contains("jail: running as uid 65534 gid 65533"),
+        "{all}"
+    );
+    assert_eq!(
+        o.stdout.matches("mismatches=0").count(),
+        2,
+        "both guests echoed every frame: {all}"
+    );
+    // A chroot needs CAP_SYS_CHROOT: refused before the guest runs, with Lucid's failure status.
+    assert!(o.stdout.contains("chroot-status=70"), "{all}");
+    assert!(o.stderr.contains("jail: chroot failed"), "{all}");
+}
