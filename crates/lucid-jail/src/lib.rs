@@ -96,10 +96,20 @@ pub struct Entered {
     pub landlock_abi: Option<u32>,
 }
 
-/// Sets no-new-privileges on the calling thread: the threads it starts inherit it, so called
-/// before the first one starts it covers them all (those the drop's glibc broadcast reaches but
-/// whose bounding set and Landlock domain it cannot change).
-pub fn no_new_privs() -> Result<(), JailError> {
+/// What [`enter`] can do before the process starts any thread, so that every thread has it (the
+/// drop's glibc broadcast reaches threads started earlier, but not their bounding set or
+/// Landlock domain): no-new-privileges, and with `drop_bounding` (when the process will not run
+/// a program that needs root's capabilities) the bounding set dropped.
+pub fn before_threads(drop_bounding: bool) -> Result<(), JailError> {
+    no_new_privs()?;
+    if drop_bounding && effective_caps()? & CAP_SETPCAP != 0 {
+        drop_bounding_set()?;
+    }
+    Ok(())
+}
+
+/// Sets no-new-privileges on the calling thread (and the threads it starts from then on).
+fn no_new_privs() -> Result<(), JailError> {
     // SAFETY: prctl with integer arguments only.
     check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) }.into())
         .map(drop)

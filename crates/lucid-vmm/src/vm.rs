@@ -67,8 +67,9 @@ impl Vm {
             false => None,
         };
         if let Some(j) = &config.jail {
-            // Before any thread starts, so that every thread has it (crate::jail).
-            lucid_jail::no_new_privs()?;
+            // Before any thread starts, so that every thread has them (crate::jail); the bounding
+            // set stays for the root processes a memory limit runs (mkswap, the OOM guard).
+            lucid_jail::before_threads(config.memory.limit_mib.is_none())?;
             seccomp = seccomp.map(|s| s.allow_jail_drop(j.uid, j.gid));
         }
         let spawner = Spawner::new(seccomp, stats.threads().clone());
