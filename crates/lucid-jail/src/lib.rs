@@ -8,8 +8,8 @@
 //! every thread of the process take them (and the kernel then clears each thread's effective,
 //! permitted and ambient capabilities); the bounding set, the inheritable set and the Landlock
 //! domain are the calling thread's, and the threads it starts from then on inherit them.
-//! [`no_new_privs`], called before the process starts any thread, gives every thread
-//! no-new-privileges.
+//! [`before_threads`], called before the process starts any thread, gives every thread
+//! no-new-privileges and an empty bounding set.
 
 #![warn(clippy::print_stdout, clippy::print_stderr)]
 
