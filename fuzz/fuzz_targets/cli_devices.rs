@@ -75,6 +75,16 @@ fuzz_target!(|s: &str| {
         lucid_vmm::parse_balloon(s),
     );
     let _ = lucid_vmm::lucid_pools::def::PoolDef::parse(s);
+    if let Ok(j) = lucid_vmm::parse_jail(s) {
+        let chroot = j
+            .chroot
+            .as_ref()
+            .map(|d| format!(",chroot={}", d.display()))
+            .unwrap_or_default();
+        let again = lucid_vmm::parse_jail(&format!("uid={},gid={}{chroot}", j.uid, j.gid))
+            .expect("a written-back --jail parses");
+        assert_eq!(again, j);
+    }
     if let Ok(c) = parse_iommu(s) {
         let again = parse_iommu(&unparse_iommu(&c)).expect("a written-back --iommu parses");
         assert_eq!((again.mode, again.pin), (c.mode, c.pin));

@@ -120,6 +120,8 @@ pub enum SeccompError {
 #[derive(Clone)]
 pub struct Seccomp {
     confined: Arc<[Arc<Counter>; Role::ALL.len()]>,
+    /// The jail's (uid, gid) ([`Seccomp::allow_jail_drop`]).
+    jail: Option<(u32, u32)>,
 }
 
 thread_local! {
@@ -154,7 +156,17 @@ impl Seccomp {
         let c = |r: Role| stats.counter(format!("seccomp.confined.{r}"));
         Ok(Seccomp {
             confined: Arc::new(Role::ALL.map(c)),
+            jail: None,
         })
+    }
+
+    /// Lets every role take the jail's drop to `uid` and `gid` (lucid-jail): glibc makes each
+    /// thread call `setgroups(1, ..)`, `setresgid(gid, gid, gid)` and `setresuid(uid, uid, uid)`
+    /// from a signal handler, so threads confined before the drop must allow exactly those
+    /// (a thread can only give up privilege with them). Set before any thread confines itself.
+    pub fn allow_jail_drop(mut self, uid: u32, gid: u32) -> Self {
+        self.jail = Some((uid, gid));
+        self
     }
 
     /// The token of the calling thread if it is confined: a thread it starts should confine
@@ -228,7 +240,7 @@ fn prime_heap_trim() {
 
 /// Installs the role's filter (after the clone3 one) on the calling thread.
 fn install(s: &Seccomp, role: Role, socket_dir: Option<i32>) -> Result<(), SeccompError> {
-    let prog = program_with(role, socket_dir)?;
+    let prog = program_with(role, socket_dir, s.jail)?;
     let clone3 = clone3_filter().map_err(|source| SeccompError::Build { role, source })?;
     report::set_identity(role);
     // A new task must be a thread: clone3 (whose flags seccomp cannot read) fails with ENOSYS,
@@ -247,14 +259,22 @@ fn install(s: &Seccomp, role: Role, socket_dir: Option<i32>) -> Result<(), Secco
 
 /// The role's filter: its calls are allowed, any other traps.
 fn program(role: Role) -> Result<BpfProgram, SeccompError> {
-    program_with(role, None)
+    program_with(role, None, Some((1, 1)))
 }
 
-/// `socket_dir`: the API's socket directory descriptor ([`confine_api`]).
-fn program_with(role: Role, socket_dir: Option<i32>) -> Result<BpfProgram, SeccompError> {
+/// `socket_dir`: the API's socket directory descriptor ([`confine_api`]); `jail`: the jail's
+/// (uid, gid).
+fn program_with(
+    role: Role,
+    socket_dir: Option<i32>,
+    jail: Option<(u32, u32)>,
+) -> Result<BpfProgram, SeccompError> {
     let build = |source| SeccompError::Build { role, source };
-    let allowed =
+    let mut allowed =
         rules::allowed(role, std::process::id(), libc::SIGRTMIN(), socket_dir).map_err(build)?;
+    if let Some((uid, gid)) = jail {
+        rules::jail_drop(&mut allowed, uid, gid).map_err(build)?;
+    }
     SeccompFilter::new(
         allowed.into_rules(),
         SeccompAction::Trap,

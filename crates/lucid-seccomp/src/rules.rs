@@ -479,6 +479,23 @@ fn open_read_only(a: &mut Allowed) -> Result<(), BackendError> {
     Ok(())
 }
 
+/// The jail's drop as glibc makes it on every thread (lucid-jail): one supplementary group,
+/// then the jail's gid and uid as real, effective and saved ids. Nothing else: these only give
+/// privilege up.
+pub(crate) fn jail_drop(a: &mut Allowed, uid: u32, gid: u32) -> Result<(), BackendError> {
+    let all3 = |id: u32| -> Result<Vec<SeccompRule>, BackendError> {
+        Ok(vec![rule(
+            (0..3)
+                .map(|i| arg(i, Op::Eq, u64::from(id)))
+                .collect::<Result<_, _>>()?,
+        )?])
+    };
+    a.when(libc::SYS_setresuid, all3(uid)?);
+    a.when(libc::SYS_setresgid, all3(gid)?);
+    a.when(libc::SYS_setgroups, vec![rule(vec![arg(0, Op::Eq, 1)?])?]);
+    Ok(())
+}
+
 /// The syscalls `role` may make in process `pid`, whose vCPUs are kicked with `kick_signal`;
 /// `socket_dir` is the API's socket directory ([`Role::Api`] only).
 pub(crate) fn allowed(
@@ -661,6 +678,27 @@ mod tests {
         assert_eq!(conditional(Role::Vcpu, libc::SYS_fcntl), Some(8));
         assert_eq!(conditional(Role::Monitor, libc::SYS_fcntl), Some(8));
         assert_eq!(conditional(Role::Backend, libc::SYS_fcntl), Some(5));
+    }
+
+    /// With a jail, every role may take the drop to the jail's ids, and only to them.
+    #[test]
+    fn the_jail_drop_is_allowed_with_its_ids_only() {
+        for role in Role::ALL {
+            let mut a = allowed(role, 1, 34, None).unwrap();
+            assert!(!a.0.contains_key(&libc::SYS_setresuid), "{role}");
+            jail_drop(&mut a, 65534, 65533).unwrap();
+            for nr in [
+                libc::SYS_setresuid,
+                libc::SYS_setresgid,
+                libc::SYS_setgroups,
+            ] {
+                assert!(
+                    matches!(a.0.get(&nr), Some(Some(r)) if r.len() == 1),
+                    "{role} {nr}"
+                );
+            }
+            assert!(!a.0.contains_key(&libc::SYS_setuid), "{role}");
+        }
     }
 
     /// The API accepts and talks on its socket, starts no thread, touches no disk image, and

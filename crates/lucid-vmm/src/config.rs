@@ -11,6 +11,7 @@ use lucid_mem::Backing;
 use lucid_opts::{parse_bool, Parsed};
 
 pub use self::options::*;
+pub use lucid_jail::JailConfig;
 use lucid_pci::Rung;
 use lucid_swap::SwapMode;
 use lucid_virtio::balloon::BalloonConfig;
@@ -277,6 +278,9 @@ pub struct VmConfig {
     pub symbiotic: SymbioticConfig,
     #[serde(default)]
     pub api: ApiConfig,
+    /// `--jail`: once built, the process drops to this user (docs/jail.md).
+    #[serde(default)]
+    pub jail: Option<JailConfig>,
     #[serde(skip)]
     pub runtime: RuntimeConfig,
 }
@@ -296,6 +300,7 @@ impl VmConfig {
             pools: PoolsConfig::default(),
             symbiotic: SymbioticConfig::default(),
             api: ApiConfig::default(),
+            jail: None,
             runtime: RuntimeConfig::default(),
         }
     }
@@ -363,6 +368,9 @@ impl VmConfig {
         if mon.classifier.agree == 0 {
             return Err(ConfigError::ClassifyWindows);
         }
+        if let Some(j) = &self.jail {
+            check_jail(j)?;
+        }
         Ok(())
     }
 
@@ -406,6 +414,17 @@ impl VmConfig {
             })
             .enumerate()
             .find(|&(_, bs)| bs != 4096)
+    }
+}
+
+/// A jail that drops to root is none; a chroot must be a directory.
+fn check_jail(j: &JailConfig) -> Result<(), ConfigError> {
+    if j.uid == 0 || j.gid == 0 {
+        return Err(ConfigError::JailRoot);
+    }
+    match &j.chroot {
+        Some(dir) if !dir.is_dir() => Err(ConfigError::JailChroot(dir.clone())),
+        _ => Ok(()),
     }
 }
 
@@ -472,6 +491,10 @@ pub enum ConfigError {
     MonitorWindow(std::time::Duration),
     #[error("the classifier needs at least 1 agreeing window")]
     ClassifyWindows,
+    #[error("--jail uid=0 or gid=0 is root's: give an unprivileged user and group")]
+    JailRoot,
+    #[error("--jail chroot={} is not a directory", .0.display())]
+    JailChroot(PathBuf),
 }
 
 /// A sub-option string Lucid cannot use, saying which part and why.
@@ -642,6 +665,19 @@ pub mod options {
         keys: &[],
     };
 
+    /// `--jail`.
+    pub const JAIL: OptSpec = OptSpec {
+        flag: "--jail",
+        about: "Once the VM is built, run as this user: no capabilities, no new privileges, \
+                file access limited by Landlock where the kernel has it (docs/jail.md).",
+        head: None,
+        keys: &[
+            OptKey::new("uid", "N", "the user to run as (not 0)").required(),
+            OptKey::new("gid", "N", "its group (not 0), the only group kept").required(),
+            OptKey::new("chroot", "DIR", "the process's root directory from then on"),
+        ],
+    };
+
     /// `--pool`.
     pub const POOL: OptSpec = OptSpec {
         flag: "--pool",
@@ -687,6 +723,28 @@ pub fn parse_pool(s: &str) -> Result<PoolChoice, DeviceOptionError> {
         "none" => Ok(PoolChoice::None),
         _ => s.parse().map_err(|_| bad()),
     }
+}
+
+/// Parses `--jail` by [`JAIL`]. Never panics, whatever the input.
+pub fn parse_jail(s: &str) -> Result<JailConfig, DeviceOptionError> {
+    let spec = &JAIL;
+    let p = spec.parse(s)?;
+    let id = |key: &'static str| {
+        let v = p.get(key).unwrap_or_default();
+        v.parse::<u32>()
+            .ok()
+            .filter(|&n| n != u32::MAX)
+            .ok_or_else(|| spec.bad(key, v, "a numeric id below 4294967295"))
+    };
+    let chroot = match p.get("chroot") {
+        Some("") => return Err(spec.bad("chroot", "", "a directory")),
+        c => c.map(PathBuf::from),
+    };
+    Ok(JailConfig {
+        uid: id("uid")?,
+        gid: id("gid")?,
+        chroot,
+    })
 }
 
 /// Parses `--device NAME`. Never panics, whatever the input (a fuzz target calls it).
@@ -1171,6 +1229,40 @@ mod tests {
     }
 
     #[test]
+    fn jail_options() {
+        let j = parse_jail("uid=65534,gid=65533").unwrap();
+        assert_eq!((j.uid, j.gid, j.chroot), (65534, 65533, None));
+        let j = parse_jail("gid=2,chroot=/var/empty,uid=1").unwrap();
+        assert_eq!(j.chroot, Some(PathBuf::from("/var/empty")));
+        for bad in [
+            "",
+            "uid=1",
+            "gid=1",
+            "uid=nobody,gid=1",
+            "uid=1,gid=-1",
+            "uid=1,gid=4294967295",
+            "uid=1,gid=99999999999",
+            "uid=1,gid=1,chroot=",
+            "uid=1,gid=1,user=x",
+            "uid=1,uid=2,gid=1",
+        ] {
+            assert!(parse_jail(bad).is_err(), "{bad}");
+        }
+        let msg = parse_jail("uid=nobody,gid=1").unwrap_err().to_string();
+        assert!(
+            msg.contains("--jail uid=nobody: expected a numeric id"),
+            "{msg}"
+        );
+        let mut c = VmConfig::new(kernel());
+        c.jail = Some(parse_jail("uid=0,gid=1").unwrap());
+        assert_eq!(c.validate(), Err(ConfigError::JailRoot));
+        c.jail = Some(parse_jail("uid=1,gid=1,chroot=/nonexistent/lucid").unwrap());
+        assert!(matches!(c.validate(), Err(ConfigError::JailChroot(_))));
+        c.jail = Some(parse_jail("uid=1,gid=1,chroot=/").unwrap());
+        assert_eq!(c.validate(), Ok(()));
+    }
+
+    #[test]
     fn repeated_keys_are_refused() {
         assert!(parse_blk("path=a,file=b").is_err());
         assert!(parse_net("backend=echo,backend=sink", 0).is_err());
@@ -1304,6 +1396,7 @@ mod tests {
         c.pools.pool = PoolChoice::Named("io".into());
         c.symbiotic.enabled = true;
         c.api.socket = Some("/api".into());
+        c.jail = Some(parse_jail("uid=65534,gid=65534,chroot=/").unwrap());
         c.runtime.oom_guard = Some(|| std::process::Command::new("true"));
         let json = serde_json::to_string(&c).unwrap();
         let back: VmConfig = serde_json::from_str(&json).unwrap();
@@ -1312,6 +1405,7 @@ mod tests {
         assert_eq!(back.machine, c.machine);
         assert_eq!(back.memory, c.memory);
         assert_eq!(back.pools, c.pools);
+        assert_eq!(back.jail, c.jail);
         assert!(back.runtime.oom_guard.is_none(), "code is not data");
 
         let short: VmConfig =
@@ -1352,6 +1446,9 @@ mod tests {
             "vtd",
             "mode",
             "pin",
+            "uid",
+            "gid",
+            "chroot",
             "sidecore",
             "deferred",
             "file",
@@ -1389,6 +1486,7 @@ mod tests {
             accepted += parse_serial(&s).is_ok() as u32;
             accepted += parse_backing(&s).is_ok() as u32;
             accepted += parse_pool(&s).is_ok() as u32;
+            accepted += parse_jail(&s).is_ok() as u32;
         }
         assert!(accepted > 0, "the soup holds some valid strings");
     }

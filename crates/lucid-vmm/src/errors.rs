@@ -59,6 +59,8 @@ pub enum VmmError {
     Pools(#[from] crate::pools::PoolsError),
     #[error(transparent)]
     Swap(#[from] crate::swap::SwapError),
+    #[error(transparent)]
+    Jail(#[from] lucid_jail::JailError),
     #[error("no PCI device named {0}")]
     NoSuchDevice(String),
     #[error("a PCI device named {0} is already attached")]

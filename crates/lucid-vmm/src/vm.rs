@@ -62,10 +62,16 @@ impl Vm {
     pub fn build(config: VmConfig) -> Result<Self, VmmError> {
         config.validate()?;
         let stats = StatsRegistry::new();
-        let seccomp = match config.machine.seccomp {
+        let mut seccomp = match config.machine.seccomp {
             true => Some(Seccomp::prepare(&stats)?),
             false => None,
         };
+        if let Some(j) = &config.jail {
+            // Before any thread starts, so that every thread has them (crate::jail); the bounding
+            // set stays for the root processes a memory limit runs (mkswap, the OOM guard).
+            lucid_jail::before_threads(config.memory.limit_mib.is_none())?;
+            seccomp = seccomp.map(|s| s.allow_jail_drop(j.uid, j.gid));
+        }
         let spawner = Spawner::new(seccomp, stats.threads().clone());
         let lifecycle = Arc::new(Lifecycle::new());
         if config.pools.low_noise {
@@ -228,6 +234,9 @@ impl Vm {
             pressure: self.pressure.take(),
         };
         self.techniques.start(true, &cx)?;
+        if let Some(j) = &self.config.jail {
+            crate::jail::enter(j, &self.config)?;
+        }
         self.started = Some(Instant::now());
         for ctx in self.ctxs.drain(..) {
             let vcpu = ctx.id();

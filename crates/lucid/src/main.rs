@@ -12,7 +12,7 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
 use lucid::rest;
-use lucid_vmm::options::{BACKING, BALLOON, BLK, DEVICE, IOMMU, NET, POOL, SERIAL};
+use lucid_vmm::options::{BACKING, BALLOON, BLK, DEVICE, IOMMU, JAIL, NET, POOL, SERIAL};
 use lucid_vmm::{
     KernelSource, StopReason, Vm, VmConfig, EXIT_FAILURE, EXIT_USAGE, MAX_MEM_MIB, MAX_VCPUS,
     MIN_MEMORY_LIMIT_MIB, MIN_MEM_MIB,
@@ -105,6 +105,7 @@ const VM_FLAGS: &[&str] = &[
     "swap_pager",
     "symbiotic",
     "api_socket",
+    "jail",
 ];
 
 #[derive(clap::Args)]
@@ -204,6 +205,8 @@ struct RunArgs {
     /// replaced; one another process listens on is refused.
     #[arg(long, value_name = "PATH")]
     api_socket: Option<PathBuf>,
+    #[arg(long, value_name = "OPTS", help = JAIL.help())]
+    jail: Option<String>,
 }
 
 /// What the CLI could not do, for its one error line.
@@ -314,6 +317,11 @@ fn flags_config(args: &RunArgs) -> Result<VmConfig, CliError> {
     config.memory.pager = args.swap_pager == "on";
     config.symbiotic.enabled = args.symbiotic;
     config.api.socket = args.api_socket.clone();
+    config.jail = args
+        .jail
+        .as_deref()
+        .map(lucid_vmm::parse_jail)
+        .transpose()?;
     for b in &args.blk {
         config.devices.pci.push(lucid_vmm::parse_blk(b)?);
     }
@@ -515,6 +523,7 @@ fn vm_flag_given(a: &RunArgs) -> Option<&'static str> {
         (a.pool != "auto", "--pool"),
         (a.low_noise, "--low-noise"),
         (a.no_seccomp, "--no-seccomp"),
+        (a.jail.is_some(), "--jail"),
     ]
     .into_iter()
     .find_map(|(given, flag)| given.then_some(flag))

@@ -189,6 +189,15 @@ fn a_flag_booted_vm_is_served_and_stops_with_vmm_shutdown() {
     assert!(s.child.as_mut().unwrap().try_wait().unwrap().is_none());
     s.ok("vm.boot");
     assert_eq!(s.state(), "Running");
+    // The new VM's statistics are the ones written: let its vCPU run first.
+    let t = Instant::now();
+    while s.exits() == 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the rebooted vCPU never ran"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert_eq!(s.api("PUT", "vmm.shutdown", "").unwrap().0, 200);
     assert_eq!(s.wait(), Some(0), "{}", s.stderr());
     assert!(!s.socket.exists(), "the socket file is removed at exit");
