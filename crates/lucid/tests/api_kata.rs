@@ -222,8 +222,10 @@ const KATA_REFUSALS: &[Refused] = &[
 ];
 
 fn set(v: &mut Value, pointer: &str, to: Value) {
-    *v.pointer_mut(pointer)
-        .unwrap_or_else(|| panic!("{pointer} not in {v}")) = to;
+    match v.pointer_mut(pointer) {
+        Some(x) => *x = to,
+        None => panic!("{pointer} not in the body"),
+    }
 }
 
 fn remove(v: &mut Value, pointer: &str) {

@@ -575,8 +575,5 @@ fn small_linux_hotplugs_a_disk_through_the_rest_api() {
             s["evidence"].as_str().unwrap_or("")
         );
     }
-    assert_eq!(
-        report["passed"], true,
-        "report: {report:#}\nstderr: {stderr}"
-    );
+    assert_eq!(report["passed"], true, "report: {report:#}\nstderr: {stderr}");
 }
