@@ -25,9 +25,23 @@ pub struct Server {
 
 impl Server {
     pub fn start(tag: &str) -> Server {
+        Self::start_in(tag, &[])
+    }
+
+    /// Starts it under `wrapper` (`ip netns exec NS`), when not empty.
+    pub fn start_in(tag: &str, wrapper: &[&str]) -> Server {
         let socket = tmp(&format!("{tag}.sock"));
         let err = tmp(&format!("{tag}.err"));
-        let child = Command::new(env!("CARGO_BIN_EXE_lucid"))
+        let lucid = env!("CARGO_BIN_EXE_lucid");
+        let mut cmd = match wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(lucid);
+                c
+            }
+            None => Command::new(lucid),
+        };
+        let child = cmd
             .args(["run", "--api-socket"])
             .arg(&socket)
             .stdin(Stdio::null())
