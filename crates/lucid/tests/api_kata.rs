@@ -32,8 +32,9 @@
 //! Where Kata's body asks for what Lucid lacks, Lucid refuses it with 400 naming the field,
 //! and the replay goes on with the body changed as [`KATA_REFUSALS`] documents (what a Kata
 //! deployment would have to change, and where nothing in its configuration can). Not
-//! replayed: `vm.resize` (sent only when containers carry CPU or memory limits; Lucid answers
-//! 501), VFIO `vm.add-device`, snapshot/restore of VM templates, confidential guests.
+//! replayed: `vm.resize` (sent only when containers carry CPU or memory limits, to add vCPUs
+//! or RAM, which Lucid cannot), VFIO `vm.add-device`, snapshot/restore of VM templates,
+//! confidential guests.
 //!
 //! Kata's kernel and guest image are not on this machine: the kernel is the built-in probe
 //! guest `hotplug` (written by `lucid guests --write`), which acknowledges hot-added devices
@@ -231,7 +232,7 @@ fn set(v: &mut Value, pointer: &str, to: Value) {
 fn remove(v: &mut Value, pointer: &str) {
     let (parent, key) = pointer.rsplit_once('/').unwrap();
     let removed = v
-        .pointer_mut(if parent.is_empty() { "" } else { parent })
+        .pointer_mut(parent)
         .and_then(Value::as_object_mut)
         .and_then(|o| o.remove(key));
     assert!(removed.is_some(), "{pointer} not in {v}");

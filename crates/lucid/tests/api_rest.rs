@@ -7,14 +7,13 @@
 //! and the server keeps answering.
 
 mod common;
-
 mod rest_client;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use common::tmp;
 use rest_client::{eventually, has_open, have_curl, raw, read_response, Server, LIMIT};
