@@ -210,8 +210,30 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
                 ));
             }
         }
+        if let Some(mut topology) = cpus.obj("topology")? {
+            // lucid-boot's CPUID presents the vCPUs as the cores of one package, one thread
+            // each: that topology is accepted, any other refused.
+            let flat = [
+                ("threads_per_core", 1),
+                ("cores_per_die", boot),
+                ("dies_per_package", 1),
+                ("packages", 1),
+            ];
+            for (k, want) in flat {
+                match topology.u64(k)? {
+                    Some(got) if got != want => {
+                        return refuse(format!(
+                            "{}: Lucid's vCPUs are the cores of one die in one package, one \
+                             thread each, so only {want} is accepted here, got {got}",
+                            topology.field(k)
+                        ))
+                    }
+                    _ => {}
+                }
+            }
+            topology.finish(&[])?;
+        }
         cpus.finish(&[
-            ("topology", Value::Null),
             ("kvm_hyperv", json!(false)),
             ("max_phys_bits", json!(46)),
             ("affinity", Value::Null),
@@ -331,6 +353,31 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
             Some(lucid_vmm::parse_balloon(&opts).map_err(opt_refusal("balloon"))?);
     }
 
+    if let Some(platform) = top.obj("platform")? {
+        // One PCI segment, no confidential guest, no SMBIOS strings.
+        platform.finish(&[
+            ("num_pci_segments", json!(1)),
+            ("iommu_segments", Value::Null),
+            ("iommu_address_width", Value::Null),
+            ("iommu_address_width_bits", Value::Null),
+            ("system_serial_number", Value::Null),
+            ("serial_number", Value::Null),
+            ("system_uuid", Value::Null),
+            ("uuid", Value::Null),
+            ("oem_strings", Value::Null),
+            ("system_manufacturer", Value::Null),
+            ("system_product_name", Value::Null),
+            ("system_version", Value::Null),
+            ("system_family", Value::Null),
+            ("system_sku_number", Value::Null),
+            ("chassis_asset_tag", Value::Null),
+            ("tdx", json!(false)),
+            ("sev_snp", json!(false)),
+            ("iommufd", json!(false)),
+            ("vfio_p2p_dma", json!(true)),
+        ])?;
+    }
+
     if let Some(ext) = top.obj("lucid")? {
         extension(ext, &mut config, nets)?;
     }
@@ -347,7 +394,6 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
         ("numa", Value::Null),
         ("watchdog", json!(false)),
         ("pvpanic", json!(false)),
-        ("platform", Value::Null),
         ("tpm", Value::Null),
         ("landlock_enable", json!(false)),
         ("landlock_rules", Value::Null),
@@ -403,6 +449,15 @@ fn disk(mut d: Obj, iommu: bool) -> Result<PciDeviceConfig, Refusal> {
     if let Some(serial) = d.str("serial")? {
         opts += &format!(",id={serial}");
     }
+    match d.str("image_type")?.as_deref() {
+        None | Some("Raw") => {}
+        Some(t) => {
+            return refuse(format!(
+                "{}: Lucid reads every disk image as raw, so only Raw is accepted, got {t:?}",
+                d.field("image_type")
+            ))
+        }
+    }
     device_iommu(&mut d, iommu)?;
     let id = d.str("id")?;
     let at = d.at.clone();
@@ -417,7 +472,6 @@ fn disk(mut d: Obj, iommu: bool) -> Result<PciDeviceConfig, Refusal> {
         ("queue_affinity", Value::Null),
         ("backing_files", json!(false)),
         ("sparse", json!(true)),
-        ("image_type", Value::Null),
         ("disable_io_uring", json!(false)),
         ("disable_aio", json!(false)),
     ])?;
@@ -613,6 +667,33 @@ mod tests {
         assert!(refusal(json!({"payload": {"kernel": "builtin:nope"}})).contains("nope"));
         assert!(refusal(json!({"payload": {}})).contains("payload.kernel: required"));
         assert!(refusal(json!([])).contains("expected a JSON object"));
+    }
+
+    /// What Kata's Cloud Hypervisor driver always sends (clh.go, CreateVM): a flat CPU
+    /// topology, a platform object with its confidential-guest flags off, Raw disk images.
+    #[test]
+    fn accepts_what_kata_sends_at_lucids_values() {
+        let kata = |cores: u64, segments: u64, image: &str| {
+            map(json!({
+                "payload": {"kernel": "builtin:spin"},
+                "cpus": {"boot_vcpus": 2, "max_vcpus": 2, "kvm_hyperv": false, "nested": true,
+                         "topology": {"threads_per_core": 1, "cores_per_die": cores,
+                                      "dies_per_package": 1, "packages": 1}},
+                "platform": {"num_pci_segments": segments, "tdx": false, "sev_snp": false},
+                "disks": [{"path": "/tmp/k.img", "readonly": true, "image_type": image}],
+            }))
+        };
+        let c = kata(2, 1, "Raw").unwrap();
+        assert_eq!(c.machine.vcpus, 2);
+        assert_eq!(c.devices.pci.len(), 1);
+        let e = kata(4, 1, "Raw").expect_err("refused").0;
+        assert!(e.contains("cpus.topology.cores_per_die"), "{e}");
+        let e = kata(2, 2, "Raw").expect_err("refused").0;
+        assert!(e.contains("platform.num_pci_segments"), "{e}");
+        let e = kata(2, 1, "Qcow2").expect_err("refused").0;
+        assert!(e.contains("disks[0].image_type"), "{e}");
+        let tdx = json!({"payload": {"kernel": "builtin:spin"}, "platform": {"tdx": true}});
+        assert!(refusal(tdx).contains("platform.tdx"));
     }
 
     #[test]
