@@ -257,3 +257,61 @@ pub fn run_until_then_kill(
     drop(rx);
     reader.join().unwrap();
 }
+
+/// A network namespace this test makes with a tap in it (`ip` from iproute2; root only),
+/// removed at drop. No address outside the namespace is touched.
+pub struct TapNamespace {
+    pub name: String,
+}
+
+impl TapNamespace {
+    /// Namespace `lucid-<tag>-<pid>` with tap `tap`; with `host_addr` (`10.77.0.1/24`) the tap
+    /// has that address and is up, with the loopback.
+    pub fn new(tag: &str, tap: &str, host_addr: Option<&str>) -> Self {
+        let ns = TapNamespace {
+            name: format!("lucid-{tag}-{}", std::process::id()),
+        };
+        ip(&["netns", "add", &ns.name]);
+        let mut steps = vec![vec!["tuntap", "add", "dev", tap, "mode", "tap"]];
+        if let Some(addr) = host_addr {
+            steps.push(vec!["addr", "add", addr, "dev", tap]);
+            steps.push(vec!["link", "set", tap, "up"]);
+            steps.push(vec!["link", "set", "lo", "up"]);
+        }
+        for step in steps {
+            let mut a = vec!["netns", "exec", &ns.name, "ip"];
+            a.extend(step);
+            ip(&a);
+        }
+        ns
+    }
+
+    /// The command prefix that runs a program inside (`ip netns exec NAME`).
+    pub fn exec(&self) -> [&str; 4] {
+        ["ip", "netns", "exec", &self.name]
+    }
+
+    /// `program` to run inside.
+    pub fn command(&self, program: &str) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.name, program]);
+        c
+    }
+}
+
+impl Drop for TapNamespace {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
+/// Runs `ip ARGS`, which must succeed.
+fn ip(args: &[&str]) {
+    let s = Command::new("ip")
+        .args(args)
+        .status()
+        .expect("ip (iproute2)");
+    assert!(s.success(), "ip {args:?}");
+}

@@ -375,37 +375,19 @@ fn tap_backend_pings_a_host_peer_in_a_namespace() {
     if unsafe { libc::geteuid() } != 0 {
         return lucid_guests::skip_or_fail("the tap test needs root");
     }
-    let ns = format!("lucid-io-{}", std::process::id());
-    let ip = |args: &[&str]| {
-        let s = Command::new("ip")
-            .args(args)
-            .status()
-            .expect("ip (iproute2)");
-        assert!(s.success(), "ip {args:?}");
-    };
-    ip(&["netns", "add", &ns]);
-    let in_ns = |args: &[&str]| {
-        let mut a = vec!["netns", "exec", &ns, "ip"];
-        a.extend_from_slice(args);
-        ip(&a);
-    };
-    in_ns(&["tuntap", "add", "dev", "lt0", "mode", "tap"]);
-    in_ns(&["addr", "add", "10.77.0.1/24", "dev", "lt0"]);
-    in_ns(&["link", "set", "lt0", "up"]);
-    in_ns(&["link", "set", "lo", "up"]);
-    let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", &ns, env!("CARGO_BIN_EXE_lucid")])
-        .args([
-            "run",
-            "--guest",
-            "virtio-net",
-            "--net",
-            "backend=tap:lt0,rung=L1",
-            "--cmdline",
-            "op=ping src=10.77.0.2 dst=10.77.0.1 count=50 size=98",
-        ]);
+    let ns = common::TapNamespace::new("io", "lt0", Some("10.77.0.1/24"));
+    let mut cmd = ns.command(env!("CARGO_BIN_EXE_lucid"));
+    cmd.args([
+        "run",
+        "--guest",
+        "virtio-net",
+        "--net",
+        "backend=tap:lt0,rung=L1",
+        "--cmdline",
+        "op=ping src=10.77.0.2 dst=10.77.0.1 count=50 size=98",
+    ]);
     let o = common::run_cmd(cmd, LIMIT);
-    ip(&["netns", "del", &ns]);
+    drop(ns);
     assert_eq!(o.status, Some(1), "{}\n{}", o.stdout, o.stderr);
     assert_eq!(
         field(&o.stdout, "virtio-net op=ping", "packets"),

@@ -231,40 +231,21 @@ fn a_jailed_tap_backend_pings_a_host_peer() {
     if unsafe { libc::geteuid() } != 0 {
         return lucid_guests::skip_or_fail("the tap test needs root");
     }
-    let ns = format!("lucid-jail-{}", std::process::id());
-    let ip = |args: &[&str]| {
-        let s = Command::new("ip")
-            .args(args)
-            .status()
-            .expect("ip (iproute2)");
-        assert!(s.success(), "ip {args:?}");
-    };
-    ip(&["netns", "add", &ns]);
-    for args in [
-        &["tuntap", "add", "dev", "lj0", "mode", "tap"][..],
-        &["addr", "add", "10.78.0.1/24", "dev", "lj0"],
-        &["link", "set", "lj0", "up"],
-        &["link", "set", "lo", "up"],
-    ] {
-        let mut a = vec!["netns", "exec", &ns, "ip"];
-        a.extend_from_slice(args);
-        ip(&a);
-    }
-    let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", &ns, env!("CARGO_BIN_EXE_lucid")])
-        .args([
-            "run",
-            "--guest",
-            "virtio-net",
-            "--net",
-            "backend=tap:lj0,rung=L1",
-            "--cmdline",
-            "op=ping src=10.78.0.2 dst=10.78.0.1 count=20 size=98",
-            "--jail",
-            JAIL,
-        ]);
+    let ns = common::TapNamespace::new("jail", "lj0", Some("10.78.0.1/24"));
+    let mut cmd = ns.command(env!("CARGO_BIN_EXE_lucid"));
+    cmd.args([
+        "run",
+        "--guest",
+        "virtio-net",
+        "--net",
+        "backend=tap:lj0,rung=L1",
+        "--cmdline",
+        "op=ping src=10.78.0.2 dst=10.78.0.1 count=20 size=98",
+        "--jail",
+        JAIL,
+    ]);
     let o = common::run_cmd(cmd, LIMIT);
-    ip(&["netns", "del", &ns]);
+    drop(ns);
     assert_eq!(o.status, Some(1), "{}\n{}", o.stdout, o.stderr);
     assert!(
         o.stderr.contains("jail: running as uid 65534"),
