@@ -50,7 +50,6 @@ mod common;
 mod rest_client;
 
 use std::path::Path;
-use std::process::Command;
 
 use common::tmp;
 use rest_client::{eventually, has_open, have_curl, Server};
@@ -276,14 +275,7 @@ fn kata_pod_start_replayed() {
     if !have_curl() {
         return lucid_guests::skip_or_fail("curl is not installed (apt-get install curl)");
     }
-    let dir = tmp("kata-guests");
-    let _ = std::fs::remove_dir_all(&dir);
-    let out = Command::new(env!("CARGO_BIN_EXE_lucid"))
-        .args(["guests", "--write"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
+    let dir = rest_client::written_guests("kata-guests");
     let image = tmp("kata-containers.img");
     std::fs::File::create(&image)
         .unwrap()

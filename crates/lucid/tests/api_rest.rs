@@ -300,14 +300,7 @@ fn hotplug_through_the_api() {
     if !have_curl() {
         return lucid_guests::skip_or_fail("curl is not installed (apt-get install curl)");
     }
-    let dir = tmp("hp-guests");
-    let _ = std::fs::remove_dir_all(&dir);
-    let out = Command::new(env!("CARGO_BIN_EXE_lucid"))
-        .args(["guests", "--write"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
+    let dir = rest_client::written_guests("hp-guests");
     let image = tmp("hp-disk.img");
     std::fs::write(&image, vec![0u8; 1 << 20]).unwrap();
     let mut s = Server::start("hp");

@@ -210,3 +210,17 @@ pub fn has_open(pid: u32, path: &Path) -> bool {
         .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
         .any(|p| p == path)
 }
+
+/// The built-in guests written by `lucid guests --write` into a fresh directory `tmp(tag)`
+/// (`DIR/NAME.elf`, booted by path as an API client would).
+pub fn written_guests(tag: &str) -> PathBuf {
+    let dir = tmp(tag);
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = Command::new(env!("CARGO_BIN_EXE_lucid"))
+        .args(["guests", "--write"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    dir
+}
