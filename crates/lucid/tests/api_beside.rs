@@ -230,3 +230,49 @@ fn sigterm_stops_a_flag_booted_vm_as_without_the_api() {
     assert_eq!(s.wait(), Some(128 + libc::SIGTERM), "{}", s.stderr());
     assert!(!s.socket.exists());
 }
+
+/// A flag-booted VM with `--hotplug`: `vm.add-disk` reaches the `hotplug` guest and joins
+/// Lucid's configuration in `vm.info` (named by its id); after `vm.remove-device` and the
+/// guest's eject it leaves it, and a reboot boots what is left.
+#[test]
+fn a_flag_booted_vm_hotplugs_into_its_configuration() {
+    let serial = tmp("beside-hp.serial");
+    let mut s = Lucid::start(
+        "beside-hp",
+        &[
+            "--guest",
+            "hotplug",
+            "--hotplug",
+            "--serial",
+            &format!("file:{}", serial.display()),
+        ],
+    )
+    .ready();
+    let console = || std::fs::read_to_string(&serial).unwrap_or_default();
+    let until = |what: &dyn Fn() -> bool| {
+        let t = Instant::now();
+        while !what() {
+            assert!(t.elapsed() < LIMIT, "{}", console());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    until(&|| console().contains("hotplug: ready"));
+    let image = tmp("beside-hp.img");
+    std::fs::write(&image, vec![0u8; 1 << 20]).unwrap();
+    let body = format!(r#"{{"path":"{}","id":"extra"}}"#, image.display());
+    let (code, reply) = s.api("PUT", "vm.add-disk", &body).unwrap();
+    assert_eq!(code, 200, "{reply}");
+    until(&|| console().contains("up 1af4:1042"));
+    let pci = |s: &Lucid| s.json("GET", "vm.info")["config"]["devices"]["pci"].clone();
+    assert_eq!(pci(&s)[0]["name"], "extra", "{}", pci(&s));
+    let (code, _) = s
+        .api("PUT", "vm.remove-device", r#"{"id":"extra"}"#)
+        .unwrap();
+    assert_eq!(code, 204);
+    until(&|| console().contains("ejected vendor=ffff"));
+    assert_eq!(pci(&s), serde_json::json!([]));
+    s.ok("vm.reboot");
+    assert_eq!(s.state(), "Running");
+    assert_eq!(s.api("PUT", "vmm.shutdown", "").unwrap().0, 200);
+    assert_eq!(s.wait(), Some(0), "{}", s.stderr());
+}

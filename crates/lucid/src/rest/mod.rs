@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use lucid_stats::{Counter, StatsRegistry};
 use lucid_vmm::api::{ApiError, ApiSocket};
-use lucid_vmm::{RunReport, StopReason, Vm, VmConfig};
+use lucid_vmm::{PciDeviceConfig, RunReport, StopReason, Vm, VmConfig};
 use serde_json::{json, Value};
 
 /// The longest request line and headers.
@@ -128,17 +128,52 @@ fn remove_by_id(body: &mut Value, id: &str) -> bool {
 }
 
 impl Managed {
-    /// A device added while the VM runs joins the configuration `vm.info` returns.
-    fn add_to_body(&mut self, list: &str, entry: Value) {
-        match self.body[list].as_array_mut() {
-            Some(a) => a.push(entry),
-            None => self.body[list] = json!([entry]),
+    /// Whether the VM came from `vm.create` (a Cloud Hypervisor body, which names the kernel
+    /// by a string), not from flags (Lucid's own `VmConfig` JSON).
+    fn from_create(&self) -> bool {
+        self.body["payload"]["kernel"].is_string()
+    }
+
+    /// A device added while the VM runs joins the configuration `vm.info` returns and a reboot
+    /// boots: the body's `list` (`entry`, with its name as `id`) for a VM from `vm.create`,
+    /// else Lucid's configuration (`device`, named).
+    fn add_to_config(
+        &mut self,
+        list: &str,
+        mut entry: Value,
+        mut device: PciDeviceConfig,
+        name: &str,
+    ) {
+        if self.from_create() {
+            entry["id"] = json!(name);
+            match self.body[list].as_array_mut() {
+                Some(a) => a.push(entry),
+                None => self.body[list] = json!([entry]),
+            }
+        } else {
+            device.name = Some(name.into());
+            self.config.devices.pci.push(device);
+            self.body = serde_json::to_value(&self.config).unwrap_or(Value::Null);
         }
     }
 
     /// A device removed while the VM runs leaves it.
-    fn remove_from_body(&mut self, id: &str) {
-        remove_by_id(&mut self.body, id);
+    fn remove_from_config(&mut self, id: &str) {
+        if self.from_create() {
+            remove_by_id(&mut self.body, id);
+        } else {
+            let names = lucid_vmm::devices::virtio_names(&self.config.devices.pci);
+            if let Some(i) = names.iter().position(|n| n == id) {
+                let mut pci = std::mem::take(&mut self.config.devices.pci);
+                pci.remove(i);
+                // The others keep the names they run under.
+                for (d, n) in pci.iter_mut().zip(names.iter().filter(|n| *n != id)) {
+                    d.name.get_or_insert_with(|| n.clone());
+                }
+                self.config.devices.pci = pci;
+                self.body = serde_json::to_value(&self.config).unwrap_or(Value::Null);
+            }
+        }
     }
 
     /// Replaces the configuration of a VM not running with `body` (204), or refuses it (400).
@@ -688,9 +723,7 @@ impl RestServer {
         match &m.state {
             VmState::Running(vm) | VmState::Paused(vm) => match vm.devices().hot_add(&device) {
                 Ok(a) => {
-                    let mut entry = v;
-                    entry["id"] = json!(a.name);
-                    m.add_to_body(list, entry);
+                    m.add_to_config(list, v, device, &a.name);
                     let bdf = format!("0000:00:{:02x}.0", a.slot.slot);
                     Response::json(200, &json!({"id": a.name, "bdf": bdf}))
                 }
@@ -740,7 +773,7 @@ impl RestServer {
         match &m.state {
             VmState::Running(vm) | VmState::Paused(vm) => match vm.devices().hot_remove(&id) {
                 Ok(()) => {
-                    m.remove_from_body(&id);
+                    m.remove_from_config(&id);
                     Response::empty()
                 }
                 Err(e @ lucid_vmm::VmmError::NoSuchDevice(_)) => Response::error(
