@@ -130,7 +130,7 @@ fn remove_by_id(body: &mut Value, id: &str) -> bool {
 impl Managed {
     /// Whether the VM came from `vm.create` (a Cloud Hypervisor body, which names the kernel
     /// by a string), not from flags (Lucid's own `VmConfig` JSON).
-    fn from_create(&self) -> bool {
+    fn made_by_create(&self) -> bool {
         self.body["payload"]["kernel"].is_string()
     }
 
@@ -144,7 +144,7 @@ impl Managed {
         mut device: PciDeviceConfig,
         name: &str,
     ) {
-        if self.from_create() {
+        if self.made_by_create() {
             entry["id"] = json!(name);
             match self.body[list].as_array_mut() {
                 Some(a) => a.push(entry),
@@ -159,7 +159,7 @@ impl Managed {
 
     /// A device removed while the VM runs leaves it.
     fn remove_from_config(&mut self, id: &str) {
-        if self.from_create() {
+        if self.made_by_create() {
             remove_by_id(&mut self.body, id);
         } else {
             let names = lucid_vmm::devices::virtio_names(&self.config.devices.pci);
