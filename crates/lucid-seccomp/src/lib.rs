@@ -1,6 +1,6 @@
 //! Lucid's seccomp filters: one per thread role ([`Role::Vcpu`], [`Role::Backend`],
-//! [`Role::Main`], [`Role::Iommu`], [`Role::Monitor`], [`Role::Pager`], [`Role::Api`]), built with seccompiler and installed by each thread on itself once it has
-//! opened what it needs. A forbidden call traps into a handler that reports the thread, its role
+//! [`Role::Main`], [`Role::Iommu`], [`Role::Monitor`], [`Role::Pager`]), built with seccompiler
+//! and installed by each thread on itself once it has opened what it needs. A forbidden call traps into a handler that reports the thread, its role
 //! and the call, and ends the process (the VM) with [`VIOLATION_EXIT_STATUS`]: see
 //! docs/security.md for the lists, the reasons and how to debug a violation.
 //!
@@ -24,8 +24,7 @@ use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 pub use report::VIOLATION_EXIT_STATUS;
 
 /// The environment variable that makes a thread of the named role (`vcpu`, `backend`, `main`,
-/// `iommu`, `monitor`, `pager`, `api`)
-/// call `socket(2)`, which every role forbids, right after it confined itself: how the tests
+/// `iommu`, `monitor`, `pager`) call `socket(2)`, which every role forbids, right after it confined itself: how the tests
 /// show that a violation is caught and reported. It does nothing else; with seccomp off the
 /// call succeeds and the socket is closed.
 pub const SELFTEST_ENV: &str = "LUCID_SECCOMP_SELFTEST";
@@ -47,22 +46,16 @@ pub enum Role {
     /// `lucid-pager`: keeps the VM's memory cgroup under its limit with `MADV_PAGEOUT` (reads
     /// usage and writes oom_control through descriptors opened before confinement).
     Pager,
-    /// `lucid-api`: the control API (`--api-socket`, docs/symbiotic.md): accepts clients on its
-    /// Unix socket, reads and writes their streams, opens module files read-only, asks the
-    /// vCPUs for SymCalls and reads the statistics; at VM exit it removes its socket file
-    /// (only in the socket's directory: [`confine_api`]).
-    Api,
 }
 
 impl Role {
-    pub const ALL: [Role; 7] = [
+    pub const ALL: [Role; 6] = [
         Role::Vcpu,
         Role::Backend,
         Role::Main,
         Role::Iommu,
         Role::Monitor,
         Role::Pager,
-        Role::Api,
     ];
 
     pub fn name(self) -> &'static str {
@@ -73,14 +66,13 @@ impl Role {
             Role::Iommu => "iommu",
             Role::Monitor => "monitor",
             Role::Pager => "pager",
-            Role::Api => "api",
         }
     }
 
     /// The names of the system calls this role may make (some only with certain arguments),
     /// in number order.
     pub fn allowed_calls(self) -> Result<Vec<&'static str>, SeccompError> {
-        let allowed = rules::allowed(self, std::process::id(), libc::SIGRTMIN(), None)
+        let allowed = rules::allowed(self, std::process::id(), libc::SIGRTMIN())
             .map_err(|source| SeccompError::Build { role: self, source })?;
         Ok(allowed.numbers().filter_map(names::name).collect())
     }
@@ -111,7 +103,7 @@ pub enum SeccompError {
     Handler(#[source] std::io::Error),
     #[error("this kernel refuses seccomp filters ({0}); run with --no-seccomp")]
     Unsupported(#[source] seccompiler::Error),
-    #[error("{SELFTEST_ENV}={0:?}: expected vcpu, backend, main, iommu, monitor, pager or api")]
+    #[error("{SELFTEST_ENV}={0:?}: expected vcpu, backend, main, iommu, monitor or pager")]
     BadSelftest(String),
 }
 
@@ -181,27 +173,8 @@ impl Seccomp {
 /// needs; every later system call is checked. A failure is also logged: the thread must not go
 /// on unconfined, and not every caller has a way to report it.
 pub fn confine(seccomp: Option<&Seccomp>, role: Role) -> Result<(), SeccompError> {
-    confine_with(seccomp, role, None)
-}
-
-/// [`confine`] to [`Role::Api`], which may also `unlinkat` names in directory `socket_dir` (a
-/// descriptor it opened before, `O_PATH` is enough), and nowhere else: how it removes its
-/// socket file at VM exit.
-pub fn confine_api(
-    seccomp: Option<&Seccomp>,
-    socket_dir: std::os::fd::BorrowedFd<'_>,
-) -> Result<(), SeccompError> {
-    use std::os::fd::AsRawFd;
-    confine_with(seccomp, Role::Api, Some(socket_dir.as_raw_fd()))
-}
-
-fn confine_with(
-    seccomp: Option<&Seccomp>,
-    role: Role,
-    socket_dir: Option<i32>,
-) -> Result<(), SeccompError> {
     if let Some(s) = seccomp {
-        install(s, role, socket_dir).inspect_err(|e| log::error!("{e}"))?;
+        install(s, role).inspect_err(|e| log::error!("{e}"))?;
         log::debug!("{}: confined to seccomp role {role}", thread_name());
     }
     if std::env::var_os(SELFTEST_ENV).is_some_and(|v| v == role.name()) {
@@ -239,8 +212,8 @@ fn prime_heap_trim() {
 }
 
 /// Installs the role's filter (after the clone3 one) on the calling thread.
-fn install(s: &Seccomp, role: Role, socket_dir: Option<i32>) -> Result<(), SeccompError> {
-    let prog = program_with(role, socket_dir, s.jail)?;
+fn install(s: &Seccomp, role: Role) -> Result<(), SeccompError> {
+    let prog = program_with(role, s.jail)?;
     let clone3 = clone3_filter().map_err(|source| SeccompError::Build { role, source })?;
     report::set_identity(role);
     // A new task must be a thread: clone3 (whose flags seccomp cannot read) fails with ENOSYS,
@@ -259,19 +232,13 @@ fn install(s: &Seccomp, role: Role, socket_dir: Option<i32>) -> Result<(), Secco
 
 /// The role's filter: its calls are allowed, any other traps.
 fn program(role: Role) -> Result<BpfProgram, SeccompError> {
-    program_with(role, None, Some((1, 1)))
+    program_with(role, Some((1, 1)))
 }
 
-/// `socket_dir`: the API's socket directory descriptor ([`confine_api`]); `jail`: the jail's
-/// (uid, gid).
-fn program_with(
-    role: Role,
-    socket_dir: Option<i32>,
-    jail: Option<(u32, u32)>,
-) -> Result<BpfProgram, SeccompError> {
+/// The role's filter with the jail's drop to (uid, gid) allowed when `jail` is set.
+fn program_with(role: Role, jail: Option<(u32, u32)>) -> Result<BpfProgram, SeccompError> {
     let build = |source| SeccompError::Build { role, source };
-    let mut allowed =
-        rules::allowed(role, std::process::id(), libc::SIGRTMIN(), socket_dir).map_err(build)?;
+    let mut allowed = rules::allowed(role, std::process::id(), libc::SIGRTMIN()).map_err(build)?;
     if let Some((uid, gid)) = jail {
         rules::jail_drop(&mut allowed, uid, gid).map_err(build)?;
     }

@@ -10,7 +10,7 @@ use kvm_bindings::{
     kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_enable_cap, kvm_fpu, kvm_interrupt,
     kvm_ioeventfd, kvm_irq_level, kvm_irq_routing, kvm_irqchip, kvm_irqfd, kvm_lapic_state,
     kvm_mp_state, kvm_msi, kvm_msrs, kvm_pit_state2, kvm_regs, kvm_sregs, kvm_translation,
-    kvm_userspace_memory_region, kvm_vcpu_events, kvm_xcrs, kvm_xsave, KVMIO,
+    kvm_vcpu_events, kvm_xcrs, kvm_xsave, KVMIO,
 };
 use libc::c_long;
 use seccompiler::{
@@ -22,12 +22,6 @@ use crate::Role;
 
 // KVM ioctl request numbers (linux/kvm.h), computed from the structures they carry.
 ioctl_io_nr!(KVM_CHECK_EXTENSION, KVMIO, 0x03);
-ioctl_iow_nr!(
-    KVM_SET_USER_MEMORY_REGION,
-    KVMIO,
-    0x46,
-    kvm_userspace_memory_region
-);
 ioctl_iow_nr!(KVM_IRQ_LINE, KVMIO, 0x61, kvm_irq_level);
 ioctl_iowr_nr!(KVM_GET_IRQCHIP, KVMIO, 0x62, kvm_irqchip);
 ioctl_ior_nr!(KVM_SET_IRQCHIP, KVMIO, 0x63, kvm_irqchip);
@@ -443,31 +437,6 @@ fn pager(a: &mut Allowed) {
     a.always(&[libc::SYS_pread64, libc::SYS_fadvise64]);
 }
 
-/// The control API (`lucid-api`): its clients' streams (`accept4` on the listening socket it
-/// was given, `recvfrom`, `sendto` on the connected stream only; `read`, `write`, `poll` and
-/// its shutdown eventfd are in the base list), module files opened read-only (`openat` as the
-/// monitor's), the statistics' probes (`pread64` of KVM's statistics) and, with `socket_dir`,
-/// `unlinkat` in that directory only (its socket file at VM exit). A SymCall it asks for runs
-/// on the vCPU's thread: it only queues the request, kicks the vCPU (`tgkill`) and waits.
-/// `ioctl` `FIONBIO`: std makes an accepted stream non-blocking with it. A read-only module
-/// load (`module_load` with `read_only`) places the module's code in a `KVM_MEM_READONLY`
-/// memory slot of its own, added and removed on this thread: `KVM_SET_USER_MEMORY_REGION`
-/// and `KVM_CHECK_EXTENSION` on the VM fd (the only role that may change memory slots).
-fn api(a: &mut Allowed, socket_dir: Option<i32>) -> Result<(), BackendError> {
-    use libc::*;
-    a.always(&[SYS_accept4, SYS_recvfrom, SYS_pread64]);
-    connected_send(a)?;
-    open_read_only(a)?;
-    a.ioctls(&[FIONBIO, KVM_SET_USER_MEMORY_REGION(), KVM_CHECK_EXTENSION()])?;
-    if let Some(fd) = socket_dir {
-        a.when(
-            SYS_unlinkat,
-            vec![rule(vec![arg(0, Op::Eq, u64::from(fd as u32))?])?],
-        );
-    }
-    Ok(())
-}
-
 /// `openat(dirfd, path, flags, mode)` with no access mode but read and no `O_CREAT`/`O_TRUNC`.
 fn open_read_only(a: &mut Allowed) -> Result<(), BackendError> {
     use libc::*;
@@ -496,14 +465,8 @@ pub(crate) fn jail_drop(a: &mut Allowed, uid: u32, gid: u32) -> Result<(), Backe
     Ok(())
 }
 
-/// The syscalls `role` may make in process `pid`, whose vCPUs are kicked with `kick_signal`;
-/// `socket_dir` is the API's socket directory ([`Role::Api`] only).
-pub(crate) fn allowed(
-    role: Role,
-    pid: u32,
-    kick_signal: i32,
-    socket_dir: Option<i32>,
-) -> Result<Allowed, BackendError> {
+/// The syscalls `role` may make in process `pid`, whose vCPUs are kicked with `kick_signal`.
+pub(crate) fn allowed(role: Role, pid: u32, kick_signal: i32) -> Result<Allowed, BackendError> {
     let mut a = Allowed::default();
     base(&mut a, pid, kick_signal)?;
     match role {
@@ -513,7 +476,6 @@ pub(crate) fn allowed(
         Role::Iommu => iommu(&mut a)?,
         Role::Monitor => monitor(&mut a)?,
         Role::Pager => pager(&mut a),
-        Role::Api => api(&mut a, socket_dir)?,
     }
     Ok(a)
 }
@@ -538,7 +500,7 @@ mod tests {
     }
 
     fn has(role: Role, name: &str) -> bool {
-        allowed(role, 1, 34, None)
+        allowed(role, 1, 34)
             .unwrap()
             .numbers()
             .any(|nr| crate::names::name(nr) == Some(name))
@@ -571,12 +533,8 @@ mod tests {
             ] {
                 assert!(!has(role, bad), "{role} may call {bad}");
             }
-            // Only the monitor and the API open files, and only read-only (checked below).
-            assert_eq!(
-                has(role, "openat"),
-                matches!(role, Role::Monitor | Role::Api),
-                "{role} openat"
-            );
+            // Only the monitor opens files, and only read-only (checked below).
+            assert_eq!(has(role, "openat"), role == Role::Monitor, "{role} openat");
             for needed in [
                 "write",
                 "futex",
@@ -589,8 +547,8 @@ mod tests {
             }
         }
         // A vCPU starts back-ends, which inherit its filter.
-        let vcpu = allowed(Role::Vcpu, 1, 34, None).unwrap();
-        for nr in allowed(Role::Backend, 1, 34, None).unwrap().numbers() {
+        let vcpu = allowed(Role::Vcpu, 1, 34).unwrap();
+        for nr in allowed(Role::Backend, 1, 34).unwrap().numbers() {
             assert!(
                 vcpu.numbers().any(|v| v == nr),
                 "{:?}",
@@ -660,7 +618,7 @@ mod tests {
     #[test]
     fn own_policy_only_on_vcpus_and_ofd_locks_by_command() {
         let conditional = |role: Role, nr: c_long| {
-            let a = allowed(role, 1, 34, None).unwrap();
+            let a = allowed(role, 1, 34).unwrap();
             match a.0.get(&nr) {
                 Some(Some(rules)) => Some(rules.len()),
                 Some(None) => None,
@@ -684,7 +642,7 @@ mod tests {
     #[test]
     fn the_jail_drop_is_allowed_with_its_ids_only() {
         for role in Role::ALL {
-            let mut a = allowed(role, 1, 34, None).unwrap();
+            let mut a = allowed(role, 1, 34).unwrap();
             assert!(!a.0.contains_key(&libc::SYS_setresuid), "{role}");
             jail_drop(&mut a, 65534, 65533).unwrap();
             for nr in [
@@ -698,50 +656,6 @@ mod tests {
                 );
             }
             assert!(!a.0.contains_key(&libc::SYS_setuid), "{role}");
-        }
-    }
-
-    /// The API accepts and talks on its socket, starts no thread, touches no disk image, and
-    /// may unlink only in its socket's directory (by descriptor), and only when given one.
-    #[test]
-    fn the_api_talks_on_its_socket_and_unlinks_only_in_its_directory() {
-        for needed in [
-            "accept4", "recvfrom", "sendto", "read", "write", "poll", "pread64",
-        ] {
-            assert!(has(Role::Api, needed), "api may not call {needed}");
-        }
-        for bad in [
-            "clone",
-            "pwrite64",
-            "epoll_wait",
-            "socket",
-            "bind",
-            "unlinkat",
-        ] {
-            assert!(!has(Role::Api, bad), "api may call {bad}");
-        }
-        // Memory slots: only the API changes them (read-only module slots).
-        assert_eq!(KVM_SET_USER_MEMORY_REGION(), 0x4020_ae46);
-        for role in Role::ALL {
-            let a = allowed(role, 1, 34, None).unwrap();
-            assert_eq!(
-                a.1.contains(&KVM_SET_USER_MEMORY_REGION()),
-                role == Role::Api,
-                "{role}"
-            );
-        }
-        let with_dir = allowed(Role::Api, 1, 34, Some(7)).unwrap();
-        match with_dir.0.get(&libc::SYS_unlinkat) {
-            Some(Some(rules)) => assert_eq!(rules.len(), 1),
-            other => panic!("unlinkat: {}", other.is_some()),
-        }
-        for role in Role::ALL {
-            let a = allowed(role, 1, 34, Some(7)).unwrap();
-            assert_eq!(
-                a.0.contains_key(&libc::SYS_unlinkat),
-                role == Role::Api,
-                "{role}"
-            );
         }
     }
 

@@ -9,7 +9,6 @@
 
 #![warn(clippy::print_stdout, clippy::print_stderr)]
 
-use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
@@ -46,7 +45,6 @@ pub struct ThreadSpec {
     pub name: String,
     pub role: ThreadRole,
     pub seccomp_role: Role,
-    socket_dir: Option<Arc<OwnedFd>>,
     before_confine: Option<Box<dyn FnOnce() + Send>>,
 }
 
@@ -56,18 +54,8 @@ impl ThreadSpec {
             name: name.into(),
             role,
             seccomp_role,
-            socket_dir: None,
             before_confine: None,
         }
-    }
-
-    /// Confines the thread to [`Role::Api`], which may also remove names in directory `dir`
-    /// ([`lucid_seccomp::confine_api`]): through that descriptor only (the filter checks its
-    /// number), so the thread must keep and use this one, not a duplicate.
-    pub fn api_socket_dir(mut self, dir: Arc<OwnedFd>) -> Self {
-        self.seccomp_role = Role::Api;
-        self.socket_dir = Some(dir);
-        self
     }
 
     /// Runs `f` on the new thread after it is placed and before it confines itself: what needs
@@ -132,7 +120,6 @@ impl Spawner {
             name,
             role,
             seccomp_role,
-            socket_dir,
             before_confine,
         } = spec;
         let (seccomp, threads, placer) = (
@@ -154,16 +141,14 @@ impl Spawner {
                 if let Some(f) = before_confine {
                     f();
                 }
-                let confined = match &socket_dir {
-                    Some(dir) => lucid_seccomp::confine_api(seccomp.as_ref(), dir.as_fd()),
-                    None => lucid_seccomp::confine(seccomp.as_ref(), seccomp_role),
-                }
-                .map_err(|source| SpawnError::Confine {
-                    name: thread_name,
-                    source,
-                });
+                let confined =
+                    lucid_seccomp::confine(seccomp.as_ref(), seccomp_role).map_err(|source| {
+                        SpawnError::Confine {
+                            name: thread_name,
+                            source,
+                        }
+                    });
                 let out = body(confined);
-                drop(socket_dir);
                 drop(registered);
                 out
             })

@@ -200,7 +200,8 @@ struct RunArgs {
     #[arg(long)]
     symbiotic: bool,
     /// Serve Cloud Hypervisor's REST API on this Unix socket (docs/api.md), with Lucid's own
-    /// endpoints (`lucid sym --socket PATH ...`). With --kernel or --guest the VM boots at once
+    /// endpoints (`lucid sym --socket PATH ...`); `auto`: `lucid-<pid>.sock` in the run
+    /// directory `lucid top` reads (`lucid top --help`). With --kernel or --guest the VM boots at once
     /// and the API serves it; with neither it waits for vm.create. A stale socket file is
     /// replaced; one another process listens on is refused.
     #[arg(long, value_name = "PATH")]
@@ -354,7 +355,10 @@ fn flags_config(args: &RunArgs) -> Result<VmConfig, CliError> {
     Ok(config)
 }
 
-fn run(args: RunArgs) -> Result<ExitCode, CliError> {
+fn run(mut args: RunArgs) -> Result<ExitCode, CliError> {
+    if let Some(socket) = &mut args.api_socket {
+        *socket = top::api_socket_path(socket)?;
+    }
     if let (None, None, None, Some(socket)) =
         (&args.config, &args.kernel, &args.guest, &args.api_socket)
     {

@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
-use std::os::unix::fs::FileTypeExt;
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -24,8 +24,9 @@ const PATIENCE: Duration = Duration::from_secs(2);
 
 #[derive(clap::Args)]
 pub struct TopArgs {
-    /// The directory whose API sockets (`lucid run --api-socket DIR/NAME.sock`) are polled.
-    /// Default: /run/lucid for root, else $XDG_RUNTIME_DIR/lucid.
+    /// The directory whose API sockets (`lucid run --api-socket DIR/NAME.sock`, or
+    /// `--api-socket auto`) are polled. Default: $LUCID_RUN_DIR if set, else /run/lucid for
+    /// root, else $XDG_RUNTIME_DIR/lucid.
     #[arg(long, value_name = "DIR")]
     run_dir: Option<PathBuf>,
     /// One snapshot (the rates over two samples one interval apart), then exit.
@@ -59,13 +60,25 @@ pub enum TopError {
         #[source]
         source: std::io::Error,
     },
+    #[error("--api-socket auto: cannot create the run directory {path}", path = .path.display())]
+    RunDirCreate {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot write to standard output")]
     Stdout(#[source] std::io::Error),
 }
 
-/// Where `lucid top` looks by default: /run/lucid for root (system VMMs), else the user's
-/// runtime directory.
+/// The environment variable that overrides [`default_run_dir`] (tests, or VMMs grouped apart).
+pub const RUN_DIR_ENV: &str = "LUCID_RUN_DIR";
+
+/// Where `lucid top` looks by default and `--api-socket auto` puts its socket: `$LUCID_RUN_DIR`
+/// when set, else /run/lucid for root (system VMMs), else the user's runtime directory.
 pub fn default_run_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os(RUN_DIR_ENV).filter(|d| !d.is_empty()) {
+        return PathBuf::from(d);
+    }
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     match std::env::var_os("XDG_RUNTIME_DIR") {
@@ -74,6 +87,30 @@ pub fn default_run_dir() -> PathBuf {
         _ if !root => PathBuf::from(format!("/run/user/{}/lucid", unsafe { libc::geteuid() })),
         _ => PathBuf::from("/run/lucid"),
     }
+}
+
+/// The `--api-socket` value that picks the socket's path itself ([`api_socket_path`]).
+pub const AUTO_SOCKET: &str = "auto";
+
+/// The path `lucid run --api-socket` serves on: `auto` means `lucid-<pid>.sock` in
+/// [`default_run_dir`] (created, mode 0700, if missing), where `lucid top` finds it; any other
+/// value is the path itself.
+pub fn api_socket_path(given: &Path) -> Result<PathBuf, TopError> {
+    if given != Path::new(AUTO_SOCKET) {
+        return Ok(given.to_path_buf());
+    }
+    let dir = default_run_dir();
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|source| TopError::RunDirCreate {
+            path: dir.clone(),
+            source,
+        })?;
+    let path = dir.join(format!("lucid-{}.sock", std::process::id()));
+    log::info!("--api-socket auto: serving on {}", path.display());
+    Ok(path)
 }
 
 /// One VMM's answers at one moment.

@@ -1,7 +1,7 @@
 //! `lucid top` on real KVM: two REST VMMs (`lucid run --api-socket DIR/a.sock`, `b.sock`), each
 //! running a probe guest that exits to Lucid in a loop, are both listed Running with nonzero
 //! exit rates; a stale socket file in the same directory is reported as skipped, and the
-//! snapshot still comes.
+//! snapshot still comes. A VMM started with `--api-socket auto` is found in the run directory.
 
 mod common;
 
@@ -143,4 +143,51 @@ fn top_with_no_run_directory_says_so() {
         .as_str()
         .unwrap()
         .contains("does not exist"));
+}
+
+/// `lucid run --api-socket auto` serves on `lucid-<pid>.sock` in the run directory
+/// (`LUCID_RUN_DIR` here), creating it mode 0700, and `lucid top` lists it with no other setup.
+#[test]
+fn top_finds_a_vmm_started_with_api_socket_auto() {
+    use std::os::unix::fs::PermissionsExt;
+    let base = tmp("top-auto");
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).unwrap();
+    let dir = base.join("run");
+    let log = base.join("stderr");
+    let child = Command::new(env!("CARGO_BIN_EXE_lucid"))
+        .args(["run", "--api-socket", "auto"])
+        .env("LUCID_RUN_DIR", &dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let socket = dir.join(format!("lucid-{pid}.sock"));
+    let vmm = Vmm {
+        child,
+        socket: socket.clone(),
+    };
+    wait_for_ping(&socket, LIMIT).expect("the API answers vmm.ping on the auto socket");
+    let mode = std::fs::metadata(&dir).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o700, "{mode:o}");
+
+    let out = top(&dir, &["--json", "--interval", "0.05"]);
+    let snap: Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let vms = snap["vms"].as_array().expect("vms");
+    assert_eq!(vms.len(), 1, "{snap}");
+    assert_eq!(vms[0]["name"], json!(format!("lucid-{pid}")), "{snap}");
+    assert_eq!(vms[0]["pid"], json!(pid), "{snap}");
+    assert_eq!(vms[0]["state"], "NotCreated", "{snap}");
+    drop(vmm);
+    let stderr = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        stderr.contains(&format!(
+            "--api-socket auto: serving on {}",
+            socket.display()
+        )),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&base);
 }
