@@ -5,7 +5,8 @@
 //! 1. `vm.create` (the kernel, an initramfs whose `/init` spins without a system call) and
 //!    `vm.boot`; Linux registers the hotplug slots (`acpiphp`) and the power button.
 //! 2. `vm.add-disk` (a GPT disk): `acpiphp` scans the slot, virtio_blk logs the disk with its
-//!    capacity and reads its first sectors (the disk's `bytes_read` counter moves).
+//!    capacity and reads its partition table (the disk's `bytes_written` counter, bytes the
+//!    device wrote into guest buffers, moves).
 //! 3. `vm.remove-device`: Linux releases the device and ejects the slot; Lucid detaches it
 //!    and closes the image (`/proc/PID/fd`).
 //! 4. `vm.power-button`: Linux's button driver reports the press as an input event (evbug logs
@@ -160,7 +161,8 @@ pub fn run(args: &Args, work: &WorkDir) -> Result<bool, String> {
         let capacity = line_with(boot.lines(), &["virtio_blk", "512-byte logical blocks"])
             .map(|l| l.text.clone())
             .unwrap_or_default();
-        let read = eventually(STEP, || counter(&socket, DISK_ID, "bytes_read") >= 512);
+        // A disk read is the device writing into guest memory.
+        let read = eventually(STEP, || counter(&socket, DISK_ID, "bytes_written") >= 512);
         ok = step(
             "add-disk",
             logged && read,
