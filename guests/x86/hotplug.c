@@ -7,7 +7,8 @@
  * EJECT, as _EJ0 does) and prints "hotplug: slot N ejected vendor=VVVV" (0xffff
  * once the VMM detached the function); a power button press prints
  * "hotplug: power button". Prints "hotplug: ready" first. After `events=N`
- * handled events (default 0: never) it exits 0.
+ * handled events (default 0: never) it exits 0. With `reset=1` it resets the
+ * machine through the i8042 (0xfe to port 0x64) right after "ready".
  */
 #include "libcflat.h"
 #include "pci.h"
@@ -24,6 +25,10 @@ int main(void)
 {
 	u64 want = param_u64("events", 0), handled = 0;
 	printf("hotplug: ready\n");
+	if (param_u64("reset", 0)) {
+		printf("hotplug: reset\n");
+		outb(0x64, 0xfe);
+	}
 	while (!want || handled < want) {
 		u32 ev = inl(HP_EVENT);
 		if (ev & EVENT_PCI) {

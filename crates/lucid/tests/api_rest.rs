@@ -495,3 +495,25 @@ fn hotplug_a_nic_on_a_tap() {
     drop(s);
     drop(ns);
 }
+
+/// A guest that resets itself is booted again, as Cloud Hypervisor does (the `hotplug` guest
+/// with `reset=1` resets right after it starts, so it boots again and again); `vmm.shutdown`
+/// ends it.
+#[test]
+fn a_guest_reset_boots_the_vm_again() {
+    if !have_curl() {
+        return lucid_guests::skip_or_fail("curl is not installed (apt-get install curl)");
+    }
+    let mut s = Server::start("reset");
+    let mut config = spin_config(&tmp("reset.serial"));
+    config["payload"] = json!({"kernel": "builtin:hotplug", "cmdline": "reset=1"});
+    assert_eq!(s.curl("PUT", "vm.create", Some(&config)).0, 204);
+    assert_eq!(s.curl("PUT", "vm.boot", None).0, 204);
+    assert!(
+        eventually(|| s.stderr().matches("the guest reset; booted again").count() >= 2),
+        "{}",
+        s.stderr()
+    );
+    assert_eq!(s.curl("PUT", "vmm.shutdown", None).0, 200);
+    assert_eq!(s.wait(), Some(0), "{}", s.stderr());
+}

@@ -374,7 +374,18 @@ impl RestServer {
         let mut drained = [0u8; 64];
         while matches!((&self.stopped_rx).read(&mut drained), Ok(n) if n > 0) {}
         let m = self.vm.as_mut()?;
-        if !m.reap() || !self.exit_with_guest {
+        if !m.reap() {
+            return None;
+        }
+        if !self.exit_with_guest {
+            // As Cloud Hypervisor: a guest that resets itself is booted again.
+            if matches!(&m.state, VmState::Shutdown(r) if r.stop == StopReason::Reset) {
+                let resp = self.boot(&[]);
+                log::info!(
+                    "REST API: the guest reset; booted again ({})",
+                    resp.status()
+                );
+            }
             return None;
         }
         match &m.state {
