@@ -1041,6 +1041,22 @@ mod tests {
     use lucid_virtio::net::NetBackend;
 
     #[test]
+    fn rng_options() {
+        assert_eq!(parse_rng("").unwrap(), RngConfig { rate: None });
+        assert_eq!(parse_rng("rate=16384").unwrap().rate, Some(16384));
+        for bad in [
+            "rate=0",
+            "rate=x",
+            "rate=1073741825",
+            "size=1",
+            "rate=1,rate=2",
+            "on",
+        ] {
+            assert!(parse_rng(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn balloon_options() {
         let b =
             parse_balloon("size=128,deflate_on_oom=on,free_page_reporting=on,stats=on,manager=on")
