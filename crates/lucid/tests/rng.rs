@@ -1,7 +1,8 @@
 //! virtio-rng end to end on real KVM, with the default seccomp filters: the `virtio-rng` probe
 //! guest reads entropy that Lucid draws from the host's getrandom (its counters show every
-//! byte), a rate-limited device makes the guest wait as long as its token bucket says, and
-//! Cloud Hypervisor's `rng` of a `vm.create` (what Kata sends) gives the guest the device.
+//! byte), a rate-limited device makes the guest wait as long as its token bucket says, the
+//! device writes through the vIOMMU, and Cloud Hypervisor's `rng` of a `vm.create` (what Kata
+//! sends) gives the guest the device.
 
 mod common;
 mod rest_client;
@@ -87,6 +88,40 @@ fn a_rate_limited_device_makes_the_guest_wait() {
     assert!(
         waited_ms >= floor_ms * 95 / 100,
         "waited {waited_ms} ms < {floor_ms} ms"
+    );
+}
+
+/// Behind the vIOMMU: every buffer is an IOVA the guest mapped for its request; the device
+/// writes through the translation and the unit records no fault.
+#[test]
+fn the_device_writes_through_the_viommu() {
+    let o = lucid(
+        &[
+            "run",
+            "--guest",
+            "virtio-rng",
+            "--rng",
+            "--iommu",
+            "vtd",
+            "--cmdline",
+            "iommu=vtd strategy=strict bytes=16384",
+        ],
+        LIMIT,
+    );
+    assert_eq!(
+        o.status,
+        Some(1),
+        "(0 << 1) | 1: {}\n{}",
+        o.stdout,
+        o.stderr
+    );
+    assert_eq!(num(&o.stdout, "bytes"), 16384, "{}", o.stdout);
+    assert!(o.stdout.contains("iommu-dma "), "{}", o.stdout);
+    assert_eq!(o.counter("rng.bytes_written"), 16384);
+    assert_eq!(o.counter("iommu.faults.dma"), 0);
+    assert!(
+        o.counter("iommu.iotlb.misses") > 0,
+        "nothing was translated"
     );
 }
 
