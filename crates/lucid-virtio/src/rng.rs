@@ -18,12 +18,12 @@
 //! `throttled` (times the bucket ran dry with a request waiting), `getrandom_errors`, and the
 //! gauge `rate_bytes_per_s` (0: unlimited).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lucid_stats::{Counter, StatsRegistry};
-use std::sync::Arc;
 
-use crate::worker::{scatter, Backend, DataError, Desc, Io, Pop, Region, WorkerSlot};
+use crate::worker::{scatter, split_off, Backend, DataError, Desc, Io, Pop, Region, WorkerSlot};
 use crate::{device_type, features, ActivateContext, ActivateError, VirtioDevice};
 
 pub const QUEUE_SIZE: u16 = 256;
@@ -305,7 +305,7 @@ impl RngBackend {
                 log::warn!("{}: getrandom: {e}", io.name());
                 break;
             }
-            if !crate::worker::split_off(&self.regions, done, &mut rest) {
+            if !split_off(&self.regions, done, &mut rest) {
                 break;
             }
             match scatter(io, &rest, &self.buf[..n]) {
