@@ -1,4 +1,4 @@
-//! The CLI's sub-option strings (`--blk`, `--net`, `--iommu`, `--device`, `--serial`,
+//! The CLI's sub-option strings (`--blk`, `--net`, `--iommu`, `--rng`, `--device`, `--serial`,
 //! `--backing`, `--pool`, the pools' `--def`): any string gets a config or an error, an accepted config written back as an option string parses to the same config, and an
 //! accepted MAC address is made of hex digits.
 #![no_main]
@@ -84,6 +84,11 @@ fuzz_target!(|s: &str| {
         let again = lucid_vmm::parse_jail(&format!("uid={},gid={}{chroot}", j.uid, j.gid))
             .expect("a written-back --jail parses");
         assert_eq!(again, j);
+    }
+    if let Ok(c) = lucid_vmm::parse_rng(s) {
+        let back = c.rate.map(|r| format!("rate={r}")).unwrap_or_default();
+        let again = lucid_vmm::parse_rng(&back).expect("a written-back --rng parses");
+        assert_eq!(again, c);
     }
     if let Ok(c) = parse_iommu(s) {
         let again = parse_iommu(&unparse_iommu(&c)).expect("a written-back --iommu parses");

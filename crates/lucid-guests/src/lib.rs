@@ -62,6 +62,7 @@ guests!(
     "sym-swap",
     "sym-mod",
     "hotplug",
+    "virtio-rng",
 );
 
 /// Symbiotic modules (docs/symbiotic.md §7): ELF64 relocatable objects built with

@@ -2,9 +2,10 @@
 //! device's back-end serves descriptor chains from guest memory that the input fills, on the
 //! caller's thread ([`Notify::Inline`]). Not an API.
 //!
-//! Input: byte 0 picks the device (`% 5`: blk read-write, blk read-only, blk with 4096-byte
-//! blocks, net echo, net sink); byte 1 has flags (bit 0: EVENT_IDX negotiated, bit 1: interrupt
-//! coalescing 4:0, bit 2: bus mastering off, so every DMA is refused); byte 2 the queue size, `1 << (b % 9)`; the rest is guest memory from address
+//! Input: byte 0 picks the device (`% 6`: blk read-write, blk read-only, blk with 4096-byte
+//! blocks, net echo, net sink, rng); byte 1 has flags (bit 0: EVENT_IDX negotiated, bit 1:
+//! interrupt coalescing 4:0, bit 2: bus mastering off, so every DMA is refused, bit 3: the rng
+//! limited to 4096 bytes a second); byte 2 the queue size, `1 << (b % 9)`; the rest is guest memory from address
 //! 0. Each queue's rings are packed from address 0: the descriptor table, the avail ring, then
 //! the used ring (4-byte aligned), the next queue 16-byte aligned after it.
 //!
@@ -28,6 +29,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::blk::{Block, BlockConfig};
 use crate::net::{Net, NetBackend, NetConfig};
+use crate::rng::{Rng, RngConfig};
 use crate::{features, ActivateContext, Coalescing, Notify, VirtioDevice, VirtioInterrupt};
 
 const RAM: u64 = 2 << 20;
@@ -92,7 +94,8 @@ pub fn virtqueue(data: &[u8]) -> BTreeMap<String, u64> {
     };
     let image = &image[..image.len().min(MAX_IMAGE)];
     let disk_file = disk();
-    let mut dev: Box<dyn VirtioDevice> = match kind % 5 {
+    let stats = StatsRegistry::new();
+    let mut dev: Box<dyn VirtioDevice> = match kind % 6 {
         k @ 0..=2 => {
             let cfg = BlockConfig {
                 path: format!("/proc/self/fd/{}", disk_file.as_raw_fd()).into(),
@@ -102,6 +105,12 @@ pub fn virtqueue(data: &[u8]) -> BTreeMap<String, u64> {
                 direct: false,
             };
             Box::new(Block::new("blk0".into(), cfg).expect("memfd disk"))
+        }
+        5 => {
+            let cfg = RngConfig {
+                rate: (flags & 8 != 0).then_some(4096),
+            };
+            Box::new(Rng::new("rng".into(), cfg, &stats).expect("a valid rate"))
         }
         k => {
             let backend = if k == 3 {
@@ -116,12 +125,11 @@ pub fn virtqueue(data: &[u8]) -> BTreeMap<String, u64> {
             Box::new(Net::new("net0".into(), cfg).expect("echo or sink"))
         }
     };
-    let is_blk = kind % 5 <= 2;
+    let is_blk = kind % 6 <= 2;
     let size = (1u16 << (size % 9)).min(dev.queue_max_sizes()[0]);
     let ram = GuestRam::new(&[(0, RAM)], Backing::Anonymous).expect("guest RAM");
     let mem = ram.memory().clone();
     mem.write_slice(image, GuestAddress(0)).expect("image fits");
-    let stats = StatsRegistry::new();
     let dma = DmaPath::new(mem.clone(), &stats);
     let queue_count = dev.queue_max_sizes().len() as u64;
     let ring_writes = Arc::new(RingWrites {
@@ -199,7 +207,7 @@ pub fn virtqueue(data: &[u8]) -> BTreeMap<String, u64> {
             "reset needed in silence"
         );
     }
-    if kind % 5 == 3 {
+    if kind % 6 == 3 {
         let (rx, tx) = (count("rx_packets"), count("tx_packets"));
         assert!(rx.is_some() && tx.is_some(), "net counters registered");
         assert!(rx <= tx, "more frames echoed than sent");
@@ -240,5 +248,19 @@ mod tests {
         assert_eq!((c["tx_packets"], c["rx_packets"], c["requests"]), (1, 1, 2));
         let c = virtqueue(&seed("net-sink-split-header"));
         assert_eq!((c["tx_packets"], c["tx_bytes"], c["errors"]), (1, 60, 0));
+        let c = virtqueue(&seed("rng-fill-and-read-only"));
+        assert_eq!(
+            (c["requests"], c["bytes_written"], c["errors"]),
+            (2, 64, 1),
+            "a 64-byte buffer filled, a read-only chain refused"
+        );
+        let mut limited = seed("rng-fill-and-read-only");
+        limited[1] |= 8;
+        let c = virtqueue(&limited);
+        assert_eq!(
+            (c["requests"], c["bytes_written"]),
+            (2, 64),
+            "within the burst"
+        );
     }
 }

@@ -3,8 +3,9 @@
 //! whether a kick came through a userspace exit or an ioeventfd, nor whether its interrupt goes out
 //! by `KVM_SIGNAL_MSI` or an irqfd: that is the transport's rung of the exit ladder.
 //!
-//! Devices: [`blk::Block`] (raw image file), [`net::Net`] (tap, echo, sink) and
-//! [`balloon::Balloon`] (memory given back by the guest). Each runs one
+//! Devices: [`blk::Block`] (raw image file), [`net::Net`] (tap, echo, sink),
+//! [`balloon::Balloon`] (memory given back by the guest) and [`rng::Rng`] (entropy from the
+//! host's `getrandom`). Each runs one
 //! back-end thread, `lucid-<name>-io` (Linux keeps the first 15 bytes of a thread name, so keep
 //! device names to 6 bytes), started by `activate` and joined by `reset`. The thread waits on the
 //! kick eventfds ([`Notify::Kicks`]) or polls the avail rings with the driver's notifications
@@ -40,6 +41,7 @@ pub use virtio_queue;
 pub mod balloon;
 pub mod blk;
 pub mod net;
+pub mod rng;
 mod worker;
 
 #[doc(hidden)]
@@ -57,6 +59,7 @@ pub mod features {
 pub mod device_type {
     pub const NET: u32 = 1;
     pub const BLOCK: u32 = 2;
+    pub const RNG: u32 = 4;
     pub const BALLOON: u32 = 5;
 }
 

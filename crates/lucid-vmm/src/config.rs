@@ -17,6 +17,7 @@ use lucid_swap::SwapMode;
 use lucid_virtio::balloon::BalloonConfig;
 use lucid_virtio::blk::BlockConfig;
 use lucid_virtio::net::NetConfig;
+use lucid_virtio::rng::RngConfig;
 use lucid_virtio::Coalescing;
 use serde::{Deserialize, Serialize};
 
@@ -64,7 +65,7 @@ pub fn device_name_ok(name: &str) -> bool {
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
         && ![
-            "balloon", "edu", "iommu", "serial", "hotplug", "kvm", "rest",
+            "balloon", "edu", "iommu", "serial", "hotplug", "kvm", "rest", "rng",
         ]
         .contains(&name)
         && !name.starts_with("vcpu")
@@ -170,6 +171,8 @@ pub struct DevicesConfig {
     pub platform_pci: Vec<PlatformPciDevice>,
     /// A virtio-balloon (`--balloon`), on PCI after the devices of `pci`, named `balloon`.
     pub balloon: Option<BalloonConfig>,
+    /// A virtio-rng (`--rng`), on PCI after the balloon, named `rng`.
+    pub rng: Option<RngConfig>,
     /// ACPI PCI hotplug and the ACPI power button (`--hotplug`; always on for a VM made by
     /// the REST API): the VM gets a PCI bus even with no device.
     pub hotplug: bool,
@@ -183,6 +186,7 @@ impl Default for DevicesConfig {
             pci: Vec::new(),
             platform_pci: Vec::new(),
             balloon: None,
+            rng: None,
             hotplug: false,
         }
     }
@@ -608,6 +612,18 @@ pub mod options {
         ],
     };
 
+    /// `--rng`.
+    pub const RNG: OptSpec = OptSpec {
+        flag: "--rng",
+        about: "A virtio-rng on PCI fed from the host's getrandom, after the balloon.",
+        head: None,
+        keys: &[OptKey::new(
+            "rate",
+            "BYTES_PER_S",
+            "at most this many bytes a second, with a one-second burst (default unlimited)",
+        )],
+    };
+
     /// `--iommu`.
     pub const IOMMU: OptSpec = OptSpec {
         flag: "--iommu",
@@ -918,6 +934,23 @@ pub fn parse_balloon(s: &str) -> Result<BalloonConfig, DeviceOptionError> {
     Ok(cfg)
 }
 
+/// Parses `--rng` by [`RNG`] (`""` for no options). Never panics, whatever the input.
+pub fn parse_rng(s: &str) -> Result<RngConfig, DeviceOptionError> {
+    let spec = &RNG;
+    let p = spec.parse(s)?;
+    let mut cfg = RngConfig::default();
+    if let Some(v) = p.get("rate") {
+        let max = lucid_virtio::rng::MAX_RATE;
+        cfg.rate = Some(
+            v.parse::<u64>()
+                .ok()
+                .filter(|r| (1..=max).contains(r))
+                .ok_or(spec.bad("rate", v, format!("bytes per second, 1 to {max}")))?,
+        );
+    }
+    Ok(cfg)
+}
+
 /// Parses `--iommu` by [`IOMMU`] (defaults: samecore, pin=all). Never panics, whatever the
 /// input (a fuzz target calls it).
 pub fn parse_iommu(s: &str) -> Result<VtdConfig, DeviceOptionError> {
@@ -1006,6 +1039,22 @@ mod tests {
     use super::*;
     use lucid_pci::Rung;
     use lucid_virtio::net::NetBackend;
+
+    #[test]
+    fn rng_options() {
+        assert_eq!(parse_rng("").unwrap(), RngConfig { rate: None });
+        assert_eq!(parse_rng("rate=16384").unwrap().rate, Some(16384));
+        for bad in [
+            "rate=0",
+            "rate=x",
+            "rate=1073741825",
+            "size=1",
+            "rate=1,rate=2",
+            "on",
+        ] {
+            assert!(parse_rng(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn balloon_options() {

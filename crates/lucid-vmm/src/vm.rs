@@ -171,7 +171,8 @@ impl Vm {
                     vm_name: &vm_name(&config.payload.kernel),
                     seccomp: config.machine.seccomp,
                     backends: config.devices.pci.len()
-                        + usize::from(config.devices.balloon.is_some()),
+                        + usize::from(config.devices.balloon.is_some())
+                        + usize::from(config.devices.rng.is_some()),
                     spawner: &spawner,
                 },
             )?,

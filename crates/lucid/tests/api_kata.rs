@@ -208,12 +208,6 @@ const KATA_REFUSALS: &[Refused] = &[
               (devicemapper or blockfile snapshotter), the vm.add-disk below",
     },
     Refused {
-        field: "rng",
-        change: |c| remove(c, "/rng"),
-        why: "Lucid has no virtio-rng. Kata always sends it (entropy_source); the guest has no \
-              entropy device without it",
-    },
-    Refused {
         field: "vsock",
         change: |c| remove(c, "/vsock"),
         why: "Lucid has no vsock. Kata always sends it: it is how the runtime reaches the \

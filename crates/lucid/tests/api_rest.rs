@@ -168,9 +168,9 @@ fn bad_input_is_refused_and_the_vmm_keeps_serving() {
     };
     refused(&with("bogus", json!(1)), 400, "bogus: unknown field");
     refused(
-        &with("rng", json!({"src": "/dev/urandom"})),
+        &with("rng", json!({"src": "/dev/hwrng"})),
         400,
-        "rng: Lucid does not support",
+        "rng.src: Lucid's virtio-rng reads the host's getrandom",
     );
     refused(
         &with("cpus", json!({"boot_vcpus": 0})),

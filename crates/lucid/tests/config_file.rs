@@ -53,6 +53,8 @@ fn the_same_vm_from_flags_and_from_the_file_has_the_same_config() {
         "vtd,mode=sidecore",
         "--balloon",
         "size=16,stats=on",
+        "--rng",
+        "rate=1000",
         "--symbiotic",
         "--pool",
         "none",
@@ -65,6 +67,7 @@ fn the_same_vm_from_flags_and_from_the_file_has_the_same_config() {
     assert_eq!(from_flags["machine"]["vcpus"], 2);
     assert_eq!(from_flags["payload"]["kernel"]["builtin"]["name"], "hello");
     assert_eq!(from_flags["devices"]["pci"].as_array().unwrap().len(), 2);
+    assert_eq!(from_flags["devices"]["rng"]["rate"], 1000);
 
     let file = write("config.json", &from_flags.to_string());
     let from_file = printed(&["run", "--config", &file]);

@@ -9,10 +9,10 @@
 //! - ACPI PCI hotplug and the power button ([`hotplug`]), with `VmConfig::devices.hotplug`:
 //!   [`DeviceManager::hot_add`], [`DeviceManager::hot_remove`],
 //!   [`DeviceManager::press_power_button`].
-//! - The device names (`blk0`, `net0`, `balloon`, `edu`): [`virtio_names`].
+//! - The device names (`blk0`, `net0`, `balloon`, `rng`, `edu`): [`virtio_names`].
 //!
 //! [`DeviceManager::build`] attaches what the configuration lists, in a fixed order: the virtio
-//! devices in their order, the balloon, then the plain PCI functions.
+//! devices in their order, the balloon, the rng, then the plain PCI functions.
 
 mod hotplug;
 mod legacy;
@@ -43,6 +43,8 @@ use pci::{PciBus, PciParts};
 
 /// The virtio-balloon's name.
 pub const BALLOON: &str = "balloon";
+/// The virtio-rng's name.
+pub const RNG: &str = "rng";
 
 /// The names of the virtio devices `pci` lists, in its order: each device's own `name`, else
 /// `blkN` and `netN`, each kind numbered on its own, skipping numbers a named device took.
@@ -104,6 +106,7 @@ impl DeviceManager {
         !config.devices.pci.is_empty()
             || !config.devices.platform_pci.is_empty()
             || config.devices.balloon.is_some()
+            || config.devices.rng.is_some()
             || config.devices.hotplug
     }
 
@@ -305,6 +308,22 @@ impl DeviceManager {
                 a.slot.address(),
                 cfg.size_mib,
                 cfg.features()
+            );
+        }
+        if let Some(cfg) = &config.devices.rng {
+            let dev = lucid_virtio::rng::Rng::new(RNG.into(), cfg.clone(), p.stats)
+                .map_err(|e| back_end(RNG.into(), e))?;
+            let a = self.attach(RNG, |_| {
+                Ok(NewPciFunction::Virtio {
+                    device: Box::new(dev),
+                    options: lucid_pci::TransportOptions::default(),
+                })
+            })?;
+            log::info!(
+                "{RNG}: PCI {}, rate {}",
+                a.slot.address(),
+                cfg.rate
+                    .map_or("unlimited".into(), |r| format!("{r} bytes/s"))
             );
         }
         for d in &config.devices.platform_pci {

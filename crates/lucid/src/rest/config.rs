@@ -353,6 +353,23 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
             Some(lucid_vmm::parse_balloon(&opts).map_err(opt_refusal("balloon"))?);
     }
 
+    if let Some(mut r) = top.obj("rng")? {
+        // Lucid's device reads getrandom(2): the kernel's pool behind both of these files.
+        match r.str("src")?.as_deref() {
+            None | Some("/dev/urandom" | "/dev/random") => {}
+            Some(src) => {
+                return refuse(format!(
+                    "{}: Lucid's virtio-rng reads the host's getrandom, so only /dev/urandom \
+                     or /dev/random is accepted, got {src:?}",
+                    r.field("src")
+                ))
+            }
+        }
+        device_iommu(&mut r, iommu)?;
+        r.finish(&[])?;
+        config.devices.rng = Some(lucid_vmm::parse_rng("").map_err(opt_refusal("rng"))?);
+    }
+
     if let Some(platform) = top.obj("platform")? {
         // One PCI segment, no confidential guest, no SMBIOS strings.
         platform.finish(&[
@@ -383,7 +400,6 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
     }
 
     top.finish(&[
-        ("rng", Value::Null),
         ("fs", Value::Null),
         ("pmem", Value::Null),
         ("devices", Value::Null),
@@ -561,6 +577,12 @@ fn extension(mut ext: Obj, config: &mut VmConfig, mut nets: usize) -> Result<(),
         config.devices.balloon =
             Some(lucid_vmm::parse_balloon(&s).map_err(opt_refusal("lucid.balloon"))?);
     }
+    if let Some(s) = ext.str("rng")? {
+        if config.devices.rng.is_some() {
+            return refuse("lucid.rng: the VM already has `rng`: give one of them".into());
+        }
+        config.devices.rng = Some(lucid_vmm::parse_rng(&s).map_err(opt_refusal("lucid.rng"))?);
+    }
     for (i, d) in ext.strs("device")?.iter().enumerate() {
         let at = format!("lucid.device[{i}]");
         config
@@ -654,7 +676,9 @@ mod tests {
             refusal(v)
         };
         assert!(base(("bogus", json!(1))).contains("bogus: unknown field"));
-        assert!(base(("rng", json!({"src": "/dev/urandom"}))).contains("rng: Lucid does not"));
+        assert!(base(("rng", json!({"src": "/dev/hwrng"}))).starts_with("rng.src: "));
+        assert!(base(("rng", json!({"src": "/dev/random", "iommu": true}))).contains("rng.iommu"));
+        assert!(base(("rng", json!({"src": "/dev/urandom", "x": 1}))).contains("rng.x: unknown"));
         assert!(
             base(("memory", json!({"size": 1u64 << 30, "hugepages": true})))
                 .contains("memory.hugepages")
@@ -667,6 +691,24 @@ mod tests {
         assert!(refusal(json!({"payload": {"kernel": "builtin:nope"}})).contains("nope"));
         assert!(refusal(json!({"payload": {}})).contains("payload.kernel: required"));
         assert!(refusal(json!([])).contains("expected a JSON object"));
+    }
+
+    #[test]
+    fn maps_rng() {
+        let rng = |v: Value| {
+            let mut b = json!({"payload": {"kernel": "builtin:spin"}});
+            b["rng"] = v;
+            map(b).unwrap().devices.rng.map(|r| r.rate)
+        };
+        assert_eq!(
+            rng(json!({"src": "/dev/urandom", "iommu": false})),
+            Some(None)
+        );
+        assert_eq!(rng(json!({})), Some(None));
+        assert_eq!(rng(Value::Null), None);
+        let c = map(json!({"payload": {"kernel": "builtin:spin"}, "lucid": {"rng": "rate=4096"}}))
+            .unwrap();
+        assert_eq!(c.devices.rng.and_then(|r| r.rate), Some(4096));
     }
 
     /// What Kata's Cloud Hypervisor driver always sends (clh.go, CreateVM): a flat CPU

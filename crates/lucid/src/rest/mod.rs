@@ -251,6 +251,9 @@ impl Managed {
                 if self.config.devices.balloon.is_some() {
                     names.push(lucid_vmm::devices::BALLOON.into());
                 }
+                if self.config.devices.rng.is_some() {
+                    names.push(lucid_vmm::devices::RNG.into());
+                }
                 names.extend(
                     self.config
                         .devices
