@@ -461,14 +461,17 @@ impl PciRoot {
         }
     }
 
-    /// The 0xCF8 register's target, if enabled: (bus, dev, func, reg of the dword).
+    /// The 0xCF8 register's target, if enabled: (bus, dev, func, register). The register keeps
+    /// the two low bits the guest wrote, which the spec reserves: QEMU ORs them with the data
+    /// port's offset (`config_reg | (addr & 3)`), so a guest that writes register 2 and reads
+    /// a word at 0xCFC gets the device ID. Lucid does the same, so such guests find devices.
     fn cf8_target(&self) -> Option<(u8, u8, u8, usize)> {
         let a = lock(&self.inner).cf8;
         (a & 0x8000_0000 != 0).then_some((
             (a >> 16) as u8,
             ((a >> 11) & 0x1f) as u8,
             ((a >> 8) & 7) as u8,
-            (a & 0xfc) as usize,
+            (a & 0xff) as usize,
         ))
     }
 
@@ -503,9 +506,9 @@ impl PciRoot {
         }
         match self.cf8_target() {
             Some((bus, dev, func, reg)) if write => {
-                self.config_write(bus, dev, func, reg + byte, data)
+                self.config_write(bus, dev, func, reg | byte, data)
             }
-            Some((bus, dev, func, reg)) => self.config_read(bus, dev, func, reg + byte, data),
+            Some((bus, dev, func, reg)) => self.config_read(bus, dev, func, reg | byte, data),
             None if !write => data.fill(0xff),
             None => {}
         }

@@ -90,6 +90,35 @@ impl Host {
     }
 }
 
+/// QEMU's quirk of the configuration address: its two low bits, which the spec reserves, are
+/// ORed with the data port's offset. A guest that selects register 2 and reads a word at 0xCFC
+/// gets the device ID (QEMU's edu test programs do), a byte at 0xCFD with register 1 the
+/// vendor ID's high byte, as on QEMU.
+#[test]
+fn the_configuration_address_keeps_its_low_bits_as_qemu_does() {
+    let h = host();
+    let select = |reg: u32| {
+        let a = 0x8000_0000 | u32::from(h.slot) << 11 | reg;
+        assert!(h.p.pio.write(0xcf8, &a.to_le_bytes()));
+    };
+    let read = |port: u64, len: usize| {
+        let mut d = [0u8; 4];
+        assert!(h.p.pio.read(port, &mut d[..len]));
+        u32::from_le_bytes(d)
+    };
+    select(2);
+    assert_eq!(read(0xcfc, 2), 0x11e8, "device ID");
+    select(1);
+    assert_eq!(
+        read(0xcfd, 1),
+        0x12,
+        "register 1 | 1: the vendor ID's high byte"
+    );
+    select(0);
+    assert_eq!(read(0xcfe, 2), 0x11e8, "aligned, as before");
+    assert_eq!(read(0xcfc, 4), 0x11e8_1234);
+}
+
 #[test]
 fn enumerates_as_qemu_edu() {
     let h = host();
