@@ -189,12 +189,7 @@ impl Managed {
     }
 
     fn state_name(&self) -> &'static str {
-        match self.state {
-            VmState::Created => "Created",
-            VmState::Running(_) => "Running",
-            VmState::Paused(_) => "Paused",
-            VmState::Shutdown(_) => "Shutdown",
-        }
+        state_name(&self.state)
     }
 
     /// A VM whose guest ended by itself (or failed) is collected: it is Shutdown. True when
