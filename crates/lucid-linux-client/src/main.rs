@@ -40,6 +40,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+mod devices;
 mod hotplug;
 mod timed_boot;
 use timed_boot::{counter, first, Boot, Line};
@@ -52,6 +53,8 @@ const ICMP_COUNT: u16 = 5;
 /// PCI vendor:device of Linux's enumeration line for a modern virtio-blk and virtio-net function.
 const VIRTIO_BLK_ID: &str = "[1af4:1042]";
 const VIRTIO_NET_ID: &str = "[1af4:1041]";
+const VIRTIO_RNG_ID: &str = "[1af4:1044]";
+const VIRTIO_VSOCK_ID: &str = "[1af4:1053]";
 
 /// A milestone: a console line that shows a step of the boot.
 struct Milestone {
@@ -138,6 +141,8 @@ struct Args {
     iommu: Option<String>,
     /// `--hotplug`: the ACPI PCI hotplug check through the REST API instead ([`hotplug`]).
     hotplug: bool,
+    /// `--vhost-user`: the root boots from virtiofsd and qemu-storage-daemon ([`devices`]).
+    vhost_user: Tristate,
     extra: Vec<String>,
 }
 
@@ -153,6 +158,7 @@ fn usage() -> ! {
         "usage: lucid-linux-client [--kernel VMLINUX] [--lucid PATH] [--rung L0|L1|L2|L3|L4|L4p] \
          [--timeout SECS] [--json FILE] [--log FILE] [--userspace auto|yes|no] \
          [--net auto|yes|no] [--iommu vtd[,mode=..][,pin=..]] [--hotplug] \
+         [--vhost-user auto|yes|no] \
          [-- extra lucid run args]"
     );
     std::process::exit(2)
@@ -178,6 +184,7 @@ fn parse_args() -> Args {
         net: Tristate::Auto,
         iommu: None,
         hotplug: false,
+        vhost_user: Tristate::Auto,
         extra: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
@@ -202,6 +209,7 @@ fn parse_args() -> Args {
             "--net" => a.net = tri(it.next()),
             "--iommu" => a.iommu = Some(it.next().unwrap_or_else(|| usage())),
             "--hotplug" => a.hotplug = true,
+            "--vhost-user" => a.vhost_user = tri(it.next()),
             "--" => a.extra = it.by_ref().collect(),
             _ => usage(),
         }
@@ -271,6 +279,17 @@ struct Report {
     userspace: Status,
     userspace_skip: Option<Skip>,
     userspace_lines: Vec<String>,
+    /// The kernel booted from a virtio-fs root served by virtiofsd.
+    virtiofs_root: Status,
+    /// The kernel booted from an ext2 root served by qemu-storage-daemon's vhost-user-blk.
+    vhost_user_blk: Status,
+    /// Linux's virtio_vsock took the device and refused a host connection to an unused port.
+    vsock: Status,
+    /// Linux's hw_random registered virtio-rng and read from it.
+    rng: Status,
+    /// Why a device check was skipped, by its key in the line.
+    devices_skip: Vec<(&'static str, Skip)>,
+    vsock_refused: bool,
     counters: Vec<(String, u64)>,
     lucid_exit: Option<i32>,
     lucid_stderr: String,
@@ -299,6 +318,10 @@ enum SkipKind {
     Pvm,
     /// No static `/bin/busybox` for the userspace boot.
     NoBusybox,
+    /// A back-end program (virtiofsd, qemu-storage-daemon) is not installed.
+    NoTool,
+    /// The check does not apply to this run (vhost-user devices with `--iommu`).
+    NotApplicable,
 }
 
 impl SkipKind {
@@ -309,6 +332,8 @@ impl SkipKind {
             SkipKind::NoTap => "no-tap",
             SkipKind::Pvm => "pvm",
             SkipKind::NoBusybox => "no-busybox",
+            SkipKind::NoTool => "no-tool",
+            SkipKind::NotApplicable => "not-applicable",
         }
     }
 }
@@ -355,6 +380,10 @@ impl Report {
                 self.net,
                 self.iommu,
                 self.userspace,
+                self.virtiofs_root,
+                self.vhost_user_blk,
+                self.vsock,
+                self.rng,
             ]
             .iter()
             .all(|s| *s != Status::Fail)
@@ -367,12 +396,17 @@ impl Report {
             s => format!(" iommu={}", s.word()),
         };
         format!(
-            "linux-client: init={} rootfs={} disk2={} net={}{iommu} userspace={} seconds={}",
+            "linux-client: init={} rootfs={} disk2={} net={}{iommu} userspace={} \
+             virtiofs_root={} vhost_user_blk={} vsock={} rng={} seconds={}",
             if self.init { "yes" } else { "no" },
             self.rootfs.word(),
             self.disk2.word(),
             self.net.word(),
             self.userspace.word(),
+            self.virtiofs_root.word(),
+            self.vhost_user_blk.word(),
+            self.vsock.word(),
+            self.rng.word(),
             self.seconds.round() as u64
         )
     }
@@ -411,6 +445,14 @@ impl Report {
             "userspace_skip": self.userspace_skip.as_ref().map(|s| s.kind.word()),
             "userspace_skipped_because": self.userspace_skip.as_ref().map(|s| &s.why),
             "userspace_lines": self.userspace_lines,
+            "virtiofs_root": self.virtiofs_root.word(),
+            "vhost_user_blk": self.vhost_user_blk.word(),
+            "vsock": self.vsock.word(),
+            "vsock_refused": self.vsock_refused,
+            "rng": self.rng.word(),
+            "devices_skip": self.devices_skip.iter()
+                .map(|(k, s)| (k.to_string(), json!({ "kind": s.kind.word(), "why": s.why })))
+                .collect::<serde_json::Map<String, Value>>(),
             "counters": counters,
             "lucid_exit": self.lucid_exit,
             "lucid_stderr": self.lucid_stderr,
@@ -459,6 +501,27 @@ fn run(args: &Args, report: &mut Report) -> Result<(), String> {
     }
 
     first_boot(args, &work, netns.as_ref(), report)?;
+    let roots = match (args.vhost_user, &args.iommu) {
+        (Tristate::No, _) => Some(skip(SkipKind::Disabled, "--vhost-user no")),
+        (Tristate::Auto, Some(_)) => Some(skip(
+            SkipKind::NotApplicable,
+            "vhost-user back-ends map guest memory themselves: not behind the vIOMMU",
+        )),
+        _ => None,
+    };
+    match roots {
+        Some(why) => {
+            let why = why.expect("a reason");
+            report.virtiofs_root = Status::Skipped;
+            report.vhost_user_blk = Status::Skipped;
+            report.devices_skip.push(("virtiofs_root", why.clone()));
+            report.devices_skip.push(("vhost_user_blk", why));
+        }
+        None => {
+            devices::virtiofs_root(args, &work, report)?;
+            devices::vhost_user_blk_root(args, &work, report)?;
+        }
+    }
 
     let pvm = backend == lucid_hv::Backend::Pvm;
     match (args.userspace, pvm) {
@@ -543,7 +606,11 @@ fn ext2_root(work: &WorkDir) -> Result<PathBuf, String> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&init, std::fs::Permissions::from_mode(0o755))
         .map_err(|e| format!("chmod init: {e}"))?;
-    let img = work.path("root.ext2");
+    mke2fs(&root, &work.path("root.ext2"))
+}
+
+/// An ext2 image of the directory `root` at `img`, 4 MiB, by `mke2fs -d`.
+fn mke2fs(root: &Path, img: &Path) -> Result<PathBuf, String> {
     let out = Command::new("mke2fs")
         .args([
             "-F",
@@ -556,8 +623,8 @@ fn ext2_root(work: &WorkDir) -> Result<PathBuf, String> {
             "root_owner=0:0",
             "-d",
         ])
-        .arg(&root)
-        .arg(&img)
+        .arg(root)
+        .arg(img)
         .arg("4M")
         .output()
         .map_err(|e| format!("mke2fs (e2fsprogs): {e}"))?;
@@ -567,7 +634,7 @@ fn ext2_root(work: &WorkDir) -> Result<PathBuf, String> {
             String::from_utf8_lossy(&out.stderr)
         ));
     }
-    Ok(img)
+    Ok(img.to_path_buf())
 }
 
 /// CRC-32 (IEEE, reflected), as GPT uses.
@@ -956,13 +1023,21 @@ fn first_boot(
              netconsole=@{GUEST_IP}/eth0,{NETCONSOLE_PORT}@{HOST_IP}/"
         );
     }
-    let run = run_args(
+    let mut run = run_args(
         args,
         None,
         &[(&root, true), (&gpt, true)],
         ns.is_some(),
         cmdline,
     );
+    // The devices Linux drives by itself: virtio-rng (hw_random's fill thread reads it) and
+    // virtio-vsock (its transport answers a host connection).
+    let vsock_socket = work.path("vsock.sock");
+    run.extend([
+        "--rng".into(),
+        "--vsock".into(),
+        format!("cid=3,socket={}", vsock_socket.display()),
+    ]);
 
     let stop = Arc::new(AtomicBool::new(false));
     let netcon = Arc::new(Mutex::new(Vec::new()));
@@ -982,6 +1057,10 @@ fn first_boot(
     let reached = boot.wait_for(deadline, |l| first(l, init_line).is_some());
     let mut rtts = Vec::new();
     if reached {
+        match devices::vsock_refused(&vsock_socket) {
+            Ok(r) => report.vsock_refused = r,
+            Err(e) => eprintln!("linux-client: vsock: {e}"),
+        }
         if let Some(ns) = ns {
             // Init spins from here on; the kernel answers from its interrupt handlers.
             std::thread::sleep(Duration::from_secs(1));
@@ -1021,9 +1100,9 @@ fn first_boot(
         .collect();
     report.init = first(&lines, init_line).is_some();
     let devices: &[&str] = if has_net {
-        &["blk0", "blk1", "net0"]
+        &["blk0", "blk1", "net0", "rng0", "vsock0"]
     } else {
-        &["blk0", "blk1"]
+        &["blk0", "blk1", "rng0", "vsock0"]
     };
     let mut names: Vec<String> = [
         "blk0.requests",
@@ -1034,6 +1113,10 @@ fn first_boot(
         "net0.rx_packets",
         "vcpu0.exits",
         "vcpu0.emulated_insns",
+        "rng0.bytes",
+        "rng0.virtio.activations",
+        "vsock0.virtio.activations",
+        "vsock0.rst_received",
     ]
     .map(String::from)
     .to_vec();
@@ -1093,6 +1176,19 @@ fn first_boot(
             && blk_functions
             && msix_only("blk1")
             && c("blk1.errors") == 0,
+    );
+    report.rng = Status::from(
+        functions(VIRTIO_RNG_ID) == 1
+            && c("rng0.virtio.activations") > 0
+            && c("rng0.bytes") > 0
+            && msix_only("rng0"),
+    );
+    report.vsock = Status::from(
+        functions(VIRTIO_VSOCK_ID) == 1
+            && c("vsock0.virtio.activations") > 0
+            && report.vsock_refused
+            && c("vsock0.rst_received") > 0
+            && msix_only("vsock0"),
     );
     report.netconsole_lines = netcon.lock().unwrap_or_else(|e| e.into_inner()).clone();
     if has_net {
@@ -1391,7 +1487,7 @@ mod tests {
         assert_eq!(
             r.line(),
             "linux-client: init=yes rootfs=ok disk2=fail net=skipped userspace=skipped \
-             seconds=131"
+             virtiofs_root=fail vhost_user_blk=fail vsock=fail rng=fail seconds=131"
         );
         assert!(!r.passed(), "a failed GPT check fails the run");
         let r = Report {

@@ -339,6 +339,12 @@ fn small_linux_on(rung: &str, iommu: Option<&str>) {
     if let Some(spec) = iommu {
         args.extend(["--iommu".to_string(), spec.to_string()]);
     }
+    // The vhost-user root boots have no Lucid thread in their data path, so the rung changes
+    // nothing there: they run once, on L1 (with `--iommu` the client skips them by itself).
+    let roots = rung == "L1" && iommu.is_none();
+    if !roots {
+        args.extend(["--vhost-user".to_string(), "no".to_string()]);
+    }
     let ClientRun {
         report,
         stdout,
@@ -400,7 +406,27 @@ fn small_linux_on(rung: &str, iommu: Option<&str>) {
     };
     assert_eq!(with_id("[1af4:1042]"), 2, "{why}");
     assert_eq!(with_id("[1af4:1041]"), usize::from(has_net), "{why}");
-    assert_eq!(functions.len(), 2 + usize::from(has_net), "{why}");
+    assert_eq!(with_id("[1af4:1044]"), 1, "virtio-rng; {why}");
+    assert_eq!(with_id("[1af4:1053]"), 1, "virtio-vsock; {why}");
+    assert_eq!(functions.len(), 4 + usize::from(has_net), "{why}");
+    // hw_random registered virtio-rng and its fill thread read from it; virtio_vsock took the
+    // device and its transport reset a host connection to a port nothing listens on.
+    assert_eq!(report["rng"], "ok", "{why}");
+    assert!(count("rng0.bytes") > 0, "{why}");
+    assert_eq!(report["vsock"], "ok", "{why}");
+    assert_eq!(report["vsock_refused"], true, "{why}");
+    if roots {
+        // The kernel mounted its root from virtiofsd and from qemu-storage-daemon, and the
+        // init it ran from each hashed its own 64 KiB as the kernel mapped it: intact.
+        assert_eq!(report["virtiofs_root"], "ok", "{why}");
+        assert_eq!(report["vhost_user_blk"], "ok", "{why}");
+        assert!(
+            line.contains(" virtiofs_root=ok vhost_user_blk=ok vsock=ok rng=ok "),
+            "{why}"
+        );
+    } else {
+        assert_eq!(report["virtiofs_root"], "skipped", "{why}");
+    }
     // MSI-X, not INTx: Lucid delivers a device's MSI-X vectors by KVM_SIGNAL_MSI on L0 and by
     // irqfd on L1-L4 (`irq.msi_signal`, `irq.irqfd`), and counts INTx apart (`irq.intx`). L4's
     // polling back-ends still raise the interrupts a driver asks for, and Linux's virtio_blk
@@ -412,9 +438,9 @@ fn small_linux_on(rung: &str, iommu: Option<&str>) {
         ("irqfd", "msi_signal")
     };
     let devices: &[&str] = if has_net {
-        &["blk0", "blk1", "net0"]
+        &["blk0", "blk1", "net0", "rng0", "vsock0"]
     } else {
-        &["blk0", "blk1"]
+        &["blk0", "blk1", "rng0", "vsock0"]
     };
     for dev in devices {
         assert!(
