@@ -10,14 +10,19 @@
 # printed is
 #
 #   linux-client: init=yes|no rootfs=ok|fail disk2=ok|fail net=ok|fail|skipped
-#                 userspace=ok|fail|skipped seconds=N                    (one line)
+#                 userspace=ok|fail|skipped virtiofs_root=ok|fail|skipped
+#                 vhost_user_blk=ok|fail|skipped vsock=ok|fail rng=ok|fail seconds=N   (one line)
 #
 # (disk2: the GPT disk; each device's check includes MSI-X interrupts, none on INTx, from Lucid's
 # counters; with --iommu the line has `iommu=ok|fail` after net: Linux parsed the DMAR, intel-iommu
-# took the unit, no DMA fault, translations counted) and the exit status is 0 when nothing failed. The network checks need root (a network
+# took the unit, no DMA fault, translations counted; rng: hw_random read virtio-rng; vsock: Linux's
+# virtio_vsock reset a host CONNECT to an unused port; virtiofs_root and vhost_user_blk: the kernel
+# booted from a root served by virtiofsd and by qemu-storage-daemon, and its init verified its own
+# bytes; those two need qemu-system-common and are skipped with --iommu or --vhost-user no) and
+# the exit status is 0 when nothing failed. The network checks need root (a network
 # namespace with a tap); the userspace checks need a VT-x/AMD-V host. Other options go to
 # lucid-linux-client: --timeout SECS, --json FILE, --log FILE, --net auto|yes|no,
-# --userspace auto|yes|no, -- extra `lucid run` arguments. The console log with times goes to
+# --userspace auto|yes|no, --vhost-user auto|yes|no, -- extra `lucid run` arguments. The console log with times goes to
 # work-linux/linux-client-RUNG.log (linux-client-RUNG-iommu.log with --iommu) unless --log says
 # otherwise. On a shared machine, run the
 # polling rungs (L4, L4p) under `flock /tmp/lucid-quiet.lock`.
