@@ -1100,9 +1100,9 @@ fn first_boot(
         .collect();
     report.init = first(&lines, init_line).is_some();
     let devices: &[&str] = if has_net {
-        &["blk0", "blk1", "net0", "rng0", "vsock0"]
+        &["blk0", "blk1", "net0", "rng", "vsock0"]
     } else {
-        &["blk0", "blk1", "rng0", "vsock0"]
+        &["blk0", "blk1", "rng", "vsock0"]
     };
     let mut names: Vec<String> = [
         "blk0.requests",
@@ -1113,8 +1113,8 @@ fn first_boot(
         "net0.rx_packets",
         "vcpu0.exits",
         "vcpu0.emulated_insns",
-        "rng0.bytes",
-        "rng0.virtio.activations",
+        "rng.bytes_written",
+        "rng.virtio.activations",
         "vsock0.virtio.activations",
         "vsock0.rst_received",
     ]
@@ -1179,9 +1179,9 @@ fn first_boot(
     );
     report.rng = Status::from(
         functions(VIRTIO_RNG_ID) == 1
-            && c("rng0.virtio.activations") > 0
-            && c("rng0.bytes") > 0
-            && msix_only("rng0"),
+            && c("rng.virtio.activations") > 0
+            && c("rng.bytes_written") > 0
+            && msix_only("rng"),
     );
     report.vsock = Status::from(
         functions(VIRTIO_VSOCK_ID) == 1
