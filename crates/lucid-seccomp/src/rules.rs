@@ -652,6 +652,32 @@ mod tests {
             }
         }
         assert!(!has(Role::Vcpu, "setpriority"));
+        // A vhost-user back-end process: its socket and threads, no disk, no KVM.
+        for needed in [
+            "accept4",
+            "recvmsg",
+            "sendmsg",
+            "shutdown",
+            "clone",
+            "epoll_wait",
+        ] {
+            assert!(
+                has(Role::DeviceServer, needed),
+                "device-server may not call {needed}"
+            );
+        }
+        for bad in [
+            "pwrite64",
+            "pread64",
+            "flock",
+            "sched_setaffinity",
+            "seccomp",
+        ] {
+            assert!(
+                !has(Role::DeviceServer, bad),
+                "device-server may call {bad}"
+            );
+        }
     }
 
     /// A vCPU (and the back-ends it starts) may set only its own policy; the monitor any
