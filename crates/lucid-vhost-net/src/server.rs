@@ -2,7 +2,8 @@
 //! a time with rust-vmm's `VhostUserDaemon`, and stops on SIGTERM/SIGINT or when the front-end
 //! goes (unless `--reconnect`).
 
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -56,6 +57,14 @@ pub enum Mode {
     Echo,
 }
 
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Echo => "echo",
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
     #[error("--mac {0:?} is not a MAC address (aa:bb:cc:dd:ee:ff)")]
@@ -90,15 +99,29 @@ pub struct Summary {
     pub counters: Counters,
     /// The signal that stopped it, if one did.
     pub signal: Option<i32>,
+    /// The last front-end broke the protocol (logged as it happened), rather than
+    /// disconnecting.
+    pub frontend_error: bool,
+}
+
+impl Summary {
+    /// Failure when the front-end broke the protocol, success otherwise.
+    pub fn exit_code(&self) -> std::process::ExitCode {
+        match self.frontend_error {
+            true => std::process::ExitCode::FAILURE,
+            false => std::process::ExitCode::SUCCESS,
+        }
+    }
 }
 
 impl std::fmt::Display for Summary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let why = match self.signal {
-            Some(libc::SIGTERM) => "SIGTERM",
-            Some(libc::SIGINT) => "SIGINT",
-            Some(_) => "signal",
-            None => "disconnect",
+        let why = match (self.signal, self.frontend_error) {
+            (Some(libc::SIGTERM), _) => "SIGTERM",
+            (Some(libc::SIGINT), _) => "SIGINT",
+            (Some(_), _) => "signal",
+            (None, true) => "frontend-error",
+            (None, false) => "disconnect",
         };
         write!(
             f,
@@ -115,10 +138,11 @@ pub fn run(cmd: DeviceServerCmd) -> Result<Summary, ServerError> {
     }
 }
 
-/// The socket, listening; a stale file is replaced, a live one refused.
+/// The socket, listening; a stale socket file is replaced, a live one refused (and a file of
+/// any other kind left for `bind` to refuse).
 fn bind(path: &Path) -> Result<UnixListener, ServerError> {
-    if path.exists() {
-        if UnixStream::connect(path).is_ok() {
+    if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
+        if listened_on(path) {
             return Err(ServerError::InUse(path.into()));
         }
         let _ = std::fs::remove_file(path);
@@ -126,6 +150,23 @@ fn bind(path: &Path) -> Result<UnixListener, ServerError> {
     UnixListener::bind(path).map_err(|source| ServerError::Bind {
         path: path.into(),
         source,
+    })
+}
+
+/// Whether a socket listens at `path`, from `/proc/net/unix` rather than by connecting: a
+/// connection would be a front-end to the server listening there.
+fn listened_on(path: &Path) -> bool {
+    /// `__SO_ACCEPTCON` in the table's flags: a listening socket.
+    const ACCEPTING: u32 = 0x1_0000;
+    let Ok(table) = std::fs::read_to_string("/proc/net/unix") else {
+        return false;
+    };
+    let abs = std::path::absolute(path).ok();
+    table.lines().skip(1).any(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        f.len() == 8
+            && u32::from_str_radix(f[3], 16).is_ok_and(|flags| flags & ACCEPTING != 0)
+            && (Path::new(f[7]) == path || abs.as_deref() == Some(Path::new(f[7])))
     })
 }
 
@@ -168,8 +209,8 @@ fn serve_net(args: &NetArgs) -> Result<Summary, ServerError> {
         lucid_seccomp::confine(Some(&token), Role::DeviceServer)?;
     }
     log::info!(
-        "vhost-user-net ({:?}) listening on {} (mac {})",
-        args.mode,
+        "vhost-user-net ({}) listening on {} (mac {})",
+        args.mode.name(),
         args.socket.display(),
         args.mac
     );
@@ -209,7 +250,16 @@ fn serve_net(args: &NetArgs) -> Result<Summary, ServerError> {
             }
         }
     };
-    result.map(|()| Summary { counters, signal })
+    let frontend_error = match result {
+        Err(ServerError::Frontend(_)) => true,
+        Err(e) => return Err(e),
+        Ok(()) => false,
+    };
+    Ok(Summary {
+        counters,
+        signal,
+        frontend_error,
+    })
 }
 
 fn join(server: JoinHandle<Result<(), ServerError>>) -> Result<(), ServerError> {

@@ -53,14 +53,17 @@ const TESTS: &[Test] = &[
         "a_hostile_front_end_costs_its_buffers_not_the_server",
         a_hostile_front_end_costs_its_buffers_not_the_server,
     ),
+    (
+        "a_refused_request_without_reconnect_ends_the_server_with_failure",
+        a_refused_request_without_reconnect_ends_the_server_with_failure,
+    ),
 ];
 
 /// The server when re-run as one ([`spawn_server`]); otherwise the tests whose names contain
 /// the first argument that is not a flag (all without one), one after the other.
 fn main() -> std::process::ExitCode {
     if let Ok(socket) = std::env::var(CHILD_ENV) {
-        child_server(socket);
-        return std::process::ExitCode::SUCCESS;
+        return child_server(socket);
     }
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let (mut passed, mut failed) = (0, 0);
@@ -83,7 +86,7 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn child_server(socket: String) {
+fn child_server(socket: String) -> std::process::ExitCode {
     let cmd = DeviceServerCmd::Net(NetArgs {
         socket: socket.into(),
         mode: Mode::Echo,
@@ -92,10 +95,13 @@ fn child_server(socket: String) {
         no_seccomp: false,
     });
     match lucid_vhost_net::run(cmd) {
-        Ok(summary) => println!("{summary}"),
+        Ok(summary) => {
+            println!("{summary}");
+            summary.exit_code()
+        }
         Err(e) => {
             println!("server failed: {e}");
-            std::process::exit(3);
+            std::process::ExitCode::from(3)
         }
     }
 }
@@ -521,4 +527,25 @@ fn a_hostile_front_end_costs_its_buffers_not_the_server() {
     assert_eq!(counter(&out, "drops"), 3, "{out}");
     assert_eq!(counter(&out, "frames_rx"), 2, "{out}");
     assert!(!out.contains("forbidden system call"), "{out}");
+}
+
+/// Without `--reconnect`, a front-end that breaks the protocol ends the server with a failure
+/// status, its counters printed.
+fn a_refused_request_without_reconnect_ends_the_server_with_failure() {
+    let socket = socket_path("refused");
+    let server = spawn_server(&socket, false);
+    let mut d = Driver::connect(&socket, false);
+    d.post_rx(0, 2048);
+    round_trip(&mut d, 0, 64, 0);
+    let bad = VringConfigData {
+        used_ring_addr: 0x10,
+        ..d.rx.config(0)
+    };
+    assert!(d.fe.set_vring_addr(0, &bad).is_err());
+    drop(d);
+    let (status, out) = finish(server);
+    assert_eq!(status, Some(1), "{out}");
+    assert!(out.contains("stopped=frontend-error"), "{out}");
+    assert_eq!(counter(&out, "errors"), 1, "{out}");
+    assert_eq!(counter(&out, "frames_rx"), 1, "{out}");
 }

@@ -611,7 +611,7 @@ fn main() -> ExitCode {
         Cmd::DeviceServer { what } => lucid_vhost_net::run(what)
             .map(|summary| {
                 println!("{summary}");
-                ExitCode::SUCCESS
+                summary.exit_code()
             })
             .map_err(CliError::from),
     };
