@@ -57,6 +57,7 @@ const TESTS: &[Test] = &[
         "a_refused_request_without_reconnect_ends_the_server_with_failure",
         a_refused_request_without_reconnect_ends_the_server_with_failure,
     ),
+    ("the_server_is_confined", the_server_is_confined),
 ];
 
 /// The server when re-run as one ([`spawn_server`]); otherwise the tests whose names contain
@@ -548,4 +549,25 @@ fn a_refused_request_without_reconnect_ends_the_server_with_failure() {
     assert!(out.contains("stopped=frontend-error"), "{out}");
     assert_eq!(counter(&out, "errors"), 1, "{out}");
     assert_eq!(counter(&out, "frames_rx"), 1, "{out}");
+}
+
+/// The server's threads run under the `device-server` filter: its self-test call (`socket`)
+/// is caught, reported and ends the process with Lucid's violation status.
+fn the_server_is_confined() {
+    let socket = socket_path("confined");
+    let _ = std::fs::remove_file(&socket);
+    let child = Command::new(std::env::current_exe().unwrap())
+        .env(CHILD_ENV, &socket)
+        .env(lucid_seccomp::SELFTEST_ENV, "device-server")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (status, out) = finish(child);
+    assert_eq!(status, Some(lucid_seccomp::VIOLATION_EXIT_STATUS), "{out}");
+    assert!(
+        out.contains("(role device-server) made a forbidden system call: socket (41)"),
+        "{out}"
+    );
+    let _ = std::fs::remove_file(&socket);
 }
