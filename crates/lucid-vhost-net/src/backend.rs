@@ -13,7 +13,10 @@ use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_net::VIRTIO_NET_F_MAC;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{DescriptorChain, QueueT, Reader, Writer};
-use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryLoadGuard, GuestMemoryMmap};
+use vm_memory::{
+    Address, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryLoadGuard,
+    GuestMemoryMmap, GuestMemoryRegion,
+};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
@@ -241,6 +244,34 @@ fn read_chain(mem: &Guard, chain: DescriptorChain<Guard>) -> Result<Vec<u8>, Buf
     Ok(buf)
 }
 
+/// Refuses a memory table whose regions run past the end of their files: an access there would
+/// fault (SIGBUS) and end the server, not the request.
+fn check_backing(mem: &GuestMemoryMmap) -> io::Result<()> {
+    for r in mem.iter() {
+        let Some(fo) = r.file_offset() else {
+            continue;
+        };
+        let file_len = fo.file().metadata()?.len();
+        let fits = fo
+            .start()
+            .checked_add(r.len())
+            .is_some_and(|end| end <= file_len);
+        if !fits {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "memory region at {:#x} of {:#x} bytes from file offset {:#x} runs past its \
+                     file's {file_len:#x} bytes",
+                    r.start_addr().raw_value(),
+                    r.len(),
+                    fo.start()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl VhostUserBackendMut for NetBackend {
     type Bitmap = ();
     type Vring = VringRwLock;
@@ -279,6 +310,8 @@ impl VhostUserBackendMut for NetBackend {
     }
 
     fn update_memory(&mut self, mem: Mem) -> io::Result<()> {
+        self.mem = None;
+        check_backing(&mem.memory())?;
         self.mem = Some(mem);
         Ok(())
     }

@@ -277,32 +277,37 @@ struct Driver {
 const RX_BUF: u64 = 0x10_0000 - 0x8_0000;
 const TX_BUF: u64 = 0x10_0000 - 0x4_0000;
 
+/// A front-end that negotiated features and protocol features, every request acknowledged.
+fn negotiate(socket: &Path, event_idx: bool) -> Frontend {
+    let mut fe = Frontend::connect(socket, 2).unwrap();
+    fe.set_owner().unwrap();
+    let offered = fe.get_features().unwrap();
+    let want = F_VERSION_1 | F_MAC | F_EVENT_IDX | F_PROTOCOL_FEATURES;
+    assert_eq!(offered & want, want, "{offered:#x}");
+    let acked = match event_idx {
+        true => want,
+        false => want & !F_EVENT_IDX,
+    };
+    fe.set_features(acked).unwrap();
+    let pf = fe.get_protocol_features().unwrap();
+    assert!(pf.contains(VhostUserProtocolFeatures::CONFIG), "{pf:?}");
+    assert!(!pf.contains(VhostUserProtocolFeatures::MQ), "{pf:?}");
+    fe.set_protocol_features(
+        VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::REPLY_ACK,
+    )
+    .unwrap();
+    // Every request from here on is acknowledged: a refusal is an error here.
+    fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+    let (_, cfg) = fe
+        .get_config(0, 6, VhostUserConfigFlags::WRITABLE, &[0; 6])
+        .unwrap();
+    assert_eq!(&cfg[..], &MAC);
+    fe
+}
+
 impl Driver {
     fn connect(socket: &Path, event_idx: bool) -> Driver {
-        let mut fe = Frontend::connect(socket, 2).unwrap();
-        fe.set_owner().unwrap();
-        let offered = fe.get_features().unwrap();
-        let want = F_VERSION_1 | F_MAC | F_EVENT_IDX | F_PROTOCOL_FEATURES;
-        assert_eq!(offered & want, want, "{offered:#x}");
-        let acked = match event_idx {
-            true => want,
-            false => want & !F_EVENT_IDX,
-        };
-        fe.set_features(acked).unwrap();
-        let pf = fe.get_protocol_features().unwrap();
-        assert!(pf.contains(VhostUserProtocolFeatures::CONFIG), "{pf:?}");
-        assert!(!pf.contains(VhostUserProtocolFeatures::MQ), "{pf:?}");
-        fe.set_protocol_features(
-            VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::REPLY_ACK,
-        )
-        .unwrap();
-        // Every request from here on is acknowledged: a refusal is an error here.
-        fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
-        let (_, cfg) = fe
-            .get_config(0, 6, VhostUserConfigFlags::WRITABLE, &[0; 6])
-            .unwrap();
-        assert_eq!(&cfg[..], &MAC);
-
+        let mut fe = negotiate(socket, event_idx);
         let mem = guest_memory();
         let region = mem.iter().next().unwrap();
         let info = VhostUserMemoryRegionInfo::from_guest_region(region).unwrap();
@@ -515,15 +520,24 @@ fn a_hostile_front_end_costs_its_buffers_not_the_server() {
     };
     assert!(d.fe.set_vring_addr(1, &bad).is_err());
     drop(d);
+    // A memory table larger than its file (access past its end would fault): refused.
+    let mut fe = negotiate(&socket, false);
+    let mem = guest_memory();
+    let mut info =
+        VhostUserMemoryRegionInfo::from_guest_region(mem.iter().next().unwrap()).unwrap();
+    info.memory_size *= 2;
+    assert!(fe.set_mem_table(&[info]).is_err());
+    drop(fe);
     let mut d = Driver::connect(&socket, true);
     d.post_rx(0, 2048);
     round_trip(&mut d, 0, 64, 0);
 
     let (status, out) = stop_server(server);
     assert_eq!(status, Some(0), "{out}");
-    assert_eq!(counter(&out, "connections"), 2, "{out}");
-    // tx outside memory, off its end, head past the ring; rx outside memory; the bad ring.
-    assert_eq!(counter(&out, "errors"), 5, "{out}");
+    assert_eq!(counter(&out, "connections"), 3, "{out}");
+    // tx outside memory, off its end, head past the ring; rx outside memory; the bad ring; the
+    // memory table past its file.
+    assert_eq!(counter(&out, "errors"), 6, "{out}");
     // The runt, the empty chain of the head past the ring, the frame too big for its buffer.
     assert_eq!(counter(&out, "drops"), 3, "{out}");
     assert_eq!(counter(&out, "frames_rx"), 2, "{out}");
