@@ -521,7 +521,7 @@ fn a_hostile_front_end_costs_its_buffers_not_the_server() {
     assert!(d.fe.set_vring_addr(1, &bad).is_err());
     drop(d);
     // A memory table larger than its file (access past its end would fault): refused.
-    let mut fe = negotiate(&socket, false);
+    let fe = negotiate(&socket, false);
     let mem = guest_memory();
     let mut info =
         VhostUserMemoryRegionInfo::from_guest_region(mem.iter().next().unwrap()).unwrap();
