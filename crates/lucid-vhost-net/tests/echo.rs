@@ -66,7 +66,19 @@ fn main() -> std::process::ExitCode {
     if let Ok(socket) = std::env::var(CHILD_ENV) {
         return child_server(socket);
     }
-    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    // libtest's flags are accepted and ignored (the tests run one at a time), with the value
+    // of those that take one.
+    let mut args = std::env::args().skip(1);
+    let mut filter = None;
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--test-threads" | "--skip" | "--format" | "--color" | "-Z" | "--logfile" => {
+                args.next();
+            }
+            a if a.starts_with('-') => {}
+            _ => filter = filter.or(Some(a)),
+        }
+    }
     let (mut passed, mut failed) = (0, 0);
     for (name, f) in TESTS {
         if filter.as_ref().is_some_and(|p| !name.contains(p.as_str())) {
