@@ -13,6 +13,9 @@
  * completion, so that every reply overtakes it), iommu=vtd (every buffer
  * mapped through the VT-d per frame, strategy= as for virtio-blk; prints an
  * "iommu-dma ..." line after the result; exit 1 if the unit recorded faults).
+ * reflect=0 (rr: 1 expects each reply with its MAC addresses swapped, as a
+ * reflector returns it, e.g. `lucid device-server net`; with dst= another
+ * MAC that proves the swap, with the default dst it changes nothing).
  *
  * Frames: dst, src = our MAC, ethertype 0x88b5 (local experimental), then
  * u32 sequence number, u32 0x4c554349 ('LUCI'), then bytes derived from the
@@ -50,6 +53,8 @@ static u64 timeout_tsc, mismatches, other, received;
 /* rr: replies seen before their request's tx completion; preempt_us as ticks */
 static u64 overtaken, preempt_tsc;
 static int reap_late;
+/* rr: replies come with destination and source swapped (reflect=1) */
+static int reflected;
 /* rr and tx: TSC ticks spent building and checking frames (the guest's own CPL3 work) */
 static u64 work_tsc;
 
@@ -142,6 +147,10 @@ static u64 check(const u8 *f, u64 seq, u64 size)
 {
 	u8 h[PAYLOAD];
 	frame_head(h, seq);
+	if (reflected) {
+		memcpy(h, mac, 6);
+		memcpy(h + 6, dst, 6);
+	}
 	for (u64 i = 0; i < PAYLOAD; i++)
 		if (f[i] != h[i])
 			return i;
@@ -472,6 +481,7 @@ int main(void)
 	timeout_tsc = param_u64("timeout_ms", 2000) * k;
 	preempt_tsc = param_u64("preempt_us", 0) * k / 1000;
 	reap_late = param_u64("reap_late", 0) != 0;
+	reflected = param_u64("reflect", 0) != 0;
 
 	if (virtio_probe(&dev, VIRTIO_DEV_NET, param_u64("dev", 0)))
 		return 2;

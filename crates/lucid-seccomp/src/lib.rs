@@ -24,7 +24,7 @@ use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 pub use report::VIOLATION_EXIT_STATUS;
 
 /// The environment variable that makes a thread of the named role (`vcpu`, `backend`, `main`,
-/// `iommu`, `monitor`, `pager`) call `socket(2)`, which every role forbids, right after it confined itself: how the tests
+/// `iommu`, `monitor`, `pager`, `device-server`) call `socket(2)`, which every role forbids, right after it confined itself: how the tests
 /// show that a violation is caught and reported. It does nothing else; with seccomp off the
 /// call succeeds and the socket is closed.
 pub const SELFTEST_ENV: &str = "LUCID_SECCOMP_SELFTEST";
@@ -46,16 +46,20 @@ pub enum Role {
     /// `lucid-pager`: keeps the VM's memory cgroup under its limit with `MADV_PAGEOUT` (reads
     /// usage and writes oom_control through descriptors opened before confinement).
     Pager,
+    /// `lucid device-server`, a vhost-user back-end process: every thread, from the moment its
+    /// socket is bound (requests from the front-end, the vring worker, the signal wait).
+    DeviceServer,
 }
 
 impl Role {
-    pub const ALL: [Role; 6] = [
+    pub const ALL: [Role; 7] = [
         Role::Vcpu,
         Role::Backend,
         Role::Main,
         Role::Iommu,
         Role::Monitor,
         Role::Pager,
+        Role::DeviceServer,
     ];
 
     pub fn name(self) -> &'static str {
@@ -66,6 +70,7 @@ impl Role {
             Role::Iommu => "iommu",
             Role::Monitor => "monitor",
             Role::Pager => "pager",
+            Role::DeviceServer => "device-server",
         }
     }
 
@@ -103,7 +108,7 @@ pub enum SeccompError {
     Handler(#[source] std::io::Error),
     #[error("this kernel refuses seccomp filters ({0}); run with --no-seccomp")]
     Unsupported(#[source] seccompiler::Error),
-    #[error("{SELFTEST_ENV}={0:?}: expected vcpu, backend, main, iommu, monitor or pager")]
+    #[error("{SELFTEST_ENV}={0:?}: expected vcpu, backend, main, iommu, monitor, pager or device-server")]
     BadSelftest(String),
 }
 

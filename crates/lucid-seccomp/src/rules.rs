@@ -437,6 +437,46 @@ fn pager(a: &mut Allowed) {
     a.always(&[libc::SYS_pread64, libc::SYS_fadvise64]);
 }
 
+/// A vhost-user back-end process (`lucid device-server`), confined once its socket is bound:
+/// accepting the front-end on that socket, its messages and the descriptors they carry
+/// (`recvmsg`, `sendmsg`), mapping the memory table (`mmap` from the base list), the vring
+/// worker's epoll loop and eventfds, starting those threads (as a vCPU starts back-ends), ending
+/// a connection (`shutdown`), and the main thread's `sigtimedwait` for SIGTERM.
+fn device_server(a: &mut Allowed) -> Result<(), BackendError> {
+    use libc::*;
+    a.always(&[
+        SYS_epoll_create1,
+        SYS_epoll_ctl,
+        SYS_epoll_wait,
+        SYS_epoll_pwait,
+        SYS_epoll_pwait2,
+        SYS_eventfd2,
+        SYS_accept4,
+        SYS_recvfrom,
+        SYS_recvmsg,
+        SYS_sendmsg,
+        SYS_shutdown,
+        SYS_rt_sigtimedwait,
+        SYS_rseq,
+        SYS_set_robust_list,
+        SYS_clone3,
+    ]);
+    connected_send(a)?;
+    a.when(
+        SYS_clone,
+        vec![rule(vec![arg(
+            0,
+            Op::MaskedEq(CLONE_THREAD as u64),
+            CLONE_THREAD as u64,
+        )?])?],
+    );
+    a.when(
+        SYS_prctl,
+        vec![rule(vec![arg(0, Op::Eq, PR_SET_NAME as u64)?])?],
+    );
+    Ok(())
+}
+
 /// `openat(dirfd, path, flags, mode)` with no access mode but read and no `O_CREAT`/`O_TRUNC`.
 fn open_read_only(a: &mut Allowed) -> Result<(), BackendError> {
     use libc::*;
@@ -476,6 +516,7 @@ pub(crate) fn allowed(role: Role, pid: u32, kick_signal: i32) -> Result<Allowed,
         Role::Iommu => iommu(&mut a)?,
         Role::Monitor => monitor(&mut a)?,
         Role::Pager => pager(&mut a),
+        Role::DeviceServer => device_server(&mut a)?,
     }
     Ok(a)
 }
@@ -611,6 +652,32 @@ mod tests {
             }
         }
         assert!(!has(Role::Vcpu, "setpriority"));
+        // A vhost-user back-end process: its socket and threads, no disk, no KVM.
+        for needed in [
+            "accept4",
+            "recvmsg",
+            "sendmsg",
+            "shutdown",
+            "clone",
+            "epoll_wait",
+        ] {
+            assert!(
+                has(Role::DeviceServer, needed),
+                "device-server may not call {needed}"
+            );
+        }
+        for bad in [
+            "pwrite64",
+            "pread64",
+            "flock",
+            "sched_setaffinity",
+            "seccomp",
+        ] {
+            assert!(
+                !has(Role::DeviceServer, bad),
+                "device-server may call {bad}"
+            );
+        }
     }
 
     /// A vCPU (and the back-ends it starts) may set only its own policy; the monitor any

@@ -76,6 +76,11 @@ enum Cmd {
     /// Every running VMM whose API socket is in the run directory, live, as top shows
     /// processes: exits/s by reason, interrupts/s, I/O per device and its rung (docs/api.md).
     Top(top::TopArgs),
+    /// A device back-end in its own process, for a VM's vhost-user front-end (docs/devices.md).
+    DeviceServer {
+        #[command(subcommand)]
+        what: lucid_vhost_net::DeviceServerCmd,
+    },
 }
 
 /// The flags that describe the VM: refused together with `--config`, which describes all of it.
@@ -274,6 +279,8 @@ enum CliError {
          from vm.create: {0} belongs in its body (docs/api.md)"
     )]
     RestFlag(&'static str),
+    #[error(transparent)]
+    DeviceServer(#[from] lucid_vhost_net::ServerError),
 }
 
 impl CliError {
@@ -289,7 +296,7 @@ impl CliError {
                 | CliError::ConfigCh { .. }
                 | CliError::Vmm(lucid_vmm::VmmError::Config(_))
                 | CliError::RestFlag(_)
-        )
+        ) || matches!(self, CliError::DeviceServer(e) if e.is_usage())
     }
 }
 
@@ -601,6 +608,12 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             })
             .map_err(|source| CliError::GuestsWrite { dir, source }),
+        Cmd::DeviceServer { what } => lucid_vhost_net::run(what)
+            .map(|summary| {
+                println!("{summary}");
+                summary.exit_code()
+            })
+            .map_err(CliError::from),
     };
     result.unwrap_or_else(|e| {
         let msg = lucid_vmm::error_chain(&e);

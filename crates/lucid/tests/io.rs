@@ -400,3 +400,38 @@ fn tap_backend_pings_a_host_peer_in_a_namespace() {
         Some(0)
     );
 }
+
+/// `reflect=1`: the guest's request-response expects each reply with its MAC addresses swapped,
+/// as a reflector (`lucid device-server net`) returns it. Lucid's echo returns frames unchanged:
+/// with the default destination (the guest's own MAC) the two agree and every reply checks; to
+/// another destination every reply is wrong for `reflect=1` (its check is live) and right
+/// without it.
+#[test]
+fn the_net_guest_checks_a_reflectors_mac_swap() {
+    let _turn = one_at_a_time();
+    let dst = "dst=02:00:00:00:00:42";
+    let both = format!("reflect=1 {dst}");
+    for (extra, status, mismatches) in [("reflect=1", 1, 0), (both.as_str(), 3, 20), (dst, 1, 0)] {
+        let cmdline = format!("op=rr size=64 count=20 {extra}");
+        let o = lucid(
+            &[
+                "run",
+                "--guest",
+                "virtio-net",
+                "--net",
+                "backend=echo",
+                "--cmdline",
+                &cmdline,
+            ],
+            LIMIT,
+        );
+        assert_eq!(o.status, Some(status), "{cmdline}: {}", o.stdout);
+        assert_eq!(
+            field(&o.stdout, "virtio-net op=", "mismatches"),
+            Some(mismatches),
+            "{cmdline}: {}",
+            o.stdout
+        );
+        assert_eq!(field(&o.stdout, "virtio-net op=", "packets"), Some(20));
+    }
+}
