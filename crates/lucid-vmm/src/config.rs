@@ -176,6 +176,9 @@ pub struct DevicesConfig {
     /// ACPI PCI hotplug and the ACPI power button (`--hotplug`; always on for a VM made by
     /// the REST API): the VM gets a PCI bus even with no device.
     pub hotplug: bool,
+    /// QEMU's fw_cfg at ports 0x510-0x51b with its ACPI device (on unless `--fw-cfg off`):
+    /// guests written for QEMU read their CPU count there.
+    pub fw_cfg: bool,
 }
 
 impl Default for DevicesConfig {
@@ -188,6 +191,7 @@ impl Default for DevicesConfig {
             balloon: None,
             rng: None,
             hotplug: false,
+            fw_cfg: true,
         }
     }
 }

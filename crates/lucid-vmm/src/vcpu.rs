@@ -551,6 +551,21 @@ fn handle_exit(
                 data.fill(0xff);
             }
         }
+        Exit::IoOutRep(port, size, data) => {
+            for d in data.chunks(size) {
+                if !hooks.pio.write(port as u64, d) {
+                    counters.pio_unhandled.inc();
+                }
+            }
+        }
+        Exit::IoInRep(port, size, data) => {
+            for d in data.chunks_mut(size) {
+                if !hooks.pio.read(port as u64, d) {
+                    counters.pio_unhandled.inc();
+                    d.fill(0xff);
+                }
+            }
+        }
         Exit::MmioWrite(addr, data) => {
             if !hooks.mmio.write(addr, data) {
                 counters.mmio_unhandled.inc();

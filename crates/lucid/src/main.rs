@@ -107,6 +107,7 @@ const VM_FLAGS: &[&str] = &[
     "symbiotic",
     "api_socket",
     "jail",
+    "fw_cfg",
 ];
 
 #[derive(clap::Args)]
@@ -163,6 +164,9 @@ struct RunArgs {
     /// API always has them.
     #[arg(long)]
     hotplug: bool,
+    /// QEMU's fw_cfg at ports 0x510-0x51b with its ACPI device (docs/devices.md); on unless off.
+    #[arg(long = "fw-cfg", value_name = "on|off", value_parser = ["on", "off"])]
+    fw_cfg: Option<String>,
     /// Run without the per-thread seccomp filters (see docs/security.md).
     #[arg(long)]
     no_seccomp: bool,
@@ -356,6 +360,7 @@ fn flags_config(args: &RunArgs) -> Result<VmConfig, CliError> {
         .map(lucid_vmm::parse_balloon)
         .transpose()?;
     config.devices.rng = args.rng.as_deref().map(lucid_vmm::parse_rng).transpose()?;
+    config.devices.fw_cfg = args.fw_cfg.as_deref() != Some("off");
     Ok(config)
 }
 
@@ -527,6 +532,7 @@ fn vm_flag_given(a: &RunArgs) -> Option<&'static str> {
         (a.rng.is_some(), "--rng"),
         (!a.device.is_empty(), "--device"),
         (a.hotplug, "--hotplug"),
+        (a.fw_cfg.is_some(), "--fw-cfg"),
         (a.memory_limit.is_some(), "--memory-limit"),
         (a.symbiotic, "--symbiotic"),
         (a.pool != "auto", "--pool"),

@@ -14,6 +14,7 @@
 //! [`DeviceManager::build`] attaches what the configuration lists, in a fixed order: the virtio
 //! devices in their order, the balloon, the rng, then the plain PCI functions.
 
+mod fw_cfg;
 mod hotplug;
 mod legacy;
 mod pci;
@@ -81,6 +82,8 @@ pub struct DeviceManager {
     hotplug: Option<Arc<PciHotplug>>,
     /// The Swap Mapper on disks, for disks added while the VM runs too.
     blk_hook: Option<Arc<dyn BlockDataHook>>,
+    /// QEMU's fw_cfg (`VmConfig::devices.fw_cfg`).
+    fw_cfg: Option<Arc<std::sync::Mutex<lucid_devices::FwCfg>>>,
 }
 
 /// What the devices need from the VM being built.
@@ -126,7 +129,13 @@ impl DeviceManager {
             balloon: None,
             hotplug: None,
             blk_hook: p.swap.blk_hook(),
+            fw_cfg: None,
         };
+        if p.config.devices.fw_cfg {
+            dm.fw_cfg = Some(fw_cfg::attach(
+                p.config, p.builder, p.dma, p.hooks, p.stats,
+            )?);
+        }
         let Some(router) = p.router.filter(|_| Self::wants_pci(p.config)) else {
             return Ok(dm);
         };
@@ -381,6 +390,11 @@ impl DeviceManager {
     /// The serial console's output.
     pub(crate) fn console(&self) -> &Arc<ConsoleOut> {
         &self.legacy.console
+    }
+
+    /// QEMU's fw_cfg, unless the configuration turned it off.
+    pub(crate) fn fw_cfg(&self) -> Option<&Arc<std::sync::Mutex<lucid_devices::FwCfg>>> {
+        self.fw_cfg.as_ref()
     }
 }
 
