@@ -16,6 +16,7 @@ use lucid_pci::Rung;
 use lucid_swap::SwapMode;
 use lucid_virtio::balloon::BalloonConfig;
 use lucid_virtio::blk::BlockConfig;
+use lucid_virtio::console::{ConsoleConfig, ConsoleOutput};
 use lucid_virtio::net::NetConfig;
 use lucid_virtio::rng::RngConfig;
 use lucid_virtio::Coalescing;
@@ -65,7 +66,7 @@ pub fn device_name_ok(name: &str) -> bool {
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
         && ![
-            "balloon", "edu", "iommu", "serial", "hotplug", "kvm", "rest", "rng",
+            "balloon", "edu", "iommu", "serial", "hotplug", "kvm", "rest", "rng", "console",
         ]
         .contains(&name)
         && !name.starts_with("vcpu")
@@ -179,6 +180,8 @@ pub struct DevicesConfig {
     /// QEMU's fw_cfg at ports 0x510-0x51b with its ACPI device (on unless `--fw-cfg off`):
     /// guests written for QEMU read their CPU count there.
     pub fw_cfg: bool,
+    /// A virtio-console (`--console-virtio`), on PCI after the rng, named `console`.
+    pub console: Option<ConsoleConfig>,
 }
 
 impl Default for DevicesConfig {
@@ -192,6 +195,7 @@ impl Default for DevicesConfig {
             rng: None,
             hotplug: false,
             fw_cfg: true,
+            console: None,
         }
     }
 }
@@ -628,6 +632,18 @@ pub mod options {
         )],
     };
 
+    /// `--console-virtio`.
+    pub const CONSOLE_VIRTIO: OptSpec = OptSpec {
+        flag: "--console-virtio",
+        about: "A virtio-console on PCI, after the rng: port 0's output to stdout, a file, or \
+                the client of a Unix socket Lucid listens on (which also gives input).",
+        head: Some(OptHead {
+            name: "OUTPUT",
+            choices: &["tty", "file:PATH", "socket:PATH", "off"],
+        }),
+        keys: &[],
+    };
+
     /// `--iommu`.
     pub const IOMMU: OptSpec = OptSpec {
         flag: "--iommu",
@@ -719,6 +735,17 @@ pub fn parse_backing(s: &str) -> Result<Backing, DeviceOptionError> {
         ("memfd", _) => Ok(Backing::SharedMemfd),
         (_, path) => Ok(Backing::FilePrivate(path.into())),
     }
+}
+
+/// Parses `--console-virtio` by [`CONSOLE_VIRTIO`]: `None` for `off`.
+pub fn parse_console_virtio(s: &str) -> Result<Option<ConsoleConfig>, DeviceOptionError> {
+    let output = match CONSOLE_VIRTIO.parse_whole(s)? {
+        ("off", _) => return Ok(None),
+        ("file:PATH", path) => ConsoleOutput::File(path.into()),
+        ("socket:PATH", path) => ConsoleOutput::Socket(path.into()),
+        _ => ConsoleOutput::Tty,
+    };
+    Ok(Some(ConsoleConfig { output }))
 }
 
 /// Parses `--serial` by [`SERIAL`].

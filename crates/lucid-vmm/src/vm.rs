@@ -178,7 +178,8 @@ impl Vm {
                     seccomp: config.machine.seccomp,
                     backends: config.devices.pci.len()
                         + usize::from(config.devices.balloon.is_some())
-                        + usize::from(config.devices.rng.is_some()),
+                        + usize::from(config.devices.rng.is_some())
+                        + usize::from(config.devices.console.is_some()),
                     spawner: &spawner,
                 },
             )?,

@@ -12,7 +12,9 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
 use lucid::rest;
-use lucid_vmm::options::{BACKING, BALLOON, BLK, DEVICE, IOMMU, JAIL, NET, POOL, RNG, SERIAL};
+use lucid_vmm::options::{
+    BACKING, BALLOON, BLK, CONSOLE_VIRTIO, DEVICE, IOMMU, JAIL, NET, POOL, RNG, SERIAL,
+};
 use lucid_vmm::{
     KernelSource, StopReason, Vm, VmConfig, EXIT_FAILURE, EXIT_USAGE, MAX_MEM_MIB, MAX_VCPUS,
     MIN_MEMORY_LIMIT_MIB, MIN_MEM_MIB,
@@ -108,6 +110,7 @@ const VM_FLAGS: &[&str] = &[
     "api_socket",
     "jail",
     "fw_cfg",
+    "console_virtio",
 ];
 
 #[derive(clap::Args)]
@@ -167,6 +170,8 @@ struct RunArgs {
     /// QEMU's fw_cfg at ports 0x510-0x51b with its ACPI device (docs/devices.md); on unless off.
     #[arg(long = "fw-cfg", value_name = "on|off", value_parser = ["on", "off"])]
     fw_cfg: Option<String>,
+    #[arg(long = "console-virtio", value_name = "OUTPUT", help = CONSOLE_VIRTIO.help())]
+    console_virtio: Option<String>,
     /// Run without the per-thread seccomp filters (see docs/security.md).
     #[arg(long)]
     no_seccomp: bool,
@@ -361,6 +366,10 @@ fn flags_config(args: &RunArgs) -> Result<VmConfig, CliError> {
         .transpose()?;
     config.devices.rng = args.rng.as_deref().map(lucid_vmm::parse_rng).transpose()?;
     config.devices.fw_cfg = args.fw_cfg.as_deref() != Some("off");
+    config.devices.console = match args.console_virtio.as_deref() {
+        Some(s) => lucid_vmm::parse_console_virtio(s)?,
+        None => None,
+    };
     Ok(config)
 }
 
@@ -533,6 +542,7 @@ fn vm_flag_given(a: &RunArgs) -> Option<&'static str> {
         (!a.device.is_empty(), "--device"),
         (a.hotplug, "--hotplug"),
         (a.fw_cfg.is_some(), "--fw-cfg"),
+        (a.console_virtio.is_some(), "--console-virtio"),
         (a.memory_limit.is_some(), "--memory-limit"),
         (a.symbiotic, "--symbiotic"),
         (a.pool != "auto", "--pool"),

@@ -46,6 +46,8 @@ use pci::{PciBus, PciParts};
 pub const BALLOON: &str = "balloon";
 /// The virtio-rng's name.
 pub const RNG: &str = "rng";
+/// The virtio-console's name.
+pub const CONSOLE: &str = "console";
 
 /// The names of the virtio devices `pci` lists, in its order: each device's own `name`, else
 /// `blkN` and `netN`, each kind numbered on its own, skipping numbers a named device took.
@@ -111,6 +113,7 @@ impl DeviceManager {
             || config.devices.balloon.is_some()
             || config.devices.rng.is_some()
             || config.devices.hotplug
+            || config.devices.console.is_some()
     }
 
     /// The legacy devices, then the PCI bus with the devices the configuration lists.
@@ -334,6 +337,17 @@ impl DeviceManager {
                 cfg.rate
                     .map_or("unlimited".into(), |r| format!("{r} bytes/s"))
             );
+        }
+        if let Some(cfg) = &config.devices.console {
+            let dev = lucid_virtio::console::Console::new(CONSOLE.into(), cfg.clone(), p.stats)
+                .map_err(|e| back_end(CONSOLE.into(), e))?;
+            let a = self.attach(CONSOLE, |_| {
+                Ok(NewPciFunction::Virtio {
+                    device: Box::new(dev),
+                    options: lucid_pci::TransportOptions::default(),
+                })
+            })?;
+            log::info!("{CONSOLE}: PCI {}, output {:?}", a.slot.address(), cfg.output);
         }
         for d in &config.devices.platform_pci {
             match d {
