@@ -64,6 +64,7 @@ guests!(
     "hotplug",
     "virtio-rng",
     "fw-cfg",
+    "virtio-console",
 );
 
 /// Symbiotic modules (docs/symbiotic.md §7): ELF64 relocatable objects built with
