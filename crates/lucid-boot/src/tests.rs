@@ -1792,6 +1792,9 @@ fn dsdt_describes_fw_cfg_as_qemu_does() {
     let dsdt = dsdt_of(&cfg);
     assert!(has(&dsdt, b"FWCF") && has(&dsdt, b"QEMU0002\0"));
     // IO(Decode16, 0x510, 0x510, 1, 12).
-    assert!(has(&dsdt, &[0x47, 0x01, 0x10, 0x05, 0x10, 0x05, 0x01, 0x0c]));
+    assert!(has(
+        &dsdt,
+        &[0x47, 0x01, 0x10, 0x05, 0x10, 0x05, 0x01, 0x0c]
+    ));
     assert!(!has(&dsdt_of(&AcpiConfig::new(1)), b"QEMU0002"));
 }

@@ -114,9 +114,9 @@ impl Console {
                     source,
                 };
                 // A socket left by an earlier run would make bind fail.
-                if std::fs::symlink_metadata(p).is_ok_and(|m| {
-                    std::os::unix::fs::FileTypeExt::is_socket(&m.file_type())
-                }) {
+                if std::fs::symlink_metadata(p)
+                    .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
+                {
                     let _ = std::fs::remove_file(p);
                 }
                 let l = UnixListener::bind(p).map_err(err)?;

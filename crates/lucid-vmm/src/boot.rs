@@ -43,7 +43,9 @@ pub(crate) fn load_kernel(
     log::debug!("kernel command line: {cmdline:?}");
     let mut acpi = AcpiConfig::new(config.machine.vcpus);
     if let Some(f) = fw_cfg {
-        f.lock().unwrap_or_else(|e| e.into_inner()).set_cmdline(&cmdline);
+        f.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .set_cmdline(&cmdline);
         acpi.fw_cfg = true;
     }
     if pci {

@@ -32,7 +32,13 @@ fn the_guest_reads_what_qemu_would_give_it() {
         ],
         LIMIT,
     );
-    assert_eq!(o.status, Some(1), "(0 << 1) | 1: {}\n{}", o.stdout, o.stderr);
+    assert_eq!(
+        o.status,
+        Some(1),
+        "(0 << 1) | 1: {}\n{}",
+        o.stdout,
+        o.stderr
+    );
     let out = &o.stdout;
     assert_eq!(result(out, "id"), "0x3", "{out}");
     assert_eq!(result(out, "cpus"), "2", "{out}");
@@ -65,7 +71,13 @@ fn the_guest_reads_what_qemu_would_give_it() {
 #[test]
 fn one_vcpu_by_default() {
     let o = lucid(&["run", "--guest", "fw-cfg"], LIMIT);
-    assert_eq!(o.status, Some(1), "(0 << 1) | 1: {}\n{}", o.stdout, o.stderr);
+    assert_eq!(
+        o.status,
+        Some(1),
+        "(0 << 1) | 1: {}\n{}",
+        o.stdout,
+        o.stderr
+    );
     assert_eq!(result(&o.stdout, "cpus"), "1", "{}", o.stdout);
 }
 
@@ -75,7 +87,8 @@ fn fw_cfg_off_leaves_the_ports_unclaimed() {
     // Exit status (2 << 1) | 1: no signature.
     assert_eq!(o.status, Some(5), "{}\n{}", o.stdout, o.stderr);
     assert!(
-        o.stdout.contains("fw-cfg: no fw_cfg (signature ff ff ff ff)"),
+        o.stdout
+            .contains("fw-cfg: no fw_cfg (signature ff ff ff ff)"),
         "{}",
         o.stdout
     );

@@ -347,7 +347,11 @@ impl DeviceManager {
                     options: lucid_pci::TransportOptions::default(),
                 })
             })?;
-            log::info!("{CONSOLE}: PCI {}, output {:?}", a.slot.address(), cfg.output);
+            log::info!(
+                "{CONSOLE}: PCI {}, output {:?}",
+                a.slot.address(),
+                cfg.output
+            );
         }
         for d in &config.devices.platform_pci {
             match d {

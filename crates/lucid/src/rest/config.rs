@@ -5,8 +5,8 @@
 
 use std::path::PathBuf;
 
-use lucid_vmm::{KernelSource, PciDeviceConfig, SerialOutput, SwapMode, VmConfig};
 use lucid_vmm::{ConsoleConfig, ConsoleOutput};
+use lucid_vmm::{KernelSource, PciDeviceConfig, SerialOutput, SwapMode, VmConfig};
 use serde_json::{json, Map, Value};
 
 /// Why a `vm.create` body was refused: one message that names the field.

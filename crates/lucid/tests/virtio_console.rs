@@ -1,0 +1,119 @@
+//! virtio-console on real KVM, with the default seccomp filters: the `virtio-console` probe
+//! guest writes known lines on port 0, which land in a file, on Lucid's stdout, or with the
+//! client of a Unix socket, whose input the guest reads and echoes back.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{lucid, tmp};
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+#[test]
+fn port_0_output_lands_in_the_file() {
+    let out = tmp("vcon.out");
+    let o = lucid(
+        &[
+            "run",
+            "--guest",
+            "virtio-console",
+            "--console-virtio",
+            &format!("file:{}", out.display()),
+            "--cmdline",
+            "text=abc_def lines=3",
+        ],
+        LIMIT,
+    );
+    assert_eq!(
+        o.status,
+        Some(1),
+        "(0 << 1) | 1: {}\n{}",
+        o.stdout,
+        o.stderr
+    );
+    let text = std::fs::read_to_string(&out).unwrap();
+    let want = "0: abc def\n1: abc def\n2: abc def\n";
+    assert_eq!(text, want);
+    assert!(
+        o.stdout.contains("virtio-console: features="),
+        "{}",
+        o.stdout
+    );
+    assert_eq!(o.counter("console.bytes_read"), want.len() as u64);
+    assert_eq!(o.counter("console.requests"), 3);
+    assert_eq!(o.counter("console.errors"), 0);
+    let _ = std::fs::remove_file(&out);
+}
+
+#[test]
+fn tty_output_goes_to_stdout() {
+    let o = lucid(
+        &[
+            "run",
+            "--guest",
+            "virtio-console",
+            "--console-virtio",
+            "tty",
+            "--cmdline",
+            "text=on_the_tty",
+        ],
+        LIMIT,
+    );
+    assert_eq!(o.status, Some(1), "{}\n{}", o.stdout, o.stderr);
+    assert!(o.stdout.contains("0: on the tty\n"), "{}", o.stdout);
+}
+
+#[test]
+fn the_socket_client_gives_input_and_gets_output() {
+    let sock = tmp("vcon.sock");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lucid"))
+        .args([
+            "run",
+            "--guest",
+            "virtio-console",
+            "--console-virtio",
+            &format!("socket:{}", sock.display()),
+            "--cmdline",
+            "read=5 timeout_ms=30000",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let mut client = loop {
+        match UnixStream::connect(&sock) {
+            Ok(s) => break s,
+            Err(_) if t0.elapsed() < LIMIT => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => panic!("{}: {e}", sock.display()),
+        }
+    };
+    client
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    client.write_all(b"hello").unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 256];
+    while !String::from_utf8_lossy(&got).contains("echo: hello\n") {
+        match client.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    let o = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        String::from_utf8_lossy(&got).contains("echo: hello\n"),
+        "{:?}\n{stdout}\n{}",
+        String::from_utf8_lossy(&got),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(o.status.code(), Some(1), "{stdout}");
+    assert!(stdout.contains("virtio-console: input=hello"), "{stdout}");
+    let _ = std::fs::remove_file(&sock);
+}
