@@ -70,7 +70,7 @@ fn tty_output_goes_to_stdout() {
 #[test]
 fn the_socket_client_gives_input_and_gets_output() {
     let sock = tmp("vcon.sock");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_lucid"))
+    let child = Command::new(env!("CARGO_BIN_EXE_lucid"))
         .args([
             "run",
             "--guest",
