@@ -641,7 +641,11 @@ pub mod options {
             name: "OUTPUT",
             choices: &["tty", "file:PATH", "socket:PATH", "off"],
         }),
-        keys: &[],
+        keys: &[
+            OptKey::new("port1", "PATH", "a second port (multiport), its output to this file"),
+            OptKey::new("port2", "PATH", "a third port, likewise"),
+            OptKey::new("port3", "PATH", "a fourth port, likewise"),
+        ],
     };
 
     /// `--iommu`.
@@ -739,13 +743,24 @@ pub fn parse_backing(s: &str) -> Result<Backing, DeviceOptionError> {
 
 /// Parses `--console-virtio` by [`CONSOLE_VIRTIO`]: `None` for `off`.
 pub fn parse_console_virtio(s: &str) -> Result<Option<ConsoleConfig>, DeviceOptionError> {
-    let output = match CONSOLE_VIRTIO.parse_whole(s)? {
+    let p = CONSOLE_VIRTIO.parse(s)?;
+    let head = p.head.unwrap_or_default();
+    let output = match CONSOLE_VIRTIO.parse_whole(head)? {
         ("off", _) => return Ok(None),
         ("file:PATH", path) => ConsoleOutput::File(path.into()),
         ("socket:PATH", path) => ConsoleOutput::Socket(path.into()),
         _ => ConsoleOutput::Tty,
     };
-    Ok(Some(ConsoleConfig { output }))
+    let mut ports = Vec::new();
+    for key in ["port1", "port2", "port3"] {
+        if let Some(path) = p.get(key) {
+            if ports.len() + 1 != key[4..].parse::<usize>().unwrap_or(0) {
+                return Err(CONSOLE_VIRTIO.bad(key, path, "the ports before it given too"));
+            }
+            ports.push(PathBuf::from(path));
+        }
+    }
+    Ok(Some(ConsoleConfig { output, ports }))
 }
 
 /// Parses `--serial` by [`SERIAL`].
@@ -1569,5 +1584,31 @@ mod tests {
             accepted += parse_jail(&s).is_ok() as u32;
         }
         assert!(accepted > 0, "the soup holds some valid strings");
+    }
+}
+
+#[cfg(test)]
+mod console_virtio_tests {
+    use super::*;
+
+    #[test]
+    fn console_virtio_outputs_and_ports() {
+        let out = |s: &str| parse_console_virtio(s).unwrap().map(|c| (c.output, c.ports));
+        assert_eq!(out("off"), None);
+        assert_eq!(out("tty"), Some((ConsoleOutput::Tty, vec![])));
+        assert_eq!(
+            out("file:/tmp/c,port1=/tmp/p1,port2=/tmp/p2"),
+            Some((
+                ConsoleOutput::File("/tmp/c".into()),
+                vec!["/tmp/p1".into(), "/tmp/p2".into()]
+            ))
+        );
+        assert_eq!(
+            out("socket:/tmp/s"),
+            Some((ConsoleOutput::Socket("/tmp/s".into()), vec![]))
+        );
+        assert!(parse_console_virtio("tty,port2=/tmp/p2").is_err());
+        assert!(parse_console_virtio("pty").is_err());
+        assert!(parse_console_virtio("tty,bogus=1").is_err());
     }
 }

@@ -335,7 +335,10 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
                 ))
             }
         }
-        .map(|output| ConsoleConfig { output });
+        .map(|output| ConsoleConfig {
+            output,
+            ports: Vec::new(),
+        });
         console.finish(&[("iommu", json!(false))])?;
     }
 
