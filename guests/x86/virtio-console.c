@@ -10,9 +10,16 @@
  * back on port 0 as "echo: ...\n"), timeout_ms=10000 (for output
  * completions and for the input).
  *
- * Prints "virtio-console: features=F wrote=N read=M" (M: input bytes) and
- * "virtio-console: input=<the bytes read>" when read > 0. Exit 0; 1 an
- * output chain did not complete or the input did not come in time; 2 setup.
+ * Multiport (when the device offers F_MULTIPORT): the driver's side of the
+ * control protocol, as Linux's: DEVICE_READY, then PORT_READY for each
+ * DEVICE_ADD; it records CONSOLE_PORT, PORT_NAME and PORT_OPEN, and once
+ * every port is open writes "N: port P text\n" on each port P > 0 too.
+ *
+ * Prints "virtio-console: ports=N console=C opened=O names=a,b" with
+ * multiport, "virtio-console: features=F wrote=N read=M" (M: input bytes)
+ * and "virtio-console: input=<the bytes read>" when read > 0. Exit 0; 1 an
+ * output chain did not complete, the ports did not open or the input did
+ * not come in time; 2 setup.
  */
 #include "libcflat.h"
 #include "virtio.h"
@@ -22,17 +29,28 @@
 #define TXQ	1
 #define RX_BUFS	4
 #define RX_SIZE	256
+#define CTRL_RXQ	2
+#define CTRL_TXQ	3
+#define F_MULTIPORT	1
+#define MAX_PORTS	16
+
+#define EV_DEVICE_READY	0
+#define EV_DEVICE_ADD	1
+#define EV_PORT_READY	3
+#define EV_CONSOLE_PORT	4
+#define EV_PORT_OPEN	6
+#define EV_PORT_NAME	7
 
 static struct virtio_dev dev;
 static char line[512];
 static char input[4096];
 static u8 *txbuf;
-static u8 *rx_of[64];		/* the buffer of each posted receive chain, by head */
+static u8 *rx_of[4][64];	/* the buffer of each posted receive chain, by queue and head */
 
-/* sends one chain of `len` bytes on port 0 and waits for it */
-static int send(const char *s, u32 len, u64 timeout_tsc)
+/* sends one chain of `len` bytes on queue `qi` and waits for it */
+static int send_on(int qi, const char *s, u32 len, u64 timeout_tsc)
 {
-	struct virtq *q = &dev.q[TXQ];
+	struct virtq *q = &dev.q[qi];
 	u8 *buf = txbuf;
 	if (len > sizeof(line))
 		len = sizeof(line);
@@ -59,17 +77,85 @@ static int send(const char *s, u32 len, u64 timeout_tsc)
 	return id == head ? 0 : -1;
 }
 
-static void post_rx(u8 *buf)
+static int send(const char *s, u32 len, u64 timeout_tsc)
 {
-	struct virtq *q = &dev.q[RXQ];
+	return send_on(TXQ, s, len, timeout_tsc);
+}
+
+static void post_on(int qi, u8 *buf)
+{
+	struct virtq *q = &dev.q[qi];
 	int head = vq_alloc_chain(q, 1);
 	if (head < 0)
 		return;
-	rx_of[head] = buf;
+	rx_of[qi][head] = buf;
 	q->desc[head].addr = vmap(buf, RX_SIZE, DMA_FROM_DEVICE);
 	q->desc[head].len = RX_SIZE;
 	q->desc[head].flags = VRING_DESC_F_WRITE;
 	vq_push(q, head);
+}
+
+static void post_rx(u8 *buf)
+{
+	post_on(RXQ, buf);
+}
+
+static int control_send(u32 id, u16 ev, u16 value, u64 timeout_tsc)
+{
+	u8 m[8];
+	memcpy(m, &id, 4);
+	memcpy(m + 4, &ev, 2);
+	memcpy(m + 6, &value, 2);
+	return send_on(CTRL_TXQ, (const char *)m, 8, timeout_tsc);
+}
+
+static char names[MAX_PORTS][64];
+static int opened[MAX_PORTS];
+
+/* the control protocol until every port is open; returns the console port or -1 */
+static int multiport_up(u32 nports, u64 timeout_tsc, u32 *nopen)
+{
+	struct virtq *q = &dev.q[CTRL_RXQ];
+	int console = -1;
+	*nopen = 0;
+	if (control_send(0, EV_DEVICE_READY, 1, timeout_tsc))
+		return -1;
+	u64 t0 = rdtsc();
+	while (*nopen < nports && rdtsc() - t0 < timeout_tsc) {
+		if (!vq_has_used(q)) {
+			cpu_relax();
+			continue;
+		}
+		u32 len = 0;
+		int id = vq_pop(q, &len);
+		if (id < 0 || id >= 64)
+			continue;
+		u8 *m = rx_of[CTRL_RXQ][id];
+		vunmap(q->desc[id].addr, RX_SIZE);
+		vq_free_chain(q, id);
+		u32 port;
+		u16 ev, value;
+		memcpy(&port, m, 4);
+		memcpy(&ev, m + 4, 2);
+		memcpy(&value, m + 6, 2);
+		if (len >= 8 && port < MAX_PORTS) {
+			if (ev == EV_DEVICE_ADD)
+				control_send(port, EV_PORT_READY, 1, timeout_tsc);
+			else if (ev == EV_CONSOLE_PORT && value)
+				console = port;
+			else if (ev == EV_PORT_NAME) {
+				u32 n = len - 8 < 63 ? len - 8 : 63;
+				memcpy(names[port], m + 8, n);
+				names[port][n] = 0;
+			} else if (ev == EV_PORT_OPEN && value && !opened[port]) {
+				opened[port] = 1;
+				(*nopen)++;
+			}
+		}
+		post_on(CTRL_RXQ, m);
+		vq_kick(q);
+	}
+	return console;
 }
 
 int main(void)
@@ -85,15 +171,25 @@ int main(void)
 		return 2;
 	if (virtio_iommu_setup(dev.pci.bdf))
 		return 2;
-	if (virtio_init(&dev, 1ull << VIRTIO_F_EVENT_IDX))
+	if (virtio_init(&dev, 1ull << VIRTIO_F_EVENT_IDX | 1ull << F_MULTIPORT))
 		return 2;
-	if (virtio_setup_queue(&dev, RXQ, 64, 1) || virtio_setup_queue(&dev, TXQ, 64, 1))
+	int multiport = virtio_has(&dev, F_MULTIPORT);
+	u32 nports = multiport ? vc_read32(&dev, 4) : 1;
+	if (!nports || nports > MAX_PORTS) {
+		printf("virtio-console: max_nr_ports=%u\n", nports);
 		return 2;
+	}
+	u32 nq = multiport ? 2 + 2 * nports : 2;
+	for (u32 qi = 0; qi < nq; qi++)
+		if (virtio_setup_queue(&dev, qi, 64, 1))
+			return 2;
 	txbuf = dma_alloc(sizeof(line), 16);
 	u8 *rx[RX_BUFS];
 	for (int i = 0; i < RX_BUFS; i++) {
 		rx[i] = dma_alloc(RX_SIZE, 16);
 		post_rx(rx[i]);
+		if (multiport)
+			post_on(CTRL_RXQ, dma_alloc(RX_SIZE, 16));
 	}
 	virtio_driver_ok(&dev);
 	if (virtio_status(&dev) & (VIRTIO_S_NEEDS_RESET | VIRTIO_S_FAILED)) {
@@ -101,6 +197,20 @@ int main(void)
 		return 2;
 	}
 	vq_kick(&dev.q[RXQ]);
+	if (multiport) {
+		vq_kick(&dev.q[CTRL_RXQ]);
+		u32 nopen = 0;
+		int console = multiport_up(nports, timeout_tsc, &nopen);
+		printf("virtio-console: ports=%u console=%d opened=%u names=", nports, console,
+		       nopen);
+		for (u32 p = 1; p < nports; p++)
+			printf("%s%s", p > 1 ? "," : "", names[p]);
+		printf("\n");
+		if (nopen != nports) {
+			printf("virtio-console: only %u of %u ports opened\n", nopen, nports);
+			return 1;
+		}
+	}
 
 	char t[256];
 	u32 tl = 0;
@@ -115,6 +225,13 @@ int main(void)
 			return 1;
 		}
 		wrote += n;
+		for (u32 p = 1; multiport && p < nports; p++) {
+			n = snprintf(line, sizeof(line), "%lu: port %u %s\n", i, p, t);
+			if (send_on(2 * p + 3, line, n, timeout_tsc)) {
+				printf("virtio-console: port %u line %lu: no completion\n", p, i);
+				return 1;
+			}
+		}
 	}
 
 	u64 got = 0;
@@ -136,7 +253,7 @@ int main(void)
 		int id = vq_pop(q, &len);
 		if (id < 0 || id >= 64)
 			continue;
-		u8 *buf = rx_of[id];
+		u8 *buf = rx_of[RXQ][id];
 		vunmap(q->desc[id].addr, RX_SIZE);
 		vq_free_chain(q, id);
 		if (len > RX_SIZE)

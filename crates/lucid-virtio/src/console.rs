@@ -174,12 +174,18 @@ impl Console {
             return Err(ConsoleError::TooManyPorts(cfg.ports.len()));
         }
         let create = |p: &PathBuf| {
-            File::create(p).map(Arc::new).map_err(|source| ConsoleError::File {
-                path: p.clone(),
-                source,
-            })
+            File::create(p)
+                .map(Arc::new)
+                .map_err(|source| ConsoleError::File {
+                    path: p.clone(),
+                    source,
+                })
         };
-        let extra = cfg.ports.iter().map(create).collect::<Result<Vec<_>, _>>()?;
+        let extra = cfg
+            .ports
+            .iter()
+            .map(create)
+            .collect::<Result<Vec<_>, _>>()?;
         let sink = match &cfg.output {
             ConsoleOutput::Tty => Sink::Tty,
             ConsoleOutput::File(p) => Sink::File(Arc::new(File::create(p).map_err(|source| {
@@ -245,7 +251,11 @@ impl VirtioDevice for Console {
     }
 
     fn features(&self) -> u64 {
-        let multiport = if self.extra.is_empty() { 0 } else { F_MULTIPORT };
+        let multiport = if self.extra.is_empty() {
+            0
+        } else {
+            F_MULTIPORT
+        };
         features::VIRTIO_F_VERSION_1
             | features::VIRTIO_F_ACCESS_PLATFORM
             | features::VIRTIO_RING_F_EVENT_IDX
@@ -707,7 +717,10 @@ mod tests {
         );
         let named = control_reply(&msg(1, event::PORT_READY, 1), 2);
         assert_eq!(&named[0][8..], b"lucid.port1");
-        assert_eq!(u16::from_le_bytes([named[0][4], named[0][5]]), event::PORT_NAME);
+        assert_eq!(
+            u16::from_le_bytes([named[0][4], named[0][5]]),
+            event::PORT_NAME
+        );
         assert_eq!(named[1], msg(1, event::PORT_OPEN, 1));
         // A port that does not exist, a failed add, a short message: no answer.
         assert!(control_reply(&msg(2, event::PORT_READY, 1), 2).is_empty());

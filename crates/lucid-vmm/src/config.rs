@@ -642,7 +642,11 @@ pub mod options {
             choices: &["tty", "file:PATH", "socket:PATH", "off"],
         }),
         keys: &[
-            OptKey::new("port1", "PATH", "a second port (multiport), its output to this file"),
+            OptKey::new(
+                "port1",
+                "PATH",
+                "a second port (multiport), its output to this file",
+            ),
             OptKey::new("port2", "PATH", "a third port, likewise"),
             OptKey::new("port3", "PATH", "a fourth port, likewise"),
         ],
@@ -1593,7 +1597,11 @@ mod console_virtio_tests {
 
     #[test]
     fn console_virtio_outputs_and_ports() {
-        let out = |s: &str| parse_console_virtio(s).unwrap().map(|c| (c.output, c.ports));
+        let out = |s: &str| {
+            parse_console_virtio(s)
+                .unwrap()
+                .map(|c| (c.output, c.ports))
+        };
         assert_eq!(out("off"), None);
         assert_eq!(out("tty"), Some((ConsoleOutput::Tty, vec![])));
         assert_eq!(

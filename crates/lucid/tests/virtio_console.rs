@@ -117,3 +117,43 @@ fn the_socket_client_gives_input_and_gets_output() {
     assert!(stdout.contains("virtio-console: input=hello"), "{stdout}");
     let _ = std::fs::remove_file(&sock);
 }
+
+/// Three ports: the guest opens them through the control queues, port 0 is the console, the
+/// others are announced by name, and each port's output lands in its own file.
+#[test]
+fn multiport_output_goes_to_each_ports_file() {
+    let (p0, p1, p2) = (tmp("vcon-mp0"), tmp("vcon-mp1"), tmp("vcon-mp2"));
+    let o = lucid(
+        &[
+            "run",
+            "--guest",
+            "virtio-console",
+            "--console-virtio",
+            &format!(
+                "file:{},port1={},port2={}",
+                p0.display(),
+                p1.display(),
+                p2.display()
+            ),
+            "--cmdline",
+            "text=mp lines=2",
+        ],
+        LIMIT,
+    );
+    assert_eq!(o.status, Some(1), "{}\n{}", o.stdout, o.stderr);
+    assert!(
+        o.stdout
+            .contains("virtio-console: ports=3 console=0 opened=3 names=lucid.port1,lucid.port2"),
+        "{}",
+        o.stdout
+    );
+    let read = |p: &std::path::Path| std::fs::read_to_string(p).unwrap();
+    assert_eq!(read(&p0), "0: mp\n1: mp\n");
+    assert_eq!(read(&p1), "0: port 1 mp\n1: port 1 mp\n");
+    assert_eq!(read(&p2), "0: port 2 mp\n1: port 2 mp\n");
+    // DEVICE_READY and a PORT_READY for each port.
+    assert_eq!(o.counter("console.control_messages"), 4);
+    for p in [p0, p1, p2] {
+        let _ = std::fs::remove_file(p);
+    }
+}
