@@ -3,6 +3,7 @@
 //! client of a Unix socket, whose input the guest reads and echoes back.
 
 mod common;
+mod rest_client;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -10,6 +11,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{lucid, tmp};
+use rest_client::{eventually, have_curl, Server};
+use serde_json::json;
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -156,4 +159,34 @@ fn multiport_output_goes_to_each_ports_file() {
     for p in [p0, p1, p2] {
         let _ = std::fs::remove_file(p);
     }
+}
+
+/// Cloud Hypervisor's `console` of a `vm.create` gives the guest the device.
+#[test]
+fn console_of_vm_create_gives_the_guest_the_device() {
+    if !have_curl() {
+        return lucid_guests::skip_or_fail("curl is not installed (apt-get install curl)");
+    }
+    let out = tmp("vcon-rest.out");
+    let s = Server::start("vcon-rest");
+    let config = json!({
+        "payload": {"kernel": "builtin:virtio-console", "cmdline": "text=over_rest"},
+        "cpus": {"boot_vcpus": 1, "max_vcpus": 1},
+        "memory": {"size": 64u64 << 20},
+        "serial": {"mode": "Null"},
+        "console": {"mode": "File", "file": out, "iommu": false},
+    });
+    let (code, body) = s.curl("PUT", "vm.create", Some(&config));
+    assert_eq!((code, body.as_str()), (204, ""));
+    let info = s.json("GET", "vm.info");
+    assert!(info["device_tree"]["console"].is_object(), "{info}");
+    assert_eq!(s.curl("PUT", "vm.boot", None).0, 204);
+    let text = || std::fs::read_to_string(&out).unwrap_or_default();
+    assert!(
+        eventually(|| text() == "0: over rest\n"),
+        "{:?}\n{}",
+        text(),
+        s.stderr()
+    );
+    let _ = std::fs::remove_file(&out);
 }
