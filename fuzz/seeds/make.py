@@ -350,3 +350,22 @@ ir += [vmem(0x30010, 1 | 0x31 << 16 | 1 << 40), vmem(0x30018, 8 | 1 << 18),
        vreg(0x34), vreg(0x1000, size=8), vreg(0x1008, size=8),
        vreg(0x18, 1 << 31 | 1 << 25 | 1 << 23), vmsi(8, 0x1000, 0x41)]
 save("vtd", "interrupt-remapping", ir)
+
+# fw_cfg: kind 0 = port at offset addr (0 selector, 1 data, 4/8 DMA address), 1 = RAM store at addr
+# (big-endian val, as a FWCfgDmaAccess holds it).
+def fw_port(off, val=None, size=1):
+    return acc(0, size=size, write=val is not None, addr=off, val=val or 0)
+
+
+def fw_dma(at, control, length, dst):
+    return [acc(1, size=4, write=True, addr=at, val=control), acc(1, size=4, write=True, addr=at + 4, val=length),
+            acc(1, size=8, write=True, addr=at + 8, val=dst),
+            fw_port(4, struct.unpack("<I", struct.pack(">I", at >> 32))[0], 4),
+            fw_port(8, struct.unpack("<I", struct.pack(">I", at & 0xffffffff))[0], 4)]
+
+
+fw = [fw_port(0, 0x0000, 2)] + [fw_port(1)] * 4 + [fw_port(0, 0x0001, 2), fw_port(1, size=4)]
+fw += [fw_port(4, size=4), fw_port(8, size=4), fw_port(0, 0x0019, 2)] + [fw_port(1)] * 68
+fw += fw_dma(0x1000, 0x0020 << 16 | 8 | 2, 20, 0x2000) + fw_dma(0x1000, 4, 8, 0)
+fw += fw_dma(0x1000, 2, 16, 0x7f00000000) + fw_dma(0x1000, 0x10, 4, 0x2000) + fw_dma(0xfffff8, 2, 4, 0)
+save("fw_cfg", "probe-dir-dma", fw)

@@ -31,6 +31,7 @@
 //! - The PCI root bridge's `_PRT` routes each slot's INTx to the IOAPIC GSI the VMM raises
 //!   ([`crate::layout::pci_intx_gsi`]).
 //! - COM1 is a `PNP0501` device with I/O 0x3f8-0x3ff and IRQ 4, which `8250_pnp` binds.
+//! - With [`AcpiConfig::fw_cfg`], QEMU's fw_cfg is `FWCF` (`QEMU0002`, I/O 0x510-0x51b).
 //!
 //! With [`AcpiConfig::dmar`] a DMAR table announces one Intel VT-d unit ([`dmar`]).
 //!
@@ -91,6 +92,9 @@ pub struct AcpiConfig {
     pub dmar: Option<DmarUnit>,
     /// ACPI PCI hotplug and the power button ([`hotplug_aml`]); needs `pci_ecam`.
     pub hotplug: bool,
+    /// QEMU's fw_cfg at [`ports::FW_CFG`]: a `QEMU0002` device, which Linux's `qemu_fw_cfg`
+    /// (`FW_CFG_SYSFS`) binds.
+    pub fw_cfg: bool,
 }
 
 /// The one VT-d remapping unit the DMAR table describes: a DRHD with `INCLUDE_PCI_ALL` (every PCI
@@ -121,6 +125,7 @@ impl AcpiConfig {
             pm: true,
             dmar: None,
             hotplug: false,
+            fw_cfg: false,
         }
     }
 }
@@ -200,7 +205,17 @@ fn dsdt_aml(cfg: &AcpiConfig) -> Vec<u8> {
     }
     let pci = Device::new(Path::new("PCI0"), pci_children);
 
+    // As QEMU describes it: present, enabled, not shown in the UI.
+    let fwcf_hid = Name::new(Path::new("_HID"), &"QEMU0002");
+    let fwcf_sta = Name::new(Path::new("_STA"), &0x0bu8);
+    let fwcf_io = IO::new(ports::FW_CFG, ports::FW_CFG, 1, ports::FW_CFG_LEN);
+    let fwcf_crs = Name::new(Path::new("_CRS"), &ResourceTemplate::new(vec![&fwcf_io]));
+    let fwcf = Device::new(Path::new("FWCF"), vec![&fwcf_hid, &fwcf_sta, &fwcf_crs]);
+
     let mut children: Vec<&dyn Aml> = Vec::new();
+    if cfg.fw_cfg {
+        children.push(&fwcf);
+    }
     if cfg.com1 {
         children.push(&com1);
     }

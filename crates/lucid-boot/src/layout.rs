@@ -87,6 +87,9 @@ pub mod ports {
     /// The PCI hotplug controller's registers ([`super::pci_hotplug`]), at the port QEMU's
     /// PIIX4 hotplug block uses.
     pub const PCI_HOTPLUG: u16 = 0xae00;
+    /// QEMU's fw_cfg at QEMU's x86 ports: selector 0x510, data 0x511, DMA address 0x514-0x51b.
+    pub const FW_CFG: u16 = 0x510;
+    pub const FW_CFG_LEN: u8 = 0x0c;
 }
 
 /// The PCI hotplug controller: four 32-bit registers at [`ports::PCI_HOTPLUG`], one bit per

@@ -1773,3 +1773,28 @@ fn dsdt_describes_pci_hotplug_and_the_power_button() {
         assert!(!has(&without, name));
     }
 }
+
+/// With fw_cfg, the DSDT has QEMU's `FWCF` (`QEMU0002`, I/O 0x510-0x51b); without, none.
+#[test]
+fn dsdt_describes_fw_cfg_as_qemu_does() {
+    let dsdt_of = |cfg: &AcpiConfig| {
+        let mem = guest(MEM);
+        let rsdp = write_acpi_tables(&mem, cfg).unwrap();
+        let xsdt = table(&mem, r64(&mem, rsdp + 24));
+        let fadt = table(&mem, u64::from_le_bytes(xsdt[36..44].try_into().unwrap()));
+        table(&mem, u64::from_le_bytes(fadt[140..148].try_into().unwrap()))
+    };
+    let has = |t: &[u8], s: &[u8]| t.windows(s.len()).any(|w| w == s);
+    let cfg = AcpiConfig {
+        fw_cfg: true,
+        ..AcpiConfig::new(1)
+    };
+    let dsdt = dsdt_of(&cfg);
+    assert!(has(&dsdt, b"FWCF") && has(&dsdt, b"QEMU0002\0"));
+    // IO(Decode16, 0x510, 0x510, 1, 12).
+    assert!(has(
+        &dsdt,
+        &[0x47, 0x01, 0x10, 0x05, 0x10, 0x05, 0x01, 0x0c]
+    ));
+    assert!(!has(&dsdt_of(&AcpiConfig::new(1)), b"QEMU0002"));
+}

@@ -8,6 +8,7 @@ mod bus;
 mod cmos;
 mod console;
 mod debug_exit;
+pub mod fw_cfg;
 mod i8042;
 mod lifecycle;
 mod serial;
@@ -17,6 +18,7 @@ pub use bus::{Bus, BusDevice, BusError};
 pub use cmos::Cmos;
 pub use console::{ConsoleOut, FLUSH_PATIENCE};
 pub use debug_exit::DebugExit;
+pub use fw_cfg::{FwCfg, FwCfgError};
 pub use i8042::I8042;
 pub use lifecycle::{Lifecycle, StopReason, EXIT_FAILURE, EXIT_USAGE};
 pub use serial::{

@@ -63,6 +63,8 @@ guests!(
     "sym-mod",
     "hotplug",
     "virtio-rng",
+    "fw-cfg",
+    "virtio-console",
 );
 
 /// Symbiotic modules (docs/symbiotic.md §7): ELF64 relocatable objects built with

@@ -17,6 +17,11 @@ use crate::HvError;
 pub enum Exit<'a> {
     IoIn(u16, &'a mut [u8]),
     IoOut(u16, &'a [u8]),
+    /// A string `ins` of several elements (`rep insb`): port, element size, every element in
+    /// order; each element is one access of that size to the port.
+    IoInRep(u16, usize, &'a mut [u8]),
+    /// A string `outs` of several elements, as [`Exit::IoInRep`].
+    IoOutRep(u16, usize, &'a [u8]),
     MmioRead(u64, &'a mut [u8]),
     MmioWrite(u64, &'a [u8]),
     Hlt,
@@ -48,8 +53,8 @@ pub enum Exit<'a> {
 impl Exit<'_> {
     pub fn kind(&self) -> ExitKind {
         match self {
-            Exit::IoIn(..) => ExitKind::IoIn,
-            Exit::IoOut(..) => ExitKind::IoOut,
+            Exit::IoIn(..) | Exit::IoInRep(..) => ExitKind::IoIn,
+            Exit::IoOut(..) | Exit::IoOutRep(..) => ExitKind::IoOut,
             Exit::MmioRead(..) => ExitKind::MmioRead,
             Exit::MmioWrite(..) => ExitKind::MmioWrite,
             Exit::Hlt => ExitKind::Hlt,
@@ -224,8 +229,14 @@ impl Vcpu {
     pub fn run(&mut self) -> Result<Exit<'_>, HvError> {
         match self.fd.run() {
             Ok(exit) => Ok(match exit {
-                VcpuExit::IoIn(p, d) => Exit::IoIn(p, d),
-                VcpuExit::IoOut(p, d) => Exit::IoOut(p, d),
+                VcpuExit::IoIn(p, d) => match io_size(self.run_addr) {
+                    n if n > 0 && d.len() > n => Exit::IoInRep(p, n, d),
+                    _ => Exit::IoIn(p, d),
+                },
+                VcpuExit::IoOut(p, d) => match io_size(self.run_addr) {
+                    n if n > 0 && d.len() > n => Exit::IoOutRep(p, n, d),
+                    _ => Exit::IoOut(p, d),
+                },
                 VcpuExit::MmioRead(a, d) => Exit::MmioRead(a, d),
                 VcpuExit::MmioWrite(a, d) => Exit::MmioWrite(a, d),
                 VcpuExit::Hlt => Exit::Hlt,
@@ -256,6 +267,13 @@ impl Vcpu {
             Err(e) => Err(HvError::Ioctl("KVM_RUN", e)),
         }
     }
+}
+
+/// The element size of the I/O exit KVM_RUN just returned (its data holds `count` of them).
+fn io_size(run_addr: usize) -> usize {
+    // SAFETY: run_addr is the live kvm_run mapping of this vCPU, read after KVM_RUN returned
+    // with KVM_EXIT_IO, so the `io` member of the union is the one KVM filled.
+    unsafe { usize::from((*(run_addr as *const kvm_run)).__bindgen_anon_1.io.size) }
 }
 
 fn internal_error(run_addr: usize) -> InternalError {

@@ -246,6 +246,34 @@ impl DmaPath {
         Ok(())
     }
 
+    /// Device `dev` reads guest-physical `addr`, never translated: for platform devices whose
+    /// DMA no vIOMMU sits in front of (QEMU's fw_cfg), still checked, counted and observed.
+    pub fn read_physical(&self, dev: DeviceId, addr: u64, buf: &mut [u8]) -> Result<(), DmaError> {
+        self.counters.reads.inc();
+        let len = buf.len() as u64;
+        self.access_as(dev, addr, len, Access::Read, false, |gpa, off, n| {
+            self.mem
+                .read_slice(&mut buf[off..off + n], GuestAddress(gpa))
+                .is_ok()
+        })?;
+        self.counters.bytes_read.add(len);
+        Ok(())
+    }
+
+    /// Device `dev` writes `buf` at guest-physical `addr`, never translated (see
+    /// [`DmaPath::read_physical`]).
+    pub fn write_physical(&self, dev: DeviceId, addr: u64, buf: &[u8]) -> Result<(), DmaError> {
+        self.counters.writes.inc();
+        let len = buf.len() as u64;
+        self.access_as(dev, addr, len, Access::Write, false, |gpa, off, n| {
+            self.mem
+                .write_slice(&buf[off..off + n], GuestAddress(gpa))
+                .is_ok()
+        })?;
+        self.counters.bytes_written.add(len);
+        Ok(())
+    }
+
     /// Splits the access into contiguous guest-physical chunks and runs `copy(gpa, offset, len)`
     /// on each.
     fn access(
@@ -254,6 +282,19 @@ impl DmaPath {
         addr: u64,
         len: u64,
         access: Access,
+        copy: impl FnMut(u64, usize, usize) -> bool,
+    ) -> Result<(), DmaError> {
+        self.access_as(dev, addr, len, access, true, copy)
+    }
+
+    /// [`DmaPath::access`], through the translator only when `translate` is set.
+    fn access_as(
+        &self,
+        dev: DeviceId,
+        addr: u64,
+        len: u64,
+        access: Access,
+        translate: bool,
         mut copy: impl FnMut(u64, usize, usize) -> bool,
     ) -> Result<(), DmaError> {
         let out_of_range = || DmaError::OutOfRange {
@@ -276,7 +317,7 @@ impl DmaPath {
             self.counters.errors.inc();
             return Err(DmaError::BusMasterOff { dev });
         }
-        let translator = self.translator();
+        let translator = self.translator().filter(|_| translate);
         // Begins before the first translation, ends after the last copy (or the error).
         let _bracket = translator.as_deref().map(Bracket::begin);
         let observers = self.observers.read().unwrap_or_else(|e| e.into_inner());

@@ -40,6 +40,7 @@ pub use virtio_queue;
 
 pub mod balloon;
 pub mod blk;
+pub mod console;
 pub mod net;
 pub mod rng;
 mod worker;
@@ -59,6 +60,7 @@ pub mod features {
 pub mod device_type {
     pub const NET: u32 = 1;
     pub const BLOCK: u32 = 2;
+    pub const CONSOLE: u32 = 3;
     pub const RNG: u32 = 4;
     pub const BALLOON: u32 = 5;
 }

@@ -21,12 +21,14 @@ pub const PVM_LINUX_CMDLINE: &str = "noxsave clearcpuid=137,141,154,156";
 pub const DEFAULT_LINUX_CMDLINE: &str = "console=ttyS0 earlyprintk=serial reboot=k panic=-1";
 
 /// Loads the kernel `config` names with its initrd, its command line and ACPI tables that
-/// describe the PCI bus (`pci`) and the vIOMMU (`iommu`); returns the boot vCPU's entry state.
+/// describe the PCI bus (`pci`), the vIOMMU (`iommu`) and fw_cfg, which gets the command line;
+/// returns the boot vCPU's entry state.
 pub(crate) fn load_kernel(
     b: &VmBuilder,
     config: &VmConfig,
     pci: bool,
     iommu: bool,
+    fw_cfg: Option<&std::sync::Mutex<lucid_devices::FwCfg>>,
 ) -> Result<BootSetup, VmmError> {
     let image = match &config.payload.kernel {
         KernelSource::File(p) => KernelImage::open(p)?,
@@ -40,6 +42,12 @@ pub(crate) fn load_kernel(
     }
     log::debug!("kernel command line: {cmdline:?}");
     let mut acpi = AcpiConfig::new(config.machine.vcpus);
+    if let Some(f) = fw_cfg {
+        f.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .set_cmdline(&cmdline);
+        acpi.fw_cfg = true;
+    }
     if pci {
         let last_bus = ((layout::PCI_ECAM_SIZE >> 20) - 1).min(255) as u8;
         acpi.pci_ecam = Some((layout::PCI_ECAM_START, 0, last_bus));

@@ -16,6 +16,7 @@ use lucid_pci::Rung;
 use lucid_swap::SwapMode;
 use lucid_virtio::balloon::BalloonConfig;
 use lucid_virtio::blk::BlockConfig;
+use lucid_virtio::console::{ConsoleConfig, ConsoleOutput};
 use lucid_virtio::net::NetConfig;
 use lucid_virtio::rng::RngConfig;
 use lucid_virtio::Coalescing;
@@ -65,7 +66,7 @@ pub fn device_name_ok(name: &str) -> bool {
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
         && ![
-            "balloon", "edu", "iommu", "serial", "hotplug", "kvm", "rest", "rng",
+            "balloon", "edu", "iommu", "serial", "hotplug", "kvm", "rest", "rng", "console",
         ]
         .contains(&name)
         && !name.starts_with("vcpu")
@@ -176,6 +177,11 @@ pub struct DevicesConfig {
     /// ACPI PCI hotplug and the ACPI power button (`--hotplug`; always on for a VM made by
     /// the REST API): the VM gets a PCI bus even with no device.
     pub hotplug: bool,
+    /// QEMU's fw_cfg at ports 0x510-0x51b with its ACPI device (on unless `--fw-cfg off`):
+    /// guests written for QEMU read their CPU count there.
+    pub fw_cfg: bool,
+    /// A virtio-console (`--console-virtio`), on PCI after the rng, named `console`.
+    pub console: Option<ConsoleConfig>,
 }
 
 impl Default for DevicesConfig {
@@ -188,6 +194,8 @@ impl Default for DevicesConfig {
             balloon: None,
             rng: None,
             hotplug: false,
+            fw_cfg: true,
+            console: None,
         }
     }
 }
@@ -624,6 +632,26 @@ pub mod options {
         )],
     };
 
+    /// `--console-virtio`.
+    pub const CONSOLE_VIRTIO: OptSpec = OptSpec {
+        flag: "--console-virtio",
+        about: "A virtio-console on PCI, after the rng: port 0's output to stdout, a file, or \
+                the client of a Unix socket Lucid listens on (which also gives input).",
+        head: Some(OptHead {
+            name: "OUTPUT",
+            choices: &["tty", "file:PATH", "socket:PATH", "off"],
+        }),
+        keys: &[
+            OptKey::new(
+                "port1",
+                "PATH",
+                "a second port (multiport), its output to this file",
+            ),
+            OptKey::new("port2", "PATH", "a third port, likewise"),
+            OptKey::new("port3", "PATH", "a fourth port, likewise"),
+        ],
+    };
+
     /// `--iommu`.
     pub const IOMMU: OptSpec = OptSpec {
         flag: "--iommu",
@@ -715,6 +743,28 @@ pub fn parse_backing(s: &str) -> Result<Backing, DeviceOptionError> {
         ("memfd", _) => Ok(Backing::SharedMemfd),
         (_, path) => Ok(Backing::FilePrivate(path.into())),
     }
+}
+
+/// Parses `--console-virtio` by [`CONSOLE_VIRTIO`]: `None` for `off`.
+pub fn parse_console_virtio(s: &str) -> Result<Option<ConsoleConfig>, DeviceOptionError> {
+    let p = CONSOLE_VIRTIO.parse(s)?;
+    let head = p.head.unwrap_or_default();
+    let output = match CONSOLE_VIRTIO.parse_whole(head)? {
+        ("off", _) => return Ok(None),
+        ("file:PATH", path) => ConsoleOutput::File(path.into()),
+        ("socket:PATH", path) => ConsoleOutput::Socket(path.into()),
+        _ => ConsoleOutput::Tty,
+    };
+    let mut ports = Vec::new();
+    for key in ["port1", "port2", "port3"] {
+        if let Some(path) = p.get(key) {
+            if ports.len() + 1 != key[4..].parse::<usize>().unwrap_or(0) {
+                return Err(CONSOLE_VIRTIO.bad(key, path, "the ports before it given too"));
+            }
+            ports.push(PathBuf::from(path));
+        }
+    }
+    Ok(Some(ConsoleConfig { output, ports }))
 }
 
 /// Parses `--serial` by [`SERIAL`].
@@ -1538,5 +1588,35 @@ mod tests {
             accepted += parse_jail(&s).is_ok() as u32;
         }
         assert!(accepted > 0, "the soup holds some valid strings");
+    }
+}
+
+#[cfg(test)]
+mod console_virtio_tests {
+    use super::*;
+
+    #[test]
+    fn console_virtio_outputs_and_ports() {
+        let out = |s: &str| {
+            parse_console_virtio(s)
+                .unwrap()
+                .map(|c| (c.output, c.ports))
+        };
+        assert_eq!(out("off"), None);
+        assert_eq!(out("tty"), Some((ConsoleOutput::Tty, vec![])));
+        assert_eq!(
+            out("file:/tmp/c,port1=/tmp/p1,port2=/tmp/p2"),
+            Some((
+                ConsoleOutput::File("/tmp/c".into()),
+                vec!["/tmp/p1".into(), "/tmp/p2".into()]
+            ))
+        );
+        assert_eq!(
+            out("socket:/tmp/s"),
+            Some((ConsoleOutput::Socket("/tmp/s".into()), vec![]))
+        );
+        assert!(parse_console_virtio("tty,port2=/tmp/p2").is_err());
+        assert!(parse_console_virtio("pty").is_err());
+        assert!(parse_console_virtio("tty,bogus=1").is_err());
     }
 }

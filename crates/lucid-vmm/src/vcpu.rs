@@ -551,6 +551,21 @@ fn handle_exit(
                 data.fill(0xff);
             }
         }
+        Exit::IoOutRep(port, size, data) => {
+            for d in data.chunks(size) {
+                if !hooks.pio.write(port as u64, d) {
+                    counters.pio_unhandled.inc();
+                }
+            }
+        }
+        Exit::IoInRep(port, size, data) => {
+            for d in data.chunks_mut(size) {
+                if !hooks.pio.read(port as u64, d) {
+                    counters.pio_unhandled.inc();
+                    d.fill(0xff);
+                }
+            }
+        }
         Exit::MmioWrite(addr, data) => {
             if !hooks.mmio.write(addr, data) {
                 counters.mmio_unhandled.inc();
@@ -726,6 +741,22 @@ mod tests {
         s.exit(Exit::IoIn(0x103, &mut [0u8; 2]));
         assert_eq!(s.count("pio_unhandled"), 3);
         assert!(s.lifecycle.reason().is_none());
+    }
+
+    /// A string `ins`/`outs` is one access per element: 8 bytes at a 4-byte port range fit
+    /// as four 2-byte reads.
+    #[test]
+    fn string_port_io_is_one_access_per_element() {
+        let s = setup();
+        s.exit(Exit::IoOutRep(0x102, 1, &[1, 2, 3]));
+        assert_eq!(s.port.lock().unwrap().0, Some((2, vec![3])));
+        let mut d = [0u8; 8];
+        s.exit(Exit::IoInRep(0x100, 2, &mut d));
+        assert_eq!(d, [0x42; 8]);
+        assert_eq!(s.count("pio_unhandled"), 0);
+        s.exit(Exit::IoInRep(0x200, 1, &mut d));
+        assert_eq!(d, [0xff; 8]);
+        assert_eq!(s.count("pio_unhandled"), 8);
     }
 
     #[test]

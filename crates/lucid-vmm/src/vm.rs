@@ -155,7 +155,13 @@ impl Vm {
         crate::pools::add_work_hypercall(&hooks, &stats)?;
 
         // The kernel, its command line and the boot tables; the boot vCPU's entry state.
-        let setup = crate::boot::load_kernel(&b, &config, devices.has_pci(), iommu.is_some())?;
+        let setup = crate::boot::load_kernel(
+            &b,
+            &config,
+            devices.has_pci(),
+            iommu.is_some(),
+            devices.fw_cfg().map(|f| &**f),
+        )?;
         b.boot_vcpu(&ctxs[0].vcpu, &setup)?;
 
         // The techniques, in start order. The pools join once the KVM VM exists (halt polling)
@@ -172,7 +178,8 @@ impl Vm {
                     seccomp: config.machine.seccomp,
                     backends: config.devices.pci.len()
                         + usize::from(config.devices.balloon.is_some())
-                        + usize::from(config.devices.rng.is_some()),
+                        + usize::from(config.devices.rng.is_some())
+                        + usize::from(config.devices.console.is_some()),
                     spawner: &spawner,
                 },
             )?,

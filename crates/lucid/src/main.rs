@@ -12,7 +12,9 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
 use lucid::rest;
-use lucid_vmm::options::{BACKING, BALLOON, BLK, DEVICE, IOMMU, JAIL, NET, POOL, RNG, SERIAL};
+use lucid_vmm::options::{
+    BACKING, BALLOON, BLK, CONSOLE_VIRTIO, DEVICE, IOMMU, JAIL, NET, POOL, RNG, SERIAL,
+};
 use lucid_vmm::{
     KernelSource, StopReason, Vm, VmConfig, EXIT_FAILURE, EXIT_USAGE, MAX_MEM_MIB, MAX_VCPUS,
     MIN_MEMORY_LIMIT_MIB, MIN_MEM_MIB,
@@ -112,6 +114,8 @@ const VM_FLAGS: &[&str] = &[
     "symbiotic",
     "api_socket",
     "jail",
+    "fw_cfg",
+    "console_virtio",
 ];
 
 #[derive(clap::Args)]
@@ -168,6 +172,11 @@ struct RunArgs {
     /// API always has them.
     #[arg(long)]
     hotplug: bool,
+    /// QEMU's fw_cfg at ports 0x510-0x51b with its ACPI device (docs/devices.md); on unless off.
+    #[arg(long = "fw-cfg", value_name = "on|off", value_parser = ["on", "off"])]
+    fw_cfg: Option<String>,
+    #[arg(long = "console-virtio", value_name = "OUTPUT", help = CONSOLE_VIRTIO.help())]
+    console_virtio: Option<String>,
     /// Run without the per-thread seccomp filters (see docs/security.md).
     #[arg(long)]
     no_seccomp: bool,
@@ -363,6 +372,11 @@ fn flags_config(args: &RunArgs) -> Result<VmConfig, CliError> {
         .map(lucid_vmm::parse_balloon)
         .transpose()?;
     config.devices.rng = args.rng.as_deref().map(lucid_vmm::parse_rng).transpose()?;
+    config.devices.fw_cfg = args.fw_cfg.as_deref() != Some("off");
+    config.devices.console = match args.console_virtio.as_deref() {
+        Some(s) => lucid_vmm::parse_console_virtio(s)?,
+        None => None,
+    };
     Ok(config)
 }
 
@@ -534,6 +548,8 @@ fn vm_flag_given(a: &RunArgs) -> Option<&'static str> {
         (a.rng.is_some(), "--rng"),
         (!a.device.is_empty(), "--device"),
         (a.hotplug, "--hotplug"),
+        (a.fw_cfg.is_some(), "--fw-cfg"),
+        (a.console_virtio.is_some(), "--console-virtio"),
         (a.memory_limit.is_some(), "--memory-limit"),
         (a.symbiotic, "--symbiotic"),
         (a.pool != "auto", "--pool"),

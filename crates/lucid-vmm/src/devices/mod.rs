@@ -14,6 +14,7 @@
 //! [`DeviceManager::build`] attaches what the configuration lists, in a fixed order: the virtio
 //! devices in their order, the balloon, the rng, then the plain PCI functions.
 
+mod fw_cfg;
 mod hotplug;
 mod legacy;
 mod pci;
@@ -45,6 +46,8 @@ use pci::{PciBus, PciParts};
 pub const BALLOON: &str = "balloon";
 /// The virtio-rng's name.
 pub const RNG: &str = "rng";
+/// The virtio-console's name.
+pub const CONSOLE: &str = "console";
 
 /// The names of the virtio devices `pci` lists, in its order: each device's own `name`, else
 /// `blkN` and `netN`, each kind numbered on its own, skipping numbers a named device took.
@@ -81,6 +84,8 @@ pub struct DeviceManager {
     hotplug: Option<Arc<PciHotplug>>,
     /// The Swap Mapper on disks, for disks added while the VM runs too.
     blk_hook: Option<Arc<dyn BlockDataHook>>,
+    /// QEMU's fw_cfg (`VmConfig::devices.fw_cfg`).
+    fw_cfg: Option<Arc<std::sync::Mutex<lucid_devices::FwCfg>>>,
 }
 
 /// What the devices need from the VM being built.
@@ -108,6 +113,7 @@ impl DeviceManager {
             || config.devices.balloon.is_some()
             || config.devices.rng.is_some()
             || config.devices.hotplug
+            || config.devices.console.is_some()
     }
 
     /// The legacy devices, then the PCI bus with the devices the configuration lists.
@@ -126,7 +132,13 @@ impl DeviceManager {
             balloon: None,
             hotplug: None,
             blk_hook: p.swap.blk_hook(),
+            fw_cfg: None,
         };
+        if p.config.devices.fw_cfg {
+            dm.fw_cfg = Some(fw_cfg::attach(
+                p.config, p.builder, p.dma, p.hooks, p.stats,
+            )?);
+        }
         let Some(router) = p.router.filter(|_| Self::wants_pci(p.config)) else {
             return Ok(dm);
         };
@@ -326,6 +338,21 @@ impl DeviceManager {
                     .map_or("unlimited".into(), |r| format!("{r} bytes/s"))
             );
         }
+        if let Some(cfg) = &config.devices.console {
+            let dev = lucid_virtio::console::Console::new(CONSOLE.into(), cfg.clone(), p.stats)
+                .map_err(|e| back_end(CONSOLE.into(), e))?;
+            let a = self.attach(CONSOLE, |_| {
+                Ok(NewPciFunction::Virtio {
+                    device: Box::new(dev),
+                    options: lucid_pci::TransportOptions::default(),
+                })
+            })?;
+            log::info!(
+                "{CONSOLE}: PCI {}, output {:?}",
+                a.slot.address(),
+                cfg.output
+            );
+        }
         for d in &config.devices.platform_pci {
             match d {
                 crate::config::PlatformPciDevice::Edu => {
@@ -381,6 +408,11 @@ impl DeviceManager {
     /// The serial console's output.
     pub(crate) fn console(&self) -> &Arc<ConsoleOut> {
         &self.legacy.console
+    }
+
+    /// QEMU's fw_cfg, unless the configuration turned it off.
+    pub(crate) fn fw_cfg(&self) -> Option<&Arc<std::sync::Mutex<lucid_devices::FwCfg>>> {
+        self.fw_cfg.as_ref()
     }
 }
 

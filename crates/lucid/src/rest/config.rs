@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 
+use lucid_vmm::{ConsoleConfig, ConsoleOutput};
 use lucid_vmm::{KernelSource, PciDeviceConfig, SerialOutput, SwapMode, VmConfig};
 use serde_json::{json, Map, Value};
 
@@ -316,23 +317,29 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
         };
         serial.finish(&[("iommu", json!(false))])?;
     }
+    // Cloud Hypervisor's virtio-console; absent, the VM has none (Lucid's console is the
+    // serial port).
     if let Some(mut console) = top.obj("console")? {
-        // Lucid has no virtio-console: the one console is the serial port.
-        match console.str("mode")?.as_deref() {
-            Some("Off" | "Null") => {}
-            m => {
+        let mode = console.str("mode")?.unwrap_or_else(|| "Tty".into());
+        let file = console.str("file")?;
+        let socket = console.str("socket")?;
+        config.devices.console = match (mode.as_str(), file, socket) {
+            ("Off" | "Null", None, None) => None,
+            ("Tty", None, None) => Some(ConsoleOutput::Tty),
+            ("File", Some(f), None) => Some(ConsoleOutput::File(f.into())),
+            ("Socket", None, Some(s)) => Some(ConsoleOutput::Socket(s.into())),
+            (m, _, _) => {
                 return refuse(format!(
-                    "console.mode: Lucid has no virtio-console; only Off or Null is accepted, \
-                     got {}",
-                    m.unwrap_or("absent (Cloud Hypervisor's default is Tty)")
+                    "console: mode {m:?} with these fields is not supported: Lucid takes Off, \
+                     Null, Tty, File (with file) or Socket (with socket)"
                 ))
             }
         }
-        console.finish(&[
-            ("file", Value::Null),
-            ("socket", Value::Null),
-            ("iommu", json!(false)),
-        ])?;
+        .map(|output| ConsoleConfig {
+            output,
+            ports: Vec::new(),
+        });
+        console.finish(&[("iommu", json!(false))])?;
     }
 
     if let Some(mut b) = top.obj("balloon")? {
@@ -686,7 +693,7 @@ mod tests {
         assert!(base(("cpus", json!({"boot_vcpus": 1, "max_vcpus": 4}))).contains("max_vcpus"));
         assert!(base(("disks", json!([{"path": "/x", "queue_size": 64}])))
             .contains("disks[0].queue_size"));
-        assert!(base(("console", json!({"mode": "Tty"}))).contains("console.mode"));
+        assert!(base(("console", json!({"mode": "Pty"}))).contains("console: mode \"Pty\""));
         assert!(base(("lucid", json!({"rung": "L2"}))).contains("lucid.rung: unknown"));
         assert!(refusal(json!({"payload": {"kernel": "builtin:nope"}})).contains("nope"));
         assert!(refusal(json!({"payload": {}})).contains("payload.kernel: required"));
@@ -709,6 +716,27 @@ mod tests {
         let c = map(json!({"payload": {"kernel": "builtin:spin"}, "lucid": {"rng": "rate=4096"}}))
             .unwrap();
         assert_eq!(c.devices.rng.and_then(|r| r.rate), Some(4096));
+    }
+
+    #[test]
+    fn maps_console_to_the_virtio_console() {
+        let console = |v: Value| {
+            let mut b = json!({"payload": {"kernel": "builtin:spin"}});
+            b["console"] = v;
+            map(b).unwrap().devices.console.map(|c| c.output)
+        };
+        assert_eq!(console(json!({"mode": "Off"})), None);
+        assert_eq!(console(json!({"mode": "Null"})), None);
+        assert_eq!(console(json!({"mode": "Tty"})), Some(ConsoleOutput::Tty));
+        assert_eq!(
+            console(json!({"mode": "File", "file": "/tmp/c"})),
+            Some(ConsoleOutput::File("/tmp/c".into()))
+        );
+        assert_eq!(
+            console(json!({"mode": "Socket", "socket": "/tmp/s", "iommu": false})),
+            Some(ConsoleOutput::Socket("/tmp/s".into()))
+        );
+        assert_eq!(console(Value::Null), None);
     }
 
     /// What Kata's Cloud Hypervisor driver always sends (clh.go, CreateVM): a flat CPU

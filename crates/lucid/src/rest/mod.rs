@@ -249,6 +249,9 @@ impl Managed {
                 if self.config.devices.rng.is_some() {
                     names.push(lucid_vmm::devices::RNG.into());
                 }
+                if self.config.devices.console.is_some() {
+                    names.push(lucid_vmm::devices::CONSOLE.into());
+                }
                 names.extend(
                     self.config
                         .devices
