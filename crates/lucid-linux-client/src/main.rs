@@ -55,6 +55,7 @@ const VIRTIO_BLK_ID: &str = "[1af4:1042]";
 const VIRTIO_NET_ID: &str = "[1af4:1041]";
 const VIRTIO_RNG_ID: &str = "[1af4:1044]";
 const VIRTIO_VSOCK_ID: &str = "[1af4:1053]";
+const VIRTIO_CONSOLE_ID: &str = "[1af4:1043]";
 
 /// A milestone: a console line that shows a step of the boot.
 struct Milestone {
@@ -287,6 +288,10 @@ struct Report {
     vsock: Status,
     /// Linux's hw_random registered virtio-rng and read from it.
     rng: Status,
+    /// Linux's virtio_console took the device as hvc0 and its log reached the console's file.
+    console: Status,
+    /// Linux's qemu_fw_cfg read the signature, the ID and the file directory.
+    fw_cfg: Status,
     /// Why a device check was skipped, by its key in the line.
     devices_skip: Vec<(&'static str, Skip)>,
     vsock_refused: bool,
@@ -384,6 +389,8 @@ impl Report {
                 self.vhost_user_blk,
                 self.vsock,
                 self.rng,
+                self.console,
+                self.fw_cfg,
             ]
             .iter()
             .all(|s| *s != Status::Fail)
@@ -397,7 +404,7 @@ impl Report {
         };
         format!(
             "linux-client: init={} rootfs={} disk2={} net={}{iommu} userspace={} \
-             virtiofs_root={} vhost_user_blk={} vsock={} rng={} seconds={}",
+             virtiofs_root={} vhost_user_blk={} vsock={} rng={} console={} fw_cfg={} seconds={}",
             if self.init { "yes" } else { "no" },
             self.rootfs.word(),
             self.disk2.word(),
@@ -407,6 +414,8 @@ impl Report {
             self.vhost_user_blk.word(),
             self.vsock.word(),
             self.rng.word(),
+            self.console.word(),
+            self.fw_cfg.word(),
             self.seconds.round() as u64
         )
     }
@@ -450,6 +459,8 @@ impl Report {
             "vsock": self.vsock.word(),
             "vsock_refused": self.vsock_refused,
             "rng": self.rng.word(),
+            "console": self.console.word(),
+            "fw_cfg": self.fw_cfg.word(),
             "devices_skip": self.devices_skip.iter()
                 .map(|(k, s)| (k.to_string(), json!({ "kind": s.kind.word(), "why": s.why })))
                 .collect::<serde_json::Map<String, Value>>(),
@@ -1013,9 +1024,10 @@ fn first_boot(
 ) -> Result<(), String> {
     let root = ext2_root(work)?;
     let gpt = gpt_disk(work)?;
+    // hvc0 first: the last `console=` is /dev/console, and that stays the serial port.
     let mut cmdline = String::from(
-        "console=ttyS0 earlyprintk=serial reboot=k panic=-1 root=/dev/vda ro rootfstype=ext2 \
-         init=/sbin/init",
+        "console=hvc0 console=ttyS0 earlyprintk=serial reboot=k panic=-1 root=/dev/vda ro \
+         rootfstype=ext2 init=/sbin/init",
     );
     if ns.is_some() {
         cmdline += &format!(
@@ -1033,7 +1045,10 @@ fn first_boot(
     // The devices Linux drives by itself: virtio-rng (hw_random's fill thread reads it) and
     // virtio-vsock (its transport answers a host connection).
     let vsock_socket = work.path("vsock.sock");
+    let hvc_log = work.path("hvc0.log");
     run.extend([
+        "--console-virtio".into(),
+        format!("file:{}", hvc_log.display()),
         "--rng".into(),
         "--vsock".into(),
         format!("cid=3,socket={}", vsock_socket.display()),
@@ -1100,9 +1115,9 @@ fn first_boot(
         .collect();
     report.init = first(&lines, init_line).is_some();
     let devices: &[&str] = if has_net {
-        &["blk0", "blk1", "net0", "rng", "vsock0"]
+        &["blk0", "blk1", "net0", "rng", "vsock0", "console"]
     } else {
-        &["blk0", "blk1", "rng", "vsock0"]
+        &["blk0", "blk1", "rng", "vsock0", "console"]
     };
     let mut names: Vec<String> = [
         "blk0.requests",
@@ -1117,6 +1132,9 @@ fn first_boot(
         "rng.virtio.activations",
         "vsock0.virtio.activations",
         "vsock0.rst_received",
+        "console.bytes_read",
+        "fw_cfg.selects",
+        "fw_cfg.reads",
     ]
     .map(String::from)
     .to_vec();
@@ -1190,6 +1208,18 @@ fn first_boot(
             && c("vsock0.rst_received") > 0
             && msix_only("vsock0"),
     );
+    // Registering hvc0 replays the log from the start, so the file has the first line too.
+    let hvc = std::fs::read_to_string(&hvc_log).unwrap_or_default();
+    report.console = Status::from(
+        functions(VIRTIO_CONSOLE_ID) == 1
+            && first(&lines, "printk: console [hvc0] enabled").is_some()
+            && hvc.contains("Linux version")
+            && c("console.bytes_read") >= hvc.len() as u64
+            && msix_only("console"),
+    );
+    // qemu_fw_cfg logs nothing when it succeeds: it selected the signature, the ID and the
+    // directory (three selects) and read the directory's entries (76 bytes and more).
+    report.fw_cfg = Status::from(c("fw_cfg.selects") >= 3 && c("fw_cfg.reads") >= 76);
     report.netconsole_lines = netcon.lock().unwrap_or_else(|e| e.into_inner()).clone();
     if has_net {
         report.icmp_sent = u64::from(ICMP_COUNT);
@@ -1487,7 +1517,8 @@ mod tests {
         assert_eq!(
             r.line(),
             "linux-client: init=yes rootfs=ok disk2=fail net=skipped userspace=skipped \
-             virtiofs_root=fail vhost_user_blk=fail vsock=fail rng=fail seconds=131"
+             virtiofs_root=fail vhost_user_blk=fail vsock=fail rng=fail console=fail fw_cfg=fail \
+             seconds=131"
         );
         assert!(!r.passed(), "a failed GPT check fails the run");
         let r = Report {

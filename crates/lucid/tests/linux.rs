@@ -408,7 +408,12 @@ fn small_linux_on(rung: &str, iommu: Option<&str>) {
     assert_eq!(with_id("[1af4:1041]"), usize::from(has_net), "{why}");
     assert_eq!(with_id("[1af4:1044]"), 1, "virtio-rng; {why}");
     assert_eq!(with_id("[1af4:1053]"), 1, "virtio-vsock; {why}");
-    assert_eq!(functions.len(), 4 + usize::from(has_net), "{why}");
+    assert_eq!(with_id("[1af4:1043]"), 1, "virtio-console; {why}");
+    assert_eq!(functions.len(), 5 + usize::from(has_net), "{why}");
+    // virtio_console took the device as hvc0 and the kernel's log reached its file; qemu_fw_cfg
+    // read the signature, the ID and the file directory.
+    assert_eq!(report["console"], "ok", "{why}");
+    assert_eq!(report["fw_cfg"], "ok", "{why}");
     // hw_random registered virtio-rng and its fill thread read from it; virtio_vsock took the
     // device and its transport reset a host connection to a port nothing listens on.
     assert_eq!(report["rng"], "ok", "{why}");
@@ -438,9 +443,9 @@ fn small_linux_on(rung: &str, iommu: Option<&str>) {
         ("irqfd", "msi_signal")
     };
     let devices: &[&str] = if has_net {
-        &["blk0", "blk1", "net0", "rng", "vsock0"]
+        &["blk0", "blk1", "net0", "rng", "vsock0", "console"]
     } else {
-        &["blk0", "blk1", "rng", "vsock0"]
+        &["blk0", "blk1", "rng", "vsock0", "console"]
     };
     for dev in devices {
         assert!(
