@@ -337,6 +337,8 @@ fn vcpu(a: &mut Allowed) -> Result<(), BackendError> {
     // clone3 is listed so that the filter stacked before this one decides it: ENOSYS (which
     // beats allow, while trap would beat ENOSYS), and glibc falls back to clone.
     a.always(&[SYS_eventfd2, SYS_rseq, SYS_set_robust_list, SYS_clone3]);
+    // A vhost-user device's messages (DRIVER_OK, reset) carry descriptors.
+    a.always(&[SYS_sendmsg, SYS_recvmsg]);
     a.when(
         SYS_clone,
         vec![rule(vec![arg(
@@ -395,6 +397,8 @@ fn pool_placement(a: &mut Allowed) -> Result<(), BackendError> {
 fn main_thread(a: &mut Allowed) -> Result<(), BackendError> {
     use libc::*;
     a.always(&[SYS_pread64, SYS_rt_sigtimedwait, SYS_fsync, SYS_fdatasync]);
+    // Tearing a live vhost-user device down stops its back-end's rings.
+    a.always(&[SYS_sendmsg, SYS_recvmsg]);
     a.ioctls(&main_ioctls())
 }
 

@@ -12,7 +12,7 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
 use lucid::rest;
-use lucid_vmm::options::{BACKING, BALLOON, BLK, DEVICE, IOMMU, JAIL, NET, POOL, RNG, SERIAL};
+use lucid_vmm::options::{BACKING, BALLOON, BLK, DEVICE, FS, IOMMU, JAIL, NET, POOL, RNG, SERIAL};
 use lucid_vmm::{
     KernelSource, StopReason, Vm, VmConfig, EXIT_FAILURE, EXIT_USAGE, MAX_MEM_MIB, MAX_VCPUS,
     MIN_MEMORY_LIMIT_MIB, MIN_MEM_MIB,
@@ -107,6 +107,7 @@ const VM_FLAGS: &[&str] = &[
     "symbiotic",
     "api_socket",
     "jail",
+    "fs",
 ];
 
 #[derive(clap::Args)]
@@ -157,6 +158,8 @@ struct RunArgs {
     balloon: Option<String>,
     #[arg(long, value_name = "OPTS", num_args = 0..=1, default_missing_value = "", help = RNG.help())]
     rng: Option<String>,
+    #[arg(long = "fs", value_name = "OPTS", help = FS.help())]
+    fs: Vec<String>,
     #[arg(long = "device", value_name = "NAME", help = DEVICE.help())]
     device: Vec<String>,
     /// ACPI PCI hotplug and the ACPI power button (docs/api.md); a VM made through the REST
@@ -356,6 +359,9 @@ fn flags_config(args: &RunArgs) -> Result<VmConfig, CliError> {
         .map(lucid_vmm::parse_balloon)
         .transpose()?;
     config.devices.rng = args.rng.as_deref().map(lucid_vmm::parse_rng).transpose()?;
+    for f in &args.fs {
+        config.devices.pci.push(lucid_vmm::parse_fs(f)?);
+    }
     Ok(config)
 }
 
@@ -525,6 +531,7 @@ fn vm_flag_given(a: &RunArgs) -> Option<&'static str> {
         (a.iommu.is_some(), "--iommu"),
         (a.balloon.is_some(), "--balloon"),
         (a.rng.is_some(), "--rng"),
+        (!a.fs.is_empty(), "--fs"),
         (!a.device.is_empty(), "--device"),
         (a.hotplug, "--hotplug"),
         (a.memory_limit.is_some(), "--memory-limit"),

@@ -28,6 +28,7 @@ use lucid_stats::StatsRegistry;
 use lucid_thread::Spawner;
 use lucid_virtio::balloon::BalloonControl;
 use lucid_virtio::blk::BlockDataHook;
+use lucid_virtio::vhost_user::VhostUserKind;
 
 pub use pci::{AttachedPci, NewPciFunction, PciFunction, PciSlot};
 
@@ -50,15 +51,20 @@ pub const RNG: &str = "rng";
 /// `blkN` and `netN`, each kind numbered on its own, skipping numbers a named device took.
 pub fn virtio_names(pci: &[PciDeviceConfig]) -> Vec<String> {
     let taken: Vec<&str> = pci.iter().filter_map(|d| d.name.as_deref()).collect();
-    let (mut nblk, mut nnet) = (0, 0);
+    let (mut nblk, mut nnet, mut nfs) = (0, 0, 0);
     pci.iter()
         .map(|d| {
             if let Some(n) = &d.name {
                 return n.clone();
             }
-            let (prefix, next) = match d.kind {
+            let (prefix, next) = match &d.kind {
                 PciDeviceKind::Block(_) => ("blk", &mut nblk),
                 PciDeviceKind::Net(_) => ("net", &mut nnet),
+                PciDeviceKind::VhostUser(v) => match v.kind {
+                    VhostUserKind::Blk => ("blk", &mut nblk),
+                    VhostUserKind::Net { .. } => ("net", &mut nnet),
+                    VhostUserKind::Fs { .. } => ("fs", &mut nfs),
+                },
             };
             loop {
                 let name = format!("{prefix}{next}");
@@ -187,6 +193,13 @@ impl DeviceManager {
                 lucid_virtio::net::Net::new(name.to_string(), n.clone())
                     .map_err(|e| back_end(name.to_string(), e))?,
             ),
+            PciDeviceKind::VhostUser(v) => {
+                let stats = self.pci.as_ref().map(|b| b.stats().clone()).unwrap_or_else(StatsRegistry::new);
+                Box::new(
+                    lucid_virtio::vhost_user::VhostUser::new(name.to_string(), v.clone(), &stats)
+                        .map_err(|e| back_end(name.to_string(), e))?,
+                )
+            }
         };
         Ok(NewPciFunction::Virtio {
             device,
@@ -263,6 +276,11 @@ impl DeviceManager {
         let prefix = match kind {
             PciDeviceKind::Block(_) => "blk",
             PciDeviceKind::Net(_) => "net",
+            PciDeviceKind::VhostUser(v) => match v.kind {
+                VhostUserKind::Blk => "blk",
+                VhostUserKind::Net { .. } => "net",
+                VhostUserKind::Fs { .. } => "fs",
+            },
         };
         let taken: Vec<String> = self.pci_devices().into_iter().map(|a| a.name).collect();
         (0..)
