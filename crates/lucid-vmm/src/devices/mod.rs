@@ -238,6 +238,13 @@ impl DeviceManager {
                 "a swap cache (swapcache=) is set up at boot only",
             ));
         }
+        if matches!(d.kind, PciDeviceKind::VhostUser(_)) {
+            // A running VM's threads are confined: none may open a new connection.
+            return Err(VmmError::HotplugRefused(
+                name,
+                "a vhost-user device connects to its back-end at boot only",
+            ));
+        }
         let a = self.attach(&name, |slot| self.virtio_function(&name, d, slot, None))?;
         hp.plugged(a.slot.slot);
         Ok(a)
