@@ -168,7 +168,10 @@ impl VirtioInterrupt for VirtioPciInterrupt {
     }
 
     fn queue_irqfd(&self, queue: u16) -> Option<EventFd> {
-        let v = self.queue_vectors.get(queue as usize)?.load(Ordering::Acquire);
+        let v = self
+            .queue_vectors
+            .get(queue as usize)?
+            .load(Ordering::Acquire);
         if v == NO_VECTOR || !self.interrupts.msix_enabled() {
             return None;
         }

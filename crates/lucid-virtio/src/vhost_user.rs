@@ -278,7 +278,10 @@ impl VhostUser {
         // What Lucid's transport and queues do: split rings, no ACCESS_PLATFORM, no packed
         // rings, notification data or queue reset; the device's own bits (0..24) pass.
         let mut offered = backend_features
-            & (0xff_ffff | VIRTIO_RING_F_INDIRECT_DESC | VIRTIO_RING_F_EVENT_IDX | VIRTIO_F_VERSION_1);
+            & (0xff_ffff
+                | VIRTIO_RING_F_INDIRECT_DESC
+                | VIRTIO_RING_F_EVENT_IDX
+                | VIRTIO_F_VERSION_1);
         let config = match &cfg.kind {
             VhostUserKind::Blk => {
                 if !protocol.contains(VhostUserProtocolFeatures::CONFIG) {
@@ -369,10 +372,7 @@ impl VhostUser {
     }
 
     /// The setup DRIVER_OK asks for; returns the queues that need their calls relayed.
-    fn set_up(
-        &mut self,
-        ctx: &ActivateContext,
-    ) -> Result<Vec<(u16, EventFd)>, VhostUserError> {
+    fn set_up(&mut self, ctx: &ActivateContext) -> Result<Vec<(u16, EventFd)>, VhostUserError> {
         let name = self.name().to_string();
         if self.shared.dead.load(Ordering::Acquire) {
             return Err(VhostUserError::Dead { device: name });
@@ -472,7 +472,10 @@ impl VhostUser {
                 self.shared.counters.vrings_stopped.inc();
             } else {
                 self.shared.counters.errors.inc();
-                log::warn!("{}: queue {q}: the back-end did not stop its ring", self.name());
+                log::warn!(
+                    "{}: queue {q}: the back-end did not stop its ring",
+                    self.name()
+                );
             }
         }
     }

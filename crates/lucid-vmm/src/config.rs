@@ -567,8 +567,11 @@ pub mod options {
     );
     const SOCKET: OptKey = OptKey::new("socket", "PATH", "the vhost-user back-end's socket");
     const NUM_QUEUES: OptKey = OptKey::new("num_queues", "N", "vhost-user: queues (default 1)");
-    const QUEUE_SIZE: OptKey =
-        OptKey::new("queue_size", "N", "vhost-user: queue size, a power of 2 (default 128)");
+    const QUEUE_SIZE: OptKey = OptKey::new(
+        "queue_size",
+        "N",
+        "vhost-user: queue size, a power of 2 (default 128)",
+    );
 
     /// `--fs`.
     pub const FS: OptSpec = OptSpec {
@@ -1026,10 +1029,11 @@ fn vhost_user(
             return Err(spec.bad(key, v, "not with vhost_user=on (the back-end decides)"));
         }
     }
-    let socket = p
-        .get("socket")
-        .filter(|s| !s.is_empty())
-        .ok_or(spec.bad("socket", "", "the back-end's socket path"))?;
+    let socket = p.get("socket").filter(|s| !s.is_empty()).ok_or(spec.bad(
+        "socket",
+        "",
+        "the back-end's socket path",
+    ))?;
     let kind = kind();
     let net = matches!(kind, VhostUserKind::Net { .. });
     let num_queues = match (net, p.get("num_queues")) {
@@ -1052,7 +1056,11 @@ fn vhost_user(
     Ok(Some(d))
 }
 
-fn queue_count(spec: &OptSpec, p: &Parsed<'_>, key: &'static str) -> Result<u16, DeviceOptionError> {
+fn queue_count(
+    spec: &OptSpec,
+    p: &Parsed<'_>,
+    key: &'static str,
+) -> Result<u16, DeviceOptionError> {
     let max = lucid_virtio::vhost_user::MAX_QUEUES - 1;
     match p.get(key) {
         None => Ok(1),

@@ -158,7 +158,13 @@ fn blk_from_qemu_storage_daemon() {
         &be.socket,
         &format!("op=write pattern=seq bs=4096 qd=8 count={blocks} verify=1 seed=0x1234"),
     );
-    assert_eq!(o.status, Some(1), "(0 << 1) | 1: {}\n{}", o.stdout, o.stderr);
+    assert_eq!(
+        o.status,
+        Some(1),
+        "(0 << 1) | 1: {}\n{}",
+        o.stdout,
+        o.stderr
+    );
     assert_eq!(field(&o.stdout, "virtio-blk op=", "mismatches"), Some("0"));
     assert_eq!(
         field(&o.stdout, "virtio-blk op=", "ops"),
@@ -176,7 +182,11 @@ fn blk_from_qemu_storage_daemon() {
     assert_eq!(o.counter("vhost_user.blk0.calls_relayed"), 0);
     assert!(o.counter("blk0.irq.irqfd_shared") >= 1);
     drop(be);
-    assert_eq!(bad_sectors(&img, 0x1234), 0, "the host file holds the guest's data");
+    assert_eq!(
+        bad_sectors(&img, 0x1234),
+        0,
+        "the host file holds the guest's data"
+    );
 
     // The host writes, the guest reads and checks.
     let data: Vec<u8> = (0..(4u64 << 20) / 512)
@@ -188,7 +198,13 @@ fn blk_from_qemu_storage_daemon() {
         &be.socket,
         "op=read pattern=rand bs=4096 qd=32 count=2000 verify=1 seed=0x777",
     );
-    assert_eq!(o.status, Some(1), "(0 << 1) | 1: {}\n{}", o.stdout, o.stderr);
+    assert_eq!(
+        o.status,
+        Some(1),
+        "(0 << 1) | 1: {}\n{}",
+        o.stdout,
+        o.stderr
+    );
     assert_eq!(field(&o.stdout, "virtio-blk op=", "mismatches"), Some("0"));
     drop(be);
     std::fs::remove_file(img).unwrap();
@@ -250,7 +266,9 @@ fn fs_from_virtiofsd() {
     let dir = tmp("vu-fs-share");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let content: Vec<u8> = (0..3000u32).map(|i| (mix64(i.into()) & 0xff) as u8).collect();
+    let content: Vec<u8> = (0..3000u32)
+        .map(|i| (mix64(i.into()) & 0xff) as u8)
+        .collect();
     std::fs::write(dir.join("probe.bin"), &content).unwrap();
     let Some(be) = BackEnd::virtiofsd(&dir, "vu-fs") else {
         return;
@@ -269,7 +287,13 @@ fn fs_from_virtiofsd() {
         ],
         LIMIT,
     );
-    assert_eq!(o.status, Some(1), "(0 << 1) | 1: {}\n{}", o.stdout, o.stderr);
+    assert_eq!(
+        o.status,
+        Some(1),
+        "(0 << 1) | 1: {}\n{}",
+        o.stdout,
+        o.stderr
+    );
     assert_eq!(field(&o.stdout, "virtio-fs tag=", "tag"), Some("share"));
     assert_eq!(field(&o.stdout, "virtio-fs init", "major"), Some("7"));
     let fnv = content.iter().fold(0xcbf29ce484222325u64, |h, b| {
@@ -336,7 +360,10 @@ fn dead_back_end_is_reported_and_lucid_goes_on() {
             break;
         }
     }
-    assert!(out.contains("virtio-blk id="), "the guest never started: {out}");
+    assert!(
+        out.contains("virtio-blk id="),
+        "the guest never started: {out}"
+    );
     // Requests are flowing; then the back-end dies.
     std::thread::sleep(Duration::from_millis(500));
     be.kill();

@@ -194,7 +194,11 @@ impl DeviceManager {
                     .map_err(|e| back_end(name.to_string(), e))?,
             ),
             PciDeviceKind::VhostUser(v) => {
-                let stats = self.pci.as_ref().map(|b| b.stats().clone()).unwrap_or_else(StatsRegistry::new);
+                let stats = self
+                    .pci
+                    .as_ref()
+                    .map(|b| b.stats().clone())
+                    .unwrap_or_else(StatsRegistry::new);
                 Box::new(
                     lucid_virtio::vhost_user::VhostUser::new(name.to_string(), v.clone(), &stats)
                         .map_err(|e| back_end(name.to_string(), e))?,

@@ -565,7 +565,10 @@ fn fs(mut f: Obj, iommu: bool) -> Result<PciDeviceConfig, Refusal> {
         .str("tag")?
         .ok_or_else(|| Refusal(format!("{}: required", f.field("tag"))))?;
     if tag.contains(',') {
-        return refuse(format!("{}: Lucid cannot take a tag with a comma", f.field("tag")));
+        return refuse(format!(
+            "{}: Lucid cannot take a tag with a comma",
+            f.field("tag")
+        ));
     }
     let socket = socket_opt(&mut f, "socket")?;
     let mut opts = format!("tag={tag},socket={socket}{}", queue_opts(&mut f)?);
@@ -855,7 +858,10 @@ mod tests {
                 k => panic!("{k:?}"),
             })
             .collect();
-        assert_eq!(kinds[0], (VhostUserKind::Blk, "/run/qsd.sock".into(), 2, 256));
+        assert_eq!(
+            kinds[0],
+            (VhostUserKind::Blk, "/run/qsd.sock".into(), 2, 256)
+        );
         assert_eq!(c.devices.pci[0].name.as_deref(), Some("root"));
         let fs = VhostUserKind::Fs {
             tag: "share".into(),
