@@ -198,7 +198,7 @@ impl DeviceManager {
                     .pci
                     .as_ref()
                     .map(|b| b.stats().clone())
-                    .unwrap_or_else(StatsRegistry::new);
+                    .unwrap_or_default();
                 Box::new(
                     lucid_virtio::vhost_user::VhostUser::new(name.to_string(), v.clone(), &stats)
                         .map_err(|e| back_end(name.to_string(), e))?,

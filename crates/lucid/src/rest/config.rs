@@ -836,6 +836,7 @@ mod tests {
     #[test]
     fn maps_vhost_user() {
         use lucid_virtio::vhost_user::VhostUserKind;
+        use lucid_vmm::PciDeviceKind;
         let body = json!({
             "payload": {"kernel": "builtin:spin"},
             "memory": {"size": 128u64 << 20, "shared": true},
