@@ -1242,6 +1242,69 @@ mod tests {
     use lucid_virtio::net::NetBackend;
 
     #[test]
+    fn parses_vhost_user_devices() {
+        let PciDeviceKind::VhostUser(v) =
+            parse_blk("vhost_user=on,socket=/s,num_queues=2,queue_size=256")
+                .unwrap()
+                .kind
+        else {
+            panic!()
+        };
+        assert_eq!(
+            (v.kind, v.socket, v.num_queues, v.queue_size),
+            (VhostUserKind::Blk, "/s".into(), 2, 256)
+        );
+        for bad in [
+            "vhost_user=on",
+            "vhost_user=on,socket=/s,path=/x",
+            "vhost_user=on,socket=/s,queue_size=100",
+            "vhost_user=on,socket=/s,num_queues=0",
+            "path=/x,socket=/s",
+            "vhost_user=maybe,socket=/s",
+        ] {
+            assert!(parse_blk(bad).is_err(), "{bad}");
+        }
+        assert!(parse_blk("path=/x,vhost_user=off").is_ok());
+        let d = parse_fs("tag=share,socket=/v,id=root,num_queues=2").unwrap();
+        assert_eq!(d.name.as_deref(), Some("root"));
+        let PciDeviceKind::VhostUser(v) = d.kind else {
+            panic!()
+        };
+        assert_eq!(
+            v.queues(),
+            3,
+            "the high-priority queue and two request queues"
+        );
+        assert!(parse_fs("tag=,socket=/v").is_err());
+        assert!(parse_fs(&format!("tag={},socket=/v", "t".repeat(37))).is_err());
+        let PciDeviceKind::VhostUser(v) = parse_net("vhost_user=on,socket=/n", 1).unwrap().kind
+        else {
+            panic!()
+        };
+        assert_eq!(
+            v.kind,
+            VhostUserKind::Net {
+                mac: [0x52, 0x54, 0, 0x12, 0x34, 0x57]
+            }
+        );
+        assert_eq!(v.num_queues, 2);
+        assert!(parse_net("vhost_user=on,socket=/n,backend=echo", 0).is_err());
+        assert!(parse_net("vhost_user=on,socket=/n,num_queues=3", 0).is_err());
+        assert!(
+            parse_net("mac=52:54:00:12:34:56", 0).is_err(),
+            "backend= is required"
+        );
+
+        let mut c = VmConfig::new(KernelSource::File("/k".into()));
+        c.devices.pci.push(parse_fs("tag=t,socket=/v").unwrap());
+        assert_eq!(c.validate(), Err(ConfigError::VhostUserNotShared(0)));
+        c.machine.backing = Backing::SharedMemfd;
+        assert_eq!(c.validate(), Ok(()));
+        c.iommu = Some(parse_iommu("vtd").unwrap());
+        assert_eq!(c.validate(), Err(ConfigError::VhostUserIommu(0)));
+    }
+
+    #[test]
     fn rng_options() {
         assert_eq!(parse_rng("").unwrap(), RngConfig { rate: None });
         assert_eq!(parse_rng("rate=16384").unwrap().rate, Some(16384));
@@ -1523,9 +1586,10 @@ mod tests {
         let h = BLK.help();
         assert!(h.contains("path=FILE (also file): the disk image"), "{h}");
         assert!(h.contains("swapcache=MiB"), "{h}");
-        assert!(NET
-            .syntax()
-            .starts_with("backend=tap:IFNAME|echo|sink[,rate=MBIT]"));
+        let net = NET.syntax();
+        assert!(net.contains("backend=tap:IFNAME|echo|sink"), "{net}");
+        assert!(net.contains("[,rate=MBIT]"), "{net}");
+        assert!(net.contains("[,vhost_user=on|off]"), "{net}");
         assert_eq!(
             IOMMU.syntax(),
             "vtd[,mode=samecore|sidecore][,pin=all|map|deferred]"

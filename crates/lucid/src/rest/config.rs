@@ -867,11 +867,11 @@ mod tests {
         let fs = VhostUserKind::Fs {
             tag: "share".into(),
         };
-        assert_eq!(kinds[1], (fs, "/run/vfsd.sock".into(), 1, 1024));
+        assert_eq!(kinds[2], (fs, "/run/vfsd.sock".into(), 1, 1024));
         let net = VhostUserKind::Net {
             mac: [0x52, 0x54, 0, 0, 0, 1],
         };
-        assert_eq!(kinds[2], (net, "/run/net.sock".into(), 2, 128));
+        assert_eq!(kinds[1], (net, "/run/net.sock".into(), 2, 128));
         // Without shared memory the configuration is refused, saying how to fix it.
         let e = refusal(json!({
             "payload": {"kernel": "builtin:spin"},
