@@ -3,6 +3,7 @@
 //! virtio-fs share, and a back-end killed with `kill -9` while the guest uses it.
 
 mod common;
+mod rest_client;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -10,6 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{disk, field, lucid, tmp, Outcome};
+use serde_json::json;
 
 const LIMIT: Duration = Duration::from_secs(120);
 const QSD: &str = "/usr/bin/qemu-storage-daemon";
@@ -397,4 +399,48 @@ fn dead_back_end_is_reported_and_lucid_goes_on() {
     assert!(t0.elapsed() < LIMIT);
     drop(be);
     std::fs::remove_file(img).unwrap();
+}
+
+/// Cloud Hypervisor's API: `vm.create` with shared memory, `vm.add-fs` before boot (the
+/// virtiofsd share joins the configuration), `vm.boot`; the guest reads the file through it.
+#[test]
+fn fs_through_the_rest_api() {
+    let dir = tmp("vu-rest-share");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("hello.txt"), b"hello from the host\n").unwrap();
+    let Some(be) = BackEnd::virtiofsd(&dir, "vu-rest") else {
+        return;
+    };
+    let mut s = rest_client::Server::start("vu-rest");
+    let serial = tmp("vu-rest.serial");
+    let _ = std::fs::remove_file(&serial);
+    let config = json!({
+        "payload": {"kernel": "builtin:virtio-fs", "cmdline": "file=hello.txt"},
+        "memory": {"size": 64u64 << 20, "shared": true},
+        "serial": {"mode": "File", "file": serial},
+        "console": {"mode": "Off"},
+    });
+    assert_eq!(s.curl("PUT", "vm.create", Some(&config)).0, 204);
+    let fs = json!({"tag": "share", "socket": be.socket, "id": "share0"});
+    assert_eq!(s.curl("PUT", "vm.add-fs", Some(&fs)), (204, String::new()));
+    let info = s.json("GET", "vm.info");
+    assert_eq!(info["config"]["fs"][0]["tag"], "share", "{info}");
+    assert_eq!(s.curl("PUT", "vm.boot", None), (204, String::new()));
+    let read = || std::fs::read_to_string(&serial).unwrap_or_default();
+    assert!(
+        rest_client::eventually(|| read().contains("virtio-fs file=")),
+        "{}\n{}",
+        read(),
+        s.stderr()
+    );
+    assert!(
+        read().contains("virtio-fs file=hello.txt size=20 read=20"),
+        "{}",
+        read()
+    );
+    assert_eq!(s.curl("PUT", "vmm.shutdown", None).0, 200);
+    s.wait();
+    drop(be);
+    let _ = std::fs::remove_dir_all(&dir);
 }
