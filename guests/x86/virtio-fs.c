@@ -5,7 +5,10 @@
  *
  * Params: file=NAME (a file in the share's root to look up, open and read;
  * none: FUSE_INIT only), bytes=4096 (read at most this much of it, 1 to
- * 65536), timeout_ms=5000 (per request), dev=0 (which virtio-fs).
+ * 65536), timeout_ms=5000 (per request), dev=0 (which virtio-fs),
+ * rounds=1 (reset the device and do it all again this many times: the
+ * second and later rounds send no FUSE_INIT, the session being the
+ * back-end's, and print their lines with "round=N").
  *
  * Prints "virtio-fs tag=T request_queues=N" from the configuration space,
  * "virtio-fs init major=M minor=m max_write=W" from FUSE_INIT's reply, and
@@ -132,10 +135,13 @@ static long fuse(u32 opcode, u64 nodeid, const void *arg, u32 arg_len, u32 out_l
 	return o->len - sizeof(*o);
 }
 
+static int session(int round, const char *file, u64 bytes);
+
 int main(void)
 {
 	const char *file = param_str("file", "");
 	u64 bytes = param_u64("bytes", 4096);
+	u64 rounds = param_u64("rounds", 1);
 	u64 k = tsc_khz() ? tsc_khz() : 3000000;
 	timeout_tsc = param_u64("timeout_ms", 5000) * k;
 	if (!bytes || bytes > 65536) {
@@ -144,6 +150,22 @@ int main(void)
 	}
 	if (virtio_probe(&dev, VIRTIO_DEV_FS, param_u64("dev", 0)))
 		return 2;
+	req = dma_alloc(4096, 4096);
+	rsp = dma_alloc(65536 + 4096, 4096);
+	for (u64 r = 0; r < rounds; r++) {
+		int e = session(r, file, bytes);
+		if (e)
+			return e;
+	}
+	return 0;
+}
+
+/* Reset, negotiate, set up the queues, DRIVER_OK; FUSE_INIT in round 0; the
+ * file's lookup, open and read. 0, or the exit code. */
+static int session(int round, const char *file, u64 bytes)
+{
+	if (round)
+		printf("virtio-fs round=%d\n", round);
 	if (virtio_init(&dev, 0))
 		return 2;
 	if (dev.num_queues < 2 || !dev.devcfg || dev.devcfg_len < 40) {
@@ -158,22 +180,22 @@ int main(void)
 	if (virtio_setup_queue(&dev, 0, 64, 1) || virtio_setup_queue(&dev, 1, 64, 1))
 		return 2;
 	q = &dev.q[1];
-	req = dma_alloc(4096, 4096);
-	rsp = dma_alloc(65536 + 4096, 4096);
 	virtio_driver_ok(&dev);
 	if (virtio_status(&dev) & (VIRTIO_S_NEEDS_RESET | VIRTIO_S_FAILED)) {
 		printf("virtio-fs: device status %#x after DRIVER_OK\n", virtio_status(&dev));
 		return 2;
 	}
 
-	struct fuse_init_in init = { .major = 7, .minor = 31, .max_readahead = 0, .flags = 0 };
-	if (fuse(FUSE_INIT, 0, &init, sizeof(init), sizeof(struct fuse_init_out)) < 0)
-		return 1;
-	struct fuse_init_out *io = (void *)(rsp + sizeof(struct fuse_out_header));
-	printf("virtio-fs init major=%u minor=%u max_write=%u\n", io->major, io->minor,
-	       io->max_write);
-	if (io->major != 7)
-		return 1;
+	if (!round) {
+		struct fuse_init_in init = { .major = 7, .minor = 31 };
+		if (fuse(FUSE_INIT, 0, &init, sizeof(init), sizeof(struct fuse_init_out)) < 0)
+			return 1;
+		struct fuse_init_out *io = (void *)(rsp + sizeof(struct fuse_out_header));
+		printf("virtio-fs init major=%u minor=%u max_write=%u\n", io->major, io->minor,
+		       io->max_write);
+		if (io->major != 7)
+			return 1;
+	}
 	if (!file[0])
 		return 0;
 

@@ -262,7 +262,8 @@ fn vhost_user_needs_shared_memory_and_no_iommu() {
 }
 
 /// virtiofsd serves a directory: the probe guest negotiates, sets up its queues and speaks
-/// FUSE (INIT, LOOKUP, OPEN, READ) to it; the bytes it read are the file's.
+/// FUSE (INIT, LOOKUP, OPEN, READ) to it; the bytes it read are the file's. Then it resets the
+/// device and does it again.
 #[test]
 fn fs_from_virtiofsd() {
     let dir = tmp("vu-fs-share");
@@ -285,7 +286,7 @@ fn fs_from_virtiofsd() {
             "--fs",
             &format!("tag=share,socket={}", be.socket.display()),
             "--cmdline",
-            "file=probe.bin bytes=4096",
+            "file=probe.bin bytes=4096 rounds=2",
         ],
         LIMIT,
     );
@@ -301,18 +302,20 @@ fn fs_from_virtiofsd() {
     let fnv = content.iter().fold(0xcbf29ce484222325u64, |h, b| {
         (h ^ u64::from(*b)).wrapping_mul(0x100000001b3)
     });
-    let line = o
+    let lines: Vec<&str> = o
         .stdout
         .lines()
-        .find(|l| l.starts_with("virtio-fs file="))
-        .unwrap_or_else(|| panic!("no read: {}", o.stdout));
-    assert_eq!(
-        line,
-        format!("virtio-fs file=probe.bin size=3000 read=3000 fnv={fnv:x}")
-    );
-    // Both queues (high priority and requests) were handed over.
-    assert_eq!(o.counter("vhost_user.fs0.vrings_set_up"), 2);
-    assert_eq!(o.counter("vhost_user.fs0.mem_table_updates"), 1);
+        .filter(|l| l.starts_with("virtio-fs file="))
+        .collect();
+    let want = format!("virtio-fs file=probe.bin size=3000 read=3000 fnv={fnv:x}");
+    // The second round comes after the guest reset the device: the back-end's rings were
+    // stopped and set up again, memory table included.
+    assert_eq!(lines, [&want, &want], "{}", o.stdout);
+    // Both queues (high priority and requests) were handed over, twice.
+    assert_eq!(o.counter("vhost_user.fs0.activations"), 2);
+    assert_eq!(o.counter("vhost_user.fs0.vrings_set_up"), 4);
+    assert!(o.counter("vhost_user.fs0.vrings_stopped") >= 2);
+    assert_eq!(o.counter("vhost_user.fs0.mem_table_updates"), 2);
     assert_eq!(o.counter("fs0.notify.exit"), 0);
     drop(be);
     let _ = std::fs::remove_dir_all(&dir);
