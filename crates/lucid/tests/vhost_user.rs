@@ -447,3 +447,50 @@ fn fs_through_the_rest_api() {
     drop(be);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A "back-end" that answers the first message with garbage: Lucid refuses the device with an
+/// error naming the step, and does not hang.
+#[test]
+fn garbage_or_silent_back_end_is_refused() {
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixListener;
+    for (tag, garbage) in [("vu-garbage", true)] {
+        let socket = tmp(&format!("{tag}.sock"));
+        let _ = std::fs::remove_file(&socket);
+        let listener = UnixListener::bind(&socket).unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut c, _) = listener.accept().unwrap();
+            let mut hdr = [0u8; 12];
+            c.read_exact(&mut hdr).unwrap();
+            if garbage {
+                let junk: Vec<u8> = (0..64u64).map(|i| (mix64(i) & 0xff) as u8).collect();
+                let _ = c.write_all(&junk);
+            }
+            // Hold the connection until Lucid gives up on it.
+            let mut rest = Vec::new();
+            let _ = c.read_to_end(&mut rest);
+        });
+        let t0 = Instant::now();
+        let o = common::lucid_plain(
+            &[
+                "run",
+                "--guest",
+                "hello",
+                "--backing",
+                "memfd",
+                "--fs",
+                &format!("tag=t,socket={}", socket.display()),
+            ],
+            LIMIT,
+        );
+        assert_ne!(o.status, Some(0), "{tag}");
+        assert!(
+            o.stderr.contains("fs0: vhost-user GET_FEATURES failed"),
+            "{tag}: {}",
+            o.stderr
+        );
+        assert!(t0.elapsed() < Duration::from_secs(30), "{tag}");
+        server.join().unwrap();
+        let _ = std::fs::remove_file(&socket);
+    }
+}
