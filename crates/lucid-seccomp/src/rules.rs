@@ -305,6 +305,8 @@ fn backend(a: &mut Allowed) -> Result<(), BackendError> {
         SYS_recvfrom,
         // The Swap Mapper on a disk's worker: read-ahead of the blocks it maps.
         SYS_fadvise64,
+        // A vhost-user device's watcher ends a connection whose back-end stopped answering.
+        SYS_shutdown,
     ]);
     connected_send(a)?;
     // Its own affinity only (pid 0): a thread that starts in a VM with pools or `--low-noise`

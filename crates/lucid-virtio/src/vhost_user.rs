@@ -15,10 +15,12 @@
 //!   irqfd of the queue's MSI-X vector. So a request goes guest → KVM → back-end → KVM → guest
 //!   with no Lucid thread in between.
 //! - Reset: `SET_VRING_ENABLE 0` and `GET_VRING_BASE` per queue (the back-end stops the ring).
-//! - A watcher thread, `lucid-<name>-vu`, waits for the socket to close: a dead back-end is
-//!   logged, counted (`disconnects`), and the device asks the driver for a reset
-//!   (`DEVICE_NEEDS_RESET`); the VM goes on. It also relays calls when a queue has no irqfd
-//!   (rung L0, or INTx).
+//! - A watcher thread, `lucid-<name>-vu`, started with the device, waits for the socket to
+//!   close: a dead back-end is logged, counted (`disconnects`), and the device asks the driver
+//!   for a reset (`DEVICE_NEEDS_RESET`); the VM goes on. A back-end that leaves a message
+//!   unanswered for [`REPLY_TIMEOUT`] is treated the same (the watcher shuts the socket down,
+//!   which fails the waiting call: the vhost crate's reads retry timeouts forever). It also
+//!   relays calls when a queue has no irqfd (rung L0, or INTx).
 //!
 //! Guest RAM must be a shared memfd (`--backing memfd`): the back-end maps it. Behind a vIOMMU
 //! the back-end would need the IOTLB protocol, which Lucid does not speak: the configuration
@@ -31,13 +33,13 @@
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lucid_seccomp::Role;
 use lucid_stats::{Counter, StatsRegistry, ThreadRole};
-use lucid_thread::ThreadSpec;
+use lucid_thread::{Spawner, ThreadSpec};
 use vhost::vhost_user::message::VhostUserConfigFlags;
 use vhost::vhost_user::{
     Frontend, VhostUserFrontend, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
@@ -55,8 +57,8 @@ pub const MAX_QUEUES: u16 = 16;
 /// The largest queue size offered.
 pub const MAX_QUEUE_SIZE: u16 = 1024;
 /// How long a message may wait for the back-end's reply: a back-end that stops answering
-/// fails the request instead of holding the vCPU that sent it.
-const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
+/// fails the request instead of holding the thread that sent it (a vCPU, at DRIVER_OK).
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
 /// virtio-fs: the tag's bytes in the configuration space.
 pub const FS_TAG_LEN: usize = 36;
 /// virtio-fs's device type (virtio 1.2, 5.11).
@@ -188,9 +190,18 @@ struct Shared {
     counters: Counters,
     /// The driver's interrupt, to ask for a reset when the back-end dies.
     interrupt: Mutex<Option<Arc<dyn VirtioInterrupt>>>,
+    /// Calls the watcher relays (queues without an irqfd), for the current activation.
+    relayed: Mutex<Vec<(u16, EventFd)>>,
+    /// When the message in flight was sent, in ms since `epoch` (0: none in flight).
+    busy_since_ms: AtomicU64,
+    epoch: Instant,
 }
 
 impl Shared {
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64 + 1
+    }
+
     /// The back-end is gone: said once, counted once.
     fn died(&self) {
         if self.dead.swap(true, Ordering::AcqRel) {
@@ -227,6 +238,7 @@ pub struct VhostUser {
     config: Vec<u8>,
     /// Queues handed to the back-end by the last activation.
     active: Vec<u16>,
+    activated: bool,
     watcher: Option<lucid_thread::Background>,
 }
 
@@ -236,15 +248,46 @@ impl VhostUser {
         name: String,
         cfg: VhostUserConfig,
         stats: &StatsRegistry,
+        spawner: &Spawner,
     ) -> Result<Self, VhostUserError> {
-        let counters = Counters::new(&name, stats);
         let queues = cfg.queues();
         let sock = connect(&cfg.socket).map_err(|source| VhostUserError::Connect {
             device: name.clone(),
             socket: cfg.socket.clone(),
             source,
         })?;
+        let shared = Arc::new(Shared {
+            name: name.clone(),
+            dead: AtomicBool::new(false),
+            counters: Counters::new(&name, stats),
+            interrupt: Mutex::new(None),
+            relayed: Mutex::new(Vec::new()),
+            // Busy from the start: the negotiation below is messages too.
+            busy_since_ms: AtomicU64::new(1),
+            epoch: Instant::now(),
+        });
+        let socket = sock.as_raw_fd();
         let mut frontend = Frontend::from_stream(sock, u64::from(queues));
+        // Declared after `frontend`, so dropped (stopped) before the socket closes.
+        let watcher = {
+            let shared = shared.clone();
+            let spec =
+                ThreadSpec::new(format!("lucid-{name}-vu"), ThreadRole::Other, Role::Backend);
+            spawner
+                .spawn_background(spec, move |confined, stop| {
+                    if let Err(e) = confined {
+                        log::error!("{}: vhost-user watcher not started: {e}", shared.name);
+                        return;
+                    }
+                    watch(&shared, socket, stop);
+                })
+                .map_err(|e| VhostUserError::Connect {
+                    device: name.clone(),
+                    socket: cfg.socket.clone(),
+                    source: std::io::Error::other(e),
+                })?
+        };
+        let counters = &shared.counters;
         let msg = |step| {
             let device = name.clone();
             move |source| VhostUserError::Message {
@@ -329,6 +372,7 @@ impl VhostUser {
                 config
             }
         };
+        shared.busy_since_ms.store(0, Ordering::Release);
         counters.connected.set(1);
         log::info!(
             "{name}: vhost-user back-end at {} (features {backend_features:#x}, protocol \
@@ -339,12 +383,7 @@ impl VhostUser {
         );
         Ok(VhostUser {
             queue_sizes: vec![cfg.queue_size; queues as usize],
-            shared: Arc::new(Shared {
-                name,
-                dead: AtomicBool::new(false),
-                counters,
-                interrupt: Mutex::new(None),
-            }),
+            shared,
             cfg,
             frontend,
             backend_features,
@@ -352,7 +391,8 @@ impl VhostUser {
             offered,
             config,
             active: Vec::new(),
-            watcher: None,
+            activated: false,
+            watcher: Some(watcher),
         })
     }
 
@@ -369,6 +409,15 @@ impl VhostUser {
                 source,
             }
         }
+    }
+
+    /// Runs `f`, a message exchange, under the watcher's reply deadline.
+    fn guarded<T>(&mut self, f: impl FnOnce(&mut Self) -> T) -> T {
+        let now = self.shared.now_ms();
+        self.shared.busy_since_ms.store(now, Ordering::Release);
+        let out = f(self);
+        self.shared.busy_since_ms.store(0, Ordering::Release);
+        out
     }
 
     /// The setup DRIVER_OK asks for; returns the queues that need their calls relayed.
@@ -479,12 +528,6 @@ impl VhostUser {
             }
         }
     }
-
-    fn stop_watcher(&mut self) {
-        if let Some(mut w) = self.watcher.take() {
-            w.stop();
-        }
-    }
 }
 
 /// Dials `socket`, retrying briefly while the back-end starts listening.
@@ -506,46 +549,71 @@ fn connect(socket: &std::path::Path) -> std::io::Result<UnixStream> {
             Err(e) => return Err(e),
         }
     };
-    sock.set_read_timeout(Some(REPLY_TIMEOUT))?;
-    sock.set_write_timeout(Some(REPLY_TIMEOUT))?;
     Ok(sock)
 }
 
-/// The watcher's loop: waits for the socket to close, relays calls that have no irqfd.
-fn watch(
-    shared: &Shared,
-    socket: RawFd,
-    relayed: &[(u16, EventFd)],
-    irq: &Arc<dyn VirtioInterrupt>,
-    stop: &AtomicBool,
-) {
-    let mut fds: Vec<libc::pollfd> = std::iter::once(libc::pollfd {
-        fd: socket,
-        events: libc::POLLRDHUP,
-        revents: 0,
-    })
-    .chain(relayed.iter().map(|(_, call)| libc::pollfd {
-        fd: call.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    }))
-    .collect();
+/// The watcher's loop: waits for the socket to close, shuts it down when a reply is overdue,
+/// relays calls that have no irqfd.
+fn watch(shared: &Shared, socket: RawFd, stop: &AtomicBool) {
+    let lock = |m: &'_ Mutex<Vec<(u16, EventFd)>>| {
+        m.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(q, e)| (*q, e.as_raw_fd()))
+            .collect::<Vec<_>>()
+    };
+    let mut gone = false;
     while !stop.load(Ordering::Acquire) {
+        let relayed = lock(&shared.relayed);
+        let mut fds: Vec<libc::pollfd> = std::iter::once(libc::pollfd {
+            fd: socket,
+            events: if gone { 0 } else { libc::POLLRDHUP },
+            revents: 0,
+        })
+        .chain(relayed.iter().map(|&(_, fd)| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        }))
+        .collect();
         // SAFETY: `fds` is a valid array of `fds.len()` pollfd structures that outlives the
-        // call; the descriptors stay open while the watcher runs (the device joins it first).
+        // call; the socket stays open while the watcher runs (the device stops it before it
+        // closes the socket), and an eventfd closed meanwhile only makes poll report POLLNVAL.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 100) };
+        let since = shared.busy_since_ms.load(Ordering::Acquire);
+        if !gone && since != 0 && shared.now_ms() - since > REPLY_TIMEOUT.as_millis() as u64 {
+            log::error!(
+                "{}: the vhost-user back-end left a message unanswered for {:?}: Lucid closes \
+                 the connection",
+                shared.name,
+                REPLY_TIMEOUT
+            );
+            // SAFETY: shutdown(2) on a socket descriptor the device owns; the blocked reader
+            // then sees end-of-file.
+            unsafe { libc::shutdown(socket, libc::SHUT_RDWR) };
+        }
         if n <= 0 {
             continue;
         }
-        if fds[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+        if !gone && fds[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
             shared.died();
-            // Nothing more to watch on the socket; keep relaying nothing either.
-            return;
+            gone = true;
         }
-        for (pfd, (q, call)) in fds[1..].iter().zip(relayed) {
-            if pfd.revents & libc::POLLIN != 0 && call.read().is_ok() {
+        for (pfd, &(q, fd)) in fds[1..].iter().zip(&relayed) {
+            let mut v = 0u64;
+            // SAFETY: reads 8 bytes into `v` from an eventfd the device keeps open.
+            let read = pfd.revents & libc::POLLIN != 0
+                && unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) } == 8;
+            if read {
                 shared.counters.calls_relayed.inc();
-                irq.signal_queue(*q);
+                let irq = shared
+                    .interrupt
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                if let Some(irq) = irq {
+                    irq.signal_queue(q);
+                }
             }
         }
     }
@@ -599,7 +667,7 @@ impl VirtioDevice for VhostUser {
     }
 
     fn activate(&mut self, ctx: ActivateContext) -> Result<(), ActivateError> {
-        if self.watcher.is_some() || !self.active.is_empty() {
+        if self.activated {
             return Err(ActivateError::AlreadyActive {
                 device: self.name().to_string(),
             });
@@ -609,39 +677,32 @@ impl VirtioDevice for VhostUser {
             .interrupt
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = Some(ctx.interrupt.clone());
-        let relayed = match self.set_up(&ctx) {
-            Ok(r) => r,
+        match self.guarded(|d| d.set_up(&ctx)) {
+            Ok(relayed) => {
+                *self
+                    .shared
+                    .relayed
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = relayed;
+            }
             Err(e) => {
-                self.stop_vrings();
+                self.guarded(Self::stop_vrings);
                 return Err(ActivateError::VhostUser(Box::new(e)));
             }
-        };
-        let shared = self.shared.clone();
-        let socket = self.frontend.as_raw_fd();
-        let irq = ctx.interrupt.clone();
-        let spec = ThreadSpec::new(
-            format!("lucid-{}-vu", self.name()),
-            ThreadRole::Other,
-            Role::Backend,
-        );
-        let watcher = ctx
-            .spawner
-            .spawn_background(spec, move |confined, stop| {
-                if let Err(e) = confined {
-                    log::error!("{}: vhost-user watcher not started: {e}", shared.name);
-                    return;
-                }
-                watch(&shared, socket, &relayed, &irq, stop);
-            })
-            .map_err(ActivateError::Spawn)?;
-        self.watcher = Some(watcher);
+        }
+        self.activated = true;
         self.shared.counters.activations.inc();
         Ok(())
     }
 
     fn reset(&mut self) {
-        self.stop_watcher();
-        self.stop_vrings();
+        self.guarded(Self::stop_vrings);
+        self.shared
+            .relayed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        self.activated = false;
     }
 
     fn needs_reset(&self) -> bool {
@@ -651,7 +712,9 @@ impl VirtioDevice for VhostUser {
 
 impl Drop for VhostUser {
     fn drop(&mut self) {
-        // The socket closes with the device: the back-end sees the front-end leave.
-        self.stop_watcher();
+        // Before the socket closes with the device (the back-end sees the front-end leave).
+        if let Some(mut w) = self.watcher.take() {
+            w.stop();
+        }
     }
 }

@@ -448,13 +448,14 @@ fn fs_through_the_rest_api() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A "back-end" that answers the first message with garbage: Lucid refuses the device with an
-/// error naming the step, and does not hang.
+/// A "back-end" that answers the first message with garbage, and one that never answers:
+/// Lucid refuses the device with an error naming the step (the second within the reply
+/// timeout), and does not hang.
 #[test]
 fn garbage_or_silent_back_end_is_refused() {
     use std::io::{Read, Write};
     use std::os::unix::net::UnixListener;
-    for (tag, garbage) in [("vu-garbage", true)] {
+    for (tag, garbage) in [("vu-garbage", true), ("vu-silent", false)] {
         let socket = tmp(&format!("{tag}.sock"));
         let _ = std::fs::remove_file(&socket);
         let listener = UnixListener::bind(&socket).unwrap();

@@ -194,14 +194,17 @@ impl DeviceManager {
                     .map_err(|e| back_end(name.to_string(), e))?,
             ),
             PciDeviceKind::VhostUser(v) => {
-                let stats = self
-                    .pci
-                    .as_ref()
-                    .map(|b| b.stats().clone())
-                    .unwrap_or_default();
+                let bus = self.pci.as_ref().ok_or_else(|| {
+                    VmmError::HotplugRefused(name.to_string(), "no PCI bus for a vhost-user device")
+                })?;
                 Box::new(
-                    lucid_virtio::vhost_user::VhostUser::new(name.to_string(), v.clone(), &stats)
-                        .map_err(|e| back_end(name.to_string(), e))?,
+                    lucid_virtio::vhost_user::VhostUser::new(
+                        name.to_string(),
+                        v.clone(),
+                        bus.stats(),
+                        bus.spawner(),
+                    )
+                    .map_err(|e| back_end(name.to_string(), e))?,
                 )
             }
         };

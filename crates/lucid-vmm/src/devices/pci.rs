@@ -158,6 +158,10 @@ impl PciBus {
         &self.env.stats
     }
 
+    pub(crate) fn spawner(&self) -> &lucid_thread::Spawner {
+        &self.env.spawner
+    }
+
     pub(crate) fn router(&self) -> &Arc<GsiRouter> {
         &self.env.router
     }
