@@ -6,6 +6,7 @@
 use libfuzzer_sys::fuzz_target;
 use lucid_pci::Rung;
 use lucid_virtio::net::NetBackend;
+use lucid_virtio::vhost_user::VhostUserKind;
 use lucid_vmm::lucid_iommu::{EmulationMode, PinPolicy, VtdConfig};
 use lucid_vmm::{parse_blk, parse_device, parse_iommu, parse_net, PciDeviceConfig, PciDeviceKind};
 
@@ -49,6 +50,22 @@ fn unparse(d: &PciDeviceConfig) -> String {
                 "backend={backend},mac={:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x},{common}",
                 m[0], m[1], m[2], m[3], m[4], m[5]
             )
+        }
+        PciDeviceKind::VhostUser(v) => {
+            let mut o = format!(
+                "vhost_user=on,socket={},num_queues={},queue_size={},rung={}",
+                v.socket.display(),
+                v.num_queues,
+                v.queue_size,
+                rung(d.rung)
+            );
+            if let VhostUserKind::Net { mac: m } = v.kind {
+                o += &format!(
+                    ",mac={:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+                    m[0], m[1], m[2], m[3], m[4], m[5]
+                );
+            }
+            o
         }
     }
 }

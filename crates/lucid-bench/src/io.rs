@@ -668,6 +668,122 @@ pub(crate) fn make_disk(dir: &Path) -> Result<PathBuf, String> {
     Ok(disk)
 }
 
+const QSD: &str = "/usr/bin/qemu-storage-daemon";
+
+/// `qemu-storage-daemon` exporting `disk` as vhost-user-blk on a socket in `dir`; killed when
+/// dropped.
+struct Qsd {
+    child: std::process::Child,
+    socket: PathBuf,
+}
+
+impl Qsd {
+    fn start(dir: &Path, disk: &Path) -> Result<Qsd, String> {
+        let socket = dir.join("qsd.sock");
+        let _ = std::fs::remove_file(&socket);
+        let child = Command::new(QSD)
+            .arg("--blockdev")
+            .arg(format!(
+                "driver=file,node-name=f,filename={}",
+                disk.display()
+            ))
+            .arg("--export")
+            .arg(format!(
+                "type=vhost-user-blk,id=e,node-name=f,addr.type=unix,addr.path={},writable=on",
+                socket.display()
+            ))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| format!("{QSD}: {e}"))?;
+        let q = Qsd { child, socket };
+        let t0 = Instant::now();
+        while !q.socket.exists() {
+            if t0.elapsed().as_secs() > 10 {
+                return Err(format!("{QSD} made no socket"));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        Ok(q)
+    }
+}
+
+impl Drop for Qsd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+/// The random-read workloads (QD1, QD32) on rung L1 with Lucid's own virtio-blk and with
+/// `qemu-storage-daemon`'s vhost-user-blk on the same file, guest RAM a shared memfd for both:
+/// ops/s (medians of `args.runs`) and their ratio.
+fn vhost_user_blk(args: &IoArgs, dir: &Path, disk: &Path) -> Value {
+    let one = |w: &Workload, vhost_user: bool| -> Result<f64, String> {
+        let kernel = guest_path(w.guest, dir)?;
+        let r = &RUNGS[1];
+        let count = args.count * 2;
+        let mut c = VmConfig::new(KernelSource::File(kernel));
+        c.machine.backing = lucid_vmm::Backing::SharedMemfd;
+        let serial = dir.join("serial-vu.txt");
+        c.devices.serial = SerialOutput::File(serial.clone());
+        c.payload.cmdline = format!("{} mode={} count={count}", w.args, r.guest.arg());
+        let qsd = match vhost_user {
+            true => Some(Qsd::start(dir, disk)?),
+            false => None,
+        };
+        let device = match &qsd {
+            Some(q) => lucid_vmm::parse_blk(&format!(
+                "vhost_user=on,socket={},queue_size=256",
+                q.socket.display()
+            ))
+            .map_err(|e| e.to_string())?,
+            None => device_config(w, r, disk),
+        };
+        c.devices.pci.push(device);
+        let report = Vm::run(c).map_err(|e| lucid_vmm::error_chain(&e))?;
+        drop(qsd);
+        let out = std::fs::read_to_string(&serial).unwrap_or_default();
+        if report.stop != lucid_vmm::StopReason::DebugExit(0) {
+            return Err(format!(
+                "{}: {} — guest said: {out}",
+                w.name,
+                report.stop_text()
+            ));
+        }
+        Ok(GuestResult::parse(w, &out)
+            .ok_or(format!("no {} in: {out}", w.rate_key()))?
+            .ops_per_s)
+    };
+    if !Path::new(QSD).exists() {
+        return json!({ "error": format!("no {QSD}") });
+    }
+    let mut v = serde_json::Map::new();
+    for (key, w) in [("qd1", &WORKLOADS[0]), ("qd32", &WORKLOADS[1])] {
+        let median = |vu: bool| -> Result<f64, String> {
+            let mut s = (0..args.runs.max(1))
+                .map(|_| one(w, vu))
+                .collect::<Result<Vec<f64>, String>>()?;
+            lucid_stats::median(&mut s).ok_or("no sample".to_string())
+        };
+        let entry = match (median(false), median(true)) {
+            (Ok(b), Ok(u)) => json!({
+                "builtin_ops_per_s": b,
+                "vhost_user_ops_per_s": u,
+                "ratio": u / b,
+            }),
+            (Err(e), _) | (_, Err(e)) => json!({ "error": e }),
+        };
+        if !args.json {
+            log::info!("vhost-user-blk {key}: {entry}");
+        }
+        v.insert(key.into(), entry);
+    }
+    Value::Object(v)
+}
+
 pub fn run(args: IoArgs) -> Result<ExitCode, String> {
     let dir = std::env::temp_dir().join(format!("lucid-bench-io-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
@@ -706,6 +822,7 @@ pub fn run(args: IoArgs) -> Result<ExitCode, String> {
             native_ops_per_s: native(w, &disk)?,
         });
     }
+    let vhost_user = vhost_user_blk(&args, &dir, &disk);
     let _ = std::fs::remove_dir_all(&dir);
     if let Some(p) = &args.plot {
         std::fs::write(p, svg_plot(&results)).map_err(|e| format!("{}: {e}", p.display()))?;
@@ -715,7 +832,14 @@ pub fn run(args: IoArgs) -> Result<ExitCode, String> {
             .iter()
             .map(|r| (r.workload.name.to_string(), r.to_json()))
             .collect();
-        println!("{}", json!({ "count": args.count, "workloads": all }));
+        println!(
+            "{}",
+            json!({
+                "count": args.count,
+                "workloads": all,
+                "vhost_user_blk_over_builtin": vhost_user,
+            })
+        );
         return Ok(ExitCode::SUCCESS);
     }
     println!("lucid bench io (ops/s from inside the guest; exits and interrupts per I/O by difference of N and 2N runs)");
@@ -746,6 +870,9 @@ pub fn run(args: IoArgs) -> Result<ExitCode, String> {
             best / result.native_ops_per_s,
         );
     }
+    println!(
+        "vhost-user-blk (qemu-storage-daemon) over Lucid's virtio-blk, same file, L1: {vhost_user}"
+    );
     Ok(ExitCode::SUCCESS)
 }
 

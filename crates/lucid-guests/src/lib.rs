@@ -65,6 +65,7 @@ guests!(
     "virtio-rng",
     "fw-cfg",
     "virtio-console",
+    "virtio-fs",
 );
 
 /// Symbiotic modules (docs/symbiotic.md §7): ELF64 relocatable objects built with

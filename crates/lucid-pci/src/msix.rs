@@ -220,6 +220,7 @@ pub enum MsiPath {
 struct Counters {
     msi_signal: Arc<Counter>,
     irqfd: Arc<Counter>,
+    irqfd_shared: Arc<Counter>,
     masked_pending: Arc<Counter>,
     intx: Arc<Counter>,
     errors: Arc<Counter>,
@@ -285,6 +286,7 @@ impl Interrupts {
             counters: Counters {
                 msi_signal: c("msi_signal"),
                 irqfd: c("irqfd"),
+                irqfd_shared: c("irqfd_shared"),
                 masked_pending: c("masked_pending"),
                 intx: c("intx"),
                 errors: c("errors"),
@@ -327,6 +329,15 @@ impl Interrupts {
     /// The GSI behind `vector` on the irqfd path.
     pub fn gsi(&self, vector: u16) -> Option<u32> {
         self.irqfds.get(vector as usize).map(|(g, _)| *g)
+    }
+
+    /// A copy of `vector`'s irqfd (irqfd path only), for a writer outside the VMM: KVM routes it
+    /// to the vector's message, but does not hold it back while the vector is masked.
+    pub fn irqfd(&self, vector: u16) -> Option<EventFd> {
+        let (_, efd) = self.irqfds.get(vector as usize)?;
+        let efd = efd.try_clone().ok()?;
+        self.counters.irqfd_shared.inc();
+        Some(efd)
     }
 
     /// Raises `vector`: delivered now, or left pending while masked.

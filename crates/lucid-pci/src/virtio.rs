@@ -167,6 +167,17 @@ impl VirtioInterrupt for VirtioPciInterrupt {
         self.raise(v, 1);
     }
 
+    fn queue_irqfd(&self, queue: u16) -> Option<EventFd> {
+        let v = self
+            .queue_vectors
+            .get(queue as usize)?
+            .load(Ordering::Acquire);
+        if v == NO_VECTOR || !self.interrupts.msix_enabled() {
+            return None;
+        }
+        self.interrupts.irqfd(v)
+    }
+
     fn signal_config(&self) {
         self.config_generation.fetch_add(1, Ordering::AcqRel);
         // The config-change ISR bit is set whatever the interrupt mode (spec 4.1.4.5.1).

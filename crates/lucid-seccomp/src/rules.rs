@@ -305,6 +305,8 @@ fn backend(a: &mut Allowed) -> Result<(), BackendError> {
         SYS_recvfrom,
         // The Swap Mapper on a disk's worker: read-ahead of the blocks it maps.
         SYS_fadvise64,
+        // A vhost-user device's watcher ends a connection whose back-end stopped answering.
+        SYS_shutdown,
     ]);
     connected_send(a)?;
     // Its own affinity only (pid 0): a thread that starts in a VM with pools or `--low-noise`
@@ -337,6 +339,8 @@ fn vcpu(a: &mut Allowed) -> Result<(), BackendError> {
     // clone3 is listed so that the filter stacked before this one decides it: ENOSYS (which
     // beats allow, while trap would beat ENOSYS), and glibc falls back to clone.
     a.always(&[SYS_eventfd2, SYS_rseq, SYS_set_robust_list, SYS_clone3]);
+    // A vhost-user device's messages (DRIVER_OK, reset) carry descriptors.
+    a.always(&[SYS_sendmsg, SYS_recvmsg]);
     a.when(
         SYS_clone,
         vec![rule(vec![arg(
@@ -395,6 +399,8 @@ fn pool_placement(a: &mut Allowed) -> Result<(), BackendError> {
 fn main_thread(a: &mut Allowed) -> Result<(), BackendError> {
     use libc::*;
     a.always(&[SYS_pread64, SYS_rt_sigtimedwait, SYS_fsync, SYS_fdatasync]);
+    // Tearing a live vhost-user device down stops its back-end's rings.
+    a.always(&[SYS_sendmsg, SYS_recvmsg]);
     a.ioctls(&main_ioctls())
 }
 

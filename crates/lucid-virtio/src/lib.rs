@@ -43,6 +43,7 @@ pub mod blk;
 pub mod console;
 pub mod net;
 pub mod rng;
+pub mod vhost_user;
 mod worker;
 
 #[doc(hidden)]
@@ -95,6 +96,11 @@ pub trait VirtioInterrupt: Send + Sync {
     fn signal_queue(&self, queue: u16);
     /// The device's configuration changed.
     fn signal_config(&self);
+    /// An eventfd that raises queue `queue`'s interrupt without a VMM thread (the irqfd of its
+    /// MSI-X vector), for a back-end in another process; `None` when there is none.
+    fn queue_irqfd(&self, _queue: u16) -> Option<EventFd> {
+        None
+    }
 }
 
 /// Everything a device gets when the driver sets DRIVER_OK.
@@ -131,6 +137,8 @@ pub enum ActivateError {
     },
     #[error(transparent)]
     Spawn(#[from] lucid_thread::SpawnError),
+    #[error(transparent)]
+    VhostUser(Box<vhost_user::VhostUserError>),
 }
 
 /// A virtio device, transport-independent.

@@ -19,6 +19,7 @@ use lucid_virtio::blk::BlockConfig;
 use lucid_virtio::console::{ConsoleConfig, ConsoleOutput};
 use lucid_virtio::net::NetConfig;
 use lucid_virtio::rng::RngConfig;
+use lucid_virtio::vhost_user::{VhostUserConfig, VhostUserKind};
 use lucid_virtio::Coalescing;
 use serde::{Deserialize, Serialize};
 
@@ -30,6 +31,8 @@ use crate::pools::{MonitorTuning, PoolChoice};
 pub enum PciDeviceKind {
     Block(BlockConfig),
     Net(NetConfig),
+    /// A vhost-user device (blk, fs or net) whose back-end is another process.
+    VhostUser(VhostUserConfig),
 }
 
 /// One PCI device: what it is and its rung of the exit ladder.
@@ -358,6 +361,7 @@ impl VmConfig {
             }
         }
         self.check_swapcache()?;
+        self.check_vhost_user()?;
         if let Some(mib) = self.memory.limit_mib {
             if mib < MIN_MEMORY_LIMIT_MIB {
                 return Err(ConfigError::MemoryLimitTooSmall(mib));
@@ -382,6 +386,26 @@ impl VmConfig {
         }
         if let Some(j) = &self.jail {
             check_jail(j)?;
+        }
+        Ok(())
+    }
+
+    /// A vhost-user back-end maps guest RAM, so RAM must be a shared memfd; behind a vIOMMU it
+    /// would need the IOTLB protocol, which Lucid does not speak.
+    fn check_vhost_user(&self) -> Result<(), ConfigError> {
+        let Some(i) = self
+            .devices
+            .pci
+            .iter()
+            .position(|d| matches!(d.kind, PciDeviceKind::VhostUser(_)))
+        else {
+            return Ok(());
+        };
+        if self.machine.backing != Backing::SharedMemfd {
+            return Err(ConfigError::VhostUserNotShared(i));
+        }
+        if self.iommu.is_some() {
+            return Err(ConfigError::VhostUserIommu(i));
         }
         Ok(())
     }
@@ -507,6 +531,16 @@ pub enum ConfigError {
     JailRoot,
     #[error("--jail chroot={} is not a directory", .0.display())]
     JailChroot(PathBuf),
+    #[error(
+        "PCI device {0} is vhost-user: its back-end maps guest RAM, which must then be a \
+         shared memfd: add --backing memfd (REST: \"memory\": {{\"shared\": true}})"
+    )]
+    VhostUserNotShared(usize),
+    #[error(
+        "PCI device {0} is vhost-user, and a vhost-user back-end behind --iommu would need the \
+         IOTLB protocol, which Lucid does not speak: drop --iommu or the vhost-user device"
+    )]
+    VhostUserIommu(usize),
 }
 
 /// A sub-option string Lucid cannot use, saying which part and why.
@@ -534,13 +568,42 @@ pub mod options {
         "L4: µs the polling thread sleeps when its rings are idle (0 spins)",
     );
 
+    const VHOST_USER: OptKey = OptKey::new(
+        "vhost_user",
+        "on|off",
+        "served by a vhost-user back-end at socket= (needs --backing memfd)",
+    );
+    const SOCKET: OptKey = OptKey::new("socket", "PATH", "the vhost-user back-end's socket");
+    const NUM_QUEUES: OptKey = OptKey::new("num_queues", "N", "vhost-user: queues (default 1)");
+    const QUEUE_SIZE: OptKey = OptKey::new(
+        "queue_size",
+        "N",
+        "vhost-user: queue size, a power of 2 (default 128)",
+    );
+
+    /// `--fs`.
+    pub const FS: OptSpec = OptSpec {
+        flag: "--fs",
+        about: "A virtio-fs share served by a vhost-user back-end such as virtiofsd (repeatable; \
+                needs --backing memfd).",
+        head: None,
+        keys: &[
+            OptKey::new("tag", "TAG", "the tag the guest mounts, 1 to 36 bytes").required(),
+            OptKey::new("socket", "PATH", "virtiofsd's socket").required(),
+            OptKey::new("num_queues", "N", "request queues (default 1)"),
+            QUEUE_SIZE,
+            OptKey::new("id", "NAME", "the device's name (default fsN)"),
+        ],
+    };
+
     /// `--blk`.
     pub const BLK: OptSpec = OptSpec {
         flag: "--blk",
         about: "A virtio-blk disk on PCI (repeatable).",
         head: None,
         keys: &[
-            OptKey::new("path", "FILE", "the disk image").required().aliases(&["file"]),
+            OptKey::new("path", "FILE", "the disk image (required unless vhost_user=on)")
+                .aliases(&["file"]),
             OptKey::new("ro", "on|off", "read-only").aliases(&["readonly"]),
             OptKey::new("bs", "512|4096", "logical block size in bytes").aliases(&["block_size"]),
             OptKey::new("id", "STR", "serial number the guest reads, at most 20 bytes"),
@@ -558,6 +621,10 @@ pub mod options {
                 "symcall|spy",
                 "what the swap cache asks first whether a slot is live",
             ),
+            VHOST_USER,
+            SOCKET,
+            NUM_QUEUES,
+            QUEUE_SIZE,
         ],
     };
 
@@ -570,9 +637,9 @@ pub mod options {
             OptKey::new(
                 "backend",
                 "tap:IFNAME|echo|sink",
-                "a tap device, a loopback that echoes frames, or a sink that drops them",
-            )
-            .required(),
+                "a tap device, a loopback that echoes frames, or a sink that drops them \
+                 (required unless vhost_user=on)",
+            ),
             OptKey::new(
                 "rate",
                 "MBIT",
@@ -586,6 +653,10 @@ pub mod options {
             RUNG,
             COALESCE,
             POLL_US,
+            VHOST_USER,
+            SOCKET,
+            NUM_QUEUES,
+            QUEUE_SIZE,
         ],
     };
 
@@ -826,6 +897,9 @@ pub fn parse_device(s: &str) -> Result<PlatformPciDevice, DeviceOptionError> {
 pub fn parse_blk(s: &str) -> Result<PciDeviceConfig, DeviceOptionError> {
     let spec = &BLK;
     let p = spec.parse(s)?;
+    if let Some(d) = vhost_user(spec, &p, || VhostUserKind::Blk)? {
+        return Ok(d);
+    }
     let mut cfg = BlockConfig {
         path: PathBuf::new(),
         read_only: false,
@@ -915,6 +989,18 @@ pub fn parse_net(s: &str, index: usize) -> Result<PciDeviceConfig, DeviceOptionE
         0x34,
         0x56u8.wrapping_add(index as u8),
     ];
+    if let Some(v) = p.get("mac") {
+        mac = parse_mac(v)?;
+    }
+    if let Some(d) = vhost_user(spec, &p, || VhostUserKind::Net { mac })? {
+        if let Some(b) = p.get("backend") {
+            return Err(spec.bad("backend", b, "no backend= with vhost_user=on"));
+        }
+        return Ok(d);
+    }
+    if p.get("backend").is_none() {
+        return Err(spec.bad("backend", "", "tap:IFNAME, echo or sink"));
+    }
     let mut rate = None;
     for (k, v) in &p.pairs {
         let v = v.as_str();
@@ -956,6 +1042,121 @@ pub fn parse_net(s: &str, index: usize) -> Result<PciDeviceConfig, DeviceOptionE
         }
     }
     common(spec, &p, PciDeviceKind::Net(NetConfig { backend, mac }))
+}
+
+/// `vhost_user=on,socket=S[,num_queues=N,queue_size=M]` on a `--blk` or `--net`: the
+/// vhost-user device, or `None` without `vhost_user=on` (then none of its keys may be given).
+fn vhost_user(
+    spec: &OptSpec,
+    p: &Parsed<'_>,
+    kind: impl FnOnce() -> VhostUserKind,
+) -> Result<Option<PciDeviceConfig>, DeviceOptionError> {
+    let on = match p.get("vhost_user") {
+        Some(v) => parse_bool(v).ok_or(spec.bad("vhost_user", v, "on or off"))?,
+        None => false,
+    };
+    if !on {
+        for key in ["socket", "num_queues", "queue_size"] {
+            if let Some(v) = p.get(key) {
+                return Err(spec.bad(key, v, "given only with vhost_user=on"));
+            }
+        }
+        return Ok(None);
+    }
+    // The device's own data path options are the back-end's business.
+    for key in [
+        "path",
+        "ro",
+        "bs",
+        "id",
+        "cache",
+        "swapcache",
+        "liveness",
+        "coalesce",
+        "poll_us",
+    ] {
+        if let Some(v) = p.get(key) {
+            return Err(spec.bad(key, v, "not with vhost_user=on (the back-end decides)"));
+        }
+    }
+    let socket = p.get("socket").filter(|s| !s.is_empty()).ok_or(spec.bad(
+        "socket",
+        "",
+        "the back-end's socket path",
+    ))?;
+    let kind = kind();
+    let net = matches!(kind, VhostUserKind::Net { .. });
+    let num_queues = match (net, p.get("num_queues")) {
+        // One rx/tx pair.
+        (true, None) => 2,
+        (true, Some(v)) => v
+            .parse::<u16>()
+            .ok()
+            .filter(|n| n % 2 == 0 && (2..lucid_virtio::vhost_user::MAX_QUEUES).contains(n))
+            .ok_or(spec.bad("num_queues", v, "an even number of queues (rx/tx pairs)"))?,
+        (false, _) => queue_count(spec, p, "num_queues")?,
+    };
+    let cfg = VhostUserConfig {
+        kind,
+        socket: PathBuf::from(socket),
+        num_queues,
+        queue_size: queue_size(spec, p)?,
+    };
+    let d = common(spec, p, PciDeviceKind::VhostUser(cfg))?;
+    Ok(Some(d))
+}
+
+fn queue_count(
+    spec: &OptSpec,
+    p: &Parsed<'_>,
+    key: &'static str,
+) -> Result<u16, DeviceOptionError> {
+    let max = lucid_virtio::vhost_user::MAX_QUEUES - 1;
+    match p.get(key) {
+        None => Ok(1),
+        Some(v) => v
+            .parse::<u16>()
+            .ok()
+            .filter(|n| (1..=max).contains(n))
+            .ok_or(spec.bad(key, v, format!("1 to {max}"))),
+    }
+}
+
+fn queue_size(spec: &OptSpec, p: &Parsed<'_>) -> Result<u16, DeviceOptionError> {
+    let max = lucid_virtio::vhost_user::MAX_QUEUE_SIZE;
+    match p.get("queue_size") {
+        None => Ok(128),
+        Some(v) => v
+            .parse::<u16>()
+            .ok()
+            .filter(|n| n.is_power_of_two() && *n <= max)
+            .ok_or(spec.bad("queue_size", v, format!("a power of 2 up to {max}"))),
+    }
+}
+
+/// Parses `--fs` by [`FS`]: a virtio-fs device on a vhost-user back-end. Never panics,
+/// whatever the input.
+pub fn parse_fs(s: &str) -> Result<PciDeviceConfig, DeviceOptionError> {
+    let spec = &FS;
+    let p = spec.parse(s)?;
+    let tag = p.get("tag").unwrap_or_default();
+    if tag.is_empty() || tag.len() > lucid_virtio::vhost_user::FS_TAG_LEN {
+        return Err(spec.bad("tag", tag, "1 to 36 bytes"));
+    }
+    let socket = p.get("socket").unwrap_or_default();
+    if socket.is_empty() {
+        return Err(spec.bad("socket", socket, "virtiofsd's socket path"));
+    }
+    let mut d = PciDeviceConfig::new(PciDeviceKind::VhostUser(VhostUserConfig {
+        kind: VhostUserKind::Fs {
+            tag: tag.to_string(),
+        },
+        socket: PathBuf::from(socket),
+        num_queues: queue_count(spec, &p, "num_queues")?,
+        queue_size: queue_size(spec, &p)?,
+    }));
+    d.name = p.get("id").map(str::to_string);
+    Ok(d)
 }
 
 /// Parses `--balloon` by [`BALLOON`]. Never panics, whatever the input.
@@ -1089,6 +1290,69 @@ mod tests {
     use super::*;
     use lucid_pci::Rung;
     use lucid_virtio::net::NetBackend;
+
+    #[test]
+    fn parses_vhost_user_devices() {
+        let PciDeviceKind::VhostUser(v) =
+            parse_blk("vhost_user=on,socket=/s,num_queues=2,queue_size=256")
+                .unwrap()
+                .kind
+        else {
+            panic!()
+        };
+        assert_eq!(
+            (v.kind, v.socket, v.num_queues, v.queue_size),
+            (VhostUserKind::Blk, "/s".into(), 2, 256)
+        );
+        for bad in [
+            "vhost_user=on",
+            "vhost_user=on,socket=/s,path=/x",
+            "vhost_user=on,socket=/s,queue_size=100",
+            "vhost_user=on,socket=/s,num_queues=0",
+            "path=/x,socket=/s",
+            "vhost_user=maybe,socket=/s",
+        ] {
+            assert!(parse_blk(bad).is_err(), "{bad}");
+        }
+        assert!(parse_blk("path=/x,vhost_user=off").is_ok());
+        let d = parse_fs("tag=share,socket=/v,id=root,num_queues=2").unwrap();
+        assert_eq!(d.name.as_deref(), Some("root"));
+        let PciDeviceKind::VhostUser(v) = d.kind else {
+            panic!()
+        };
+        assert_eq!(
+            v.queues(),
+            3,
+            "the high-priority queue and two request queues"
+        );
+        assert!(parse_fs("tag=,socket=/v").is_err());
+        assert!(parse_fs(&format!("tag={},socket=/v", "t".repeat(37))).is_err());
+        let PciDeviceKind::VhostUser(v) = parse_net("vhost_user=on,socket=/n", 1).unwrap().kind
+        else {
+            panic!()
+        };
+        assert_eq!(
+            v.kind,
+            VhostUserKind::Net {
+                mac: [0x52, 0x54, 0, 0x12, 0x34, 0x57]
+            }
+        );
+        assert_eq!(v.num_queues, 2);
+        assert!(parse_net("vhost_user=on,socket=/n,backend=echo", 0).is_err());
+        assert!(parse_net("vhost_user=on,socket=/n,num_queues=3", 0).is_err());
+        assert!(
+            parse_net("mac=52:54:00:12:34:56", 0).is_err(),
+            "backend= is required"
+        );
+
+        let mut c = VmConfig::new(KernelSource::File("/k".into()));
+        c.devices.pci.push(parse_fs("tag=t,socket=/v").unwrap());
+        assert_eq!(c.validate(), Err(ConfigError::VhostUserNotShared(0)));
+        c.machine.backing = Backing::SharedMemfd;
+        assert_eq!(c.validate(), Ok(()));
+        c.iommu = Some(parse_iommu("vtd").unwrap());
+        assert_eq!(c.validate(), Err(ConfigError::VhostUserIommu(0)));
+    }
 
     #[test]
     fn rng_options() {
@@ -1372,9 +1636,10 @@ mod tests {
         let h = BLK.help();
         assert!(h.contains("path=FILE (also file): the disk image"), "{h}");
         assert!(h.contains("swapcache=MiB"), "{h}");
-        assert!(NET
-            .syntax()
-            .starts_with("backend=tap:IFNAME|echo|sink[,rate=MBIT]"));
+        let net = NET.syntax();
+        assert!(net.contains("backend=tap:IFNAME|echo|sink"), "{net}");
+        assert!(net.contains("[,rate=MBIT]"), "{net}");
+        assert!(net.contains("[,vhost_user=on|off]"), "{net}");
         assert_eq!(
             IOMMU.syntax(),
             "vtd[,mode=samecore|sidecore][,pin=all|map|deferred]"

@@ -45,7 +45,7 @@ fn allowed_paths(config: &VmConfig) -> Vec<Allow> {
                     false => Access::ReadWriteFile,
                 },
             }),
-            PciDeviceKind::Net(_) => None,
+            PciDeviceKind::Net(_) | PciDeviceKind::VhostUser(_) => None,
         })
         .collect();
     allow.push(Allow {

@@ -110,6 +110,37 @@ impl RunReport {
             .collect()
     }
 
+    /// Each vhost-user device's connection and set-up (`vhost_user.<dev>.*`).
+    fn vhost_user_lines(&self) -> Vec<String> {
+        self.counters
+            .keys()
+            .filter_map(|k| k.strip_prefix("vhost_user.")?.strip_suffix(".connected"))
+            .map(|dev| {
+                let c = |n: &str| {
+                    self.counters
+                        .get(&format!("vhost_user.{dev}.{n}"))
+                        .copied()
+                        .unwrap_or(0)
+                };
+                format!(
+                    "vhost-user {dev}: {}, {} disconnects, {} activations, {} memory table \
+                     updates, {} vrings set up, {} calls relayed, {} failed messages",
+                    if c("connected") == 1 {
+                        "connected"
+                    } else {
+                        "back-end gone"
+                    },
+                    c("disconnects"),
+                    c("activations"),
+                    c("mem_table_updates"),
+                    c("vrings_set_up"),
+                    c("calls_relayed"),
+                    c("errors")
+                )
+            })
+            .collect()
+    }
+
     /// What the edu device did, when there is one and a guest drove it.
     fn edu_line(&self) -> Option<String> {
         let c = |n: &str| self.counters.get(&format!("edu.{n}")).copied();
@@ -327,6 +358,9 @@ impl RunReport {
         .into_iter()
         .flatten()
         {
+            let _ = writeln!(s, "{line}");
+        }
+        for line in self.vhost_user_lines() {
             let _ = writeln!(s, "{line}");
         }
         let emulated = self.emulated_by_mnemonic();

@@ -13,7 +13,7 @@ use std::process::ExitCode;
 use clap::{CommandFactory, Parser, Subcommand};
 use lucid::rest;
 use lucid_vmm::options::{
-    BACKING, BALLOON, BLK, CONSOLE_VIRTIO, DEVICE, IOMMU, JAIL, NET, POOL, RNG, SERIAL,
+    BACKING, BALLOON, BLK, CONSOLE_VIRTIO, DEVICE, FS, IOMMU, JAIL, NET, POOL, RNG, SERIAL,
 };
 use lucid_vmm::{
     KernelSource, StopReason, Vm, VmConfig, EXIT_FAILURE, EXIT_USAGE, MAX_MEM_MIB, MAX_VCPUS,
@@ -116,6 +116,7 @@ const VM_FLAGS: &[&str] = &[
     "jail",
     "fw_cfg",
     "console_virtio",
+    "fs",
 ];
 
 #[derive(clap::Args)]
@@ -166,6 +167,8 @@ struct RunArgs {
     balloon: Option<String>,
     #[arg(long, value_name = "OPTS", num_args = 0..=1, default_missing_value = "", help = RNG.help())]
     rng: Option<String>,
+    #[arg(long = "fs", value_name = "OPTS", help = FS.help())]
+    fs: Vec<String>,
     #[arg(long = "device", value_name = "NAME", help = DEVICE.help())]
     device: Vec<String>,
     /// ACPI PCI hotplug and the ACPI power button (docs/api.md); a VM made through the REST
@@ -377,6 +380,9 @@ fn flags_config(args: &RunArgs) -> Result<VmConfig, CliError> {
         Some(s) => lucid_vmm::parse_console_virtio(s)?,
         None => None,
     };
+    for f in &args.fs {
+        config.devices.pci.push(lucid_vmm::parse_fs(f)?);
+    }
     Ok(config)
 }
 
@@ -546,6 +552,7 @@ fn vm_flag_given(a: &RunArgs) -> Option<&'static str> {
         (a.iommu.is_some(), "--iommu"),
         (a.balloon.is_some(), "--balloon"),
         (a.rng.is_some(), "--rng"),
+        (!a.fs.is_empty(), "--fs"),
         (!a.device.is_empty(), "--device"),
         (a.hotplug, "--hotplug"),
         (a.fw_cfg.is_some(), "--fw-cfg"),

@@ -198,13 +198,14 @@ const KATA_REFUSALS: &[Refused] = &[
               setting changes it",
     },
     Refused {
-        field: "fs",
+        field: "fs[0].pci_segment",
         change: |c| {
             remove(c, "/fs");
             set(c, "/memory/shared", json!(false));
         },
-        why: "Lucid has no virtio-fs. Kata: shared_fs = \"none\", which also sends \
-              memory.shared false; containers' rootfs must then be block devices \
+        why: "Lucid has one PCI segment and Kata puts virtio-fs on segment 1 (on segment 0 \
+              Lucid's virtio-fs serves it from virtiofsd). Kata: shared_fs = \"none\", which \
+              also sends memory.shared false; containers' rootfs must then be block devices \
               (devicemapper or blockfile snapshotter), the vm.add-disk below",
     },
     Refused {

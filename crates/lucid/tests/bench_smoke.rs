@@ -92,6 +92,13 @@ fn bench_io() {
             ],
         );
     }
+    // qemu-storage-daemon's vhost-user-blk beside Lucid's own, where Debian's daemon is here.
+    if std::path::Path::new("/usr/bin/qemu-storage-daemon").exists() {
+        assert_finite(
+            &j["vhost_user_blk_over_builtin"],
+            &[&["qd1", "ratio"], &["qd32", "ratio"]],
+        );
+    }
 }
 
 #[test]

@@ -29,6 +29,7 @@ use lucid_stats::StatsRegistry;
 use lucid_thread::Spawner;
 use lucid_virtio::balloon::BalloonControl;
 use lucid_virtio::blk::BlockDataHook;
+use lucid_virtio::vhost_user::VhostUserKind;
 
 pub use pci::{AttachedPci, NewPciFunction, PciFunction, PciSlot};
 
@@ -53,15 +54,20 @@ pub const CONSOLE: &str = "console";
 /// `blkN` and `netN`, each kind numbered on its own, skipping numbers a named device took.
 pub fn virtio_names(pci: &[PciDeviceConfig]) -> Vec<String> {
     let taken: Vec<&str> = pci.iter().filter_map(|d| d.name.as_deref()).collect();
-    let (mut nblk, mut nnet) = (0, 0);
+    let (mut nblk, mut nnet, mut nfs) = (0, 0, 0);
     pci.iter()
         .map(|d| {
             if let Some(n) = &d.name {
                 return n.clone();
             }
-            let (prefix, next) = match d.kind {
+            let (prefix, next) = match &d.kind {
                 PciDeviceKind::Block(_) => ("blk", &mut nblk),
                 PciDeviceKind::Net(_) => ("net", &mut nnet),
+                PciDeviceKind::VhostUser(v) => match v.kind {
+                    VhostUserKind::Blk => ("blk", &mut nblk),
+                    VhostUserKind::Net { .. } => ("net", &mut nnet),
+                    VhostUserKind::Fs { .. } => ("fs", &mut nfs),
+                },
             };
             loop {
                 let name = format!("{prefix}{next}");
@@ -199,6 +205,20 @@ impl DeviceManager {
                 lucid_virtio::net::Net::new(name.to_string(), n.clone())
                     .map_err(|e| back_end(name.to_string(), e))?,
             ),
+            PciDeviceKind::VhostUser(v) => {
+                let bus = self.pci.as_ref().ok_or_else(|| {
+                    VmmError::HotplugRefused(name.to_string(), "no PCI bus for a vhost-user device")
+                })?;
+                Box::new(
+                    lucid_virtio::vhost_user::VhostUser::new(
+                        name.to_string(),
+                        v.clone(),
+                        bus.stats(),
+                        bus.spawner(),
+                    )
+                    .map_err(|e| back_end(name.to_string(), e))?,
+                )
+            }
         };
         Ok(NewPciFunction::Virtio {
             device,
@@ -235,6 +255,13 @@ impl DeviceManager {
             return Err(VmmError::HotplugRefused(
                 name,
                 "a swap cache (swapcache=) is set up at boot only",
+            ));
+        }
+        if matches!(d.kind, PciDeviceKind::VhostUser(_)) {
+            // A running VM's threads are confined: none may open a new connection.
+            return Err(VmmError::HotplugRefused(
+                name,
+                "a vhost-user device connects to its back-end at boot only",
             ));
         }
         let a = self.attach(&name, |slot| self.virtio_function(&name, d, slot, None))?;
@@ -275,6 +302,11 @@ impl DeviceManager {
         let prefix = match kind {
             PciDeviceKind::Block(_) => "blk",
             PciDeviceKind::Net(_) => "net",
+            PciDeviceKind::VhostUser(v) => match v.kind {
+                VhostUserKind::Blk => "blk",
+                VhostUserKind::Net { .. } => "net",
+                VhostUserKind::Fs { .. } => "fs",
+            },
         };
         let taken: Vec<String> = self.pci_devices().into_iter().map(|a| a.name).collect();
         (0..)

@@ -154,6 +154,14 @@ impl PciBus {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    pub(crate) fn stats(&self) -> &Arc<StatsRegistry> {
+        &self.env.stats
+    }
+
+    pub(crate) fn spawner(&self) -> &lucid_thread::Spawner {
+        &self.env.spawner
+    }
+
     pub(crate) fn router(&self) -> &Arc<GsiRouter> {
         &self.env.router
     }

@@ -296,6 +296,9 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
         config.devices.pci.push(net(n, iommu, nets)?);
         nets += 1;
     }
+    for f in top.objs("fs")? {
+        config.devices.pci.push(fs(f, iommu)?);
+    }
 
     // Cloud Hypervisor's serial defaults to Null: output dropped.
     config.devices.serial = SerialOutput::File("/dev/null".into());
@@ -407,7 +410,6 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
     }
 
     top.finish(&[
-        ("fs", Value::Null),
         ("pmem", Value::Null),
         ("devices", Value::Null),
         ("user_devices", Value::Null),
@@ -447,6 +449,9 @@ fn device_iommu(d: &mut Obj, iommu: bool) -> Result<(), Refusal> {
 
 /// One `DiskConfig` (of `disks`, or the body of `vm.add-disk`), named by its `id`.
 fn disk(mut d: Obj, iommu: bool) -> Result<PciDeviceConfig, Refusal> {
+    if d.bool("vhost_user")? == Some(true) {
+        return vhost_user_disk(d, iommu);
+    }
     let path = d
         .str("path")?
         .ok_or_else(|| Refusal(format!("{}: required", d.field("path"))))?;
@@ -503,9 +508,125 @@ fn disk(mut d: Obj, iommu: bool) -> Result<PciDeviceConfig, Refusal> {
     Ok(blk)
 }
 
+/// `socket` (a JSON string at `field`) as a sub-option value: no comma.
+fn socket_opt(d: &mut Obj, key: &str) -> Result<String, Refusal> {
+    let socket = d
+        .str(key)?
+        .ok_or_else(|| Refusal(format!("{}: required", d.field(key))))?;
+    if socket.contains(',') {
+        return refuse(format!(
+            "{}: Lucid cannot take a path with a comma",
+            d.field(key)
+        ));
+    }
+    Ok(socket)
+}
+
+/// `num_queues` and `queue_size` of a vhost-user device, as sub-options.
+fn queue_opts(d: &mut Obj) -> Result<String, Refusal> {
+    let mut opts = String::new();
+    if let Some(n) = d.u64("num_queues")? {
+        opts += &format!(",num_queues={n}");
+    }
+    if let Some(n) = d.u64("queue_size")? {
+        opts += &format!(",queue_size={n}");
+    }
+    Ok(opts)
+}
+
+/// A `DiskConfig` with `vhost_user: true`: the disk is `vhost_socket`'s back-end's.
+fn vhost_user_disk(mut d: Obj, iommu: bool) -> Result<PciDeviceConfig, Refusal> {
+    if d.str("path")?.is_some() {
+        return refuse(format!(
+            "{}: a vhost-user disk's image is its back-end's: give vhost_socket only",
+            d.field("path")
+        ));
+    }
+    let socket = socket_opt(&mut d, "vhost_socket")?;
+    let opts = format!("vhost_user=on,socket={socket}{}", queue_opts(&mut d)?);
+    device_iommu(&mut d, iommu)?;
+    let id = d.str("id")?;
+    let at = d.at.clone();
+    d.finish(&[
+        ("readonly", json!(false)),
+        ("direct", json!(false)),
+        ("image_type", Value::Null),
+        ("serial", Value::Null),
+        ("rate_limiter_config", Value::Null),
+        ("rate_limit_group", Value::Null),
+        ("pci_segment", json!(0)),
+        ("queue_affinity", Value::Null),
+        ("backing_files", json!(false)),
+        ("sparse", json!(true)),
+        ("disable_io_uring", json!(false)),
+        ("disable_aio", json!(false)),
+    ])?;
+    let mut blk = lucid_vmm::parse_blk(&opts).map_err(opt_refusal(&at))?;
+    blk.name = id;
+    Ok(blk)
+}
+
+/// One `FsConfig` (of `fs`, or the body of `vm.add-fs`): virtio-fs on `socket`'s back-end.
+fn fs(mut f: Obj, iommu: bool) -> Result<PciDeviceConfig, Refusal> {
+    let tag = f
+        .str("tag")?
+        .ok_or_else(|| Refusal(format!("{}: required", f.field("tag"))))?;
+    if tag.contains(',') {
+        return refuse(format!(
+            "{}: Lucid cannot take a tag with a comma",
+            f.field("tag")
+        ));
+    }
+    let socket = socket_opt(&mut f, "socket")?;
+    let mut opts = format!("tag={tag},socket={socket}{}", queue_opts(&mut f)?);
+    if let Some(id) = f.str("id")? {
+        opts += &format!(",id={id}");
+    }
+    device_iommu(&mut f, iommu)?;
+    let at = f.at.clone();
+    f.finish(&[("pci_segment", json!(0))])?;
+    lucid_vmm::parse_fs(&opts).map_err(opt_refusal(&at))
+}
+
 /// One `NetConfig` (of `net`, or the body of `vm.add-net`), the VM's `index`th NIC, named by
 /// its `id`.
 fn net(mut n: Obj, iommu: bool, index: usize) -> Result<PciDeviceConfig, Refusal> {
+    if n.bool("vhost_user")? == Some(true) {
+        // Lucid dials the back-end's socket: Cloud Hypervisor's "Client" mode.
+        match n.str("vhost_mode")?.as_deref() {
+            None | Some("Client") => {}
+            Some(m) => {
+                return refuse(format!(
+                    "{}: Lucid connects to the back-end (Client), got {m:?}",
+                    n.field("vhost_mode")
+                ))
+            }
+        }
+        let socket = socket_opt(&mut n, "vhost_socket")?;
+        let mut opts = format!("vhost_user=on,socket={socket}{}", queue_opts(&mut n)?);
+        if let Some(mac) = n.str("mac")? {
+            opts += &format!(",mac={mac}");
+        }
+        device_iommu(&mut n, iommu)?;
+        let id = n.str("id")?;
+        let at = n.at.clone();
+        n.finish(&[
+            ("ip", json!("192.168.249.1")),
+            ("mask", json!("255.255.255.0")),
+            ("host_mac", Value::Null),
+            ("mtu", Value::Null),
+            ("tap", Value::Null),
+            ("fds", Value::Null),
+            ("rate_limiter_config", Value::Null),
+            ("pci_segment", json!(0)),
+            ("offload_tso", json!(true)),
+            ("offload_ufo", json!(true)),
+            ("offload_csum", json!(true)),
+        ])?;
+        let mut nic = lucid_vmm::parse_net(&opts, index).map_err(opt_refusal(&at))?;
+        nic.name = id;
+        return Ok(nic);
+    }
     let tap = n.str("tap")?.ok_or_else(|| {
         Refusal(format!(
             "{}: Lucid's net back-ends are a tap interface (tap) or, in the extension, \
@@ -553,6 +674,7 @@ pub fn hot_device(
     let d = Obj::new(String::new(), body)?;
     match what {
         "disk" => disk(d, iommu),
+        "fs" => fs(d, iommu),
         _ => net(d, iommu, nics),
     }
 }
@@ -737,6 +859,59 @@ mod tests {
             Some(ConsoleOutput::Socket("/tmp/s".into()))
         );
         assert_eq!(console(Value::Null), None);
+    }
+
+    #[test]
+    fn maps_vhost_user() {
+        use lucid_virtio::vhost_user::VhostUserKind;
+        use lucid_vmm::PciDeviceKind;
+        let body = json!({
+            "payload": {"kernel": "builtin:spin"},
+            "memory": {"size": 128u64 << 20, "shared": true},
+            "disks": [{"vhost_user": true, "vhost_socket": "/run/qsd.sock", "num_queues": 2,
+                       "queue_size": 256, "id": "root"}],
+            "fs": [{"tag": "share", "socket": "/run/vfsd.sock", "num_queues": 1,
+                    "queue_size": 1024}],
+            "net": [{"vhost_user": true, "vhost_socket": "/run/net.sock",
+                     "mac": "52:54:00:00:00:01"}],
+        });
+        let c = map(body).unwrap();
+        let kinds: Vec<_> = c
+            .devices
+            .pci
+            .iter()
+            .map(|d| match &d.kind {
+                PciDeviceKind::VhostUser(v) => {
+                    (v.kind.clone(), v.socket.clone(), v.num_queues, v.queue_size)
+                }
+                k => panic!("{k:?}"),
+            })
+            .collect();
+        assert_eq!(
+            kinds[0],
+            (VhostUserKind::Blk, "/run/qsd.sock".into(), 2, 256)
+        );
+        assert_eq!(c.devices.pci[0].name.as_deref(), Some("root"));
+        let fs = VhostUserKind::Fs {
+            tag: "share".into(),
+        };
+        assert_eq!(kinds[2], (fs, "/run/vfsd.sock".into(), 1, 1024));
+        let net = VhostUserKind::Net {
+            mac: [0x52, 0x54, 0, 0, 0, 1],
+        };
+        assert_eq!(kinds[1], (net, "/run/net.sock".into(), 2, 128));
+        // Without shared memory the configuration is refused, saying how to fix it.
+        let e = refusal(json!({
+            "payload": {"kernel": "builtin:spin"},
+            "fs": [{"tag": "share", "socket": "/s"}],
+        }));
+        assert!(e.contains("--backing memfd"), "{e}");
+        let e = refusal(json!({
+            "payload": {"kernel": "builtin:spin"},
+            "memory": {"size": 128u64 << 20, "shared": true},
+            "disks": [{"vhost_user": true, "vhost_socket": "/s", "path": "/x"}],
+        }));
+        assert!(e.contains("disks[0].path"), "{e}");
     }
 
     /// What Kata's Cloud Hypervisor driver always sends (clh.go, CreateVM): a flat CPU

@@ -116,7 +116,7 @@ fn rest_config(body: Value) -> Result<VmConfig, config::Refusal> {
 
 /// Removes the device `id` from a `vm.create` body's `disks` or `net`; whether it was there.
 fn remove_by_id(body: &mut Value, id: &str) -> bool {
-    for list in ["disks", "net"] {
+    for list in ["disks", "net", "fs"] {
         if let Some(a) = body[list].as_array_mut() {
             if let Some(i) = a.iter().position(|d| d["id"].as_str() == Some(id)) {
                 a.remove(i);
@@ -512,13 +512,13 @@ impl RestServer {
             "vm.delete" => self.method(r, "PUT", Self::delete),
             "vm.add-disk" => self.method(r, "PUT", |s, b| s.add_device("disk", b)),
             "vm.add-net" => self.method(r, "PUT", |s, b| s.add_device("net", b)),
+            "vm.add-fs" => self.method(r, "PUT", |s, b| s.add_device("fs", b)),
             "vm.remove-device" => self.method(r, "PUT", Self::remove_device),
             "vm.power-button" => self.method(r, "PUT", Self::power_button),
             "vm.reboot" => self.method(r, "PUT", Self::reboot),
             "vm.resize" => self.method(r, "PUT", Self::resize),
             lucid if lucid.starts_with("lucid.") => self.lucid(r, lucid),
             "vm.add-device"
-            | "vm.add-fs"
             | "vm.add-pmem"
             | "vm.add-vsock"
             | "vm.add-vdpa"
@@ -726,7 +726,11 @@ impl RestServer {
         let Some(m) = &mut self.vm else {
             return no_vm(&endpoint);
         };
-        let list = if what == "disk" { "disks" } else { "net" };
+        let list = match what {
+            "disk" => "disks",
+            "fs" => "fs",
+            _ => "net",
+        };
         let nics = m.body[list].as_array().map_or(0, Vec::len);
         let device = match config::hot_device(what, v.clone(), m.config.iommu.is_some(), nics) {
             Ok(d) => d,
