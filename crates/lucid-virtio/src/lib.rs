@@ -41,6 +41,7 @@ pub use virtio_queue;
 pub mod balloon;
 pub mod blk;
 pub mod net;
+pub mod rate;
 pub mod rng;
 mod worker;
 
