@@ -378,9 +378,10 @@ impl VirtioDevice for Block {
                 self.hook.clone()
             },
             cache: self.cache.clone(),
-            throttle: self.limits.as_ref().map(|l| {
-                Throttle::new(l.clone(), RateCounters::new(&ctx.stats, &self.name))
-            }),
+            throttle: self
+                .limits
+                .as_ref()
+                .map(|l| Throttle::new(l.clone(), RateCounters::new(&ctx.stats, &self.name))),
             id: self.cfg.id.as_bytes().to_vec(),
             bounce: Vec::new(),
             readable: Vec::new(),

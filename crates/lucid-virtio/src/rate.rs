@@ -156,8 +156,10 @@ impl TokenBucket {
     fn refill(&mut self, now: Instant) {
         let ns = now.saturating_duration_since(self.last).as_nanos();
         self.last = self.last.max(now);
-        // Past one refill time the bucket is full: no need to multiply more.
-        let add = ns.min(self.refill_ns) * u128::from(self.size);
+        // No more than it takes to fill the bucket (out of its debt too): no overflow.
+        let missing = (self.cap() - self.budget).max(0) as u128;
+        let size = u128::from(self.size);
+        let add = ns.min(missing.div_ceil(size)) * size;
         self.budget = (self.budget + add as i128).min(self.cap());
     }
 
@@ -357,7 +359,8 @@ impl RateCounters {
     pub fn show(&self, cfg: &RateLimiterConfig) {
         let b = cfg.bandwidth.unwrap_or_default();
         let o = cfg.ops.unwrap_or_default();
-        self.bw_bytes_per_s.set(cfg.bandwidth.map_or(0, |b| b.rate_per_s()));
+        self.bw_bytes_per_s
+            .set(cfg.bandwidth.map_or(0, |b| b.rate_per_s()));
         self.bw_size.set(b.size);
         self.ops_per_s.set(cfg.ops.map_or(0, |o| o.rate_per_s()));
         self.ops_size.set(o.size);
@@ -553,8 +556,14 @@ mod tests {
                 }
             }
             let ideal = (u128::from(size) * 10_000 / u128::from(refill_ms)) as u64;
-            assert!(taken <= ideal + size + req, "{size}/{refill_ms}: {taken} > {ideal}");
-            assert!(taken + 2 * req >= ideal, "{size}/{refill_ms}: {taken} < {ideal}");
+            assert!(
+                taken <= ideal + size + req,
+                "{size}/{refill_ms}: {taken} > {ideal}"
+            );
+            assert!(
+                taken + 2 * req >= ideal,
+                "{size}/{refill_ms}: {taken} < {ideal}"
+            );
         }
     }
 
@@ -616,7 +625,11 @@ mod tests {
         };
         ok.validate().unwrap();
         assert_eq!(ok.bandwidth.unwrap().rate_per_s(), 1 << 20);
-        for bad in [bucket(0, None, 1000), bucket(1, None, 0), bucket(1, None, 3_600_001)] {
+        for bad in [
+            bucket(0, None, 1000),
+            bucket(1, None, 0),
+            bucket(1, None, 3_600_001),
+        ] {
             let c = RateLimiterConfig {
                 bandwidth: None,
                 ops: Some(bad),

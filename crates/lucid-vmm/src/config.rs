@@ -17,6 +17,7 @@ use lucid_swap::SwapMode;
 use lucid_virtio::balloon::BalloonConfig;
 use lucid_virtio::blk::BlockConfig;
 use lucid_virtio::net::NetConfig;
+use lucid_virtio::rate::{RateLimiterConfig, TokenBucketConfig};
 use lucid_virtio::rng::RngConfig;
 use lucid_virtio::Coalescing;
 use serde::{Deserialize, Serialize};
@@ -55,6 +56,10 @@ pub struct PciDeviceConfig {
     /// (no exit per question); default SymCall first.
     #[serde(default)]
     pub swapcache_spy_first: bool,
+    /// `bw=`, `ops=` (Cloud Hypervisor's `rate_limiter_config`): the device's rate limiter,
+    /// changeable while the VM runs (`lucid.rate-limit`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limiter: Option<RateLimiterConfig>,
 }
 
 /// Whether `name` can name a device: it becomes a counter prefix (no `.`), a `vm.info` key
@@ -81,6 +86,7 @@ impl PciDeviceConfig {
             poll_idle_us: 0,
             swapcache_mib: 0,
             swapcache_spy_first: false,
+            rate_limiter: None,
         }
     }
 }
@@ -525,6 +531,26 @@ pub mod options {
         "N",
         "L4: µs the polling thread sleeps when its rings are idle (0 spins)",
     );
+    const BW: OptKey = OptKey::new(
+        "bw",
+        "BYTES_PER_S",
+        "rate limit: at most this many bytes a second, with a one-second bucket",
+    );
+    const BW_BURST: OptKey = OptKey::new(
+        "bw_burst",
+        "BYTES",
+        "rate limit: bytes given once on top of the bucket (with bw=)",
+    );
+    const OPS: OptKey = OptKey::new(
+        "ops",
+        "OPS_PER_S",
+        "rate limit: at most this many requests a second, with a one-second bucket",
+    );
+    const OPS_BURST: OptKey = OptKey::new(
+        "ops_burst",
+        "OPS",
+        "rate limit: requests given once on top of the bucket (with ops=)",
+    );
 
     /// `--blk`.
     pub const BLK: OptSpec = OptSpec {
@@ -550,6 +576,10 @@ pub mod options {
                 "symcall|spy",
                 "what the swap cache asks first whether a slot is live",
             ),
+            BW,
+            BW_BURST,
+            OPS,
+            OPS_BURST,
         ],
     };
 
@@ -578,6 +608,10 @@ pub mod options {
             RUNG,
             COALESCE,
             POLL_US,
+            BW,
+            BW_BURST,
+            OPS,
+            OPS_BURST,
         ],
     };
 
@@ -617,11 +651,17 @@ pub mod options {
         flag: "--rng",
         about: "A virtio-rng on PCI fed from the host's getrandom, after the balloon.",
         head: None,
-        keys: &[OptKey::new(
-            "rate",
-            "BYTES_PER_S",
-            "at most this many bytes a second, with a one-second burst (default unlimited)",
-        )],
+        keys: &[
+            OptKey::new(
+                "rate",
+                "BYTES_PER_S",
+                "at most this many bytes a second, with a one-second burst (default unlimited)",
+            ),
+            BW,
+            BW_BURST,
+            OPS,
+            OPS_BURST,
+        ],
     };
 
     /// `--iommu`.
@@ -948,7 +988,39 @@ pub fn parse_rng(s: &str) -> Result<RngConfig, DeviceOptionError> {
                 .ok_or(spec.bad("rate", v, format!("bytes per second, 1 to {max}")))?,
         );
     }
+    cfg.rate_limiter = rate_limits(spec, &p)?;
+    if let (Some(r), Some(_)) = (cfg.rate, cfg.rate_limiter) {
+        return Err(spec.bad("rate", &r.to_string(), "rate= or bw=/ops=, not both"));
+    }
     Ok(cfg)
+}
+
+/// The rate limiter of `bw=`, `bw_burst=`, `ops=`, `ops_burst=` (buckets of one second).
+fn rate_limits(
+    spec: &OptSpec,
+    p: &Parsed<'_>,
+) -> Result<Option<RateLimiterConfig>, DeviceOptionError> {
+    use lucid_virtio::rate::MAX_TOKENS;
+    let num = |key: &'static str, min: u64| -> Result<Option<u64>, DeviceOptionError> {
+        p.get(key)
+            .map(|v| {
+                v.parse::<u64>()
+                    .ok()
+                    .filter(|n| (min..=MAX_TOKENS).contains(n))
+                    .ok_or(spec.bad(key, v, format!("a number, {min} to 2^50")))
+            })
+            .transpose()
+    };
+    let bucket = |rate: &'static str, burst: &'static str| match (num(rate, 1)?, num(burst, 0)?) {
+        (Some(r), b) => Ok(Some(TokenBucketConfig::per_second(r, b))),
+        (None, Some(_)) => Err(spec.bad(burst, "", format!("given only with {rate}="))),
+        (None, None) => Ok(None),
+    };
+    let cfg = RateLimiterConfig {
+        bandwidth: bucket("bw", "bw_burst")?,
+        ops: bucket("ops", "ops_burst")?,
+    };
+    Ok((!cfg.is_unlimited()).then_some(cfg))
 }
 
 /// Parses `--iommu` by [`IOMMU`] (defaults: samecore, pin=all). Never panics, whatever the
@@ -1011,6 +1083,7 @@ fn common(
             .parse()
             .map_err(|_| spec.bad("poll_us", v, "a number of microseconds"))?;
     }
+    d.rate_limiter = rate_limits(spec, p)?;
     Ok(d)
 }
 
@@ -1042,7 +1115,7 @@ mod tests {
 
     #[test]
     fn rng_options() {
-        assert_eq!(parse_rng("").unwrap(), RngConfig { rate: None });
+        assert_eq!(parse_rng("").unwrap(), RngConfig::default());
         assert_eq!(parse_rng("rate=16384").unwrap().rate, Some(16384));
         for bad in [
             "rate=0",

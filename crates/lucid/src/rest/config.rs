@@ -5,7 +5,9 @@
 
 use std::path::PathBuf;
 
-use lucid_vmm::{KernelSource, PciDeviceConfig, SerialOutput, SwapMode, VmConfig};
+use lucid_vmm::{
+    KernelSource, PciDeviceConfig, RateLimiterConfig, SerialOutput, SwapMode, VmConfig,
+};
 use serde_json::{json, Map, Value};
 
 /// Why a `vm.create` body was refused: one message that names the field.
@@ -477,12 +479,12 @@ fn disk(mut d: Obj, iommu: bool) -> Result<PciDeviceConfig, Refusal> {
     device_iommu(&mut d, iommu)?;
     let id = d.str("id")?;
     let at = d.at.clone();
+    let limits = rate_limiter(&mut d)?;
     d.finish(&[
         ("num_queues", json!(1)),
         ("queue_size", json!(128)),
         ("vhost_user", json!(false)),
         ("vhost_socket", Value::Null),
-        ("rate_limiter_config", Value::Null),
         ("rate_limit_group", Value::Null),
         ("pci_segment", json!(0)),
         ("queue_affinity", Value::Null),
@@ -493,6 +495,7 @@ fn disk(mut d: Obj, iommu: bool) -> Result<PciDeviceConfig, Refusal> {
     ])?;
     let mut blk = lucid_vmm::parse_blk(&opts).map_err(opt_refusal(&at))?;
     blk.name = id;
+    blk.rate_limiter = limits;
     Ok(blk)
 }
 
@@ -513,6 +516,7 @@ fn net(mut n: Obj, iommu: bool, index: usize) -> Result<PciDeviceConfig, Refusal
     device_iommu(&mut n, iommu)?;
     let id = n.str("id")?;
     let at = n.at.clone();
+    let limits = rate_limiter(&mut n)?;
     n.finish(&[
         ("ip", json!("192.168.249.1")),
         ("mask", json!("255.255.255.0")),
@@ -524,7 +528,6 @@ fn net(mut n: Obj, iommu: bool, index: usize) -> Result<PciDeviceConfig, Refusal
         ("vhost_socket", Value::Null),
         ("vhost_mode", json!("Client")),
         ("fds", Value::Null),
-        ("rate_limiter_config", Value::Null),
         ("pci_segment", json!(0)),
         ("offload_tso", json!(true)),
         ("offload_ufo", json!(true)),
@@ -532,7 +535,27 @@ fn net(mut n: Obj, iommu: bool, index: usize) -> Result<PciDeviceConfig, Refusal
     ])?;
     let mut nic = lucid_vmm::parse_net(&opts, index).map_err(opt_refusal(&at))?;
     nic.name = id;
+    nic.rate_limiter = limits;
     Ok(nic)
+}
+
+/// A device's `rate_limiter_config` (Cloud Hypervisor's `RateLimiterConfig`), checked.
+fn rate_limiter(d: &mut Obj) -> Result<Option<RateLimiterConfig>, Refusal> {
+    let at = d.field("rate_limiter_config");
+    d.take("rate_limiter_config")
+        .map(|v| rate_limiter_config(&at, v))
+        .transpose()
+}
+
+/// `v` as a `RateLimiterConfig` (`at` names it in a refusal).
+pub fn rate_limiter_config(at: &str, v: Value) -> Result<RateLimiterConfig, Refusal> {
+    let cfg: RateLimiterConfig = serde_json::from_value(v).map_err(|e| {
+        Refusal(format!(
+            "{at}: {e} (bandwidth and ops, each {{size, one_time_burst, refill_time}})"
+        ))
+    })?;
+    cfg.validate().map_err(|e| Refusal(format!("{at}: {e}")))?;
+    Ok(cfg)
 }
 
 /// The body of `vm.add-disk` (`what` = "disk") or `vm.add-net` ("net") for a VM whose
