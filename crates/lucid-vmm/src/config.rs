@@ -1114,6 +1114,43 @@ mod tests {
     use lucid_virtio::net::NetBackend;
 
     #[test]
+    fn rate_limit_options() {
+        let d = parse_blk("path=/d,bw=1048576,ops=100,ops_burst=50").unwrap();
+        let rl = d.rate_limiter.expect("limits");
+        assert_eq!(
+            rl.bandwidth,
+            Some(TokenBucketConfig::per_second(1 << 20, None))
+        );
+        assert_eq!(rl.ops, Some(TokenBucketConfig::per_second(100, Some(50))));
+        let n = parse_net("backend=echo,bw=125000,bw_burst=0", 0).unwrap();
+        assert_eq!(
+            n.rate_limiter.and_then(|r| r.bandwidth).map(|b| b.size),
+            Some(125_000)
+        );
+        assert_eq!(parse_blk("path=/d").unwrap().rate_limiter, None);
+        let r = parse_rng("ops=10").unwrap();
+        assert_eq!(r.limits().ops.map(|o| o.rate_per_s()), Some(10));
+        assert_eq!(
+            parse_rng("rate=4096")
+                .unwrap()
+                .limits()
+                .bandwidth
+                .map(|b| b.size),
+            Some(4096)
+        );
+        for bad in [
+            "path=/d,bw=0",
+            "path=/d,bw=x",
+            "path=/d,ops=-1",
+            "path=/d,bw_burst=10",
+            "path=/d,ops=1,ops_burst=y",
+        ] {
+            assert!(parse_blk(bad).is_err(), "{bad}");
+        }
+        assert!(parse_rng("rate=1,bw=1").is_err());
+    }
+
+    #[test]
     fn rng_options() {
         assert_eq!(parse_rng("").unwrap(), RngConfig::default());
         assert_eq!(parse_rng("rate=16384").unwrap().rate, Some(16384));

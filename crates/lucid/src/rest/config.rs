@@ -734,6 +734,40 @@ mod tests {
         assert_eq!(c.devices.rng.and_then(|r| r.rate), Some(4096));
     }
 
+    #[test]
+    fn maps_rate_limiter_config() {
+        let body = |rl: Value| {
+            json!({"payload": {"kernel": "builtin:spin"},
+                   "disks": [{"path": "/tmp/r.img", "rate_limiter_config": rl}]})
+        };
+        let rl = json!({"bandwidth": {"size": 1000, "one_time_burst": 5, "refill_time": 100},
+                        "ops": {"size": 10, "refill_time": 1000}});
+        let c = map(body(rl)).unwrap();
+        let got = c.devices.pci[0].rate_limiter.expect("limits");
+        assert_eq!(got.bandwidth.map(|b| b.rate_per_s()), Some(10_000));
+        assert_eq!(got.bandwidth.and_then(|b| b.one_time_burst), Some(5));
+        assert_eq!(got.ops.map(|b| b.size), Some(10));
+        assert_eq!(
+            map(body(Value::Null)).unwrap().devices.pci[0].rate_limiter,
+            None
+        );
+        let e = refusal(body(json!({"ops": {"size": 0, "refill_time": 1}})));
+        assert!(e.starts_with("disks[0].rate_limiter_config: "), "{e}");
+        let e = refusal(body(json!({"bw": 1})));
+        assert!(e.starts_with("disks[0].rate_limiter_config: "), "{e}");
+        let net = hot_device(
+            "net",
+            json!({"tap": "t0", "rate_limiter_config": {"ops": {"size": 1, "refill_time": 1}}}),
+            false,
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            net.rate_limiter.and_then(|r| r.ops).map(|o| o.rate_per_s()),
+            Some(1000)
+        );
+    }
+
     /// What Kata's Cloud Hypervisor driver always sends (clh.go, CreateVM): a flat CPU
     /// topology, a platform object with its confidential-guest flags off, Raw disk images.
     #[test]
