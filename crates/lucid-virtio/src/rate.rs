@@ -19,7 +19,7 @@
 //! Counters, under `<dev>.rate_limited.`: `throttled_events` (spells of a request waiting for
 //! tokens), `throttled_ns` (their total length), `bytes_deferred` and `ops_deferred` (the
 //! requests that had to wait, counted once each), and the gauges of the limits in force:
-//! `bw_bytes_per_s`, `bw_size`, `ops_per_s`, `ops_size` (0: no limit).
+//! `bw_bytes_per_s`, `bw_capacity`, `ops_per_s`, `ops_capacity` (0: no limit).
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -336,9 +336,9 @@ pub(crate) struct RateCounters {
     bytes_deferred: Arc<Counter>,
     ops_deferred: Arc<Counter>,
     bw_bytes_per_s: Arc<Counter>,
-    bw_size: Arc<Counter>,
+    bw_capacity: Arc<Counter>,
     ops_per_s: Arc<Counter>,
-    ops_size: Arc<Counter>,
+    ops_capacity: Arc<Counter>,
 }
 
 impl RateCounters {
@@ -350,9 +350,9 @@ impl RateCounters {
             bytes_deferred: c("bytes_deferred"),
             ops_deferred: c("ops_deferred"),
             bw_bytes_per_s: c("bw_bytes_per_s"),
-            bw_size: c("bw_size"),
+            bw_capacity: c("bw_capacity"),
             ops_per_s: c("ops_per_s"),
-            ops_size: c("ops_size"),
+            ops_capacity: c("ops_capacity"),
         }
     }
 
@@ -361,9 +361,9 @@ impl RateCounters {
         let o = cfg.ops.unwrap_or_default();
         self.bw_bytes_per_s
             .set(cfg.bandwidth.map_or(0, |b| b.rate_per_s()));
-        self.bw_size.set(b.size);
+        self.bw_capacity.set(b.size);
         self.ops_per_s.set(cfg.ops.map_or(0, |o| o.rate_per_s()));
-        self.ops_size.set(o.size);
+        self.ops_capacity.set(o.size);
     }
 }
 
@@ -660,7 +660,7 @@ mod tests {
         t.on_change();
         assert!(t.admit(10));
         assert!(!t.holding());
-        assert_eq!(stats.counter("d.rate_limited.ops_size").get(), 0);
+        assert_eq!(stats.counter("d.rate_limited.ops_capacity").get(), 0);
         assert_eq!(stats.counter("d.rate_limited.ops_deferred").get(), 1);
     }
 }
