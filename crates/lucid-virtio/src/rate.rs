@@ -107,6 +107,29 @@ impl RateLimiterConfig {
     }
 }
 
+impl std::fmt::Display for RateLimiterConfig {
+    /// `unlimited`, or the rates and bucket sizes, e.g. `1048576 B/s (bucket 1048576), 100 ops/s
+    /// (bucket 100)`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.is_unlimited() {
+            return f.write_str("unlimited");
+        }
+        let parts = [("B/s", self.bandwidth), ("ops/s", self.ops)];
+        let mut sep = "";
+        for (unit, b) in parts {
+            if let Some(b) = b {
+                write!(f, "{sep}{} {unit} (bucket {}", b.rate_per_s(), b.size)?;
+                if let Some(x) = b.one_time_burst {
+                    write!(f, ", one-time burst {x}")?;
+                }
+                f.write_str(")")?;
+                sep = ", ";
+            }
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum RateError {
     #[error("rate limiter {what}: {why}")]
@@ -636,6 +659,11 @@ mod tests {
             };
             assert!(c.validate().is_err(), "{bad:?}");
         }
+        assert_eq!(
+            ok.to_string(),
+            "1048576 B/s (bucket 1048576), 100 ops/s (bucket 100, one-time burst 10)"
+        );
+        assert_eq!(RateLimiterConfig::default().to_string(), "unlimited");
         let json = r#"{"bandwidth": {"size": 1000, "refill_time": 100}, "ops": null}"#;
         let c: RateLimiterConfig = serde_json::from_str(json).unwrap();
         assert_eq!(c.bandwidth.unwrap().rate_per_s(), 10_000);

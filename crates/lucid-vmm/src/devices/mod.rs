@@ -182,6 +182,9 @@ impl DeviceManager {
     ) -> Result<NewPciFunction, VmmError> {
         let limits = RateControl::new(d.rate_limiter.unwrap_or_default())
             .map_err(|e| back_end(name.to_string(), e))?;
+        if let Some(l) = &d.rate_limiter {
+            log::info!("{name}: rate limit {l}");
+        }
         let device: Box<dyn lucid_virtio::VirtioDevice> = match &d.kind {
             PciDeviceKind::Block(b) => {
                 let mut blk = lucid_virtio::blk::Block::new(name.to_string(), b.clone())
@@ -342,12 +345,7 @@ impl DeviceManager {
                     options: lucid_pci::TransportOptions::default(),
                 })
             })?;
-            log::info!(
-                "{RNG}: PCI {}, rate {}",
-                a.slot.address(),
-                cfg.rate
-                    .map_or("unlimited".into(), |r| format!("{r} bytes/s"))
-            );
+            log::info!("{RNG}: PCI {}, rate {}", a.slot.address(), cfg.limits());
         }
         for d in &config.devices.platform_pci {
             match d {
@@ -380,9 +378,12 @@ impl DeviceManager {
         let control = limits
             .get(name)
             .ok_or_else(|| RateLimitError::NotLimited(name.to_string()))?;
+        let cfg = cfg.unwrap_or_default();
         control
-            .set(cfg.unwrap_or_default())
-            .map_err(|e| RateLimitError::Invalid(name.to_string(), e))
+            .set(cfg)
+            .map_err(|e| RateLimitError::Invalid(name.to_string(), e))?;
+        log::info!("{name}: rate limit now {cfg}");
+        Ok(())
     }
 
     /// The rate limits of device `name` now, if it has a limiter.
