@@ -96,11 +96,12 @@ fn vm(kernel: &str, cmdline: &str, serial: &Path) -> Value {
     })
 }
 
-/// Waits for the guest's result line (`prefix`) on the console; returns the console.
+/// Waits for the guest's whole result line (`prefix`) on the console; returns the console.
 fn result(s: &Server, serial: &Path, prefix: &str) -> String {
     let console = || std::fs::read_to_string(serial).unwrap_or_default();
+    let whole = |c: String| c.find(prefix).is_some_and(|at| c[at..].contains('\n'));
     assert!(
-        eventually(|| console().contains(prefix)),
+        eventually(|| whole(console())),
         "no {prefix:?} on the console: {}\n{}",
         console(),
         s.stderr()
