@@ -13,8 +13,8 @@
 //! The limits change while the device runs through its [`RateControl`] (the REST API's
 //! `lucid.rate-limit`): the control stores the new configuration, bumps a generation and
 //! writes an eventfd the worker watches; the worker takes the new buckets at its next look at
-//! the queues, carrying over the tokens it had (at most the new size), so a change takes
-//! effect at once and a lowered limit does not start with a fresh burst.
+//! the queues, carrying over the tokens it had (at most the new size) or its debt, so a change
+//! takes effect at once and a lowered limit does not start with a fresh burst.
 //!
 //! Counters, under `<dev>.rate_limited.`: `throttled_events` (spells of a request waiting for
 //! tokens), `throttled_ns` (their total length), `bytes_deferred` and `ops_deferred` (the
