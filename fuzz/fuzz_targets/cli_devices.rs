@@ -23,13 +23,23 @@ fn rung(r: Rung) -> &'static str {
 
 /// The option string the CLI documents for `d`.
 fn unparse(d: &PciDeviceConfig) -> String {
-    let common = format!(
+    let mut common = format!(
         "rung={},coalesce={}:{},poll_us={}",
         rung(d.rung),
         d.coalescing.max_completions,
         d.coalescing.max_delay_us,
         d.poll_idle_us
     );
+    // The flags give one-second buckets: their size is the rate.
+    let limits = d.rate_limiter.unwrap_or_default();
+    for (key, b) in [("bw", limits.bandwidth), ("ops", limits.ops)] {
+        if let Some(b) = b {
+            common += &format!(",{key}={}", b.size);
+            if let Some(burst) = b.one_time_burst {
+                common += &format!(",{key}_burst={burst}");
+            }
+        }
+    }
     match &d.kind {
         PciDeviceKind::Block(b) => format!(
             "path={},ro={},bs={},id={},{common}",

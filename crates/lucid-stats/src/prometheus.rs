@@ -70,6 +70,9 @@ pub const PREFIX: &str = "lucid_";
 /// Whether the registry value called `name` (dotted) is a gauge rather than a counter (the
 /// rule is in the module's documentation).
 pub fn is_gauge(name: &str) -> bool {
+    // A rate limiter's group (`blk0.rate_limited.`) names a device's state, not a rate: only
+    // the name under it tells.
+    let name = name.rsplit_once(".rate_limited.").map_or(name, |(_, n)| n);
     let under_stats = name.starts_with("stats.") || name.contains(".stats.");
     under_stats
         || GAUGE_NAMES.iter().any(|g| {
@@ -168,6 +171,8 @@ mod tests {
             "swap.host.memcg.rss",
             "memcg.swap",
             "swap.host.vmm_text_nonresident",
+            "blk0.rate_limited.bw_bytes_per_s",
+            "net0.rate_limited.ops_capacity",
         ] {
             assert!(is_gauge(g), "{g} is a gauge");
         }
@@ -186,6 +191,8 @@ mod tests {
             "swap.host.memcg.pgswap",
             "net0.sink.xwindow_ns",
             "blk0.notify.ioeventfd_failed",
+            "blk0.rate_limited.throttled_events",
+            "rng.rate_limited.bytes_deferred",
         ] {
             assert!(!is_gauge(c), "{c} is a counter");
         }

@@ -32,10 +32,13 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Instant;
+
+use crate::rate::{RateControl, RateCounters, Throttle};
 
 use crate::worker::{
     gather, scatter, split_off, Backend, DataError, Desc, Fault, Io, Region, Served, WorkerSlot,
@@ -189,6 +192,7 @@ pub struct Block {
     worker: WorkerSlot,
     hook: Option<Arc<dyn BlockDataHook>>,
     cache: Option<Arc<dyn BlockCache>>,
+    limits: Option<Arc<RateControl>>,
 }
 
 impl Block {
@@ -257,6 +261,7 @@ impl Block {
             worker: WorkerSlot::default(),
             hook: None,
             cache: None,
+            limits: None,
         };
         blk.config = blk.build_config();
         Ok(blk)
@@ -272,6 +277,13 @@ impl Block {
     /// sets it before the driver starts the device. With a cache the data hook is not used.
     pub fn set_cache(&mut self, cache: Arc<dyn BlockCache>) {
         self.cache = Some(cache);
+    }
+
+    /// Puts the device behind a rate limiter ([`crate::rate`]): each request takes one
+    /// operation and its data bytes (reads and writes). It applies from the next activation,
+    /// and then follows every change made through `limits`.
+    pub fn set_rate_control(&mut self, limits: Arc<RateControl>) {
+        self.limits = Some(limits);
     }
 
     /// The logical block size the device offers (512 or 4096).
@@ -366,6 +378,10 @@ impl VirtioDevice for Block {
                 self.hook.clone()
             },
             cache: self.cache.clone(),
+            throttle: self
+                .limits
+                .as_ref()
+                .map(|l| Throttle::new(l.clone(), RateCounters::new(&ctx.stats, &self.name))),
             id: self.cfg.id.as_bytes().to_vec(),
             bounce: Vec::new(),
             readable: Vec::new(),
@@ -404,6 +420,7 @@ struct BlkBackend {
     direct: bool,
     hook: Option<Arc<dyn BlockDataHook>>,
     cache: Option<Arc<dyn BlockCache>>,
+    throttle: Option<Throttle>,
     id: Vec<u8>,
     /// Bounce buffer storage; [`BlkBackend::bounce`] hands out a `BOUNCE_ALIGN`-aligned window.
     bounce: Vec<u8>,
@@ -451,6 +468,9 @@ enum ReqError {
     Flags(u32),
     #[error("request type {0} not supported")]
     Unsupported(u32),
+    /// Not an error: the rate limiter holds the request back.
+    #[error("the rate limiter holds the request")]
+    Deferred,
 }
 
 impl ReqError {
@@ -470,6 +490,20 @@ impl Backend for BlkBackend {
     fn process_queue(&mut self, io: &mut Io, qi: usize) -> bool {
         io.serve(qi, &mut |io, descs| self.handle(io, descs))
     }
+
+    fn wake_at(&self) -> Option<Instant> {
+        self.throttle.as_ref()?.wake_at()
+    }
+
+    fn limits_fd(&self) -> Option<RawFd> {
+        Some(self.throttle.as_ref()?.wake_fd())
+    }
+
+    fn on_limits(&mut self, _io: &mut Io) {
+        if let Some(t) = &mut self.throttle {
+            t.on_change();
+        }
+    }
 }
 
 impl BlkBackend {
@@ -485,6 +519,7 @@ impl BlkBackend {
         let status_addr = last.addr().0.wrapping_add(u64::from(last.len()) - 1);
         let (status, written) = match self.request(io, descs) {
             Ok(written) => (VIRTIO_BLK_S_OK, written),
+            Err(ReqError::Deferred) => return Served::Defer,
             Err(e) => {
                 io.c.errors.inc();
                 log::debug!("{}: request failed: {e}", io.name());
@@ -562,6 +597,16 @@ impl BlkBackend {
             in_len,
             out_len,
         };
+        if let Some(t) = &mut self.throttle {
+            let bytes = match rtype {
+                VIRTIO_BLK_T_IN => out_len,
+                VIRTIO_BLK_T_OUT => in_len,
+                _ => 0,
+            };
+            if !t.admit(bytes) {
+                return Err(ReqError::Deferred);
+            }
+        }
 
         match rtype {
             VIRTIO_BLK_T_IN => {

@@ -109,6 +109,7 @@ pub fn virtqueue(data: &[u8]) -> BTreeMap<String, u64> {
         5 => {
             let cfg = RngConfig {
                 rate: (flags & 8 != 0).then_some(4096),
+                ..RngConfig::default()
             };
             Box::new(Rng::new("rng".into(), cfg, &stats).expect("a valid rate"))
         }

@@ -42,6 +42,7 @@ pub mod balloon;
 pub mod blk;
 pub mod console;
 pub mod net;
+pub mod rate;
 pub mod rng;
 pub mod vhost_user;
 mod worker;

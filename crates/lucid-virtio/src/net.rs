@@ -38,6 +38,7 @@ use std::time::{Duration, Instant};
 use lucid_stats::{Counter, StatsRegistry};
 
 use crate::blk::read_config_bytes;
+use crate::rate::{RateControl, RateCounters, Throttle, TokenBucket, TokenBucketConfig};
 use crate::worker::{
     gather, scatter, split_off, Backend, DataError, Desc, Io, Pop, Region, Served, WorkerSlot,
 };
@@ -120,6 +121,7 @@ pub struct Net {
     cfg: NetConfig,
     tap: Option<Arc<File>>,
     config: [u8; 8],
+    limits: Option<Arc<RateControl>>,
     worker: WorkerSlot,
 }
 
@@ -195,8 +197,17 @@ impl Net {
             cfg,
             tap,
             config,
+            limits: None,
             worker: WorkerSlot::default(),
         })
+    }
+
+    /// Puts the NIC behind a rate limiter ([`crate::rate`]): tx and rx each have the buckets
+    /// `limits` describes (as Cloud Hypervisor's NICs do); a frame takes its length in bytes
+    /// (without the virtio header) and one operation. It applies from the next activation,
+    /// and then follows every change made through `limits`.
+    pub fn set_rate_control(&mut self, limits: Arc<RateControl>) {
+        self.limits = Some(limits);
     }
 }
 
@@ -245,7 +256,13 @@ impl VirtioDevice for Net {
                 c: SinkCounters::new(&ctx.stats, &self.name),
             }),
         };
+        let throttle = |l: &Arc<RateControl>| {
+            Throttle::new(l.clone(), RateCounters::new(&ctx.stats, &self.name))
+        };
         let backend = NetWorker {
+            tx_throttle: self.limits.as_ref().map(throttle),
+            rx_throttle: self.limits.as_ref().map(throttle),
+            rx_pending: None,
             kind,
             rx: pos(RX_QUEUE),
             tx: pos(TX_QUEUE),
@@ -342,19 +359,15 @@ impl SinkCounters {
     }
 }
 
-const NS_PER_S: i128 = 1_000_000_000;
-
-/// A deficit token bucket: tokens (in bytes × 10⁹, so that a nanosecond of refill at any rate is
-/// exact) grow at the rate up to [`SINK_BURST`]'s worth; a frame may go while the bucket is
-/// above zero and takes its whole length, possibly below zero, so frames of any size pass and
-/// the long-run rate is exact. Pure: the caller passes the time, so it is unit-tested without
+/// A paced sink's link: [`crate::rate`]'s token bucket holding [`SINK_BURST`] of the rate; a
+/// frame may go while the bucket holds a token and takes its whole length, possibly into debt,
+/// so frames of any size pass and the long-run rate is exact. It also records the most bytes
+/// moved in one window. Pure: the caller passes the time, so it is unit-tested without
 /// sleeping.
 #[derive(Debug, Clone)]
 pub struct Pacer {
     rate: u64,
-    tokens: i128,
-    cap: i128,
-    last: Instant,
+    bucket: TokenBucket,
     epoch: Instant,
     /// Since when chains have waited for tokens (None: not waiting).
     held_since: Option<Instant>,
@@ -364,15 +377,17 @@ pub struct Pacer {
 }
 
 impl Pacer {
-    /// A full bucket for `rate` bytes per second (> 0).
+    /// A full bucket for `rate` bytes per second (> 0; whole thousands are exact).
     pub fn new(rate: u64, now: Instant) -> Pacer {
-        let rate = rate.max(1);
-        let cap = i128::from(rate) * SINK_BURST.as_nanos() as i128;
+        let ms = SINK_BURST.as_millis() as u64;
+        let cfg = TokenBucketConfig {
+            size: (rate * ms / 1000).max(1),
+            one_time_burst: None,
+            refill_time: ms,
+        };
         Pacer {
-            rate,
-            tokens: cap,
-            cap,
-            last: now,
+            rate: rate.max(1),
+            bucket: TokenBucket::new(&cfg, now),
             epoch: now,
             held_since: None,
             window: 0,
@@ -388,36 +403,24 @@ impl Pacer {
 
     /// The bucket depth in bytes.
     pub fn burst_bytes(&self) -> u64 {
-        (self.cap / NS_PER_S) as u64
-    }
-
-    fn refill(&mut self, now: Instant) {
-        let ns = now.saturating_duration_since(self.last).as_nanos() as i128;
-        self.last = self.last.max(now);
-        self.tokens = (self.tokens + ns * i128::from(self.rate)).min(self.cap);
+        self.bucket.size()
     }
 
     /// Whether a frame may go at `now`.
     pub fn ready(&mut self, now: Instant) -> bool {
-        self.refill(now);
-        self.tokens > 0
+        self.bucket.ready(1, now)
     }
 
-    /// When the bucket is next above zero (now if it is).
+    /// When the bucket next holds a token (now if it does).
     pub fn ready_at(&self) -> Instant {
-        if self.tokens > 0 {
-            return self.last;
-        }
-        let need = (1 - self.tokens) as u128;
-        let ns = need.div_ceil(u128::from(self.rate));
-        self.last + Duration::from_nanos(ns.min(u128::from(u64::MAX)) as u64)
+        self.bucket.ready_at(1)
     }
 
     /// Takes `len` bytes for a frame sent at `now`; returns the nanoseconds it waited for tokens
     /// (since [`Pacer::hold`]), 0 if it did not.
     pub fn spend(&mut self, len: u64, now: Instant) -> u64 {
-        self.refill(now);
-        self.tokens -= i128::from(len) * NS_PER_S;
+        self.bucket.ready(0, now);
+        self.bucket.take(len);
         let w =
             (now.saturating_duration_since(self.epoch).as_nanos() / SINK_WINDOW.as_nanos()) as u64;
         if w != self.window {
@@ -448,6 +451,11 @@ impl Pacer {
 }
 
 struct NetWorker {
+    /// The rate limiter of each direction (with the same limits).
+    tx_throttle: Option<Throttle>,
+    rx_throttle: Option<Throttle>,
+    /// Tap: a frame read while rx was held by its limiter; it goes first.
+    rx_pending: Option<Vec<u8>>,
     kind: Kind,
     /// Positions of rx0 and tx0 in the worker's queue list, if the driver enabled them.
     rx: Option<usize>,
@@ -518,6 +526,7 @@ impl Backend for NetWorker {
         } else if Some(qi) == self.rx {
             match self.kind {
                 Kind::Echo if !self.echo.is_empty() => self.receive(io),
+                Kind::Tap(_) if self.rx_held() && !self.rx_waiting => self.receive(io),
                 Kind::Tap(_) if self.rx_waiting && io.has_avail(qi) => {
                     self.rx_waiting = false;
                     io.disable_notify(qi);
@@ -538,7 +547,7 @@ impl Backend for NetWorker {
     }
 
     fn extra_wanted(&self) -> bool {
-        self.rx.is_some() && !self.rx_waiting
+        self.rx.is_some() && !self.rx_waiting && !self.rx_held()
     }
 
     fn on_extra(&mut self, io: &mut Io) -> bool {
@@ -546,9 +555,25 @@ impl Backend for NetWorker {
     }
 
     fn wake_at(&self) -> Option<Instant> {
-        match &self.kind {
+        let pacer = match &self.kind {
             Kind::Sink(SinkState { pacer: Some(p), .. }) => p.wake_at(),
             _ => None,
+        };
+        let tx = self.tx_throttle.as_ref().and_then(Throttle::wake_at);
+        let rx = self.rx_throttle.as_ref().and_then(Throttle::wake_at);
+        [pacer, tx, rx].into_iter().flatten().min()
+    }
+
+    fn limits_fd(&self) -> Option<RawFd> {
+        self.tx_throttle.as_ref().map(Throttle::wake_fd)
+    }
+
+    fn on_limits(&mut self, _io: &mut Io) {
+        for t in [&mut self.tx_throttle, &mut self.rx_throttle]
+            .into_iter()
+            .flatten()
+        {
+            t.on_change();
         }
     }
 
@@ -568,6 +593,18 @@ impl Backend for NetWorker {
 }
 
 impl NetWorker {
+    /// Rx waits for its limiter's tokens.
+    fn rx_held(&self) -> bool {
+        self.rx_throttle.as_ref().is_some_and(Throttle::holding)
+    }
+
+    /// Whether rx may take a frame of `len` bytes now (else it waits for tokens).
+    fn rx_admit(&mut self, len: usize) -> bool {
+        self.rx_throttle
+            .as_mut()
+            .is_none_or(|t| t.admit(len as u64))
+    }
+
     fn paced(&self) -> bool {
         matches!(&self.kind, Kind::Sink(SinkState { pacer: Some(_), .. }))
     }
@@ -609,6 +646,10 @@ impl NetWorker {
                         io.fatal(f);
                         break 'outer;
                     }
+                    Served::Defer => {
+                        io.unpop(qi);
+                        break 'outer;
+                    }
                 }
             }
             io.end_batch(qi);
@@ -636,6 +677,11 @@ impl NetWorker {
         let len = (total - NET_HDR_LEN as u64) as usize;
         if len > MAX_FRAME {
             return self.tx_drop(io, ChainError::LongTx { len: len as u64 });
+        }
+        if let Some(t) = &mut self.tx_throttle {
+            if !t.admit(len as u64) {
+                return Served::Defer;
+            }
         }
         // The echo gathers straight into the buffer that waits for rx; the others into `frame`.
         let mut echoed = match self.kind {
@@ -721,6 +767,12 @@ impl NetWorker {
             }
             let outcome = match &self.kind {
                 Kind::Echo => {
+                    let Some(len) = self.echo.front().map(Vec::len) else {
+                        break;
+                    };
+                    if !self.rx_admit(len) {
+                        break;
+                    }
                     let Some(f) = self.echo.pop_front() else {
                         break;
                     };
@@ -732,7 +784,24 @@ impl NetWorker {
                     }
                     outcome
                 }
+                Kind::Tap(_) if self.rx_pending.is_some() => {
+                    let len = self.rx_pending.as_ref().map_or(0, Vec::len);
+                    if !self.rx_admit(len) {
+                        break;
+                    }
+                    let f = self.rx_pending.take().unwrap_or_default();
+                    let outcome = self.chain.deliver(io, rx, &f, &self.c);
+                    if let Delivery::NoBuffer = outcome {
+                        self.c.rx_dropped_no_buffers.inc();
+                    }
+                    outcome
+                }
                 Kind::Tap(t) => match (&**t).read(&mut self.frame) {
+                    Ok(n) if !self.rx_throttle.as_mut().is_none_or(|t| t.admit(n as u64)) => {
+                        // Read already: it waits beside the tap for the tokens.
+                        self.rx_pending = Some(self.frame[..n].to_vec());
+                        break;
+                    }
                     Ok(n) => {
                         let outcome = self.chain.deliver(io, rx, &self.frame[..n], &self.c);
                         if let Delivery::NoBuffer = outcome {
@@ -862,10 +931,11 @@ mod tests {
         assert_eq!(p.wake_at(), None, "nothing held yet");
         p.hold(t0);
         let at = p.wake_at().unwrap();
-        assert_eq!(at - t0, Duration::from_nanos(2_000_001));
+        // 2000 bytes of debt and one token, at 1000 bytes a millisecond.
+        assert_eq!(at - t0, Duration::from_micros(2001));
         assert!(!p.ready(at - Duration::from_nanos(2)));
         assert!(p.ready(at));
-        assert_eq!(p.spend(10, at), 2_000_001);
+        assert_eq!(p.spend(10, at), 2_001_000);
         assert_eq!(p.wake_at(), None);
         // Idle time refills only up to the bucket.
         let later = at + Duration::from_secs(5);

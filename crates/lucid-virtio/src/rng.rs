@@ -3,25 +3,29 @@
 //! kernel's CSPRNG, what `/dev/urandom` reads), written through the DMA path. No configuration
 //! space, no feature of its own.
 //!
-//! With a rate ([`RngConfig::rate`], bytes per second) the device serves buffers behind a token
-//! bucket ([`Bucket`]) that holds one second of the rate and starts full: a request takes as
-//! many tokens as it is filled with (a buffer larger than the bucket is filled with a bucket's
-//! worth: virtio-rng lets the device write less than the buffer). When the bucket cannot
-//! cover the next request, the request stays in the ring and the worker comes back when it can:
-//! nothing is lost, the guest waits.
+//! With a rate limiter ([`RngConfig::rate_limiter`], or [`RngConfig::rate`] bytes per second
+//! with a one-second bucket) the device serves buffers behind [`crate::rate`]'s buckets: a
+//! request takes as many byte tokens as it is filled with (a buffer larger than the bytes
+//! bucket is filled with a bucket's worth: virtio-rng lets the device write less than the
+//! buffer) and one operation. When the buckets cannot cover the next request, the request
+//! stays in the ring and the worker comes back when they can: nothing is lost, the guest waits.
 //!
 //! A chain with no device-writable descriptor is completed with length 0 and counted in
 //! `errors`; a buffer the DMA path refuses likewise (what was written before it is reported).
 //!
 //! Counters, under `<name>.`: the worker's (`requests`, `bytes_written`: the random bytes
-//! given, `kicks`, `irqs`, `errors`, ...), `throttled_ns` (time requests waited for tokens),
-//! `throttled` (times the bucket ran dry with a request waiting), `getrandom_errors`, and the
-//! gauge `rate_bytes_per_s` (0: unlimited).
+//! given, `kicks`, `irqs`, `errors`, ...), `getrandom_errors`, and the limiter's
+//! `rate_limited.*` ([`crate::rate`]).
 
+use std::os::fd::RawFd;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use lucid_stats::{Counter, StatsRegistry};
+
+use crate::rate::{
+    RateControl, RateCounters, RateError, RateLimiterConfig, Throttle, TokenBucketConfig,
+};
 
 use crate::worker::{scatter, split_off, Backend, DataError, Desc, Io, Pop, Region, WorkerSlot};
 use crate::{device_type, features, ActivateContext, ActivateError, VirtioDevice};
@@ -31,8 +35,6 @@ pub const QUEUE_SIZE: u16 = 256;
 pub const MAX_RATE: u64 = 1 << 30;
 /// Most bytes put in one request: a larger buffer is filled this far.
 pub const MAX_REQUEST: u64 = 1 << 20;
-/// The bucket's depth: this long of the rate may be taken at once after an idle spell.
-pub const BURST: Duration = Duration::from_secs(1);
 /// Bytes drawn from `getrandom` at a time.
 const CHUNK: usize = 4096;
 
@@ -40,68 +42,21 @@ const CHUNK: usize = 4096;
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RngConfig {
-    /// Bytes per second, with a one-second burst; none: as fast as the guest asks.
+    /// Bytes per second, with a one-second bucket; none: as fast as the guest asks (or as
+    /// `rate_limiter` says).
     pub rate: Option<u64>,
+    /// Cloud Hypervisor's rate limiter; takes the place of `rate`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rate_limiter: Option<RateLimiterConfig>,
 }
 
-const NS_PER_S: u128 = 1_000_000_000;
-
-/// A token bucket of bytes: tokens (bytes × 10⁹, so that a nanosecond of refill at any rate is
-/// exact) grow at the rate up to [`BURST`]'s worth, and a request takes what it is filled with.
-/// Pure: the caller passes the time.
-#[derive(Debug, Clone)]
-pub struct Bucket {
-    rate: u64,
-    tokens: u128,
-    cap: u128,
-    last: Instant,
-}
-
-impl Bucket {
-    /// A full bucket for `rate` bytes per second (at least 1).
-    pub fn new(rate: u64, now: Instant) -> Bucket {
-        let rate = rate.max(1);
-        let cap = u128::from(rate) * BURST.as_nanos();
-        Bucket {
-            rate,
-            tokens: cap,
-            cap,
-            last: now,
-        }
-    }
-
-    pub fn rate(&self) -> u64 {
-        self.rate
-    }
-
-    /// The most one request may take: the bucket's depth in bytes.
-    pub fn burst_bytes(&self) -> u64 {
-        (self.cap / NS_PER_S) as u64
-    }
-
-    fn refill(&mut self, now: Instant) {
-        let ns = now.saturating_duration_since(self.last).as_nanos();
-        self.last = self.last.max(now);
-        self.tokens = (self.tokens + ns * u128::from(self.rate)).min(self.cap);
-    }
-
-    /// Takes `bytes` (at most [`Bucket::burst_bytes`]) at `now` if the bucket holds them.
-    pub fn take(&mut self, bytes: u64, now: Instant) -> bool {
-        self.refill(now);
-        let need = u128::from(bytes) * NS_PER_S;
-        if self.tokens < need {
-            return false;
-        }
-        self.tokens -= need;
-        true
-    }
-
-    /// When the bucket will hold `bytes` (at most [`Bucket::burst_bytes`]).
-    pub fn ready_at(&self, bytes: u64) -> Instant {
-        let need = (u128::from(bytes) * NS_PER_S).min(self.cap);
-        let missing = need.saturating_sub(self.tokens);
-        let ns = missing.div_ceil(u128::from(self.rate));
-        self.last + Duration::from_nanos(ns.min(u128::from(u64::MAX)) as u64)
+impl RngConfig {
+    /// The limits the device starts with: `rate_limiter`, else `rate` as a bytes bucket.
+    pub fn limits(&self) -> RateLimiterConfig {
+        self.rate_limiter.unwrap_or(RateLimiterConfig {
+            bandwidth: self.rate.map(|r| TokenBucketConfig::per_second(r, None)),
+            ops: None,
+        })
     }
 }
 
@@ -109,14 +64,14 @@ impl Bucket {
 pub enum RngError {
     #[error("rng rate {0} bytes/s: give 1-{MAX_RATE}")]
     Rate(u64),
+    #[error(transparent)]
+    Limits(#[from] RateError),
 }
 
 #[derive(Clone)]
 struct Counters {
-    throttled_ns: Arc<Counter>,
-    throttled: Arc<Counter>,
     getrandom_errors: Arc<Counter>,
-    rate: Arc<Counter>,
+    rate: RateCounters,
 }
 
 /// A virtio-rng device.
@@ -125,6 +80,7 @@ pub struct Rng {
     cfg: RngConfig,
     queue_sizes: [u16; 1],
     c: Counters,
+    limits: Arc<RateControl>,
     worker: WorkerSlot,
 }
 
@@ -135,25 +91,29 @@ impl Rng {
                 return Err(RngError::Rate(r));
             }
         }
-        let c = |n: &str| stats.counter(format!("{name}.{n}"));
+        let limits = RateControl::new(cfg.limits())?;
         let c = Counters {
-            throttled_ns: c("throttled_ns"),
-            throttled: c("throttled"),
-            getrandom_errors: c("getrandom_errors"),
-            rate: c("rate_bytes_per_s"),
+            getrandom_errors: stats.counter(format!("{name}.getrandom_errors")),
+            rate: RateCounters::new(stats, &name),
         };
-        c.rate.set(cfg.rate.unwrap_or(0));
+        c.rate.show(&limits.get());
         Ok(Rng {
             name,
             cfg,
             queue_sizes: [QUEUE_SIZE],
             c,
+            limits,
             worker: WorkerSlot::default(),
         })
     }
 
     pub fn config(&self) -> &RngConfig {
         &self.cfg
+    }
+
+    /// The handle that changes the device's limits while it runs.
+    pub fn rate_control(&self) -> Arc<RateControl> {
+        self.limits.clone()
     }
 }
 
@@ -191,9 +151,7 @@ impl VirtioDevice for Rng {
             });
         }
         let backend = RngBackend {
-            bucket: self.cfg.rate.map(|r| Bucket::new(r, Instant::now())),
-            held_since: None,
-            wake: None,
+            throttle: Throttle::new(self.limits.clone(), self.c.rate.clone()),
             c: self.c.clone(),
             buf: vec![0; CHUNK],
             regions: Vec::new(),
@@ -212,11 +170,7 @@ impl VirtioDevice for Rng {
 }
 
 struct RngBackend {
-    bucket: Option<Bucket>,
-    /// Since when a request has waited for tokens.
-    held_since: Option<Instant>,
-    /// When the waiting request can be served.
-    wake: Option<Instant>,
+    throttle: Throttle,
     c: Counters,
     buf: Vec<u8>,
     regions: Vec<Region>,
@@ -225,7 +179,6 @@ struct RngBackend {
 
 impl Backend for RngBackend {
     fn process_queue(&mut self, io: &mut Io, qi: usize) -> bool {
-        self.wake = None;
         let mut found = false;
         let mut descs = std::mem::take(&mut self.descs);
         'outer: loop {
@@ -248,25 +201,13 @@ impl Backend for RngBackend {
                         .map(|d| (d.addr().0, u64::from(d.len()))),
                 );
                 let room: u64 = self.regions.iter().map(|r| r.1).sum();
-                let mut want = room.min(MAX_REQUEST);
-                if let Some(b) = &mut self.bucket {
-                    want = want.min(b.burst_bytes());
-                    let now = Instant::now();
-                    if !b.take(want, now) {
-                        // Wait in the ring; the worker comes back when the bucket holds it.
-                        io.unpop(qi);
-                        if self.held_since.is_none() {
-                            self.held_since = Some(now);
-                            self.c.throttled.inc();
-                        }
-                        self.wake = Some(b.ready_at(want));
-                        break 'outer;
-                    }
-                    if let Some(t) = self.held_since.take() {
-                        self.c
-                            .throttled_ns
-                            .add(now.saturating_duration_since(t).as_nanos() as u64);
-                    }
+                let want = room
+                    .min(MAX_REQUEST)
+                    .min(self.throttle.bytes_bucket().unwrap_or(u64::MAX));
+                if !self.throttle.admit(want) {
+                    // Wait in the ring; the worker comes back when the buckets hold it.
+                    io.unpop(qi);
+                    break 'outer;
                 }
                 let len = self.fill(io, want);
                 io.complete(qi, head, len);
@@ -282,7 +223,15 @@ impl Backend for RngBackend {
     }
 
     fn wake_at(&self) -> Option<Instant> {
-        self.wake
+        self.throttle.wake_at()
+    }
+
+    fn limits_fd(&self) -> Option<RawFd> {
+        Some(self.throttle.wake_fd())
+    }
+
+    fn on_limits(&mut self, _io: &mut Io) {
+        self.throttle.on_change();
     }
 }
 
@@ -346,41 +295,6 @@ fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn bucket_holds_one_second_and_refills_at_the_rate() {
-        let t0 = Instant::now();
-        let mut b = Bucket::new(1000, t0);
-        assert_eq!(b.burst_bytes(), 1000);
-        assert!(b.take(600, t0));
-        assert!(!b.take(600, t0));
-        // 400 left; 200 more take 200 ms.
-        assert_eq!(b.ready_at(600), t0 + Duration::from_millis(200));
-        assert!(!b.take(600, t0 + Duration::from_millis(199)));
-        assert!(b.take(600, t0 + Duration::from_millis(200)));
-        // Never more than the burst, however long it waits.
-        let later = t0 + Duration::from_secs(60);
-        assert!(b.take(1000, later));
-        assert!(!b.take(1, later));
-    }
-
-    #[test]
-    fn bytes_over_time_stay_under_rate_plus_burst() {
-        let t0 = Instant::now();
-        let mut b = Bucket::new(16384, t0);
-        let mut now = t0;
-        let mut given = 0u64;
-        while given < 64 * 1024 {
-            if b.take(4096, now) {
-                given += 4096;
-            } else {
-                now = b.ready_at(4096);
-            }
-        }
-        // 64 KiB at 16 KiB/s with a 16 KiB burst: 3 s at least.
-        assert!(now.duration_since(t0) >= Duration::from_secs(3));
-        assert!(now.duration_since(t0) < Duration::from_millis(3100));
-    }
 
     #[test]
     fn getrandom_fills_a_buffer() {

@@ -145,6 +145,9 @@ pub(crate) enum Served {
     Used(u32),
     /// The chain cannot be completed (e.g. no place for a status byte): device needs reset.
     Fatal(Fault),
+    /// The rate limiter holds the chain back: it stays in the ring, the queue is left alone
+    /// (notifications off) until [`Backend::wake_at`].
+    Defer,
 }
 
 /// Why a device stopped and needs a reset (DEVICE_NEEDS_RESET).
@@ -508,6 +511,12 @@ impl Io {
                                 self.fatal(fault);
                                 break 'outer;
                             }
+                            Served::Defer => {
+                                self.unpop(qi);
+                                self.end_batch(qi);
+                                self.scratch = descs;
+                                return found;
+                            }
                         }
                     }
                 }
@@ -613,11 +622,17 @@ pub(crate) trait Backend: Send + 'static {
     }
     /// Called once on the worker thread before the first request.
     fn init(&mut self, _io: &mut Io) {}
-    /// When the back-end wants to be called again without a kick (a paced sink waiting for
+    /// When the back-end wants to be called again without a kick (a request waiting for
     /// tokens); the worker then calls [`Backend::process_queue`] on every queue.
     fn wake_at(&self) -> Option<Instant> {
         None
     }
+    /// An eventfd that says the back-end's rate limits changed ([`crate::rate::RateControl`]).
+    fn limits_fd(&self) -> Option<RawFd> {
+        None
+    }
+    /// The limits changed: take them (then every queue is looked at again).
+    fn on_limits(&mut self, _io: &mut Io) {}
 }
 
 /// The running back-end thread of one device.
@@ -757,6 +772,7 @@ struct Run<B: Backend> {
 const EV_STOP: u64 = u64::MAX;
 const EV_TIMER: u64 = u64::MAX - 1;
 const EV_EXTRA: u64 = u64::MAX - 2;
+const EV_LIMITS: u64 = u64::MAX - 3;
 
 impl<B: Backend> Run<B> {
     fn stopping(&self) -> bool {
@@ -805,10 +821,13 @@ impl<B: Backend> Run<B> {
                 EpollEvent::new(EventSet::empty(), EV_EXTRA),
             )?;
         }
+        if let Some(fd) = self.backend.limits_fd() {
+            add(fd, EV_LIMITS)?;
+        }
         self.backend.init(&mut self.io);
         // Chains made available before the thread started got no kick we will see.
         self.all_queues();
-        let mut events = vec![EpollEvent::default(); self.io.queues.len() + 3];
+        let mut events = vec![EpollEvent::default(); self.io.queues.len() + 4];
         let mut timer_at: Option<Instant> = None;
         loop {
             if self.stopping() {
@@ -868,6 +887,10 @@ impl<B: Backend> Run<B> {
                             self.backend.on_extra(&mut self.io);
                         }
                     }
+                    EV_LIMITS => {
+                        self.backend.on_limits(&mut self.io);
+                        self.all_queues();
+                    }
                     qi => {
                         let qi = qi as usize;
                         if let Ok(v) = self.io.queues[qi].kick.read() {
@@ -907,6 +930,7 @@ impl<B: Backend> Run<B> {
                 self.wait_stop();
                 return Ok(());
             }
+            // A limiter follows a change of its limits by itself at its next request.
             let mut found = self.all_queues();
             if self.backend.extra_fd().is_some() && self.backend.extra_wanted() && !self.io.halted {
                 found |= self.backend.on_extra(&mut self.io);

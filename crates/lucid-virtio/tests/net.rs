@@ -620,6 +620,112 @@ fn tap_stops_reading_without_rx_buffers() {
     d.dev.reset();
 }
 
+/// Sends `frames` out of interface `ifname` of namespace `ns` by a packet socket: the tap's
+/// reader (the device) receives them.
+fn inject(ns: &Netns, ifname: &str, frames: Vec<Vec<u8>>) {
+    let path = format!("/var/run/netns/{}", ns.0);
+    let ifname = std::ffi::CString::new(ifname).unwrap();
+    std::thread::spawn(move || {
+        use std::os::fd::AsRawFd;
+        let f = std::fs::File::open(&path).unwrap();
+        // SAFETY: setns on a namespace fd we opened; affects only this short-lived thread.
+        assert_eq!(unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) }, 0);
+        // SAFETY: plain socket creation; protocol 0 makes it send-only.
+        let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0) };
+        assert!(
+            fd >= 0,
+            "packet socket: {}",
+            std::io::Error::last_os_error()
+        );
+        // SAFETY: a NUL-terminated name.
+        let ifindex = unsafe { libc::if_nametoindex(ifname.as_ptr()) };
+        assert!(ifindex > 0);
+        // SAFETY: sockaddr_ll is plain data; all zeros is a valid value.
+        let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        addr.sll_family = libc::AF_PACKET as u16;
+        addr.sll_ifindex = ifindex as i32;
+        addr.sll_halen = 6;
+        for frame in &frames {
+            // SAFETY: sends `frame` (valid for its length) to the address `addr` describes.
+            let n = unsafe {
+                libc::sendto(
+                    fd,
+                    frame.as_ptr().cast(),
+                    frame.len(),
+                    0,
+                    (&addr as *const libc::sockaddr_ll).cast(),
+                    std::mem::size_of::<libc::sockaddr_ll>() as u32,
+                )
+            };
+            assert_eq!(
+                n,
+                frame.len() as isize,
+                "{}",
+                std::io::Error::last_os_error()
+            );
+        }
+        // SAFETY: closes the socket this thread opened.
+        unsafe { libc::close(fd) };
+    })
+    .join()
+    .unwrap();
+}
+
+/// Rx behind a rate limiter out of tokens stops reading the tap (the frame it read waits
+/// beside it, the others in the kernel's queue); lifting the limit delivers them all, in order.
+#[test]
+fn tap_rx_waits_for_its_rate_limiter() {
+    use lucid_virtio::rate::{RateControl, RateLimiterConfig, TokenBucketConfig};
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return skip_or_fail("the tap test needs root (it creates a network namespace and a tap)");
+    }
+    let ns = Netns(format!("lucid-test-{}-c", std::process::id()));
+    let _ = run("ip", &["netns", "del", &ns.0]);
+    run("ip", &["netns", "add", &ns.0]).expect("ip netns add");
+    let mut dev = tap_in(&ns, "lucidtap2");
+    // One frame an hour each way.
+    let limits = RateControl::new(RateLimiterConfig {
+        bandwidth: None,
+        ops: Some(TokenBucketConfig {
+            size: 1,
+            one_time_burst: None,
+            refill_time: 3_600_000,
+        }),
+    })
+    .unwrap();
+    dev.set_rate_control(limits.clone());
+    ns.exec(&["ip", "link", "set", "lucidtap2", "up"]);
+    let mut d = NetDrv::with_dev(dev, Notify::Kicks);
+    d.post_rx(32);
+    let ours: Vec<Vec<u8>> = (0..4)
+        .map(|i| {
+            let mut f = frame(500 + i, 300);
+            f[0..6].copy_from_slice(&MAC);
+            f
+        })
+        .collect();
+    inject(&ns, "lucidtap2", ours.clone());
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        d.stat("rx_packets") <= 1,
+        "{} frames past the limit",
+        d.stat("rx_packets")
+    );
+    assert!(d.stat("rate_limited.throttled_events") >= 1);
+    limits.set(RateLimiterConfig::default()).unwrap();
+    let mut got = Vec::new();
+    while got.len() < ours.len() {
+        let f = d.recv();
+        if f.len() == 300 && f[12..14] == [0x88, 0xb5] {
+            got.push(f);
+        }
+    }
+    assert_eq!(got, ours);
+    assert_eq!(d.stat("rx_dropped_no_buffers"), 0);
+    d.dev.reset();
+}
+
 /// Child half of `tap_without_privilege_says_what_is_needed`.
 #[test]
 #[ignore = "run by tap_without_privilege_says_what_is_needed as an unprivileged user"]

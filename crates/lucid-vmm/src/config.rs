@@ -18,6 +18,7 @@ use lucid_virtio::balloon::BalloonConfig;
 use lucid_virtio::blk::BlockConfig;
 use lucid_virtio::console::{ConsoleConfig, ConsoleOutput};
 use lucid_virtio::net::NetConfig;
+use lucid_virtio::rate::{RateLimiterConfig, TokenBucketConfig};
 use lucid_virtio::rng::RngConfig;
 use lucid_virtio::vhost_user::{VhostUserConfig, VhostUserKind};
 use lucid_virtio::Coalescing;
@@ -59,6 +60,10 @@ pub struct PciDeviceConfig {
     /// (no exit per question); default SymCall first.
     #[serde(default)]
     pub swapcache_spy_first: bool,
+    /// `bw=`, `ops=` (Cloud Hypervisor's `rate_limiter_config`): the device's rate limiter,
+    /// changeable while the VM runs (`lucid.rate-limit`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limiter: Option<RateLimiterConfig>,
 }
 
 /// Whether `name` can name a device: it becomes a counter prefix (no `.`), a `vm.info` key
@@ -85,6 +90,7 @@ impl PciDeviceConfig {
             poll_idle_us: 0,
             swapcache_mib: 0,
             swapcache_spy_first: false,
+            rate_limiter: None,
         }
     }
 }
@@ -567,6 +573,26 @@ pub mod options {
         "N",
         "L4: µs the polling thread sleeps when its rings are idle (0 spins)",
     );
+    const BW: OptKey = OptKey::new(
+        "bw",
+        "BYTES_PER_S",
+        "rate limit: at most this many bytes a second, with a one-second bucket",
+    );
+    const BW_BURST: OptKey = OptKey::new(
+        "bw_burst",
+        "BYTES",
+        "rate limit: bytes given once on top of the bucket (with bw=)",
+    );
+    const OPS: OptKey = OptKey::new(
+        "ops",
+        "OPS_PER_S",
+        "rate limit: at most this many requests a second, with a one-second bucket",
+    );
+    const OPS_BURST: OptKey = OptKey::new(
+        "ops_burst",
+        "OPS",
+        "rate limit: requests given once on top of the bucket (with ops=)",
+    );
 
     const VHOST_USER: OptKey = OptKey::new(
         "vhost_user",
@@ -625,6 +651,10 @@ pub mod options {
             SOCKET,
             NUM_QUEUES,
             QUEUE_SIZE,
+            BW,
+            BW_BURST,
+            OPS,
+            OPS_BURST,
         ],
     };
 
@@ -657,6 +687,10 @@ pub mod options {
             SOCKET,
             NUM_QUEUES,
             QUEUE_SIZE,
+            BW,
+            BW_BURST,
+            OPS,
+            OPS_BURST,
         ],
     };
 
@@ -696,11 +730,17 @@ pub mod options {
         flag: "--rng",
         about: "A virtio-rng on PCI fed from the host's getrandom, after the balloon.",
         head: None,
-        keys: &[OptKey::new(
-            "rate",
-            "BYTES_PER_S",
-            "at most this many bytes a second, with a one-second burst (default unlimited)",
-        )],
+        keys: &[
+            OptKey::new(
+                "rate",
+                "BYTES_PER_S",
+                "at most this many bytes a second, with a one-second burst (default unlimited)",
+            ),
+            BW,
+            BW_BURST,
+            OPS,
+            OPS_BURST,
+        ],
     };
 
     /// `--console-virtio`.
@@ -1199,7 +1239,39 @@ pub fn parse_rng(s: &str) -> Result<RngConfig, DeviceOptionError> {
                 .ok_or(spec.bad("rate", v, format!("bytes per second, 1 to {max}")))?,
         );
     }
+    cfg.rate_limiter = rate_limits(spec, &p)?;
+    if let (Some(r), Some(_)) = (cfg.rate, cfg.rate_limiter) {
+        return Err(spec.bad("rate", &r.to_string(), "rate= or bw=/ops=, not both"));
+    }
     Ok(cfg)
+}
+
+/// The rate limiter of `bw=`, `bw_burst=`, `ops=`, `ops_burst=` (buckets of one second).
+fn rate_limits(
+    spec: &OptSpec,
+    p: &Parsed<'_>,
+) -> Result<Option<RateLimiterConfig>, DeviceOptionError> {
+    use lucid_virtio::rate::MAX_TOKENS;
+    let num = |key: &'static str, min: u64| -> Result<Option<u64>, DeviceOptionError> {
+        p.get(key)
+            .map(|v| {
+                v.parse::<u64>()
+                    .ok()
+                    .filter(|n| (min..=MAX_TOKENS).contains(n))
+                    .ok_or(spec.bad(key, v, format!("a number, {min} to 2^50")))
+            })
+            .transpose()
+    };
+    let bucket = |rate: &'static str, burst: &'static str| match (num(rate, 1)?, num(burst, 0)?) {
+        (Some(r), b) => Ok(Some(TokenBucketConfig::per_second(r, b))),
+        (None, Some(_)) => Err(spec.bad(burst, "", format!("given only with {rate}="))),
+        (None, None) => Ok(None),
+    };
+    let cfg = RateLimiterConfig {
+        bandwidth: bucket("bw", "bw_burst")?,
+        ops: bucket("ops", "ops_burst")?,
+    };
+    Ok((!cfg.is_unlimited()).then_some(cfg))
 }
 
 /// Parses `--iommu` by [`IOMMU`] (defaults: samecore, pin=all). Never panics, whatever the
@@ -1262,6 +1334,7 @@ fn common(
             .parse()
             .map_err(|_| spec.bad("poll_us", v, "a number of microseconds"))?;
     }
+    d.rate_limiter = rate_limits(spec, p)?;
     Ok(d)
 }
 
@@ -1355,8 +1428,45 @@ mod tests {
     }
 
     #[test]
+    fn rate_limit_options() {
+        let d = parse_blk("path=/d,bw=1048576,ops=100,ops_burst=50").unwrap();
+        let rl = d.rate_limiter.expect("limits");
+        assert_eq!(
+            rl.bandwidth,
+            Some(TokenBucketConfig::per_second(1 << 20, None))
+        );
+        assert_eq!(rl.ops, Some(TokenBucketConfig::per_second(100, Some(50))));
+        let n = parse_net("backend=echo,bw=125000,bw_burst=0", 0).unwrap();
+        assert_eq!(
+            n.rate_limiter.and_then(|r| r.bandwidth).map(|b| b.size),
+            Some(125_000)
+        );
+        assert_eq!(parse_blk("path=/d").unwrap().rate_limiter, None);
+        let r = parse_rng("ops=10").unwrap();
+        assert_eq!(r.limits().ops.map(|o| o.rate_per_s()), Some(10));
+        assert_eq!(
+            parse_rng("rate=4096")
+                .unwrap()
+                .limits()
+                .bandwidth
+                .map(|b| b.size),
+            Some(4096)
+        );
+        for bad in [
+            "path=/d,bw=0",
+            "path=/d,bw=x",
+            "path=/d,ops=-1",
+            "path=/d,bw_burst=10",
+            "path=/d,ops=1,ops_burst=y",
+        ] {
+            assert!(parse_blk(bad).is_err(), "{bad}");
+        }
+        assert!(parse_rng("rate=1,bw=1").is_err());
+    }
+
+    #[test]
     fn rng_options() {
-        assert_eq!(parse_rng("").unwrap(), RngConfig { rate: None });
+        assert_eq!(parse_rng("").unwrap(), RngConfig::default());
         assert_eq!(parse_rng("rate=16384").unwrap().rate, Some(16384));
         for bad in [
             "rate=0",

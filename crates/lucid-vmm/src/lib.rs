@@ -36,12 +36,15 @@ pub use config::{
     RuntimeConfig, SymbioticConfig, VmConfig, MAX_MEM_MIB, MAX_VCPUS, MIN_MEMORY_LIMIT_MIB,
     MIN_MEM_MIB, MIN_MONITOR_WINDOW,
 };
-pub use devices::{AttachedPci, DeviceManager, NewPciFunction, PciFunction, PciSlot};
+pub use devices::{
+    AttachedPci, DeviceManager, NewPciFunction, PciFunction, PciSlot, RateLimitError,
+};
 pub use emulate::Emulator;
 pub use errors::VmmError;
 pub use hooks::{
     ExitAction, ExitHooks, HltHook, HookError, HypercallHook, InternalErrorHook, MsrHook,
 };
+pub use lucid_virtio::rate::{RateLimiterConfig, TokenBucketConfig};
 pub use pools::{MonitorTuning, PoolChoice, PoolsError};
 pub use report::{error_chain, DeviceCounts, RunReport};
 pub use technique::{StartContext, Technique};

@@ -39,8 +39,8 @@ fn the_guest_reads_64_kib_of_entropy() {
     assert_eq!(o.counter("rng.bytes_written"), 65536);
     assert_eq!(o.counter("rng.requests"), requests);
     assert_eq!(o.counter("rng.errors"), 0);
-    assert_eq!(o.counter("rng.throttled"), 0);
-    assert_eq!(o.counter("rng.rate_bytes_per_s"), 0);
+    assert_eq!(o.counter("rng.rate_limited.throttled_events"), 0);
+    assert_eq!(o.counter("rng.rate_limited.bw_bytes_per_s"), 0);
 }
 
 /// 32 KiB at 16 KiB/s with a one-second burst: the first 16 KiB at once, the rest at the rate,
@@ -71,8 +71,11 @@ fn a_rate_limited_device_makes_the_guest_wait() {
     assert_eq!(num(&o.stdout, "bytes"), bytes, "{}", o.stdout);
     assert_eq!(num(&o.stdout, "requests"), bytes / 1024, "{}", o.stdout);
     assert_eq!(o.counter("rng.bytes_written"), bytes);
-    assert_eq!(o.counter("rng.rate_bytes_per_s"), rate);
-    assert!(o.counter("rng.throttled") > 0, "the bucket never ran dry");
+    assert_eq!(o.counter("rng.rate_limited.bw_bytes_per_s"), rate);
+    assert!(
+        o.counter("rng.rate_limited.throttled_events") > 0,
+        "the bucket never ran dry"
+    );
     let floor_ms = (bytes - rate) * 1000 / rate;
     let ms = num(&o.stdout, "tsc_ms");
     // tsc_ms is 0 when the guest cannot tell the TSC's frequency; the host's throttled time
@@ -84,7 +87,7 @@ fn a_rate_limited_device_makes_the_guest_wait() {
             o.stdout
         );
     }
-    let waited_ms = o.counter("rng.throttled_ns") / 1_000_000;
+    let waited_ms = o.counter("rng.rate_limited.throttled_ns") / 1_000_000;
     assert!(
         waited_ms >= floor_ms * 95 / 100,
         "waited {waited_ms} ms < {floor_ms} ms"

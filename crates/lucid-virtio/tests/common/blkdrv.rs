@@ -117,6 +117,27 @@ impl Blk {
         }
     }
 
+    /// A device behind the rate limiter `limits`.
+    pub fn limited(
+        cfg: BlockConfig,
+        notify: Notify,
+        limits: std::sync::Arc<lucid_virtio::rate::RateControl>,
+    ) -> Blk {
+        let g = Guest::new();
+        let mut dev = Block::new("blk0".into(), cfg).unwrap();
+        dev.set_rate_control(limits);
+        let (vq, (q, kick)) = Vq::at(&g.mem, 0x10000, 256, 0);
+        let feats = dev.features();
+        dev.activate(g.ctx(vec![(0, q, kick)], feats, notify, Coalescing::default()))
+            .unwrap();
+        Blk {
+            g,
+            vq,
+            dev,
+            poll: matches!(notify, Notify::Poll { .. }),
+        }
+    }
+
     /// A device with a block cache (SwapBypass's seam) installed before activation.
     pub fn with_cache(
         cfg: BlockConfig,

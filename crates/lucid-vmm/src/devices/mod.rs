@@ -19,7 +19,8 @@ mod hotplug;
 mod legacy;
 mod pci;
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 use lucid_boot::layout;
 use lucid_devices::{ConsoleOut, Lifecycle};
@@ -30,6 +31,7 @@ use lucid_thread::Spawner;
 use lucid_virtio::balloon::BalloonControl;
 use lucid_virtio::blk::BlockDataHook;
 use lucid_virtio::vhost_user::VhostUserKind;
+use lucid_virtio::rate::{RateControl, RateError, RateLimiterConfig};
 
 pub use pci::{AttachedPci, NewPciFunction, PciFunction, PciSlot};
 
@@ -92,6 +94,19 @@ pub struct DeviceManager {
     blk_hook: Option<Arc<dyn BlockDataHook>>,
     /// QEMU's fw_cfg (`VmConfig::devices.fw_cfg`).
     fw_cfg: Option<Arc<std::sync::Mutex<lucid_devices::FwCfg>>>,
+    /// The rate limiters of the blk, net and rng devices, by device name.
+    limits: Mutex<BTreeMap<String, Arc<RateControl>>>,
+}
+
+/// Why `lucid.rate-limit` could not change a device's limits.
+#[derive(Debug, thiserror::Error)]
+pub enum RateLimitError {
+    #[error("no device {0:?} on the PCI bus")]
+    NoSuchDevice(String),
+    #[error("device {0:?} has no rate limiter (only blk, net and rng devices have one)")]
+    NotLimited(String),
+    #[error("device {0:?}: {1}")]
+    Invalid(String, #[source] RateError),
 }
 
 /// What the devices need from the VM being built.
@@ -139,6 +154,7 @@ impl DeviceManager {
             hotplug: None,
             blk_hook: p.swap.blk_hook(),
             fw_cfg: None,
+            limits: Mutex::default(),
         };
         if p.config.devices.fw_cfg {
             dm.fw_cfg = Some(fw_cfg::attach(
@@ -182,10 +198,16 @@ impl DeviceManager {
         slot: PciSlot,
         swap_cache: Option<(&Arc<StatsRegistry>, &Arc<Symbiotic>)>,
     ) -> Result<NewPciFunction, VmmError> {
+        let limits = RateControl::new(d.rate_limiter.unwrap_or_default())
+            .map_err(|e| back_end(name.to_string(), e))?;
+        if let Some(l) = &d.rate_limiter {
+            log::info!("{name}: rate limit {l}");
+        }
         let device: Box<dyn lucid_virtio::VirtioDevice> = match &d.kind {
             PciDeviceKind::Block(b) => {
                 let mut blk = lucid_virtio::blk::Block::new(name.to_string(), b.clone())
                     .map_err(|e| back_end(name.to_string(), e))?;
+                blk.set_rate_control(limits.clone());
                 if let Some(h) = &self.blk_hook {
                     blk.set_data_hook(h.clone());
                 }
@@ -201,10 +223,12 @@ impl DeviceManager {
                 }
                 Box::new(blk)
             }
-            PciDeviceKind::Net(n) => Box::new(
-                lucid_virtio::net::Net::new(name.to_string(), n.clone())
-                    .map_err(|e| back_end(name.to_string(), e))?,
-            ),
+            PciDeviceKind::Net(n) => {
+                let mut net = lucid_virtio::net::Net::new(name.to_string(), n.clone())
+                    .map_err(|e| back_end(name.to_string(), e))?;
+                net.set_rate_control(limits.clone());
+                Box::new(net)
+            }
             PciDeviceKind::VhostUser(v) => {
                 let bus = self.pci.as_ref().ok_or_else(|| {
                     VmmError::HotplugRefused(name.to_string(), "no PCI bus for a vhost-user device")
@@ -220,6 +244,7 @@ impl DeviceManager {
                 )
             }
         };
+        self.track_limits(name, limits);
         Ok(NewPciFunction::Virtio {
             device,
             options: lucid_pci::TransportOptions {
@@ -357,18 +382,14 @@ impl DeviceManager {
         if let Some(cfg) = &config.devices.rng {
             let dev = lucid_virtio::rng::Rng::new(RNG.into(), cfg.clone(), p.stats)
                 .map_err(|e| back_end(RNG.into(), e))?;
+            self.track_limits(RNG, dev.rate_control());
             let a = self.attach(RNG, |_| {
                 Ok(NewPciFunction::Virtio {
                     device: Box::new(dev),
                     options: lucid_pci::TransportOptions::default(),
                 })
             })?;
-            log::info!(
-                "{RNG}: PCI {}, rate {}",
-                a.slot.address(),
-                cfg.rate
-                    .map_or("unlimited".into(), |r| format!("{r} bytes/s"))
-            );
+            log::info!("{RNG}: PCI {}, rate {}", a.slot.address(), cfg.limits());
         }
         if let Some(cfg) = &config.devices.console {
             let dev = lucid_virtio::console::Console::new(CONSOLE.into(), cfg.clone(), p.stats)
@@ -393,6 +414,41 @@ impl DeviceManager {
             };
         }
         Ok(())
+    }
+
+    fn track_limits(&self, name: &str, limits: Arc<RateControl>) {
+        self.limits
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string(), limits);
+    }
+
+    /// Replaces the rate limiter of device `name` (none: unlimited) while the VM runs; its
+    /// back-end thread takes the new limits at once.
+    pub fn set_rate_limit(
+        &self,
+        name: &str,
+        cfg: Option<RateLimiterConfig>,
+    ) -> Result<(), RateLimitError> {
+        if !self.pci_devices().iter().any(|a| a.name == name) {
+            return Err(RateLimitError::NoSuchDevice(name.to_string()));
+        }
+        let limits = self.limits.lock().unwrap_or_else(|e| e.into_inner());
+        let control = limits
+            .get(name)
+            .ok_or_else(|| RateLimitError::NotLimited(name.to_string()))?;
+        let cfg = cfg.unwrap_or_default();
+        control
+            .set(cfg)
+            .map_err(|e| RateLimitError::Invalid(name.to_string(), e))?;
+        log::info!("{name}: rate limit now {cfg}");
+        Ok(())
+    }
+
+    /// The rate limits of device `name` now, if it has a limiter.
+    pub fn rate_limit(&self, name: &str) -> Option<RateLimiterConfig> {
+        let limits = self.limits.lock().unwrap_or_else(|e| e.into_inner());
+        limits.get(name).map(|c| c.get())
     }
 
     /// Puts a function on the PCI bus, in the lowest free slot: `build` makes it for that slot

@@ -6,7 +6,9 @@
 use std::path::PathBuf;
 
 use lucid_vmm::{ConsoleConfig, ConsoleOutput};
-use lucid_vmm::{KernelSource, PciDeviceConfig, SerialOutput, SwapMode, VmConfig};
+use lucid_vmm::{
+    KernelSource, PciDeviceConfig, RateLimiterConfig, SerialOutput, SwapMode, VmConfig,
+};
 use serde_json::{json, Map, Value};
 
 /// Why a `vm.create` body was refused: one message that names the field.
@@ -489,12 +491,12 @@ fn disk(mut d: Obj, iommu: bool) -> Result<PciDeviceConfig, Refusal> {
     device_iommu(&mut d, iommu)?;
     let id = d.str("id")?;
     let at = d.at.clone();
+    let limits = rate_limiter(&mut d)?;
     d.finish(&[
         ("num_queues", json!(1)),
         ("queue_size", json!(128)),
         ("vhost_user", json!(false)),
         ("vhost_socket", Value::Null),
-        ("rate_limiter_config", Value::Null),
         ("rate_limit_group", Value::Null),
         ("pci_segment", json!(0)),
         ("queue_affinity", Value::Null),
@@ -505,6 +507,7 @@ fn disk(mut d: Obj, iommu: bool) -> Result<PciDeviceConfig, Refusal> {
     ])?;
     let mut blk = lucid_vmm::parse_blk(&opts).map_err(opt_refusal(&at))?;
     blk.name = id;
+    blk.rate_limiter = limits;
     Ok(blk)
 }
 
@@ -641,6 +644,7 @@ fn net(mut n: Obj, iommu: bool, index: usize) -> Result<PciDeviceConfig, Refusal
     device_iommu(&mut n, iommu)?;
     let id = n.str("id")?;
     let at = n.at.clone();
+    let limits = rate_limiter(&mut n)?;
     n.finish(&[
         ("ip", json!("192.168.249.1")),
         ("mask", json!("255.255.255.0")),
@@ -652,7 +656,6 @@ fn net(mut n: Obj, iommu: bool, index: usize) -> Result<PciDeviceConfig, Refusal
         ("vhost_socket", Value::Null),
         ("vhost_mode", json!("Client")),
         ("fds", Value::Null),
-        ("rate_limiter_config", Value::Null),
         ("pci_segment", json!(0)),
         ("offload_tso", json!(true)),
         ("offload_ufo", json!(true)),
@@ -660,7 +663,27 @@ fn net(mut n: Obj, iommu: bool, index: usize) -> Result<PciDeviceConfig, Refusal
     ])?;
     let mut nic = lucid_vmm::parse_net(&opts, index).map_err(opt_refusal(&at))?;
     nic.name = id;
+    nic.rate_limiter = limits;
     Ok(nic)
+}
+
+/// A device's `rate_limiter_config` (Cloud Hypervisor's `RateLimiterConfig`), checked.
+fn rate_limiter(d: &mut Obj) -> Result<Option<RateLimiterConfig>, Refusal> {
+    let at = d.field("rate_limiter_config");
+    d.take("rate_limiter_config")
+        .map(|v| rate_limiter_config(&at, v))
+        .transpose()
+}
+
+/// `v` as a `RateLimiterConfig` (`at` names it in a refusal).
+pub fn rate_limiter_config(at: &str, v: Value) -> Result<RateLimiterConfig, Refusal> {
+    let cfg: RateLimiterConfig = serde_json::from_value(v).map_err(|e| {
+        Refusal(format!(
+            "{at}: {e} (bandwidth and ops, each {{size, one_time_burst, refill_time}})"
+        ))
+    })?;
+    cfg.validate().map_err(|e| Refusal(format!("{at}: {e}")))?;
+    Ok(cfg)
 }
 
 /// The body of `vm.add-disk` (`what` = "disk") or `vm.add-net` ("net") for a VM whose
@@ -912,6 +935,40 @@ mod tests {
             "disks": [{"vhost_user": true, "vhost_socket": "/s", "path": "/x"}],
         }));
         assert!(e.contains("disks[0].path"), "{e}");
+    }
+
+    #[test]
+    fn maps_rate_limiter_config() {
+        let body = |rl: Value| {
+            json!({"payload": {"kernel": "builtin:spin"},
+                   "disks": [{"path": "/tmp/r.img", "rate_limiter_config": rl}]})
+        };
+        let rl = json!({"bandwidth": {"size": 1000, "one_time_burst": 5, "refill_time": 100},
+                        "ops": {"size": 10, "refill_time": 1000}});
+        let c = map(body(rl)).unwrap();
+        let got = c.devices.pci[0].rate_limiter.expect("limits");
+        assert_eq!(got.bandwidth.map(|b| b.rate_per_s()), Some(10_000));
+        assert_eq!(got.bandwidth.and_then(|b| b.one_time_burst), Some(5));
+        assert_eq!(got.ops.map(|b| b.size), Some(10));
+        assert_eq!(
+            map(body(Value::Null)).unwrap().devices.pci[0].rate_limiter,
+            None
+        );
+        let e = refusal(body(json!({"ops": {"size": 0, "refill_time": 1}})));
+        assert!(e.starts_with("disks[0].rate_limiter_config: "), "{e}");
+        let e = refusal(body(json!({"bw": 1})));
+        assert!(e.starts_with("disks[0].rate_limiter_config: "), "{e}");
+        let net = hot_device(
+            "net",
+            json!({"tap": "t0", "rate_limiter_config": {"ops": {"size": 1, "refill_time": 1}}}),
+            false,
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            net.rate_limiter.and_then(|r| r.ops).map(|o| o.rate_per_s()),
+            Some(1000)
+        );
     }
 
     /// What Kata's Cloud Hypervisor driver always sends (clh.go, CreateVM): a flat CPU

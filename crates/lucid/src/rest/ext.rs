@@ -7,7 +7,7 @@
 //! 500 for a VM in the wrong state or an operation that was tried and failed.
 
 use lucid_vmm::api::{self, proto, OpError};
-use lucid_vmm::Vm;
+use lucid_vmm::{RateLimitError, Vm};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -26,6 +26,7 @@ impl RestServer {
             "lucid.modules" => ("GET", Self::modules),
             "lucid.spy" => ("GET", Self::spy),
             "lucid.stats" => ("GET", Self::counters_tree),
+            "lucid.rate-limit" => ("PUT", Self::rate_limit),
             _ => return not_found(&r.path),
         };
         self.method(r, want, |s, b| f(s, name, b).unwrap_or_else(|e| e))
@@ -63,6 +64,48 @@ impl RestServer {
         answer(&proto::Counters {
             counters: lucid_stats::nest(&all),
         })
+    }
+
+    /// `{"id": DEVICE, "rate_limiter_config": {...} | null}`: the device's new limits (null:
+    /// none), taken by its back-end thread at once. 204; 404 for a device the VM lacks; 400
+    /// for a body or limits that do not parse, or a device with no limiter.
+    fn rate_limit(&mut self, name: &str, b: &[u8]) -> Result<Response, Response> {
+        #[derive(serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Req {
+            id: String,
+            rate_limiter_config: serde_json::Value,
+        }
+        let req: Req = body(name, b)?;
+        let cfg = match req.rate_limiter_config {
+            serde_json::Value::Null => None,
+            v => Some(
+                super::config::rate_limiter_config("rate_limiter_config", v)
+                    .map_err(|e| Response::error(400, format!("{name}: {e}")))?,
+            ),
+        };
+        let Some(m) = &self.vm else {
+            return Err(no_vm(name));
+        };
+        let vm = match &m.state {
+            VmState::Running(vm) | VmState::Paused(vm) => vm,
+            _ => {
+                return Err(Response::error(
+                    500,
+                    format!(
+                        "{name}: the VM is {}, not Running or Paused",
+                        m.state_name()
+                    ),
+                ))
+            }
+        };
+        match vm.devices().set_rate_limit(&req.id, cfg) {
+            Ok(()) => Ok(Response::empty()),
+            Err(e @ RateLimitError::NoSuchDevice(_)) => {
+                Err(Response::error(404, format!("{name}: {e}")))
+            }
+            Err(e) => Err(Response::error(400, format!("{name}: {e}"))),
+        }
     }
 
     /// `f` on the VM when it is in a state `need` allows.
