@@ -18,6 +18,7 @@ use lucid_virtio::balloon::BalloonConfig;
 use lucid_virtio::blk::BlockConfig;
 use lucid_virtio::net::NetConfig;
 use lucid_virtio::rng::RngConfig;
+use lucid_virtio::vsock::VsockConfig;
 use lucid_virtio::Coalescing;
 use serde::{Deserialize, Serialize};
 
@@ -29,6 +30,7 @@ use crate::pools::{MonitorTuning, PoolChoice};
 pub enum PciDeviceKind {
     Block(BlockConfig),
     Net(NetConfig),
+    Vsock(VsockConfig),
 }
 
 /// One PCI device: what it is and its rung of the exit ladder.
@@ -624,6 +626,20 @@ pub mod options {
         )],
     };
 
+    /// `--vsock`.
+    pub const VSOCK: OptSpec = OptSpec {
+        flag: "--vsock",
+        about: "A virtio-vsock on PCI whose host end is a Unix socket (hybrid vsock): host \
+                programs connect to SOCKET and write `CONNECT <port>\\n`; guest connections \
+                to host port P go to SOCKET_P.",
+        head: None,
+        keys: &[
+            OptKey::new("cid", "N", "the guest's context ID, 3 to 4294967294").required(),
+            OptKey::new("socket", "PATH", "the Unix socket Lucid listens on").required(),
+            OptKey::new("id", "NAME", "the device's name (default vsockN)"),
+        ],
+    };
+
     /// `--iommu`.
     pub const IOMMU: OptSpec = OptSpec {
         flag: "--iommu",
@@ -949,6 +965,43 @@ pub fn parse_rng(s: &str) -> Result<RngConfig, DeviceOptionError> {
         );
     }
     Ok(cfg)
+}
+
+/// Parses `--vsock` by [`VSOCK`]. Never panics, whatever the input.
+pub fn parse_vsock(s: &str) -> Result<PciDeviceConfig, DeviceOptionError> {
+    let spec = &VSOCK;
+    let p = spec.parse(s)?;
+    let mut cfg = VsockConfig {
+        cid: 0,
+        socket: PathBuf::new(),
+    };
+    let mut name = None;
+    for (k, v) in &p.pairs {
+        let v = v.as_str();
+        match *k {
+            "cid" => {
+                cfg.cid = v
+                    .parse()
+                    .ok()
+                    .filter(|&c| lucid_virtio::vsock::cid_ok(c))
+                    .ok_or(spec.bad("cid", v, "3 to 4294967294"))?
+            }
+            "socket" if v.is_empty() => return Err(spec.bad("socket", v, "a path")),
+            "socket" => cfg.socket = PathBuf::from(v),
+            "id" if !device_name_ok(v) => {
+                return Err(spec.bad(
+                    "id",
+                    v,
+                    "1 to 32 letters, digits, `_` or `-`, not a reserved name",
+                ))
+            }
+            "id" => name = Some(v.to_string()),
+            _ => {}
+        }
+    }
+    let mut d = PciDeviceConfig::new(PciDeviceKind::Vsock(cfg));
+    d.name = name;
+    Ok(d)
 }
 
 /// Parses `--iommu` by [`IOMMU`] (defaults: samecore, pin=all). Never panics, whatever the

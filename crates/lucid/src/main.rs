@@ -12,7 +12,7 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
 use lucid::rest;
-use lucid_vmm::options::{BACKING, BALLOON, BLK, DEVICE, IOMMU, JAIL, NET, POOL, RNG, SERIAL};
+use lucid_vmm::options::{BACKING, BALLOON, BLK, DEVICE, IOMMU, JAIL, NET, POOL, RNG, SERIAL, VSOCK};
 use lucid_vmm::{
     KernelSource, StopReason, Vm, VmConfig, EXIT_FAILURE, EXIT_USAGE, MAX_MEM_MIB, MAX_VCPUS,
     MIN_MEMORY_LIMIT_MIB, MIN_MEM_MIB,
@@ -93,6 +93,7 @@ const VM_FLAGS: &[&str] = &[
     "iommu",
     "balloon",
     "rng",
+    "vsock",
     "device",
     "hotplug",
     "no_seccomp",
@@ -157,6 +158,8 @@ struct RunArgs {
     balloon: Option<String>,
     #[arg(long, value_name = "OPTS", num_args = 0..=1, default_missing_value = "", help = RNG.help())]
     rng: Option<String>,
+    #[arg(long, value_name = "OPTS", help = VSOCK.help())]
+    vsock: Vec<String>,
     #[arg(long = "device", value_name = "NAME", help = DEVICE.help())]
     device: Vec<String>,
     /// ACPI PCI hotplug and the ACPI power button (docs/api.md); a VM made through the REST
@@ -356,6 +359,9 @@ fn flags_config(args: &RunArgs) -> Result<VmConfig, CliError> {
         .map(lucid_vmm::parse_balloon)
         .transpose()?;
     config.devices.rng = args.rng.as_deref().map(lucid_vmm::parse_rng).transpose()?;
+    for v in &args.vsock {
+        config.devices.pci.push(lucid_vmm::parse_vsock(v)?);
+    }
     Ok(config)
 }
 
@@ -525,6 +531,7 @@ fn vm_flag_given(a: &RunArgs) -> Option<&'static str> {
         (a.iommu.is_some(), "--iommu"),
         (a.balloon.is_some(), "--balloon"),
         (a.rng.is_some(), "--rng"),
+        (!a.vsock.is_empty(), "--vsock"),
         (!a.device.is_empty(), "--device"),
         (a.hotplug, "--hotplug"),
         (a.memory_limit.is_some(), "--memory-limit"),

@@ -50,7 +50,7 @@ pub const RNG: &str = "rng";
 /// `blkN` and `netN`, each kind numbered on its own, skipping numbers a named device took.
 pub fn virtio_names(pci: &[PciDeviceConfig]) -> Vec<String> {
     let taken: Vec<&str> = pci.iter().filter_map(|d| d.name.as_deref()).collect();
-    let (mut nblk, mut nnet) = (0, 0);
+    let (mut nblk, mut nnet, mut nvsock) = (0, 0, 0);
     pci.iter()
         .map(|d| {
             if let Some(n) = &d.name {
@@ -59,6 +59,7 @@ pub fn virtio_names(pci: &[PciDeviceConfig]) -> Vec<String> {
             let (prefix, next) = match d.kind {
                 PciDeviceKind::Block(_) => ("blk", &mut nblk),
                 PciDeviceKind::Net(_) => ("net", &mut nnet),
+                PciDeviceKind::Vsock(_) => ("vsock", &mut nvsock),
             };
             loop {
                 let name = format!("{prefix}{next}");
@@ -81,6 +82,9 @@ pub struct DeviceManager {
     hotplug: Option<Arc<PciHotplug>>,
     /// The Swap Mapper on disks, for disks added while the VM runs too.
     blk_hook: Option<Arc<dyn BlockDataHook>>,
+    /// For devices that count or start threads of their own as they are made (vsock).
+    stats: Arc<StatsRegistry>,
+    spawner: Spawner,
 }
 
 /// What the devices need from the VM being built.
@@ -126,6 +130,8 @@ impl DeviceManager {
             balloon: None,
             hotplug: None,
             blk_hook: p.swap.blk_hook(),
+            stats: p.stats.clone(),
+            spawner: p.spawner.clone(),
         };
         let Some(router) = p.router.filter(|_| Self::wants_pci(p.config)) else {
             return Ok(dm);
@@ -186,6 +192,15 @@ impl DeviceManager {
             PciDeviceKind::Net(n) => Box::new(
                 lucid_virtio::net::Net::new(name.to_string(), n.clone())
                     .map_err(|e| back_end(name.to_string(), e))?,
+            ),
+            PciDeviceKind::Vsock(v) => Box::new(
+                lucid_virtio::vsock::Vsock::new(
+                    name.to_string(),
+                    v.clone(),
+                    &self.stats,
+                    &self.spawner,
+                )
+                .map_err(|e| back_end(name.to_string(), e))?,
             ),
         };
         Ok(NewPciFunction::Virtio {
@@ -263,6 +278,7 @@ impl DeviceManager {
         let prefix = match kind {
             PciDeviceKind::Block(_) => "blk",
             PciDeviceKind::Net(_) => "net",
+            PciDeviceKind::Vsock(_) => "vsock",
         };
         let taken: Vec<String> = self.pci_devices().into_iter().map(|a| a.name).collect();
         (0..)
