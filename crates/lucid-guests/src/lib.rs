@@ -63,6 +63,7 @@ guests!(
     "sym-mod",
     "hotplug",
     "virtio-rng",
+    "virtio-vsock",
 );
 
 /// Symbiotic modules (docs/symbiotic.md §7): ELF64 relocatable objects built with
