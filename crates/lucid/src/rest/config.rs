@@ -395,6 +395,10 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
         ])?;
     }
 
+    if let Some(v) = top.obj("vsock")? {
+        config.devices.pci.push(vsock(v, iommu)?);
+    }
+
     if let Some(ext) = top.obj("lucid")? {
         extension(ext, &mut config, nets)?;
     }
@@ -405,7 +409,6 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
         ("devices", Value::Null),
         ("user_devices", Value::Null),
         ("vdpa", Value::Null),
-        ("vsock", Value::Null),
         ("sgx_epc", Value::Null),
         ("numa", Value::Null),
         ("watchdog", json!(false)),
@@ -535,6 +538,31 @@ fn net(mut n: Obj, iommu: bool, index: usize) -> Result<PciDeviceConfig, Refusal
     Ok(nic)
 }
 
+/// The `VsockConfig` (or the body of `vm.add-vsock`): a hybrid vsock on a Unix socket, named
+/// by its `id`.
+fn vsock(mut v: Obj, iommu: bool) -> Result<PciDeviceConfig, Refusal> {
+    let cid = v
+        .u64("cid")?
+        .ok_or_else(|| Refusal(format!("{}: required", v.field("cid"))))?;
+    let socket = v
+        .str("socket")?
+        .ok_or_else(|| Refusal(format!("{}: required", v.field("socket"))))?;
+    if socket.contains(',') {
+        return refuse(format!(
+            "{}: Lucid cannot take a path with a comma",
+            v.field("socket")
+        ));
+    }
+    let mut opts = format!("cid={cid},socket={socket}");
+    device_iommu(&mut v, iommu)?;
+    if let Some(id) = v.str("id")? {
+        opts += &format!(",id={id}");
+    }
+    let at = v.at.clone();
+    v.finish(&[("pci_segment", json!(0))])?;
+    lucid_vmm::parse_vsock(&opts).map_err(opt_refusal(&at))
+}
+
 /// The body of `vm.add-disk` (`what` = "disk") or `vm.add-net` ("net") for a VM whose
 /// devices are behind the vIOMMU (`iommu`) or not, with `nics` NICs so far.
 pub fn hot_device(
@@ -546,6 +574,7 @@ pub fn hot_device(
     let d = Obj::new(String::new(), body)?;
     match what {
         "disk" => disk(d, iommu),
+        "vsock" => vsock(d, iommu),
         _ => net(d, iommu, nics),
     }
 }
