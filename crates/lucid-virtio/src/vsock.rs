@@ -543,7 +543,9 @@ struct Conn {
     /// The epoll interest registered.
     interest: EventSet,
     credit_update_queued: bool,
-    credit_request_queued: bool,
+    /// A CREDIT_REQUEST went out for the credit running dry: one per time, not one per
+    /// answer, or a slow reader and Lucid would trade them forever.
+    credit_asked: bool,
 }
 
 impl Conn {
@@ -568,7 +570,7 @@ impl Conn {
             in_ready: false,
             interest: EventSet::empty(),
             credit_update_queued: false,
-            credit_request_queued: false,
+            credit_asked: false,
         }
     }
 
@@ -687,11 +689,15 @@ impl Muxer {
         conn.peer_fwd_cnt = h.fwd_cnt;
         match (h.op, conn.state) {
             (op::RESPONSE, State::LocalInit) => {
+                // Straight to the stream, which holds nothing yet (a few bytes always fit):
+                // these are not the guest's bytes, so not counted in fwd_cnt.
+                let ok = format!("OK {}\n", key.0);
+                if (&conn.stream).write(ok.as_bytes()).ok() != Some(ok.len()) {
+                    self.send_rst(key);
+                    return self.remove(t);
+                }
                 conn.state = State::Established;
-                conn.to_host
-                    .extend(format!("OK {}\n", key.0).as_bytes().iter());
                 self.c.connections_host.inc();
-                self.flush_host(t);
             }
             (op::RW, State::Established) => {
                 let buffered = conn.rx_cnt.wrapping_sub(conn.fwd_cnt);
@@ -896,12 +902,10 @@ impl Muxer {
                 EpollEvent::new(want, t),
             );
         }
-        if conn.state == State::Established
-            && conn.peer_credit() == 0
-            && !conn.host_eof
-            && !conn.credit_request_queued
-        {
-            conn.credit_request_queued = true;
+        if conn.peer_credit() > 0 {
+            conn.credit_asked = false;
+        } else if conn.state == State::Established && !conn.host_eof && !conn.credit_asked {
+            conn.credit_asked = true;
             let h = pkt(self.cid, conn.key, op::CREDIT_REQUEST, 0);
             self.control.push_back(h);
         }
@@ -1095,10 +1099,7 @@ impl Muxer {
                         conn.credit_update_queued = false;
                         self.c.credit_updates.inc();
                     }
-                    op::CREDIT_REQUEST => {
-                        conn.credit_request_queued = false;
-                        self.c.credit_requests.inc();
-                    }
+                    op::CREDIT_REQUEST => self.c.credit_requests.inc(),
                     _ => {}
                 }
             }

@@ -200,7 +200,8 @@ fn a_host_program_gets_1_mib_echoed_by_the_guest() {
     assert_eq!(o.counter("vsock.vsock0.tx_bytes"), 1 << 20);
     assert_eq!(o.counter("vsock.vsock0.rx_bytes"), 1 << 20);
     assert_eq!(o.counter("vsock.vsock0.bad_packets"), 0);
-    assert!(o.counter("vsock.vsock0.credit_updates") > 0);
+    // The guest's 32 KiB credit bounds what the device reads ahead of the echo.
+    assert_eq!(o.counter("vsock.vsock0.rst_sent"), 0);
 }
 
 /// Echoes every connection made to `path` on a thread of its own; returns how many it took.
