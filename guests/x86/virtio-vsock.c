@@ -18,7 +18,9 @@
  * echoed over all connections, H: SHA-256 of the first connection's).
  * connect: connects to host `port`, sends `bytes` bytes of a pattern and
  * reads as many back (the host end echoes), compares, shuts down.
- * Prints "virtio-vsock: mode=connect bytes=B mismatches=M sha256=H".
+ * Prints "virtio-vsock: mode=connect bytes=B mismatches=M sha256=H tsc_ms=T"
+ * (T: TSC milliseconds from the connection's start to the last byte back, 0
+ * if the TSC rate is unknown).
  * many: opens `conns` connections to host `port`, then on each sends
  * "conn N\n" and reads it back; all are open at once; then closes them.
  * Prints "virtio-vsock: mode=many conns=N ok=K".
@@ -408,7 +410,7 @@ static int mode_connect(u32 port, u64 bytes)
 		return 1;
 	}
 	static u8 chunk[TXDATA];
-	u64 sent = 0;
+	u64 sent = 0, t0 = rdtsc();
 	verify = c;
 	sha_init(&sha);
 	while (checked < bytes) {
@@ -429,12 +431,13 @@ static int mode_connect(u32 port, u64 bytes)
 		}
 		timeout_check("echo from the host");
 	}
+	u64 t = rdtsc() - t0;
 	send_pkt(c, OP_SHUTDOWN, 3, 0, 0);
 	wait_state(c, OPEN);
 	char hex[65];
 	sha_final(&sha, hex);
-	printf("virtio-vsock: mode=connect bytes=%lu mismatches=%lu sha256=%s\n", checked,
-	       mismatches, hex);
+	printf("virtio-vsock: mode=connect bytes=%lu mismatches=%lu sha256=%s tsc_ms=%lu\n",
+	       checked, mismatches, hex, tsc_khz() ? t / tsc_khz() : 0);
 	return mismatches ? 1 : 0;
 }
 

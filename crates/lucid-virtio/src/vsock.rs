@@ -1301,8 +1301,7 @@ impl VsockBackend {
                     continue;
                 }
                 let data_room = (room - PKT_HEADER_SIZE as u64).min(u64::from(MAX_PAYLOAD));
-                let Some((h, n)) = self.mux.next_output(&mut self.buf[..data_room as usize])
-                else {
+                let Some((h, n)) = self.mux.next_output(&mut self.buf[..data_room as usize]) else {
                     io.unpop(qi);
                     break 'outer;
                 };
@@ -1527,7 +1526,10 @@ mod tests {
     /// The committed seeds (`fuzz/seeds/vsock_packets`, written by `seeds/vsock_seeds.py`).
     #[test]
     fn seeds_do_what_they_are_named_after() {
-        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz/seeds/vsock_packets");
+        let dir = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../fuzz/seeds/vsock_packets"
+        );
         let seed = |n: &str| std::fs::read(format!("{dir}/{n}")).expect("seed");
         assert_eq!(fuzz_packets(&seed("connect-rw-shutdown")), (0, 1));
         assert_eq!(fuzz_packets(&seed("bad-headers")), (7, 7));

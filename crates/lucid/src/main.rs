@@ -12,7 +12,9 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
 use lucid::rest;
-use lucid_vmm::options::{BACKING, BALLOON, BLK, DEVICE, IOMMU, JAIL, NET, POOL, RNG, SERIAL, VSOCK};
+use lucid_vmm::options::{
+    BACKING, BALLOON, BLK, DEVICE, IOMMU, JAIL, NET, POOL, RNG, SERIAL, VSOCK,
+};
 use lucid_vmm::{
     KernelSource, StopReason, Vm, VmConfig, EXIT_FAILURE, EXIT_USAGE, MAX_MEM_MIB, MAX_VCPUS,
     MIN_MEMORY_LIMIT_MIB, MIN_MEM_MIB,

@@ -6,6 +6,7 @@
 //! or RST, and the VM goes on.
 
 mod common;
+mod rest_client;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -14,6 +15,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use common::{field, lucid, tmp, Outcome};
+use rest_client::{eventually, have_curl, Server};
+use serde_json::json;
 
 const LIMIT: Duration = Duration::from_secs(90);
 
@@ -242,7 +245,12 @@ fn the_guest_connects_to_a_host_listener() {
     ok_exit(&o);
     let got = listener.join().unwrap();
     let line = "virtio-vsock: mode=connect";
-    assert_eq!(field(&o.stdout, line, "mismatches"), Some("0"), "{}", o.stdout);
+    assert_eq!(
+        field(&o.stdout, line, "mismatches"),
+        Some("0"),
+        "{}",
+        o.stdout
+    );
     assert_eq!(got[0].len(), 1 << 20);
     assert_eq!(
         field(&o.stdout, line, "sha256"),
@@ -297,7 +305,10 @@ fn sixty_four_host_connections_at_once() {
 fn garbage_from_a_host_program_closes_only_its_connection() {
     let sock = socket("garbage");
     let vm = start(&sock, "mode=echo port=1234 conns=1", &[]);
-    for junk in [&b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"[..], &[0xffu8; 100][..]] {
+    for junk in [
+        &b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"[..],
+        &[0xffu8; 100][..],
+    ] {
         let mut s = dial(&sock);
         let _ = s.write_all(junk);
         let mut rest = Vec::new();
@@ -360,4 +371,87 @@ fn the_stream_goes_through_the_viommu() {
     );
     assert_eq!(listener.join().unwrap()[0].len(), 256 << 10);
     let _ = std::fs::remove_file(port_path(&sock, 5000));
+}
+
+/// Cloud Hypervisor's `vsock` of a `vm.create` (what Kata sends) gives the guest the device;
+/// `vm.add-vsock` hot-adds one to a booted VM, and a second is refused.
+#[test]
+fn vsock_of_vm_create_and_vm_add_vsock() {
+    if !have_curl() {
+        return lucid_guests::skip_or_fail("curl is not installed (apt-get install curl)");
+    }
+    let sock = socket("rest");
+    let listener = echo_listener(&port_path(&sock, 5000), 1);
+    let serial = tmp("vsock-rest.serial");
+    let s = Server::start("vsock-rest");
+    let config = json!({
+        "payload": {"kernel": "builtin:virtio-vsock", "cmdline": "mode=connect port=5000 bytes=64k"},
+        "cpus": {"boot_vcpus": 1, "max_vcpus": 1},
+        "memory": {"size": 64u64 << 20},
+        "serial": {"mode": "File", "file": serial},
+        "console": {"mode": "Off"},
+        "vsock": {"cid": 3, "socket": sock, "iommu": false, "id": "agent"},
+    });
+    let (code, body) = s.curl("PUT", "vm.create", Some(&config));
+    assert_eq!((code, body.as_str()), (204, ""));
+    assert!(s.json("GET", "vm.info")["device_tree"]["agent"].is_object());
+    assert_eq!(s.curl("PUT", "vm.boot", None).0, 204);
+    let console = || std::fs::read_to_string(&serial).unwrap_or_default();
+    assert!(
+        eventually(|| console().contains("virtio-vsock: mode=connect")),
+        "{}\n{}",
+        console(),
+        s.stderr()
+    );
+    assert_eq!(
+        field(&console(), "virtio-vsock: mode=connect", "mismatches"),
+        Some("0")
+    );
+    assert_eq!(listener.join().unwrap()[0].len(), 64 << 10);
+    assert!(eventually(|| s.json("GET", "vm.counters")["vsock"]
+        ["agent"]["connections_guest"]
+        == 1));
+    let (code, body) = s.curl(
+        "PUT",
+        "vm.add-vsock",
+        Some(&json!({"cid": 4, "socket": socket("rest2")})),
+    );
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("already has a vsock"), "{body}");
+    let _ = std::fs::remove_file(port_path(&sock, 5000));
+}
+
+#[test]
+fn vm_add_vsock_hot_adds_a_listening_device() {
+    if !have_curl() {
+        return lucid_guests::skip_or_fail("curl is not installed (apt-get install curl)");
+    }
+    let sock = socket("hot");
+    let s = Server::start("vsock-hot");
+    let config = json!({
+        "payload": {"kernel": "builtin:spin"},
+        "cpus": {"boot_vcpus": 1, "max_vcpus": 1},
+        "memory": {"size": 64u64 << 20},
+        "console": {"mode": "Off"},
+    });
+    assert_eq!(s.curl("PUT", "vm.create", Some(&config)).0, 204);
+    assert_eq!(s.curl("PUT", "vm.boot", None).0, 204);
+    let (code, body) = s.curl(
+        "PUT",
+        "vm.add-vsock",
+        Some(&json!({"cid": 2, "socket": "/x"})),
+    );
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("cid"), "{body}");
+    let v = json!({"cid": 3, "socket": sock});
+    let (code, body) = s.curl("PUT", "vm.add-vsock", Some(&v));
+    assert_eq!(code, 200, "{body}");
+    let r: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(r["id"], "vsock0", "{r}");
+    assert!(r["bdf"].as_str().unwrap().starts_with("0000:00:"), "{r}");
+    // Lucid listens; the connection waits until a driver starts the device.
+    UnixStream::connect(&sock).unwrap();
+    assert_eq!(s.json("GET", "vm.info")["config"]["vsock"]["cid"], 3);
+    let (code, body) = s.curl("PUT", "vm.add-vsock", Some(&v));
+    assert_eq!(code, 400, "{body}");
 }
