@@ -124,6 +124,12 @@ fn remove_by_id(body: &mut Value, id: &str) -> bool {
             }
         }
     }
+    // The one vsock, named by its id or, without one, by Lucid's default name.
+    let v = &body["vsock"];
+    if v.is_object() && v["id"].as_str().unwrap_or("vsock0") == id {
+        body["vsock"] = Value::Null;
+        return true;
+    }
     false
 }
 
