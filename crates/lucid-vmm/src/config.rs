@@ -1110,6 +1110,31 @@ mod tests {
     }
 
     #[test]
+    fn vsock_options() {
+        let d = parse_vsock("cid=3,socket=/run/v.sock,id=agent").unwrap();
+        assert_eq!(d.name.as_deref(), Some("agent"));
+        let PciDeviceKind::Vsock(v) = d.kind else {
+            panic!("not a vsock")
+        };
+        assert_eq!((v.cid, v.socket), (3, PathBuf::from("/run/v.sock")));
+        assert_eq!(parse_vsock("socket=s,cid=4294967294").unwrap().name, None);
+        for bad in [
+            "",
+            "cid=3",
+            "socket=s",
+            "cid=2,socket=s",
+            "cid=4294967295,socket=s",
+            "cid=x,socket=s",
+            "cid=3,socket=",
+            "cid=3,socket=s,id=rng",
+            "cid=3,socket=s,id=a.b",
+            "cid=3,socket=s,rung=L1",
+        ] {
+            assert!(parse_vsock(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn balloon_options() {
         let b =
             parse_balloon("size=128,deflate_on_oom=on,free_page_reporting=on,stats=on,manager=on")

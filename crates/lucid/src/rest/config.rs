@@ -723,6 +723,29 @@ mod tests {
     }
 
     #[test]
+    fn maps_vsock() {
+        let vsock = |v: Value| {
+            let mut b = json!({"payload": {"kernel": "builtin:spin"}});
+            b["vsock"] = v;
+            map(b)
+        };
+        let c = vsock(json!({"cid": 3, "socket": "/run/v.sock", "iommu": false, "id": "agent"}))
+            .unwrap();
+        let d = &c.devices.pci[0];
+        assert_eq!(d.name.as_deref(), Some("agent"));
+        assert!(matches!(&d.kind, lucid_vmm::PciDeviceKind::Vsock(v) if v.cid == 3));
+        let refused = |v| vsock(v).unwrap_err().0;
+        assert!(refused(json!({"socket": "/s"})).starts_with("vsock.cid: "));
+        assert!(refused(json!({"cid": 3})).starts_with("vsock.socket: "));
+        assert!(refused(json!({"cid": 1, "socket": "/s"})).contains("cid"));
+        assert!(refused(json!({"cid": 3, "socket": "/s", "iommu": true})).contains("vsock.iommu"));
+        assert!(
+            refused(json!({"cid": 3, "socket": "/s", "pci_segment": 1})).contains("pci_segment")
+        );
+        assert!(refused(json!({"cid": 3, "socket": "/a,b"})).contains("comma"));
+    }
+
+    #[test]
     fn maps_rng() {
         let rng = |v: Value| {
             let mut b = json!({"payload": {"kernel": "builtin:spin"}});
