@@ -332,7 +332,8 @@ pub struct Vsock {
 }
 
 impl Vsock {
-    /// Listens on `cfg.socket` (a stale socket file there is replaced) and starts the connect
+    /// Listens on `cfg.socket` (a socket file there that nobody listens on is replaced; one in
+    /// use is an error) and starts the connect
     /// thread. Call on a thread whose seccomp filter allows socket(2) and bind(2): the VM's
     /// builder or the API server, not a vCPU.
     pub fn new(
@@ -349,10 +350,13 @@ impl Vsock {
             source,
         };
         use std::os::unix::fs::FileTypeExt;
-        if let Ok(m) = std::fs::symlink_metadata(&cfg.socket) {
-            if m.file_type().is_socket() {
-                std::fs::remove_file(&cfg.socket).map_err(listen_err)?;
+        // A socket file nobody listens on is a stale one (a VM before this one); one somebody
+        // listens on is not ours to take.
+        if std::fs::symlink_metadata(&cfg.socket).is_ok_and(|m| m.file_type().is_socket()) {
+            if UnixStream::connect(&cfg.socket).is_ok() {
+                return Err(listen_err(std::io::ErrorKind::AddrInUse.into()));
             }
+            std::fs::remove_file(&cfg.socket).map_err(listen_err)?;
         }
         let listener = UnixListener::bind(&cfg.socket).map_err(listen_err)?;
         nonblocking(listener.as_raw_fd()).map_err(listen_err)?;

@@ -90,7 +90,7 @@ fn sha256_of_abc() {
 
 /// A fresh socket path for the device.
 fn socket(tag: &str) -> PathBuf {
-    let p = tmp(&format!("vsock-{tag}.sock"));
+    let p = tmp(&format!("vsock-dev-{tag}.sock"));
     let _ = std::fs::remove_file(&p);
     p
 }
@@ -409,7 +409,7 @@ fn vsock_of_vm_create_and_vm_add_vsock() {
     );
     assert_eq!(listener.join().unwrap()[0].len(), 64 << 10);
     assert!(eventually(|| s.json("GET", "vm.counters")["vsock"]
-        ["agent"]["connections_guest"]
+        ["agent.connections_guest"]
         == 1));
     let (code, body) = s.curl(
         "PUT",
@@ -449,9 +449,47 @@ fn vm_add_vsock_hot_adds_a_listening_device() {
     let r: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(r["id"], "vsock0", "{r}");
     assert!(r["bdf"].as_str().unwrap().starts_with("0000:00:"), "{r}");
-    // Lucid listens; the connection waits until a driver starts the device.
+    // Lucid listens; the connection waits until a driver starts the device. A socket in use is
+    // not taken over.
     UnixStream::connect(&sock).unwrap();
+    let (code, body) = s.curl(
+        "PUT",
+        "vm.add-vsock",
+        Some(&json!({"cid": 3, "socket": sock, "id": "again"})),
+    );
+    assert_eq!(code, 400, "{body}");
     assert_eq!(s.json("GET", "vm.info")["config"]["vsock"]["cid"], 3);
     let (code, body) = s.curl("PUT", "vm.add-vsock", Some(&v));
     assert_eq!(code, 400, "{body}");
+}
+
+/// A socket somebody listens on is not taken over (a stale one, nobody listening, is replaced).
+#[test]
+fn a_socket_in_use_is_refused() {
+    let sock = socket("in-use");
+    let l = UnixListener::bind(&sock).unwrap();
+    let o = lucid(
+        &[
+            "run",
+            "--guest",
+            "hello",
+            "--vsock",
+            &format!("cid=3,socket={}", sock.display()),
+        ],
+        LIMIT,
+    );
+    assert_ne!(o.status, Some(1), "{}", o.stderr);
+    assert!(o.stderr.contains("in use"), "{}", o.stderr);
+    drop(l);
+    let o = lucid(
+        &[
+            "run",
+            "--guest",
+            "hello",
+            "--vsock",
+            &format!("cid=3,socket={}", sock.display()),
+        ],
+        LIMIT,
+    );
+    assert_eq!(o.status, Some(1), "{}", o.stderr);
 }
