@@ -493,3 +493,24 @@ fn a_socket_in_use_is_refused() {
     );
     assert_eq!(o.status, Some(1), "{}", o.stderr);
 }
+
+/// The connect thread is confined to its own role: the self-test's `socket(AF_UNIX,
+/// SOCK_DGRAM)` is not the Unix stream it may make, so it is caught and reported.
+#[test]
+fn the_connect_thread_is_confined() {
+    let sock = socket("seccomp");
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_lucid"));
+    cmd.args(["run", "--guest", "spin", "--vsock"])
+        .arg(format!("cid=3,socket={}", sock.display()))
+        .env("LUCID_SECCOMP_SELFTEST", "vsock");
+    let o = common::run_cmd(cmd, LIMIT);
+    assert_eq!(o.status, Some(148), "{}", o.stderr);
+    assert!(
+        o.stderr.contains(
+            "lucid: seccomp: thread lucid-vsock0-cn (role vsock) made a forbidden system call: \
+             socket (41)"
+        ),
+        "{}",
+        o.stderr
+    );
+}
