@@ -1,4 +1,4 @@
-//! The CLI's sub-option strings (`--blk`, `--net`, `--iommu`, `--rng`, `--device`, `--serial`,
+//! The CLI's sub-option strings (`--blk`, `--net`, `--iommu`, `--rng`, `--vsock`, `--device`, `--serial`,
 //! `--backing`, `--pool`, the pools' `--def`): any string gets a config or an error, an accepted config written back as an option string parses to the same config, and an
 //! accepted MAC address is made of hex digits.
 #![no_main]
@@ -77,6 +77,10 @@ fn unparse(d: &PciDeviceConfig) -> String {
             }
             o
         }
+        PciDeviceKind::Vsock(v) => {
+            let id = d.name.as_ref().map(|n| format!(",id={n}")).unwrap_or_default();
+            format!("cid={},socket={}{id}", v.cid, v.socket.display())
+        }
     }
 }
 
@@ -116,6 +120,10 @@ fuzz_target!(|s: &str| {
         let back = c.rate.map(|r| format!("rate={r}")).unwrap_or_default();
         let again = lucid_vmm::parse_rng(&back).expect("a written-back --rng parses");
         assert_eq!(again, c);
+    }
+    if let Ok(d) = lucid_vmm::parse_vsock(s) {
+        let again = lucid_vmm::parse_vsock(&unparse(&d)).expect("a written-back --vsock parses");
+        assert_eq!(again, d);
     }
     if let Ok(c) = parse_iommu(s) {
         let again = parse_iommu(&unparse_iommu(&c)).expect("a written-back --iommu parses");

@@ -823,6 +823,7 @@ pub fn run(args: IoArgs) -> Result<ExitCode, String> {
         });
     }
     let vhost_user = vhost_user_blk(&args, &dir, &disk);
+    let vsock = vsock_stream(&dir);
     let _ = std::fs::remove_dir_all(&dir);
     if let Some(p) = &args.plot {
         std::fs::write(p, svg_plot(&results)).map_err(|e| format!("{}: {e}", p.display()))?;
@@ -832,12 +833,14 @@ pub fn run(args: IoArgs) -> Result<ExitCode, String> {
             .iter()
             .map(|r| (r.workload.name.to_string(), r.to_json()))
             .collect();
+        let vsock_mb = vsock.as_ref().ok().copied();
         println!(
             "{}",
             json!({
                 "count": args.count,
                 "workloads": all,
                 "vhost_user_blk_over_builtin": vhost_user,
+                "vsock_mb_per_s": vsock_mb,
             })
         );
         return Ok(ExitCode::SUCCESS);
@@ -873,7 +876,62 @@ pub fn run(args: IoArgs) -> Result<ExitCode, String> {
     println!(
         "vhost-user-blk (qemu-storage-daemon) over Lucid's virtio-blk, same file, L1: {vhost_user}"
     );
+    match vsock {
+        Ok(mb) => println!(
+            "vsock stream: {mb:.1} MB/s ({} MiB through the guest and back, host echo on a Unix socket)",
+            VSOCK_BYTES >> 20
+        ),
+        Err(e) => println!("vsock stream: error: {e}"),
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+const VSOCK_BYTES: u64 = 16 << 20;
+
+/// vsock stream throughput: the `virtio-vsock` guest connects to host port 5000 (a thread here
+/// echoing on `<socket>_5000`) and sends 16 MiB, reading each byte back. MB/s of payload one
+/// way, from the guest's TSC time (every byte crosses the device twice).
+fn vsock_stream(dir: &Path) -> Result<f64, String> {
+    let kernel = guest_path("virtio-vsock", dir)?;
+    let sock = dir.join("vsock.sock");
+    let listen = dir.join("vsock.sock_5000");
+    let _ = std::fs::remove_file(&listen);
+    let l = std::os::unix::net::UnixListener::bind(&listen).map_err(|e| e.to_string())?;
+    let echo = std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let Ok((mut s, _)) = l.accept() else { return };
+        let mut buf = vec![0u8; 1 << 16];
+        while let Ok(n @ 1..) = s.read(&mut buf) {
+            if s.write_all(&buf[..n]).is_err() {
+                return;
+            }
+        }
+    });
+    let serial = dir.join("vsock-serial.txt");
+    let mut c = VmConfig::new(KernelSource::File(kernel));
+    c.payload.cmdline = format!("mode=connect port=5000 bytes={VSOCK_BYTES} timeout_ms=120000");
+    c.devices.serial = SerialOutput::File(serial.clone());
+    c.devices.pci.push(
+        lucid_vmm::parse_vsock(&format!("cid=3,socket={}", sock.display()))
+            .map_err(|e| e.to_string())?,
+    );
+    let report = Vm::run(c).map_err(|e| lucid_vmm::error_chain(&e))?;
+    let _ = echo.join();
+    let out = std::fs::read_to_string(&serial).unwrap_or_default();
+    if report.stop != lucid_vmm::StopReason::DebugExit(0) {
+        return Err(format!("{} — guest said: {out}", report.stop_text()));
+    }
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("virtio-vsock: mode=connect"))
+        .ok_or(format!("no result in: {out}"))?;
+    let ms: f64 = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("tsc_ms="))
+        .and_then(|v| v.parse().ok())
+        .filter(|&ms: &f64| ms > 0.0)
+        .ok_or(format!("no TSC time in: {line}"))?;
+    Ok(VSOCK_BYTES as f64 / 1e6 / (ms / 1e3))
 }
 
 #[cfg(test)]

@@ -66,6 +66,7 @@ guests!(
     "fw-cfg",
     "virtio-console",
     "virtio-fs",
+    "virtio-vsock",
 );
 
 /// Symbiotic modules (docs/symbiotic.md §7): ELF64 relocatable objects built with

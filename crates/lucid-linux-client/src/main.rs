@@ -1131,7 +1131,7 @@ fn first_boot(
         "rng.bytes_written",
         "rng.virtio.activations",
         "vsock0.virtio.activations",
-        "vsock0.rst_received",
+        "vsock.vsock0.rst_received",
         "console.bytes_read",
         "fw_cfg.selects",
         "fw_cfg.reads",
@@ -1205,7 +1205,7 @@ fn first_boot(
         functions(VIRTIO_VSOCK_ID) == 1
             && c("vsock0.virtio.activations") > 0
             && report.vsock_refused
-            && c("vsock0.rst_received") > 0
+            && c("vsock.vsock0.rst_received") > 0
             && msix_only("vsock0"),
     );
     // Registering hvc0 replays the log from the start, so the file has the first line too.

@@ -1,5 +1,5 @@
 //! Lucid's seccomp filters: one per thread role ([`Role::Vcpu`], [`Role::Backend`],
-//! [`Role::Main`], [`Role::Iommu`], [`Role::Monitor`], [`Role::Pager`]), built with seccompiler
+//! [`Role::Main`], [`Role::Iommu`], [`Role::Monitor`], [`Role::Pager`], [`Role::Vsock`]), built with seccompiler
 //! and installed by each thread on itself once it has opened what it needs. A forbidden call traps into a handler that reports the thread, its role
 //! and the call, and ends the process (the VM) with [`VIOLATION_EXIT_STATUS`]: see
 //! docs/security.md for the lists, the reasons and how to debug a violation.
@@ -24,7 +24,7 @@ use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 pub use report::VIOLATION_EXIT_STATUS;
 
 /// The environment variable that makes a thread of the named role (`vcpu`, `backend`, `main`,
-/// `iommu`, `monitor`, `pager`, `device-server`) call `socket(2)`, which every role forbids, right after it confined itself: how the tests
+/// `iommu`, `monitor`, `pager`, `device-server`, `vsock`) call `socket(2)`, which every role forbids, right after it confined itself: how the tests
 /// show that a violation is caught and reported. It does nothing else; with seccomp off the
 /// call succeeds and the socket is closed.
 pub const SELFTEST_ENV: &str = "LUCID_SECCOMP_SELFTEST";
@@ -49,10 +49,13 @@ pub enum Role {
     /// `lucid device-server`, a vhost-user back-end process: every thread, from the moment its
     /// socket is bound (requests from the front-end, the vring worker, the signal wait).
     DeviceServer,
+    /// `lucid-<dev>-cn`: a vsock device's connect thread, which opens the Unix stream sockets
+    /// of guest connections to host ports (`socket(AF_UNIX, SOCK_STREAM)` and `connect`).
+    Vsock,
 }
 
 impl Role {
-    pub const ALL: [Role; 7] = [
+    pub const ALL: [Role; 8] = [
         Role::Vcpu,
         Role::Backend,
         Role::Main,
@@ -60,6 +63,7 @@ impl Role {
         Role::Monitor,
         Role::Pager,
         Role::DeviceServer,
+        Role::Vsock,
     ];
 
     pub fn name(self) -> &'static str {
@@ -71,6 +75,7 @@ impl Role {
             Role::Monitor => "monitor",
             Role::Pager => "pager",
             Role::DeviceServer => "device-server",
+            Role::Vsock => "vsock",
         }
     }
 
@@ -108,7 +113,7 @@ pub enum SeccompError {
     Handler(#[source] std::io::Error),
     #[error("this kernel refuses seccomp filters ({0}); run with --no-seccomp")]
     Unsupported(#[source] seccompiler::Error),
-    #[error("{SELFTEST_ENV}={0:?}: expected vcpu, backend, main, iommu, monitor, pager or device-server")]
+    #[error("{SELFTEST_ENV}={0:?}: expected vcpu, backend, main, iommu, monitor, pager, device-server or vsock")]
     BadSelftest(String),
 }
 

@@ -303,6 +303,8 @@ fn backend(a: &mut Allowed) -> Result<(), BackendError> {
         SYS_fallocate,
         SYS_accept4,
         SYS_recvfrom,
+        // A vsock stream's write side, once the guest shut its sending side.
+        SYS_shutdown,
         // The Swap Mapper on a disk's worker: read-ahead of the blocks it maps.
         SYS_fadvise64,
         // A vhost-user device's watcher ends a connection whose back-end stopped answering.
@@ -483,6 +485,21 @@ fn device_server(a: &mut Allowed) -> Result<(), BackendError> {
     Ok(())
 }
 
+/// A vsock device's connect thread: a Unix stream socket (no other family or type) and
+/// `connect(2)` on it; the base list has the rest (its eventfds, `fcntl` for O_NONBLOCK).
+fn vsock(a: &mut Allowed) -> Result<(), BackendError> {
+    use libc::*;
+    a.when(
+        SYS_socket,
+        vec![rule(vec![
+            arg(0, Op::Eq, AF_UNIX as u64)?,
+            arg(1, Op::Eq, (SOCK_STREAM | SOCK_CLOEXEC) as u64)?,
+        ])?],
+    );
+    a.always(&[SYS_connect]);
+    Ok(())
+}
+
 /// `openat(dirfd, path, flags, mode)` with no access mode but read and no `O_CREAT`/`O_TRUNC`.
 fn open_read_only(a: &mut Allowed) -> Result<(), BackendError> {
     use libc::*;
@@ -523,6 +540,7 @@ pub(crate) fn allowed(role: Role, pid: u32, kick_signal: i32) -> Result<Allowed,
         Role::Monitor => monitor(&mut a)?,
         Role::Pager => pager(&mut a),
         Role::DeviceServer => device_server(&mut a)?,
+        Role::Vsock => vsock(&mut a)?,
     }
     Ok(a)
 }
@@ -578,6 +596,10 @@ mod tests {
                 "chmod",
                 "setuid",
             ] {
+                // The vsock connect thread's one exception (a Unix stream socket, checked below).
+                if role == Role::Vsock && matches!(bad, "socket" | "connect") {
+                    continue;
+                }
                 assert!(!has(role, bad), "{role} may call {bad}");
             }
             // Only the monitor opens files, and only read-only (checked below).
@@ -734,6 +756,15 @@ mod tests {
 
     /// The monitor's `openat` rule lets read-only opens through and nothing that writes or
     /// creates.
+    #[test]
+    fn the_vsock_thread_opens_unix_stream_sockets_only() {
+        let a = allowed(Role::Vsock, 1, 34).unwrap();
+        let socket = a.into_rules().remove(&libc::SYS_socket).unwrap();
+        assert_eq!(socket.len(), 1);
+        assert!(!has(Role::Vsock, "accept4") && !has(Role::Vsock, "bind"));
+        assert!(has(Role::Backend, "shutdown") && !has(Role::Main, "shutdown"));
+    }
+
     #[test]
     fn the_monitor_opens_read_only() {
         let mask = (libc::O_ACCMODE | libc::O_CREAT | libc::O_TRUNC) as u64;

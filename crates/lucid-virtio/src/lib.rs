@@ -4,8 +4,8 @@
 //! by `KVM_SIGNAL_MSI` or an irqfd: that is the transport's rung of the exit ladder.
 //!
 //! Devices: [`blk::Block`] (raw image file), [`net::Net`] (tap, echo, sink),
-//! [`balloon::Balloon`] (memory given back by the guest) and [`rng::Rng`] (entropy from the
-//! host's `getrandom`). Each runs one
+//! [`balloon::Balloon`] (memory given back by the guest), [`rng::Rng`] (entropy from the
+//! host's `getrandom`) and [`vsock::Vsock`] (sockets to host programs over a Unix socket). Each runs one
 //! back-end thread, `lucid-<name>-io` (Linux keeps the first 15 bytes of a thread name, so keep
 //! device names to 6 bytes), started by `activate` and joined by `reset`. The thread waits on the
 //! kick eventfds ([`Notify::Kicks`]) or polls the avail rings with the driver's notifications
@@ -45,6 +45,7 @@ pub mod net;
 pub mod rate;
 pub mod rng;
 pub mod vhost_user;
+pub mod vsock;
 mod worker;
 
 #[doc(hidden)]
@@ -65,6 +66,7 @@ pub mod device_type {
     pub const CONSOLE: u32 = 3;
     pub const RNG: u32 = 4;
     pub const BALLOON: u32 = 5;
+    pub const VSOCK: u32 = 19;
 }
 
 /// How a device's back-end thread learns of new requests.

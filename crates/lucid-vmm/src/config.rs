@@ -21,6 +21,7 @@ use lucid_virtio::net::NetConfig;
 use lucid_virtio::rate::{RateLimiterConfig, TokenBucketConfig};
 use lucid_virtio::rng::RngConfig;
 use lucid_virtio::vhost_user::{VhostUserConfig, VhostUserKind};
+use lucid_virtio::vsock::VsockConfig;
 use lucid_virtio::Coalescing;
 use serde::{Deserialize, Serialize};
 
@@ -34,6 +35,7 @@ pub enum PciDeviceKind {
     Net(NetConfig),
     /// A vhost-user device (blk, fs or net) whose back-end is another process.
     VhostUser(VhostUserConfig),
+    Vsock(VsockConfig),
 }
 
 /// One PCI device: what it is and its rung of the exit ladder.
@@ -763,6 +765,20 @@ pub mod options {
         ],
     };
 
+    /// `--vsock`.
+    pub const VSOCK: OptSpec = OptSpec {
+        flag: "--vsock",
+        about: "A virtio-vsock on PCI whose host end is a Unix socket (hybrid vsock): host \
+                programs connect to SOCKET and write `CONNECT <port>\\n`; guest connections \
+                to host port P go to SOCKET_P.",
+        head: None,
+        keys: &[
+            OptKey::new("cid", "N", "the guest's context ID, 3 to 4294967294").required(),
+            OptKey::new("socket", "PATH", "the Unix socket Lucid listens on").required(),
+            OptKey::new("id", "NAME", "the device's name (default vsockN)"),
+        ],
+    };
+
     /// `--iommu`.
     pub const IOMMU: OptSpec = OptSpec {
         flag: "--iommu",
@@ -1274,6 +1290,43 @@ fn rate_limits(
     Ok((!cfg.is_unlimited()).then_some(cfg))
 }
 
+/// Parses `--vsock` by [`VSOCK`]. Never panics, whatever the input.
+pub fn parse_vsock(s: &str) -> Result<PciDeviceConfig, DeviceOptionError> {
+    let spec = &VSOCK;
+    let p = spec.parse(s)?;
+    let mut cfg = VsockConfig {
+        cid: 0,
+        socket: PathBuf::new(),
+    };
+    let mut name = None;
+    for (k, v) in &p.pairs {
+        let v = v.as_str();
+        match *k {
+            "cid" => {
+                cfg.cid = v
+                    .parse()
+                    .ok()
+                    .filter(|&c| lucid_virtio::vsock::cid_ok(c))
+                    .ok_or(spec.bad("cid", v, "3 to 4294967294"))?
+            }
+            "socket" if v.is_empty() => return Err(spec.bad("socket", v, "a path")),
+            "socket" => cfg.socket = PathBuf::from(v),
+            "id" if !device_name_ok(v) => {
+                return Err(spec.bad(
+                    "id",
+                    v,
+                    "1 to 32 letters, digits, `_` or `-`, not a reserved name",
+                ))
+            }
+            "id" => name = Some(v.to_string()),
+            _ => {}
+        }
+    }
+    let mut d = PciDeviceConfig::new(PciDeviceKind::Vsock(cfg));
+    d.name = name;
+    Ok(d)
+}
+
 /// Parses `--iommu` by [`IOMMU`] (defaults: samecore, pin=all). Never panics, whatever the
 /// input (a fuzz target calls it).
 pub fn parse_iommu(s: &str) -> Result<VtdConfig, DeviceOptionError> {
@@ -1477,6 +1530,31 @@ mod tests {
             "on",
         ] {
             assert!(parse_rng(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn vsock_options() {
+        let d = parse_vsock("cid=3,socket=/run/v.sock,id=agent").unwrap();
+        assert_eq!(d.name.as_deref(), Some("agent"));
+        let PciDeviceKind::Vsock(v) = d.kind else {
+            panic!("not a vsock")
+        };
+        assert_eq!((v.cid, v.socket), (3, PathBuf::from("/run/v.sock")));
+        assert_eq!(parse_vsock("socket=s,cid=4294967294").unwrap().name, None);
+        for bad in [
+            "",
+            "cid=3",
+            "socket=s",
+            "cid=2,socket=s",
+            "cid=4294967295,socket=s",
+            "cid=x,socket=s",
+            "cid=3,socket=",
+            "cid=3,socket=s,id=rng",
+            "cid=3,socket=s,id=a.b",
+            "cid=3,socket=s,rung=L1",
+        ] {
+            assert!(parse_vsock(bad).is_err(), "{bad}");
         }
     }
 

@@ -46,6 +46,9 @@ fn allowed_paths(config: &VmConfig) -> Vec<Allow> {
                 },
             }),
             PciDeviceKind::Net(_) | PciDeviceKind::VhostUser(_) => None,
+            // Its socket is bound before the jail is entered; `<socket>_P` must be reachable
+            // from inside it for guest connections to the host.
+            PciDeviceKind::Vsock(_) => None,
         })
         .collect();
     allow.push(Allow {

@@ -13,7 +13,7 @@ use std::process::ExitCode;
 use clap::{CommandFactory, Parser, Subcommand};
 use lucid::rest;
 use lucid_vmm::options::{
-    BACKING, BALLOON, BLK, CONSOLE_VIRTIO, DEVICE, FS, IOMMU, JAIL, NET, POOL, RNG, SERIAL,
+    BACKING, BALLOON, BLK, CONSOLE_VIRTIO, DEVICE, FS, IOMMU, JAIL, NET, POOL, RNG, SERIAL, VSOCK,
 };
 use lucid_vmm::{
     KernelSource, StopReason, Vm, VmConfig, EXIT_FAILURE, EXIT_USAGE, MAX_MEM_MIB, MAX_VCPUS,
@@ -100,6 +100,7 @@ const VM_FLAGS: &[&str] = &[
     "iommu",
     "balloon",
     "rng",
+    "vsock",
     "device",
     "hotplug",
     "no_seccomp",
@@ -169,6 +170,8 @@ struct RunArgs {
     rng: Option<String>,
     #[arg(long = "fs", value_name = "OPTS", help = FS.help())]
     fs: Vec<String>,
+    #[arg(long, value_name = "OPTS", help = VSOCK.help())]
+    vsock: Vec<String>,
     #[arg(long = "device", value_name = "NAME", help = DEVICE.help())]
     device: Vec<String>,
     /// ACPI PCI hotplug and the ACPI power button (docs/api.md); a VM made through the REST
@@ -383,6 +386,9 @@ fn flags_config(args: &RunArgs) -> Result<VmConfig, CliError> {
     for f in &args.fs {
         config.devices.pci.push(lucid_vmm::parse_fs(f)?);
     }
+    for v in &args.vsock {
+        config.devices.pci.push(lucid_vmm::parse_vsock(v)?);
+    }
     Ok(config)
 }
 
@@ -553,6 +559,7 @@ fn vm_flag_given(a: &RunArgs) -> Option<&'static str> {
         (a.balloon.is_some(), "--balloon"),
         (a.rng.is_some(), "--rng"),
         (!a.fs.is_empty(), "--fs"),
+        (!a.vsock.is_empty(), "--vsock"),
         (!a.device.is_empty(), "--device"),
         (a.hotplug, "--hotplug"),
         (a.fw_cfg.is_some(), "--fw-cfg"),

@@ -80,6 +80,7 @@ fn bench_io() {
     );
     let workloads = j["workloads"].as_object().expect("workloads");
     assert!(!workloads.is_empty(), "{j}");
+    assert!(j["vsock_mb_per_s"].as_f64().is_some_and(|x| x > 0.0), "{j}");
     for w in workloads.keys() {
         assert_finite(
             &j["workloads"][w],

@@ -222,9 +222,9 @@ fn a_cloud_hypervisor_config_is_the_same_vm_as_the_flags() {
 
     let bad = write(
         "config-ch-bad.json",
-        r#"{"payload": {"kernel": "builtin:hello"}, "vsock": {"cid": 3, "socket": "/x"}}"#,
+        r#"{"payload": {"kernel": "builtin:hello"}, "pmem": [{"file": "/x"}]}"#,
     );
     let o = run(&["run", "--config", &bad]);
     assert_eq!(o.status, Some(EXIT_USAGE), "{}", o.stderr);
-    assert!(o.stderr.contains("vsock"), "{}", o.stderr);
+    assert!(o.stderr.contains("pmem"), "{}", o.stderr);
 }

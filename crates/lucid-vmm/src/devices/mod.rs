@@ -30,8 +30,8 @@ use lucid_stats::StatsRegistry;
 use lucid_thread::Spawner;
 use lucid_virtio::balloon::BalloonControl;
 use lucid_virtio::blk::BlockDataHook;
-use lucid_virtio::vhost_user::VhostUserKind;
 use lucid_virtio::rate::{RateControl, RateError, RateLimiterConfig};
+use lucid_virtio::vhost_user::VhostUserKind;
 
 pub use pci::{AttachedPci, NewPciFunction, PciFunction, PciSlot};
 
@@ -56,7 +56,7 @@ pub const CONSOLE: &str = "console";
 /// `blkN` and `netN`, each kind numbered on its own, skipping numbers a named device took.
 pub fn virtio_names(pci: &[PciDeviceConfig]) -> Vec<String> {
     let taken: Vec<&str> = pci.iter().filter_map(|d| d.name.as_deref()).collect();
-    let (mut nblk, mut nnet, mut nfs) = (0, 0, 0);
+    let (mut nblk, mut nnet, mut nfs, mut nvsock) = (0, 0, 0, 0);
     pci.iter()
         .map(|d| {
             if let Some(n) = &d.name {
@@ -70,6 +70,7 @@ pub fn virtio_names(pci: &[PciDeviceConfig]) -> Vec<String> {
                     VhostUserKind::Net { .. } => ("net", &mut nnet),
                     VhostUserKind::Fs { .. } => ("fs", &mut nfs),
                 },
+                PciDeviceKind::Vsock(_) => ("vsock", &mut nvsock),
             };
             loop {
                 let name = format!("{prefix}{next}");
@@ -96,6 +97,9 @@ pub struct DeviceManager {
     fw_cfg: Option<Arc<std::sync::Mutex<lucid_devices::FwCfg>>>,
     /// The rate limiters of the blk, net and rng devices, by device name.
     limits: Mutex<BTreeMap<String, Arc<RateControl>>>,
+    /// For devices that count or start threads of their own as they are made (vsock).
+    stats: Arc<StatsRegistry>,
+    spawner: Spawner,
 }
 
 /// Why `lucid.rate-limit` could not change a device's limits.
@@ -155,6 +159,8 @@ impl DeviceManager {
             blk_hook: p.swap.blk_hook(),
             fw_cfg: None,
             limits: Mutex::default(),
+            stats: p.stats.clone(),
+            spawner: p.spawner.clone(),
         };
         if p.config.devices.fw_cfg {
             dm.fw_cfg = Some(fw_cfg::attach(
@@ -243,6 +249,15 @@ impl DeviceManager {
                     .map_err(|e| back_end(name.to_string(), e))?,
                 )
             }
+            PciDeviceKind::Vsock(v) => Box::new(
+                lucid_virtio::vsock::Vsock::new(
+                    name.to_string(),
+                    v.clone(),
+                    &self.stats,
+                    &self.spawner,
+                )
+                .map_err(|e| back_end(name.to_string(), e))?,
+            ),
         };
         self.track_limits(name, limits);
         Ok(NewPciFunction::Virtio {
@@ -332,6 +347,7 @@ impl DeviceManager {
                 VhostUserKind::Net { .. } => "net",
                 VhostUserKind::Fs { .. } => "fs",
             },
+            PciDeviceKind::Vsock(_) => "vsock",
         };
         let taken: Vec<String> = self.pci_devices().into_iter().map(|a| a.name).collect();
         (0..)

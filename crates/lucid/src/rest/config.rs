@@ -407,6 +407,10 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
         ])?;
     }
 
+    if let Some(v) = top.obj("vsock")? {
+        config.devices.pci.push(vsock(v, iommu)?);
+    }
+
     if let Some(ext) = top.obj("lucid")? {
         extension(ext, &mut config, nets)?;
     }
@@ -416,7 +420,6 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
         ("devices", Value::Null),
         ("user_devices", Value::Null),
         ("vdpa", Value::Null),
-        ("vsock", Value::Null),
         ("sgx_epc", Value::Null),
         ("numa", Value::Null),
         ("watchdog", json!(false)),
@@ -686,6 +689,31 @@ pub fn rate_limiter_config(at: &str, v: Value) -> Result<RateLimiterConfig, Refu
     Ok(cfg)
 }
 
+/// The `VsockConfig` (or the body of `vm.add-vsock`): a hybrid vsock on a Unix socket, named
+/// by its `id`.
+fn vsock(mut v: Obj, iommu: bool) -> Result<PciDeviceConfig, Refusal> {
+    let cid = v
+        .u64("cid")?
+        .ok_or_else(|| Refusal(format!("{}: required", v.field("cid"))))?;
+    let socket = v
+        .str("socket")?
+        .ok_or_else(|| Refusal(format!("{}: required", v.field("socket"))))?;
+    if socket.contains(',') {
+        return refuse(format!(
+            "{}: Lucid cannot take a path with a comma",
+            v.field("socket")
+        ));
+    }
+    let mut opts = format!("cid={cid},socket={socket}");
+    device_iommu(&mut v, iommu)?;
+    if let Some(id) = v.str("id")? {
+        opts += &format!(",id={id}");
+    }
+    let at = v.at.clone();
+    v.finish(&[("pci_segment", json!(0))])?;
+    lucid_vmm::parse_vsock(&opts).map_err(opt_refusal(&at))
+}
+
 /// The body of `vm.add-disk` (`what` = "disk") or `vm.add-net` ("net") for a VM whose
 /// devices are behind the vIOMMU (`iommu`) or not, with `nics` NICs so far.
 pub fn hot_device(
@@ -698,6 +726,7 @@ pub fn hot_device(
     match what {
         "disk" => disk(d, iommu),
         "fs" => fs(d, iommu),
+        "vsock" => vsock(d, iommu),
         _ => net(d, iommu, nics),
     }
 }
@@ -843,6 +872,29 @@ mod tests {
         assert!(refusal(json!({"payload": {"kernel": "builtin:nope"}})).contains("nope"));
         assert!(refusal(json!({"payload": {}})).contains("payload.kernel: required"));
         assert!(refusal(json!([])).contains("expected a JSON object"));
+    }
+
+    #[test]
+    fn maps_vsock() {
+        let vsock = |v: Value| {
+            let mut b = json!({"payload": {"kernel": "builtin:spin"}});
+            b["vsock"] = v;
+            map(b)
+        };
+        let c = vsock(json!({"cid": 3, "socket": "/run/v.sock", "iommu": false, "id": "agent"}))
+            .unwrap();
+        let d = &c.devices.pci[0];
+        assert_eq!(d.name.as_deref(), Some("agent"));
+        assert!(matches!(&d.kind, lucid_vmm::PciDeviceKind::Vsock(v) if v.cid == 3));
+        let refused = |v| vsock(v).unwrap_err().0;
+        assert!(refused(json!({"socket": "/s"})).starts_with("vsock.cid: "));
+        assert!(refused(json!({"cid": 3})).starts_with("vsock.socket: "));
+        assert!(refused(json!({"cid": 1, "socket": "/s"})).contains("cid"));
+        assert!(refused(json!({"cid": 3, "socket": "/s", "iommu": true})).contains("vsock.iommu"));
+        assert!(
+            refused(json!({"cid": 3, "socket": "/s", "pci_segment": 1})).contains("pci_segment")
+        );
+        assert!(refused(json!({"cid": 3, "socket": "/a,b"})).contains("comma"));
     }
 
     #[test]

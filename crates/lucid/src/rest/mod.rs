@@ -124,6 +124,12 @@ fn remove_by_id(body: &mut Value, id: &str) -> bool {
             }
         }
     }
+    // The one vsock, named by its id or, without one, by Lucid's default name.
+    let v = &body["vsock"];
+    if v.is_object() && v["id"].as_str().unwrap_or("vsock0") == id {
+        body["vsock"] = Value::Null;
+        return true;
+    }
     false
 }
 
@@ -148,6 +154,7 @@ impl Managed {
             entry["id"] = json!(name);
             match self.body[list].as_array_mut() {
                 Some(a) => a.push(entry),
+                None if list == "vsock" => self.body[list] = entry,
                 None => self.body[list] = json!([entry]),
             }
         } else {
@@ -513,6 +520,7 @@ impl RestServer {
             "vm.add-disk" => self.method(r, "PUT", |s, b| s.add_device("disk", b)),
             "vm.add-net" => self.method(r, "PUT", |s, b| s.add_device("net", b)),
             "vm.add-fs" => self.method(r, "PUT", |s, b| s.add_device("fs", b)),
+            "vm.add-vsock" => self.method(r, "PUT", |s, b| s.add_device("vsock", b)),
             "vm.remove-device" => self.method(r, "PUT", Self::remove_device),
             "vm.power-button" => self.method(r, "PUT", Self::power_button),
             "vm.reboot" => self.method(r, "PUT", Self::reboot),
@@ -520,7 +528,6 @@ impl RestServer {
             lucid if lucid.starts_with("lucid.") => self.lucid(r, lucid),
             "vm.add-device"
             | "vm.add-pmem"
-            | "vm.add-vsock"
             | "vm.add-vdpa"
             | "vm.add-user-device"
             | "vm.resize-zone"
@@ -712,7 +719,8 @@ impl RestServer {
         Response::empty()
     }
 
-    /// `vm.add-disk` (`what` = "disk") and `vm.add-net` ("net"), as Cloud Hypervisor: to a
+    /// `vm.add-disk` (`what` = "disk"), `vm.add-net` ("net") and `vm.add-vsock` ("vsock"), as
+    /// Cloud Hypervisor: to a
     /// booted VM the device is hot-added (200 with its id and PCI address); to a VM not booted
     /// yet it is added to the configuration (204).
     fn add_device(&mut self, what: &str, body: &[u8]) -> Response {
@@ -726,11 +734,16 @@ impl RestServer {
         let Some(m) = &mut self.vm else {
             return no_vm(&endpoint);
         };
+        // `vsock` is one object, not a list, as in Cloud Hypervisor.
         let list = match what {
             "disk" => "disks",
             "fs" => "fs",
+            "vsock" => "vsock",
             _ => "net",
         };
+        if what == "vsock" && !m.body["vsock"].is_null() {
+            return Response::error(400, format!("{endpoint}: the VM already has a vsock"));
+        }
         let nics = m.body[list].as_array().map_or(0, Vec::len);
         let device = match config::hot_device(what, v.clone(), m.config.iommu.is_some(), nics) {
             Ok(d) => d,
@@ -758,6 +771,7 @@ impl RestServer {
                 let mut body = m.body.clone();
                 match body[list].as_array_mut() {
                     Some(a) => a.push(v),
+                    None if list == "vsock" => body[list] = v,
                     None => body[list] = json!([v]),
                 }
                 m.reconfigure(body, &endpoint)
