@@ -90,6 +90,15 @@ enum BufError {
     Io(#[from] io::Error),
 }
 
+/// What one pass of [`NetBackend::transmit`] or [`NetBackend::receive`] did.
+struct Pass {
+    /// Buffers went to the used ring: the driver may want an interrupt.
+    used: bool,
+    /// The pass stopped because the ring had no more buffers (not because the receive
+    /// backlog ran out): buffers the driver adds meanwhile are worth another pass.
+    drained: bool,
+}
+
 /// One connection's device state (a new front-end gets a new one).
 pub struct NetBackend {
     mac: [u8; 6],
@@ -129,7 +138,7 @@ impl NetBackend {
     }
 
     /// Takes every transmitted buffer, completes it and queues its reflection.
-    fn transmit(&mut self, vring: &VringRwLock, mem: &Guard) -> Result<bool, BufError> {
+    fn transmit(&mut self, vring: &VringRwLock, mem: &Guard) -> Result<Pass, BufError> {
         let mut used = false;
         while let Some(chain) = Self::pop(vring, mem) {
             let head = chain.head_index();
@@ -155,7 +164,10 @@ impl NetBackend {
             }
             used |= self.complete(vring, head, 0, "tx");
         }
-        Ok(used)
+        Ok(Pass {
+            used,
+            drained: true,
+        })
     }
 
     /// Puts chain `head` in the used ring; false (counted) when the ring refuses it (a head
@@ -168,11 +180,14 @@ impl NetBackend {
     }
 
     /// Moves waiting frames into receive buffers, oldest first, while there are both.
-    fn receive(&mut self, vring: &VringRwLock, mem: &Guard) -> Result<bool, BufError> {
+    fn receive(&mut self, vring: &VringRwLock, mem: &Guard) -> Result<Pass, BufError> {
         let mut used = false;
         while let Some(len) = self.backlog.front().map(Vec::len) {
             let Some(chain) = Self::pop(vring, mem) else {
-                break;
+                return Ok(Pass {
+                    used,
+                    drained: true,
+                });
             };
             let head = chain.head_index();
             let mut w = match Writer::new(&**mem, chain) {
@@ -203,25 +218,34 @@ impl NetBackend {
                 }
             }
         }
-        Ok(used)
+        Ok(Pass {
+            used,
+            drained: false,
+        })
     }
 
     /// Runs `work` on `vring` until it finds nothing more to do, with notifications off while
     /// it works (EVENT_IDX: re-enabling them tells whether the driver added buffers meanwhile),
     /// then interrupts the driver if it asked to be.
+    ///
+    /// Buffers added meanwhile call for another pass only when the last one ran out of
+    /// buffers: a receive ring the driver keeps stocked always has some, so looping on them
+    /// with an empty backlog would spin forever, holding the back-end's lock against every
+    /// request of the front-end.
     fn process(
         &mut self,
         vring: &VringRwLock,
         mem: &Guard,
-        mut work: impl FnMut(&mut Self, &VringRwLock, &Guard) -> Result<bool, BufError>,
+        mut work: impl FnMut(&mut Self, &VringRwLock, &Guard) -> Result<Pass, BufError>,
     ) -> Result<(), BufError> {
         let mut used = false;
         loop {
             if self.event_idx {
                 vring.disable_notification()?;
             }
-            used |= work(self, vring, mem)?;
-            if !self.event_idx || !vring.enable_notification()? {
+            let pass = work(self, vring, mem)?;
+            used |= pass.used;
+            if !self.event_idx || !vring.enable_notification()? || !pass.drained {
                 break;
             }
         }

@@ -50,6 +50,10 @@ const TESTS: &[Test] = &[
         frames_wait_for_receive_buffers,
     ),
     (
+        "a_stocked_receive_ring_does_not_hold_the_server",
+        a_stocked_receive_ring_does_not_hold_the_server,
+    ),
+    (
         "a_hostile_front_end_costs_its_buffers_not_the_server",
         a_hostile_front_end_costs_its_buffers_not_the_server,
     ),
@@ -446,6 +450,37 @@ fn frames_come_back_with_swapped_macs_and_an_interrupt() {
             ("drops", 0),
             ("errors", 0),
             ("connections", 1),
+        ] {
+            assert_eq!(counter(&out, c), want, "{c} event_idx={event_idx}\n{out}");
+        }
+        drop(d);
+    }
+}
+
+/// A driver that keeps spare receive buffers posted, as a real one does: after each
+/// reflection the ring still has some, and the server serves the next frame (with EVENT_IDX,
+/// re-enabling notifications on that ring reports buffers every time).
+fn a_stocked_receive_ring_does_not_hold_the_server() {
+    for event_idx in [true, false] {
+        let socket = socket_path(&format!("stocked-{event_idx}"));
+        let server = spawn_server(&socket, false);
+        let mut d = Driver::connect(&socket, event_idx);
+        const SPARE: u16 = 8;
+        for i in 0..SPARE {
+            d.post_rx(i, 2048);
+        }
+        for seq in 0..40u32 {
+            let rxi = (seq % u32::from(QSIZE)) as u16;
+            round_trip(&mut d, seq, 64, rxi);
+            d.post_rx((rxi + SPARE) % QSIZE, 2048);
+        }
+        let (status, out) = stop_server(server);
+        assert_eq!(status, Some(0), "{out}");
+        for (c, want) in [
+            ("frames_tx", 40),
+            ("frames_rx", 40),
+            ("drops", 0),
+            ("errors", 0),
         ] {
             assert_eq!(counter(&out, c), want, "{c} event_idx={event_idx}\n{out}");
         }

@@ -1,6 +1,8 @@
 //! vhost-user devices against back-ends nobody here wrote, on real KVM: Debian's
 //! `qemu-storage-daemon` serving a vhost-user-blk, `/usr/lib/qemu/virtiofsd` serving a
-//! virtio-fs share, and a back-end killed with `kill -9` while the guest uses it.
+//! virtio-fs share, and a back-end killed with `kill -9` while the guest uses it; and
+//! vhost-user-net against `lucid device-server net`, a separate process built on rust-vmm's
+//! `vhost-user-backend`.
 
 mod common;
 mod rest_client;
@@ -25,11 +27,16 @@ struct BackEnd {
 
 impl BackEnd {
     /// Starts `cmd` and waits for it to listen on `socket`.
-    fn start(mut cmd: Command, socket: PathBuf) -> BackEnd {
+    fn start(cmd: Command, socket: PathBuf) -> BackEnd {
+        BackEnd::start_to(cmd, socket, Stdio::null())
+    }
+
+    /// As [`BackEnd::start`], its standard output going to `stdout`.
+    fn start_to(mut cmd: Command, socket: PathBuf, stdout: Stdio) -> BackEnd {
         let _ = std::fs::remove_file(&socket);
         let child = cmd
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
+            .stdout(stdout)
             .stderr(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
@@ -80,6 +87,29 @@ impl BackEnd {
             .arg("-o")
             .arg("sandbox=chroot");
         Some(BackEnd::start(cmd, socket))
+    }
+
+    /// `lucid device-server net`, its standard output (the summary) in `out`.
+    fn net_server(tag: &str, out: &Path) -> BackEnd {
+        let socket = tmp(&format!("{tag}.vhnet.sock"));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_lucid"));
+        cmd.args(["device-server", "net", "--socket"]).arg(&socket);
+        let stdout = std::fs::File::create(out).unwrap();
+        BackEnd::start_to(cmd, socket, stdout.into())
+    }
+
+    /// Waits for a back-end that stops on its own (the front-end left) and returns its exit
+    /// status; one still running after `limit` is killed (None).
+    fn wait(&mut self, limit: Duration) -> Option<i32> {
+        let t0 = Instant::now();
+        while t0.elapsed() < limit {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s.code();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill();
+        None
     }
 
     fn kill(&mut self) {
@@ -494,4 +524,81 @@ fn garbage_or_silent_back_end_is_refused() {
         server.join().unwrap();
         let _ = std::fs::remove_file(&socket);
     }
+}
+
+/// The virtio-net guest's round trips through `lucid device-server net`, which reflects every
+/// frame: all come back intact, and the server counts each one both ways. The guest keeps its
+/// receive ring stocked, so the back-end finds spare buffers after each reflection.
+fn net_round_trips(tag: &str, cmdline: &str, event_idx: &str) {
+    let out = tmp(&format!("{tag}.vhnet.out"));
+    let mut be = BackEnd::net_server(tag, &out);
+    let o = lucid(
+        &[
+            "run",
+            "--guest",
+            "virtio-net",
+            "--net",
+            &format!("vhost_user=on,socket={}", be.socket.display()),
+            "--backing",
+            "memfd",
+            "--cmdline",
+            cmdline,
+        ],
+        LIMIT,
+    );
+    // Without --reconnect the server ends when Lucid, its front-end, goes.
+    let status = be.wait(Duration::from_secs(10));
+    let summary = std::fs::read_to_string(&out).unwrap_or_default();
+    let _ = std::fs::remove_file(&out);
+    assert_eq!(
+        o.status,
+        Some(1),
+        "(0 << 1) | 1: {}\n{}",
+        o.stdout,
+        o.stderr
+    );
+    assert_eq!(
+        field(&o.stdout, "virtio-net detail:", "event_idx"),
+        Some(event_idx),
+        "{}",
+        o.stdout
+    );
+    assert_eq!(field(&o.stdout, "virtio-net op=", "packets"), Some("1000"));
+    assert_eq!(field(&o.stdout, "virtio-net op=", "mismatches"), Some("0"));
+    assert_eq!(o.counter("vhost_user.net0.activations"), 1);
+    assert_eq!(o.counter("vhost_user.net0.vrings_set_up"), 2);
+    assert_eq!(o.counter("vhost_user.net0.errors"), 0);
+    assert_eq!(o.counter("vhost_user.net0.disconnects"), 0);
+    assert_eq!(status, Some(0), "{summary}");
+    let server = "lucid device-server net:";
+    for (k, v) in [
+        ("stopped", "disconnect"),
+        ("frames_tx", "1000"),
+        ("frames_rx", "1000"),
+        ("drops", "0"),
+        ("errors", "0"),
+        ("connections", "1"),
+    ] {
+        assert_eq!(field(&summary, server, k), Some(v), "{k}: {summary}");
+    }
+}
+
+/// With VIRTIO_RING_F_EVENT_IDX (the guest's default).
+#[test]
+fn net_from_the_device_server_with_event_idx() {
+    net_round_trips(
+        "vu-net-evidx",
+        "op=rr size=64 count=1000 dst=02:00:00:00:00:42 reflect=1",
+        "1",
+    );
+}
+
+/// Without it: the used ring's flags say when to kick and interrupt.
+#[test]
+fn net_from_the_device_server_without_event_idx() {
+    net_round_trips(
+        "vu-net-noevidx",
+        "op=rr size=64 count=1000 dst=02:00:00:00:00:42 reflect=1 event_idx=0",
+        "0",
+    );
 }
