@@ -155,6 +155,7 @@ impl Seccomp {
         report::install_handler().map_err(SeccompError::Handler)?;
         // SAFETY: tzset has no preconditions; it only fills libc's time-zone state.
         unsafe { tzset() };
+        fix_arena_limit();
         let c = |r: Role| stats.counter(format!("seccomp.confined.{r}"));
         Ok(Seccomp {
             confined: Arc::new(Role::ALL.map(c)),
@@ -219,6 +220,18 @@ fn prime_heap_trim() {
     let blocks: Vec<Vec<u8>> = (0..16).map(|_| vec![1u8; 48 << 10]).collect();
     std::hint::black_box(&blocks);
     drop(blocks);
+}
+
+/// glibc's malloc counts the host's CPUs (`get_nprocs`, an `openat` of
+/// `/sys/devices/system/cpu/online`) the first time a thread needs an arena beyond the eighth,
+/// to cap them: with a dozen device threads that is a confined back-end thread, which would die
+/// on it. Setting the cap now, to glibc's own default (8 per CPU on 64-bit), leaves it nothing
+/// to read.
+fn fix_arena_limit() {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let arenas = i32::try_from(cpus * 8).unwrap_or(i32::MAX);
+    // SAFETY: mallopt only sets a malloc parameter; M_ARENA_MAX takes any positive count.
+    unsafe { libc::mallopt(libc::M_ARENA_MAX, arenas) };
 }
 
 /// Installs the role's filter (after the clone3 one) on the calling thread.
