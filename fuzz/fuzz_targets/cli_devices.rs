@@ -8,7 +8,10 @@ use lucid_pci::Rung;
 use lucid_virtio::net::NetBackend;
 use lucid_virtio::vhost_user::VhostUserKind;
 use lucid_vmm::lucid_iommu::{EmulationMode, PinPolicy, VtdConfig};
-use lucid_vmm::{parse_blk, parse_device, parse_iommu, parse_net, PciDeviceConfig, PciDeviceKind};
+use lucid_vmm::{
+    parse_blk, parse_device, parse_iommu, parse_net, PciDeviceConfig, PciDeviceKind,
+    RateLimiterConfig,
+};
 
 fn rung(r: Rung) -> &'static str {
     match r {
@@ -22,6 +25,22 @@ fn rung(r: Rung) -> &'static str {
 }
 
 /// The option string the CLI documents for `d`.
+/// `,bw=..,bw_burst=..,ops=..,ops_burst=..` for what is set: the flags give one-second
+/// buckets, so a bucket's size is its rate.
+fn unparse_limits(limits: Option<RateLimiterConfig>) -> String {
+    let limits = limits.unwrap_or_default();
+    let mut out = String::new();
+    for (key, b) in [("bw", limits.bandwidth), ("ops", limits.ops)] {
+        if let Some(b) = b {
+            out += &format!(",{key}={}", b.size);
+            if let Some(burst) = b.one_time_burst {
+                out += &format!(",{key}_burst={burst}");
+            }
+        }
+    }
+    out
+}
+
 fn unparse(d: &PciDeviceConfig) -> String {
     let mut common = format!(
         "rung={},coalesce={}:{},poll_us={}",
@@ -30,16 +49,7 @@ fn unparse(d: &PciDeviceConfig) -> String {
         d.coalescing.max_delay_us,
         d.poll_idle_us
     );
-    // The flags give one-second buckets: their size is the rate.
-    let limits = d.rate_limiter.unwrap_or_default();
-    for (key, b) in [("bw", limits.bandwidth), ("ops", limits.ops)] {
-        if let Some(b) = b {
-            common += &format!(",{key}={}", b.size);
-            if let Some(burst) = b.one_time_burst {
-                common += &format!(",{key}_burst={burst}");
-            }
-        }
-    }
+    common += &unparse_limits(d.rate_limiter);
     match &d.kind {
         PciDeviceKind::Block(b) => format!(
             "path={},ro={},bs={},id={},{common}",
@@ -78,7 +88,11 @@ fn unparse(d: &PciDeviceConfig) -> String {
             o
         }
         PciDeviceKind::Vsock(v) => {
-            let id = d.name.as_ref().map(|n| format!(",id={n}")).unwrap_or_default();
+            let id = d
+                .name
+                .as_ref()
+                .map(|n| format!(",id={n}"))
+                .unwrap_or_default();
             format!("cid={},socket={}{id}", v.cid, v.socket.display())
         }
     }
@@ -117,7 +131,8 @@ fuzz_target!(|s: &str| {
         assert_eq!(again, j);
     }
     if let Ok(c) = lucid_vmm::parse_rng(s) {
-        let back = c.rate.map(|r| format!("rate={r}")).unwrap_or_default();
+        let rate = c.rate.map(|r| format!("rate={r}")).unwrap_or_default();
+        let back = rate + &unparse_limits(c.rate_limiter);
         let again = lucid_vmm::parse_rng(&back).expect("a written-back --rng parses");
         assert_eq!(again, c);
     }
