@@ -846,6 +846,9 @@ fn replay(shared: &Shared, sock: UnixStream) -> Result<(), ReplayError> {
             set_vring(&mut fe, v, used, r.features & protocol_bit != 0)
                 .map_err(|(step, e)| retry(step)(e))?;
             shared.counters.vrings_set_up.inc();
+            // The old back-end may have drained a kick it never acted on, and a driver waiting
+            // for a completion kicks no more: the new one looks at the ring once unasked.
+            let _ = v.kick.write(1);
         }
         Ok(())
     })();
