@@ -20,7 +20,7 @@ const LIMIT: Duration = Duration::from_secs(120);
 const QSD: &str = "/usr/bin/qemu-storage-daemon";
 const VIRTIOFSD: &str = "/usr/lib/qemu/virtiofsd";
 /// The synchronous requests of the reconnection test: enough to outlast the restart.
-const RECONNECT_OPS: u64 = 20000;
+const RECONNECT_OPS: u64 = 50000;
 
 /// A back-end process, killed (SIGKILL) when dropped.
 struct BackEnd {
