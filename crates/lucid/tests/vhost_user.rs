@@ -534,6 +534,39 @@ fn back_end_restarted_mid_run_is_reconnected() {
     std::fs::remove_file(img).unwrap();
 }
 
+/// The reconnect thread is confined to its own role: the self-test's `socket(AF_UNIX,
+/// SOCK_DGRAM)` is not the Unix stream it may make, so it is caught and reported.
+#[test]
+fn the_reconnect_thread_is_confined() {
+    let img = disk("vu-rc-seccomp", 1);
+    let Some(be) = BackEnd::qsd(&img, "vu-rc-seccomp") else {
+        return;
+    };
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lucid"));
+    cmd.args([
+        "run",
+        "--guest",
+        "virtio-blk",
+        "--backing",
+        "memfd",
+        "--blk",
+    ])
+    .arg(format!("vhost_user=on,socket={}", be.socket.display()))
+    .env("LUCID_SECCOMP_SELFTEST", "vhost-user");
+    let o = common::run_cmd(cmd, LIMIT);
+    assert_eq!(o.status, Some(148), "{}", o.stderr);
+    assert!(
+        o.stderr.contains(
+            "lucid: seccomp: thread lucid-blk0-rc (role vhost-user) made a forbidden system \
+             call: socket (41)"
+        ),
+        "{}",
+        o.stderr
+    );
+    drop(be);
+    std::fs::remove_file(img).unwrap();
+}
+
 /// Cloud Hypervisor's API: `vm.create` with shared memory, `vm.add-fs` before boot (the
 /// virtiofsd share joins the configuration), `vm.boot`; the guest reads the file through it.
 #[test]
