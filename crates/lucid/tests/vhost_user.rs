@@ -530,6 +530,7 @@ fn back_end_restarted_mid_run_is_reconnected() {
     assert_eq!(counter("connected"), 1);
     assert_eq!(counter("activations"), 1);
     assert_eq!(counter("vrings_set_up"), 2);
+    assert_eq!(counter("mem_table_updates"), 2);
     drop(be);
     std::fs::remove_file(img).unwrap();
 }
