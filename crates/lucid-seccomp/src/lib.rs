@@ -24,7 +24,7 @@ use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 pub use report::VIOLATION_EXIT_STATUS;
 
 /// The environment variable that makes a thread of the named role (`vcpu`, `backend`, `main`,
-/// `iommu`, `monitor`, `pager`, `device-server`, `vsock`) call `socket(2)`, which every role forbids, right after it confined itself: how the tests
+/// `iommu`, `monitor`, `pager`, `device-server`, `vsock`, `vhost-user`) call `socket(2)`, which every role forbids, right after it confined itself: how the tests
 /// show that a violation is caught and reported. It does nothing else; with seccomp off the
 /// call succeeds and the socket is closed.
 pub const SELFTEST_ENV: &str = "LUCID_SECCOMP_SELFTEST";
@@ -52,10 +52,14 @@ pub enum Role {
     /// `lucid-<dev>-cn`: a vsock device's connect thread, which opens the Unix stream sockets
     /// of guest connections to host ports (`socket(AF_UNIX, SOCK_STREAM)` and `connect`).
     Vsock,
+    /// `lucid-<dev>-rc`: a vhost-user device's reconnect thread, which re-dials the back-end's
+    /// Unix socket (`socket(AF_UNIX, SOCK_STREAM)`, `connect`) and replays the set-up over it
+    /// (`sendmsg`, `recvmsg`: the messages carry descriptors).
+    VhostUser,
 }
 
 impl Role {
-    pub const ALL: [Role; 8] = [
+    pub const ALL: [Role; 9] = [
         Role::Vcpu,
         Role::Backend,
         Role::Main,
@@ -64,6 +68,7 @@ impl Role {
         Role::Pager,
         Role::DeviceServer,
         Role::Vsock,
+        Role::VhostUser,
     ];
 
     pub fn name(self) -> &'static str {
@@ -76,6 +81,7 @@ impl Role {
             Role::Pager => "pager",
             Role::DeviceServer => "device-server",
             Role::Vsock => "vsock",
+            Role::VhostUser => "vhost-user",
         }
     }
 
@@ -113,7 +119,7 @@ pub enum SeccompError {
     Handler(#[source] std::io::Error),
     #[error("this kernel refuses seccomp filters ({0}); run with --no-seccomp")]
     Unsupported(#[source] seccompiler::Error),
-    #[error("{SELFTEST_ENV}={0:?}: expected vcpu, backend, main, iommu, monitor, pager, device-server or vsock")]
+    #[error("{SELFTEST_ENV}={0:?}: expected vcpu, backend, main, iommu, monitor, pager, device-server, vsock or vhost-user")]
     BadSelftest(String),
 }
 

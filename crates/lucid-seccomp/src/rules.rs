@@ -500,6 +500,14 @@ fn vsock(a: &mut Allowed) -> Result<(), BackendError> {
     Ok(())
 }
 
+/// A vhost-user device's reconnect thread: the vsock connect thread's Unix stream socket and
+/// `connect(2)`, and the messages of the replayed set-up, which carry descriptors.
+fn vhost_user(a: &mut Allowed) -> Result<(), BackendError> {
+    vsock(a)?;
+    a.always(&[libc::SYS_sendmsg, libc::SYS_recvmsg]);
+    Ok(())
+}
+
 /// `openat(dirfd, path, flags, mode)` with no access mode but read and no `O_CREAT`/`O_TRUNC`.
 fn open_read_only(a: &mut Allowed) -> Result<(), BackendError> {
     use libc::*;
@@ -541,6 +549,7 @@ pub(crate) fn allowed(role: Role, pid: u32, kick_signal: i32) -> Result<Allowed,
         Role::Pager => pager(&mut a),
         Role::DeviceServer => device_server(&mut a)?,
         Role::Vsock => vsock(&mut a)?,
+        Role::VhostUser => vhost_user(&mut a)?,
     }
     Ok(a)
 }
@@ -597,7 +606,9 @@ mod tests {
                 "setuid",
             ] {
                 // The vsock connect thread's one exception (a Unix stream socket, checked below).
-                if role == Role::Vsock && matches!(bad, "socket" | "connect") {
+                if matches!(role, Role::Vsock | Role::VhostUser)
+                    && matches!(bad, "socket" | "connect")
+                {
                     continue;
                 }
                 assert!(!has(role, bad), "{role} may call {bad}");
@@ -762,6 +773,9 @@ mod tests {
         let socket = a.into_rules().remove(&libc::SYS_socket).unwrap();
         assert_eq!(socket.len(), 1);
         assert!(!has(Role::Vsock, "accept4") && !has(Role::Vsock, "bind"));
+        let a = allowed(Role::VhostUser, 1, 34).unwrap();
+        assert_eq!(a.into_rules().remove(&libc::SYS_socket).unwrap().len(), 1);
+        assert!(!has(Role::VhostUser, "accept4") && !has(Role::VhostUser, "bind"));
         assert!(has(Role::Backend, "shutdown") && !has(Role::Main, "shutdown"));
     }
 

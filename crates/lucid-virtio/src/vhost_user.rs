@@ -16,11 +16,19 @@
 //!   with no Lucid thread in between.
 //! - Reset: `SET_VRING_ENABLE 0` and `GET_VRING_BASE` per queue (the back-end stops the ring).
 //! - A watcher thread, `lucid-<name>-vu`, started with the device, waits for the socket to
-//!   close: a dead back-end is logged, counted (`disconnects`), and the device asks the driver
-//!   for a reset (`DEVICE_NEEDS_RESET`); the VM goes on. A back-end that leaves a message
-//!   unanswered for [`REPLY_TIMEOUT`] is treated the same (the watcher shuts the socket down,
-//!   which fails the waiting call: the vhost crate's reads retry timeouts forever). It also
-//!   relays calls when a queue has no irqfd (rung L0, or INTx).
+//!   close: a lost back-end is logged and counted (`disconnects`). A back-end that leaves a
+//!   message unanswered for [`REPLY_TIMEOUT`] is treated the same (the watcher shuts the socket
+//!   down, which fails the waiting call: the vhost crate's reads retry timeouts forever). It
+//!   also relays calls when a queue has no irqfd (rung L0, or INTx).
+//! - Reconnection: a thread started with the device, `lucid-<name>-rc` (seccomp role
+//!   `vhost-user`: a Unix stream socket, `connect`, and the messages), re-dials the same path
+//!   every [`RECONNECT_EVERY`] for [`RECONNECT_FOR`] and replays the set-up on the new
+//!   back-end: the negotiation, and when the device is active `SET_FEATURES` with the features
+//!   the driver acked, `SET_MEM_TABLE`, and per ring its size, addresses, eventfds and as base
+//!   the used ring's index read from guest memory (requests the old back-end had taken but not
+//!   completed are taken again). A new back-end that lacks an acked feature, or none within
+//!   the bound, leaves the device asking the driver for a reset (`DEVICE_NEEDS_RESET`); the VM
+//!   goes on.
 //!
 //! Guest RAM must be a shared memfd (`--backing memfd`): the back-end maps it. Behind a vIOMMU
 //! the back-end would need the IOTLB protocol, which Lucid does not speak: the configuration
@@ -28,15 +36,16 @@
 //!
 //! Counters, under `vhost_user.<name>.`: `connected` (1 while the socket is up), `disconnects`,
 //! `activations`, `mem_table_updates`, `vrings_set_up`, `vrings_stopped`, `config_reads`,
-//! `calls_relayed`, `errors` (messages that failed).
+//! `calls_relayed`, `errors` (messages that failed), `reconnects`, `reconnect_failures`.
 
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use lucid_mem::DeviceMemory;
 use lucid_seccomp::Role;
 use lucid_stats::{Counter, StatsRegistry, ThreadRole};
 use lucid_thread::{Spawner, ThreadSpec};
@@ -46,7 +55,7 @@ use vhost::vhost_user::{
 };
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use virtio_queue::QueueT;
-use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::features::{VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
@@ -59,6 +68,10 @@ pub const MAX_QUEUE_SIZE: u16 = 1024;
 /// How long a message may wait for the back-end's reply: a back-end that stops answering
 /// fails the request instead of holding the thread that sent it (a vCPU, at DRIVER_OK).
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often a lost back-end's socket is dialled again.
+pub const RECONNECT_EVERY: Duration = Duration::from_millis(100);
+/// How long a lost back-end is waited for before the device asks for a reset.
+pub const RECONNECT_FOR: Duration = Duration::from_secs(10);
 /// virtio-fs: the tag's bytes in the configuration space.
 pub const FS_TAG_LEN: usize = 36;
 /// virtio-fs's device type (virtio 1.2, 5.11).
@@ -152,6 +165,15 @@ pub enum VhostUserError {
     },
     #[error("{device}: the vhost-user back-end is gone (socket closed)")]
     Dead { device: String },
+    #[error(
+        "{device}: the reconnected vhost-user back-end lacks {what} {missing:#x}, which the \
+         driver acked"
+    )]
+    LacksAcked {
+        device: String,
+        what: &'static str,
+        missing: u64,
+    },
 }
 
 struct Counters {
@@ -164,6 +186,8 @@ struct Counters {
     config_reads: Arc<Counter>,
     calls_relayed: Arc<Counter>,
     errors: Arc<Counter>,
+    reconnects: Arc<Counter>,
+    reconnect_failures: Arc<Counter>,
 }
 
 impl Counters {
@@ -179,14 +203,53 @@ impl Counters {
             config_reads: c("config_reads"),
             calls_relayed: c("calls_relayed"),
             errors: c("errors"),
+            reconnects: c("reconnects"),
+            reconnect_failures: c("reconnect_failures"),
         }
     }
 }
 
-/// What the watcher and the device share.
+/// A ring handed to the back-end, as the reconnect thread hands it to the next one.
+struct Vring {
+    index: u16,
+    size: u16,
+    addrs: VringConfigData,
+    used_ring: GuestAddress,
+    kick: EventFd,
+    call: EventFd,
+}
+
+/// What an activation told the back-end.
+struct Replay {
+    /// What `SET_FEATURES` said (with `VHOST_USER_F_PROTOCOL_FEATURES` when negotiated).
+    features: u64,
+    mem: DeviceMemory,
+    vrings: Vec<Vring>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What the watcher, the reconnect thread and the device share.
 struct Shared {
     name: String,
+    socket_path: PathBuf,
+    queues: u64,
+    frontend: Mutex<Frontend>,
+    /// The connected socket's descriptor, for the watcher.
+    socket: AtomicI32,
+    /// The socket closed; the reconnect thread dials again.
+    down: AtomicBool,
+    /// Given up: the device needs a reset.
     dead: AtomicBool,
+    /// The back-end's features and protocol features at construction, and what the device
+    /// offers the driver (a new back-end must have these).
+    backend_features: AtomicU64,
+    protocol: AtomicU64,
+    offered: AtomicU64,
+    /// The active set-up, for a reconnection to replay.
+    replay: Mutex<Option<Replay>>,
     counters: Counters,
     /// The driver's interrupt, to ask for a reset when the back-end dies.
     interrupt: Mutex<Option<Arc<dyn VirtioInterrupt>>>,
@@ -202,26 +265,39 @@ impl Shared {
         self.epoch.elapsed().as_millis() as u64 + 1
     }
 
-    /// The back-end is gone: said once, counted once.
-    fn died(&self) {
-        if self.dead.swap(true, Ordering::AcqRel) {
+    /// The socket closed: said once, counted once per connection.
+    fn lost(&self) {
+        if self.down.swap(true, Ordering::AcqRel) {
             return;
         }
         self.counters.connected.set(0);
         self.counters.disconnects.inc();
         log::error!(
-            "{}: the vhost-user back-end closed its socket; the device needs a reset and \
-             the rest of the VM goes on",
+            "{}: the vhost-user back-end closed its socket; Lucid dials {} again for {:?}",
+            self.name,
+            self.socket_path.display(),
+            RECONNECT_FOR
+        );
+    }
+
+    /// Given up on the back-end: the device needs a reset.
+    fn died(&self, why: &str) {
+        if self.dead.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.counters.connected.set(0);
+        log::error!(
+            "{}: {why}; the device needs a reset and the rest of the VM goes on",
             self.name
         );
-        let irq = self
-            .interrupt
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let irq = lock(&self.interrupt).clone();
         if let Some(irq) = irq {
             irq.signal_config();
         }
+    }
+
+    fn unusable(&self) -> bool {
+        self.dead.load(Ordering::Acquire) || self.down.load(Ordering::Acquire)
     }
 }
 
@@ -229,7 +305,6 @@ impl Shared {
 pub struct VhostUser {
     cfg: VhostUserConfig,
     shared: Arc<Shared>,
-    frontend: Frontend,
     /// The back-end's virtio features (with `VHOST_USER_F_PROTOCOL_FEATURES`).
     backend_features: u64,
     protocol: VhostUserProtocolFeatures,
@@ -240,6 +315,7 @@ pub struct VhostUser {
     active: Vec<u16>,
     activated: bool,
     watcher: Option<lucid_thread::Background>,
+    reconnector: Option<lucid_thread::Background>,
 }
 
 impl VhostUser {
@@ -256,9 +332,22 @@ impl VhostUser {
             socket: cfg.socket.clone(),
             source,
         })?;
+        let socket = sock.as_raw_fd();
+        let mut frontend = Frontend::from_stream(sock, u64::from(queues));
         let shared = Arc::new(Shared {
             name: name.clone(),
+            socket_path: cfg.socket.clone(),
+            queues: u64::from(queues),
+            // A handle on the same connection: the device and the reconnect thread message
+            // through this one.
+            frontend: Mutex::new(frontend.clone()),
+            socket: AtomicI32::new(socket),
+            down: AtomicBool::new(false),
             dead: AtomicBool::new(false),
+            backend_features: AtomicU64::new(0),
+            protocol: AtomicU64::new(0),
+            offered: AtomicU64::new(0),
+            replay: Mutex::new(None),
             counters: Counters::new(&name, stats),
             interrupt: Mutex::new(None),
             relayed: Mutex::new(Vec::new()),
@@ -266,9 +355,7 @@ impl VhostUser {
             busy_since_ms: AtomicU64::new(1),
             epoch: Instant::now(),
         });
-        let socket = sock.as_raw_fd();
-        let mut frontend = Frontend::from_stream(sock, u64::from(queues));
-        // Declared after `frontend`, so dropped (stopped) before the socket closes.
+        // Stopped by the device's drop, before the socket closes.
         let watcher = {
             let shared = shared.clone();
             let spec =
@@ -279,7 +366,33 @@ impl VhostUser {
                         log::error!("{}: vhost-user watcher not started: {e}", shared.name);
                         return;
                     }
-                    watch(&shared, socket, stop);
+                    watch(&shared, stop);
+                })
+                .map_err(|e| VhostUserError::Connect {
+                    device: name.clone(),
+                    socket: cfg.socket.clone(),
+                    source: std::io::Error::other(e),
+                })?
+        };
+        // Started here, with its own filter: a thread started by a vCPU would stack the
+        // vCPU's filter on it, which forbids the socket.
+        let reconnector = {
+            let shared = shared.clone();
+            let spec = ThreadSpec::new(
+                format!("lucid-{name}-rc"),
+                ThreadRole::Other,
+                Role::VhostUser,
+            );
+            spawner
+                .spawn_background(spec, move |confined, stop| {
+                    if let Err(e) = confined {
+                        log::error!(
+                            "{}: vhost-user reconnect thread not started: {e}",
+                            shared.name
+                        );
+                        return;
+                    }
+                    reconnect_loop(&shared, stop);
                 })
                 .map_err(|e| VhostUserError::Connect {
                     device: name.clone(),
@@ -372,6 +485,11 @@ impl VhostUser {
                 config
             }
         };
+        shared
+            .backend_features
+            .store(backend_features, Ordering::Release);
+        shared.protocol.store(protocol.bits(), Ordering::Release);
+        shared.offered.store(offered, Ordering::Release);
         shared.busy_since_ms.store(0, Ordering::Release);
         counters.connected.set(1);
         log::info!(
@@ -385,7 +503,6 @@ impl VhostUser {
             queue_sizes: vec![cfg.queue_size; queues as usize],
             shared,
             cfg,
-            frontend,
             backend_features,
             protocol,
             offered,
@@ -393,6 +510,7 @@ impl VhostUser {
             active: Vec::new(),
             activated: false,
             watcher: Some(watcher),
+            reconnector: Some(reconnector),
         })
     }
 
@@ -420,32 +538,32 @@ impl VhostUser {
         out
     }
 
-    /// The setup DRIVER_OK asks for; returns the queues that need their calls relayed.
-    fn set_up(&mut self, ctx: &ActivateContext) -> Result<Vec<(u16, EventFd)>, VhostUserError> {
+    /// The setup DRIVER_OK asks for; returns the queues that need their calls relayed, and
+    /// what a reconnection replays.
+    fn set_up(
+        &mut self,
+        ctx: &ActivateContext,
+    ) -> Result<(Vec<(u16, EventFd)>, Replay), VhostUserError> {
         let name = self.name().to_string();
-        if self.shared.dead.load(Ordering::Acquire) {
+        if self.shared.unusable() {
             return Err(VhostUserError::Dead { device: name });
         }
         let features = ctx.features
             | (self.backend_features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits());
-        self.frontend
-            .set_features(features)
+        let shared = self.shared.clone();
+        let mut fe = lock(&shared.frontend);
+        fe.set_features(features)
             .map_err(self.failed("SET_FEATURES"))?;
-        let mem = ctx.mem.dma().memory();
-        let mut regions = Vec::new();
-        for r in mem.iter() {
-            let info = VhostUserMemoryRegionInfo::from_guest_region(r).map_err(|_| {
-                VhostUserError::NotShared {
-                    device: name.clone(),
-                    gpa: r.start_addr().0,
-                }
-            })?;
-            regions.push(info);
+        let (step, e) = match set_mem_table(&mut fe, &ctx.mem, &name) {
+            Ok(()) => (None, None),
+            Err(MemTableError::Setup(e)) => return Err(e),
+            Err(MemTableError::Message(e)) => (Some("SET_MEM_TABLE"), Some(e)),
+        };
+        if let (Some(step), Some(e)) = (step, e) {
+            return Err(self.failed(step)(e));
         }
-        self.frontend
-            .set_mem_table(&regions)
-            .map_err(self.failed("SET_MEM_TABLE"))?;
         self.shared.counters.mem_table_updates.inc();
+        let mem = ctx.mem.dma().memory();
         let host = |a: GuestAddress, queue: u16| {
             mem.get_host_address(a)
                 .map(|p| p as u64)
@@ -454,9 +572,15 @@ impl VhostUser {
                     queue,
                 })
         };
+        let eventfd_err = |source| VhostUserError::EventFd {
+            device: name.clone(),
+            source,
+        };
+        let enable = features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0;
         let mut relayed = Vec::new();
+        let mut vrings = Vec::new();
         for (index, queue, kick) in &ctx.queues {
-            let (index, i) = (*index, usize::from(*index));
+            let index = *index;
             let addrs = VringConfigData {
                 queue_max_size: queue.max_size(),
                 queue_size: queue.size(),
@@ -466,57 +590,55 @@ impl VhostUser {
                 avail_ring_addr: host(GuestAddress(queue.avail_ring()), index)?,
                 log_addr: None,
             };
-            self.frontend
-                .set_vring_num(i, queue.size())
-                .map_err(self.failed("SET_VRING_NUM"))?;
-            self.frontend
-                .set_vring_addr(i, &addrs)
-                .map_err(self.failed("SET_VRING_ADDR"))?;
-            self.frontend
-                .set_vring_base(i, queue.next_avail())
-                .map_err(self.failed("SET_VRING_BASE"))?;
             let call = match ctx.interrupt.queue_irqfd(index) {
                 Some(irqfd) => irqfd,
                 None => {
                     // No irqfd for this queue's vector: the watcher relays the calls.
                     let call = EventFd::new(EFD_NONBLOCK)
                         .and_then(|c| Ok((c.try_clone()?, c)))
-                        .map_err(|source| VhostUserError::EventFd {
-                            device: name.clone(),
-                            source,
-                        })?;
+                        .map_err(eventfd_err)?;
                     relayed.push((index, call.1));
                     call.0
                 }
             };
-            self.frontend
-                .set_vring_call(i, &call)
-                .map_err(self.failed("SET_VRING_CALL"))?;
-            self.frontend
-                .set_vring_kick(i, kick)
-                .map_err(self.failed("SET_VRING_KICK"))?;
-            if features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0 {
-                self.frontend
-                    .set_vring_enable(i, true)
-                    .map_err(self.failed("SET_VRING_ENABLE"))?;
+            let vring = Vring {
+                index,
+                size: queue.size(),
+                addrs,
+                used_ring: GuestAddress(queue.used_ring()),
+                kick: kick.try_clone().map_err(eventfd_err)?,
+                call,
+            };
+            if let Err((step, e)) = set_vring(&mut fe, &vring, queue.next_avail(), enable) {
+                return Err(self.failed(step)(e));
             }
             self.active.push(index);
             self.shared.counters.vrings_set_up.inc();
+            vrings.push(vring);
         }
-        Ok(relayed)
+        Ok((
+            relayed,
+            Replay {
+                features,
+                mem: ctx.mem.clone(),
+                vrings,
+            },
+        ))
     }
 
     /// Stops the back-end's rings (a reset, or a failed activation).
     fn stop_vrings(&mut self) {
         let active = std::mem::take(&mut self.active);
-        if self.shared.dead.load(Ordering::Acquire) {
+        if self.shared.unusable() {
             return;
         }
         let protocol = self.backend_features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        let shared = self.shared.clone();
+        let mut fe = lock(&shared.frontend);
         for q in active {
             let i = usize::from(q);
-            let mut ok = protocol == 0 || self.frontend.set_vring_enable(i, false).is_ok();
-            ok &= self.frontend.get_vring_base(i).is_ok();
+            let mut ok = protocol == 0 || fe.set_vring_enable(i, false).is_ok();
+            ok &= fe.get_vring_base(i).is_ok();
             if ok {
                 self.shared.counters.vrings_stopped.inc();
             } else {
@@ -528,6 +650,215 @@ impl VhostUser {
             }
         }
     }
+}
+
+enum MemTableError {
+    Setup(VhostUserError),
+    Message(vhost::Error),
+}
+
+/// `SET_MEM_TABLE` with guest RAM's memfd regions.
+fn set_mem_table(fe: &mut Frontend, dm: &DeviceMemory, name: &str) -> Result<(), MemTableError> {
+    let mem = dm.dma().memory();
+    let mut regions = Vec::new();
+    for r in mem.iter() {
+        let info = VhostUserMemoryRegionInfo::from_guest_region(r).map_err(|_| {
+            MemTableError::Setup(VhostUserError::NotShared {
+                device: name.to_string(),
+                gpa: r.start_addr().0,
+            })
+        })?;
+        regions.push(info);
+    }
+    fe.set_mem_table(&regions)
+        .map(|_| ())
+        .map_err(MemTableError::Message)
+}
+
+/// Hands a ring to the back-end, starting at `base`.
+fn set_vring(
+    fe: &mut Frontend,
+    v: &Vring,
+    base: u16,
+    enable: bool,
+) -> Result<(), (&'static str, vhost::Error)> {
+    let i = usize::from(v.index);
+    fe.set_vring_num(i, v.size)
+        .map_err(|e| ("SET_VRING_NUM", e))?;
+    fe.set_vring_addr(i, &v.addrs)
+        .map_err(|e| ("SET_VRING_ADDR", e))?;
+    fe.set_vring_base(i, base)
+        .map_err(|e| ("SET_VRING_BASE", e))?;
+    fe.set_vring_call(i, &v.call)
+        .map_err(|e| ("SET_VRING_CALL", e))?;
+    fe.set_vring_kick(i, &v.kick)
+        .map_err(|e| ("SET_VRING_KICK", e))?;
+    if enable {
+        fe.set_vring_enable(i, true)
+            .map_err(|e| ("SET_VRING_ENABLE", e))?;
+    }
+    Ok(())
+}
+
+/// Why a reconnection failed: the new back-end cannot take the device's state (give up), or
+/// the exchange failed (dial again).
+enum ReplayError {
+    GiveUp(String),
+    Retry(String),
+}
+
+fn retry(step: &'static str) -> impl FnOnce(vhost::Error) -> ReplayError {
+    move |e| ReplayError::Retry(format!("{step}: {e}"))
+}
+
+/// The reconnect thread: while the back-end is lost, dials its socket every
+/// [`RECONNECT_EVERY`] and replays the set-up on the first that answers; gives up after
+/// [`RECONNECT_FOR`].
+fn reconnect_loop(shared: &Shared, stop: &AtomicBool) {
+    let mut since: Option<Instant> = None;
+    let mut tries = 0u64;
+    while !stop.load(Ordering::Acquire) {
+        std::thread::sleep(RECONNECT_EVERY);
+        if !shared.down.load(Ordering::Acquire) || shared.dead.load(Ordering::Acquire) {
+            since = None;
+            continue;
+        }
+        let t0 = *since.get_or_insert_with(|| {
+            tries = 0;
+            Instant::now()
+        });
+        tries += 1;
+        let why = match UnixStream::connect(&shared.socket_path) {
+            Ok(sock) => match replay(shared, sock) {
+                Ok(()) => {
+                    shared.counters.reconnects.inc();
+                    shared.counters.connected.set(1);
+                    shared.down.store(false, Ordering::Release);
+                    log::info!(
+                        "{}: reconnected to the vhost-user back-end at {} after {:?} ({tries} \
+                         dial(s))",
+                        shared.name,
+                        shared.socket_path.display(),
+                        t0.elapsed()
+                    );
+                    since = None;
+                    continue;
+                }
+                Err(ReplayError::GiveUp(why)) => {
+                    shared.counters.reconnect_failures.inc();
+                    shared.died(&why);
+                    continue;
+                }
+                Err(ReplayError::Retry(why)) => why,
+            },
+            Err(e) => e.to_string(),
+        };
+        if tries % 10 == 1 {
+            log::warn!(
+                "{}: vhost-user back-end at {} not back yet: {why}",
+                shared.name,
+                shared.socket_path.display()
+            );
+        }
+        if t0.elapsed() >= RECONNECT_FOR {
+            shared.counters.reconnect_failures.inc();
+            shared.died(&format!(
+                "the vhost-user back-end at {} did not come back within {RECONNECT_FOR:?} \
+                 ({why})",
+                shared.socket_path.display()
+            ));
+        }
+    }
+}
+
+/// Negotiates with a new back-end as with the first, then hands it the active set-up: the
+/// acked features, the memory table, and each ring from the used index the guest sees.
+fn replay(shared: &Shared, sock: UnixStream) -> Result<(), ReplayError> {
+    let socket = sock.as_raw_fd();
+    let mut fe = Frontend::from_stream(sock, shared.queues);
+    // The watcher holds the new back-end to the reply deadline too.
+    shared.socket.store(socket, Ordering::Release);
+    shared
+        .busy_since_ms
+        .store(shared.now_ms(), Ordering::Release);
+    let saved = lock(&shared.replay);
+    let out = (|| {
+        let theirs = fe.get_features().map_err(retry("GET_FEATURES"))?;
+        let offered = shared.offered.load(Ordering::Acquire);
+        let protocol_bit = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        let need = match &*saved {
+            Some(r) => r.features,
+            None => offered | (shared.backend_features.load(Ordering::Acquire) & protocol_bit),
+        };
+        let lacks = |what, missing| {
+            ReplayError::GiveUp(
+                VhostUserError::LacksAcked {
+                    device: shared.name.clone(),
+                    what,
+                    missing,
+                }
+                .to_string(),
+            )
+        };
+        if need & !theirs != 0 {
+            return Err(lacks("virtio features", need & !theirs));
+        }
+        let protocol =
+            VhostUserProtocolFeatures::from_bits_truncate(shared.protocol.load(Ordering::Acquire));
+        if need & protocol_bit != 0 {
+            let theirs = fe
+                .get_protocol_features()
+                .map_err(retry("GET_PROTOCOL_FEATURES"))?;
+            if !theirs.contains(protocol) {
+                return Err(lacks("protocol features", protocol.bits() & !theirs.bits()));
+            }
+            fe.set_protocol_features(protocol)
+                .map_err(retry("SET_PROTOCOL_FEATURES"))?;
+        }
+        fe.set_owner().map_err(retry("SET_OWNER"))?;
+        if protocol.contains(VhostUserProtocolFeatures::MQ) {
+            let offered = fe.get_queue_num().map_err(retry("GET_QUEUE_NUM"))?;
+            if offered < shared.queues {
+                return Err(ReplayError::GiveUp(format!(
+                    "the reconnected vhost-user back-end offers {offered} queues, the device \
+                     has {}",
+                    shared.queues
+                )));
+            }
+        }
+        let Some(r) = &*saved else {
+            return Ok(());
+        };
+        fe.set_features(r.features).map_err(retry("SET_FEATURES"))?;
+        match set_mem_table(&mut fe, &r.mem, &shared.name) {
+            Ok(()) => {}
+            Err(MemTableError::Setup(e)) => return Err(ReplayError::GiveUp(e.to_string())),
+            Err(MemTableError::Message(e)) => return Err(retry("SET_MEM_TABLE")(e)),
+        }
+        shared.counters.mem_table_updates.inc();
+        let mem = r.mem.dma().memory();
+        for v in &r.vrings {
+            // The used index: what the driver has seen completed. The old back-end's requests
+            // past it are taken again by the new one.
+            let used: u16 = mem
+                .read_obj(GuestAddress(v.used_ring.0 + 2))
+                .map_err(|e| ReplayError::GiveUp(format!("queue {}: used ring: {e}", v.index)))?;
+            set_vring(&mut fe, v, used, r.features & protocol_bit != 0)
+                .map_err(|(step, e)| retry(step)(e))?;
+            shared.counters.vrings_set_up.inc();
+            // The old back-end may have drained a kick it never acted on, and a driver waiting
+            // for a completion kicks no more: the new one looks at the ring once unasked.
+            let _ = v.kick.write(1);
+        }
+        Ok(())
+    })();
+    shared.busy_since_ms.store(0, Ordering::Release);
+    if out.is_ok() {
+        // The device's messages go to the new back-end; the old connection closes.
+        *lock(&shared.frontend) = fe;
+    }
+    drop(saved);
+    out
 }
 
 /// Dials `socket`, retrying briefly while the back-end starts listening.
@@ -554,20 +885,22 @@ fn connect(socket: &std::path::Path) -> std::io::Result<UnixStream> {
 
 /// The watcher's loop: waits for the socket to close, shuts it down when a reply is overdue,
 /// relays calls that have no irqfd.
-fn watch(shared: &Shared, socket: RawFd, stop: &AtomicBool) {
-    let lock = |m: &'_ Mutex<Vec<(u16, EventFd)>>| {
+fn watch(shared: &Shared, stop: &AtomicBool) {
+    let fds_of = |m: &'_ Mutex<Vec<(u16, EventFd)>>| {
         m.lock()
             .unwrap_or_else(|e| e.into_inner())
             .iter()
             .map(|(q, e)| (*q, e.as_raw_fd()))
             .collect::<Vec<_>>()
     };
-    let mut gone = false;
     while !stop.load(Ordering::Acquire) {
-        let relayed = lock(&shared.relayed);
+        let relayed = fds_of(&shared.relayed);
+        let socket = shared.socket.load(Ordering::Acquire);
+        // A lost socket is left out (poll skips negative descriptors) until a new one is up.
+        let gone = shared.down.load(Ordering::Acquire) || shared.dead.load(Ordering::Acquire);
         let mut fds: Vec<libc::pollfd> = std::iter::once(libc::pollfd {
-            fd: socket,
-            events: if gone { 0 } else { libc::POLLRDHUP },
+            fd: if gone { -1 } else { socket },
+            events: libc::POLLRDHUP,
             revents: 0,
         })
         .chain(relayed.iter().map(|&(_, fd)| libc::pollfd {
@@ -577,27 +910,27 @@ fn watch(shared: &Shared, socket: RawFd, stop: &AtomicBool) {
         }))
         .collect();
         // SAFETY: `fds` is a valid array of `fds.len()` pollfd structures that outlives the
-        // call; the socket stays open while the watcher runs (the device stops it before it
-        // closes the socket), and an eventfd closed meanwhile only makes poll report POLLNVAL.
+        // call; a connected socket stays open until a reconnection replaces it, which happens
+        // only once it was lost (and then it is left out), and a descriptor closed meanwhile
+        // only makes poll report POLLNVAL.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 100) };
         let since = shared.busy_since_ms.load(Ordering::Acquire);
-        if !gone && since != 0 && shared.now_ms() - since > REPLY_TIMEOUT.as_millis() as u64 {
+        if since != 0 && shared.now_ms() - since > REPLY_TIMEOUT.as_millis() as u64 {
             log::error!(
                 "{}: the vhost-user back-end left a message unanswered for {:?}: Lucid closes \
                  the connection",
                 shared.name,
                 REPLY_TIMEOUT
             );
-            // SAFETY: shutdown(2) on a socket descriptor the device owns; the blocked reader
-            // then sees end-of-file.
+            // SAFETY: shutdown(2) on the socket descriptor of the exchange in flight, which
+            // stays open while it waits; the blocked reader then sees end-of-file.
             unsafe { libc::shutdown(socket, libc::SHUT_RDWR) };
         }
         if n <= 0 {
             continue;
         }
         if !gone && fds[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
-            shared.died();
-            gone = true;
+            shared.lost();
         }
         for (pfd, &(q, fd)) in fds[1..].iter().zip(&relayed) {
             let mut v = 0u64;
@@ -651,13 +984,12 @@ impl VirtioDevice for VhostUser {
         // Only blk's writeback flag is writable; the back-end keeps its own copy.
         if self.cfg.kind == VhostUserKind::Blk
             && self.protocol.contains(VhostUserProtocolFeatures::CONFIG)
-            && !self.shared.dead.load(Ordering::Acquire)
+            && !self.shared.unusable()
         {
             let Ok(off) = u32::try_from(offset) else {
                 return;
             };
-            if self
-                .frontend
+            if lock(&self.shared.frontend)
                 .set_config(off, VhostUserConfigFlags::WRITABLE, data)
                 .is_err()
             {
@@ -678,12 +1010,9 @@ impl VirtioDevice for VhostUser {
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = Some(ctx.interrupt.clone());
         match self.guarded(|d| d.set_up(&ctx)) {
-            Ok(relayed) => {
-                *self
-                    .shared
-                    .relayed
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner()) = relayed;
+            Ok((relayed, replay)) => {
+                *lock(&self.shared.relayed) = relayed;
+                *lock(&self.shared.replay) = Some(replay);
             }
             Err(e) => {
                 self.guarded(Self::stop_vrings);
@@ -697,11 +1026,8 @@ impl VirtioDevice for VhostUser {
 
     fn reset(&mut self) {
         self.guarded(Self::stop_vrings);
-        self.shared
-            .relayed
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        *lock(&self.shared.replay) = None;
+        lock(&self.shared.relayed).clear();
         self.activated = false;
     }
 
@@ -715,6 +1041,9 @@ impl Drop for VhostUser {
         // Before the socket closes with the device (the back-end sees the front-end leave).
         if let Some(mut w) = self.watcher.take() {
             w.stop();
+        }
+        if let Some(mut r) = self.reconnector.take() {
+            r.stop();
         }
     }
 }

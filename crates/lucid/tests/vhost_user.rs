@@ -1,6 +1,7 @@
 //! vhost-user devices against back-ends nobody here wrote, on real KVM: Debian's
 //! `qemu-storage-daemon` serving a vhost-user-blk, `/usr/lib/qemu/virtiofsd` serving a
-//! virtio-fs share, and a back-end killed with `kill -9` while the guest uses it; and
+//! virtio-fs share, a back-end killed with `kill -9` while the guest uses it (and one
+//! restarted, which Lucid reconnects to); and
 //! vhost-user-net against `lucid device-server net`, a separate process built on rust-vmm's
 //! `vhost-user-backend`.
 
@@ -18,6 +19,8 @@ use serde_json::json;
 const LIMIT: Duration = Duration::from_secs(120);
 const QSD: &str = "/usr/bin/qemu-storage-daemon";
 const VIRTIOFSD: &str = "/usr/lib/qemu/virtiofsd";
+/// The synchronous requests of the reconnection test: enough to outlast the restart.
+const RECONNECT_OPS: u64 = 50000;
 
 /// A back-end process, killed (SIGKILL) when dropped.
 struct BackEnd {
@@ -430,6 +433,137 @@ fn dead_back_end_is_reported_and_lucid_goes_on() {
     assert_eq!(common::counter(&json, "vhost_user.blk0.disconnects"), 1);
     assert_eq!(common::counter(&json, "vhost_user.blk0.connected"), 0);
     assert!(t0.elapsed() < LIMIT);
+    drop(be);
+    std::fs::remove_file(img).unwrap();
+}
+
+/// qemu-storage-daemon is killed (SIGKILL) while the guest does synchronous reads and writes,
+/// and a new one starts on the same socket a moment later: Lucid dials it again, replays the
+/// set-up with the ring where the guest's completions stand, and the guest's I/O goes on with
+/// every checksum right.
+#[test]
+fn back_end_restarted_mid_run_is_reconnected() {
+    let img = disk("vu-recon", 16);
+    let Some(be) = BackEnd::qsd(&img, "vu-recon") else {
+        return;
+    };
+    let stats = tmp("vu-recon-stats.json");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lucid"))
+        .args([
+            "run",
+            "--guest",
+            "virtio-blk",
+            "--backing",
+            "memfd",
+            "--blk",
+            &format!("vhost_user=on,socket={}", be.socket.display()),
+            "--cmdline",
+            &format!("op=rw pattern=rand bs=4096 qd=1 count={RECONNECT_OPS} verify=1 seed=0x4242 timeout_ms=20000"),
+            "--stats-json",
+        ])
+        .arg(&stats)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut out = String::new();
+    while let Ok(line) = rx.recv_timeout(Duration::from_secs(60)) {
+        out += &line;
+        out += "\n";
+        if line.starts_with("virtio-blk id=") {
+            break;
+        }
+    }
+    assert!(
+        out.contains("virtio-blk id="),
+        "the guest never started: {out}"
+    );
+    // Requests are flowing; the back-end dies, and another takes its socket.
+    std::thread::sleep(Duration::from_millis(300));
+    drop(be);
+    std::thread::sleep(Duration::from_millis(300));
+    let be = BackEnd::qsd(&img, "vu-recon").unwrap();
+    let deadline = Instant::now() + LIMIT;
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the guest did not finish after the reconnection: {out}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    reader.join().unwrap();
+    out.extend(rx.try_iter().map(|l| l + "\n"));
+    let mut stderr = String::new();
+    let _ = std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr);
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&stats);
+    assert_eq!(status.code(), Some(1), "(0 << 1) | 1: {out}\n{stderr}");
+    assert_eq!(
+        field(&out, "virtio-blk op=", "mismatches"),
+        Some("0"),
+        "{out}"
+    );
+    assert_eq!(
+        field(&out, "virtio-blk op=", "ops"),
+        Some(RECONNECT_OPS.to_string().as_str())
+    );
+    assert!(
+        stderr.contains("blk0: reconnected to the vhost-user back-end"),
+        "{stderr}"
+    );
+    let counter = |n: &str| common::counter(&json, &format!("vhost_user.blk0.{n}"));
+    assert_eq!(counter("disconnects"), 1, "{stderr}");
+    assert_eq!(counter("reconnects"), 1, "{stderr}");
+    assert_eq!(counter("reconnect_failures"), 0);
+    assert_eq!(counter("connected"), 1);
+    assert_eq!(counter("activations"), 1);
+    assert_eq!(counter("vrings_set_up"), 2);
+    assert_eq!(counter("mem_table_updates"), 2);
+    drop(be);
+    std::fs::remove_file(img).unwrap();
+}
+
+/// The reconnect thread is confined to its own role: the self-test's `socket(AF_UNIX,
+/// SOCK_DGRAM)` is not the Unix stream it may make, so it is caught and reported.
+#[test]
+fn the_reconnect_thread_is_confined() {
+    let img = disk("vu-rc-seccomp", 1);
+    let Some(be) = BackEnd::qsd(&img, "vu-rc-seccomp") else {
+        return;
+    };
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lucid"));
+    cmd.args([
+        "run",
+        "--guest",
+        "virtio-blk",
+        "--backing",
+        "memfd",
+        "--blk",
+    ])
+    .arg(format!("vhost_user=on,socket={}", be.socket.display()))
+    .env("LUCID_SECCOMP_SELFTEST", "vhost-user");
+    let o = common::run_cmd(cmd, LIMIT);
+    assert_eq!(o.status, Some(148), "{}", o.stderr);
+    assert!(
+        o.stderr.contains(
+            "lucid: seccomp: thread lucid-blk0-rc (role vhost-user) made a forbidden system \
+             call: socket (41)"
+        ),
+        "{}",
+        o.stderr
+    );
     drop(be);
     std::fs::remove_file(img).unwrap();
 }
