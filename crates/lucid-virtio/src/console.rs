@@ -266,13 +266,7 @@ impl VirtioDevice for Console {
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         let mut space = [0u8; 12];
         space[4..8].copy_from_slice(&(1 + self.extra.len() as u32).to_le_bytes());
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = offset
-                .checked_add(i as u64)
-                .and_then(|at| space.get(at as usize))
-                .copied()
-                .unwrap_or(0);
-        }
+        crate::blk::read_config_bytes(&space, offset, data);
     }
 
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {}

@@ -970,14 +970,7 @@ impl VirtioDevice for VhostUser {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        data.fill(0);
-        let Ok(off) = usize::try_from(offset) else {
-            return;
-        };
-        if let Some(src) = self.config.get(off..) {
-            let n = src.len().min(data.len());
-            data[..n].copy_from_slice(&src[..n]);
-        }
+        crate::blk::read_config_bytes(&self.config, offset, data);
     }
 
     fn write_config(&mut self, offset: u64, data: &[u8]) {

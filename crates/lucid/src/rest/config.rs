@@ -695,15 +695,7 @@ fn vsock(mut v: Obj, iommu: bool) -> Result<PciDeviceConfig, Refusal> {
     let cid = v
         .u64("cid")?
         .ok_or_else(|| Refusal(format!("{}: required", v.field("cid"))))?;
-    let socket = v
-        .str("socket")?
-        .ok_or_else(|| Refusal(format!("{}: required", v.field("socket"))))?;
-    if socket.contains(',') {
-        return refuse(format!(
-            "{}: Lucid cannot take a path with a comma",
-            v.field("socket")
-        ));
-    }
+    let socket = socket_opt(&mut v, "socket")?;
     let mut opts = format!("cid={cid},socket={socket}");
     device_iommu(&mut v, iommu)?;
     if let Some(id) = v.str("id")? {
