@@ -595,8 +595,14 @@ fn fs_through_the_rest_api() {
     assert_eq!(info["config"]["fs"][0]["tag"], "share", "{info}");
     assert_eq!(s.curl("PUT", "vm.boot", None), (204, String::new()));
     let read = || std::fs::read_to_string(&serial).unwrap_or_default();
+    // The serial port writes a byte at a time: wait for the guest's whole line.
+    let line_done = || {
+        read()
+            .split_once("virtio-fs file=")
+            .is_some_and(|(_, rest)| rest.contains('\n'))
+    };
     assert!(
-        rest_client::eventually(|| read().contains("virtio-fs file=")),
+        rest_client::eventually(line_done),
         "{}\n{}",
         read(),
         s.stderr()

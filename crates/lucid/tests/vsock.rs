@@ -398,7 +398,10 @@ fn vsock_of_vm_create_and_vm_add_vsock() {
     assert_eq!(s.curl("PUT", "vm.boot", None).0, 204);
     let console = || std::fs::read_to_string(&serial).unwrap_or_default();
     assert!(
-        eventually(|| console().contains("virtio-vsock: mode=connect")),
+        // The serial port writes a byte at a time: wait for the guest's whole line.
+        eventually(|| console()
+            .split_once("virtio-vsock: mode=connect")
+            .is_some_and(|(_, rest)| rest.contains('\n'))),
         "{}\n{}",
         console(),
         s.stderr()
