@@ -321,24 +321,32 @@ fn kvm_holds_the_cpuid_leaves_only_with_symbiotic() {
         let mut c = config("updates=1000 hold_ms=5000", 2);
         c.symbiotic.enabled = symbiotic;
         let mut vm = Vm::build(c).unwrap();
-        vm.start().unwrap();
+        // Queued before the vCPUs start, so each is read before its first entry: without
+        // `--symbiotic` the guest finds no interface and ends at once, and a request made
+        // after `start` could find its vCPU gone.
+        let mut replies = Vec::new();
         for h in vm.vcpus() {
-            let leaves = h
-                .call(|ctx| {
-                    let cpuid = ctx.vcpu.get_cpuid().expect("KVM_GET_CPUID2");
-                    let find = |f: u32| {
-                        cpuid
-                            .as_slice()
-                            .iter()
-                            .find(|e| e.function == f)
-                            .map(|e| (e.eax, e.ebx, e.ecx, e.edx))
-                    };
-                    (
-                        find(lucid_sym::abi::CPUID_LEAF),
-                        find(lucid_sym::abi::CPUID_LEAF_INFO),
-                    )
-                })
-                .unwrap();
+            let (tx, rx) = std::sync::mpsc::channel();
+            h.submit(move |ctx| {
+                let cpuid = ctx.vcpu.get_cpuid().expect("KVM_GET_CPUID2");
+                let find = |f: u32| {
+                    cpuid
+                        .as_slice()
+                        .iter()
+                        .find(|e| e.function == f)
+                        .map(|e| (e.eax, e.ebx, e.ecx, e.edx))
+                };
+                let _ = tx.send((
+                    find(lucid_sym::abi::CPUID_LEAF),
+                    find(lucid_sym::abi::CPUID_LEAF_INFO),
+                ));
+            })
+            .unwrap();
+            replies.push(rx);
+        }
+        vm.start().unwrap();
+        for rx in replies {
+            let leaves = rx.recv_timeout(Duration::from_secs(60)).unwrap();
             match symbiotic {
                 true => {
                     let (sig, info) = (leaves.0.unwrap(), leaves.1.unwrap());
