@@ -279,6 +279,17 @@ struct State {
     sc: ScBase,
 }
 
+/// A device that does its own DMA outside Lucid (an assigned device: vfio-user, VFIO) and so
+/// must hold a copy of its requester id's mappings, as a host IOMMU would be programmed: the
+/// unit tells it every change an invalidation reveals, before the invalidation completes.
+/// While translation is off every RAM region is mapped at its guest-physical address.
+pub trait MapListener: Send + Sync {
+    /// `iova..iova+len` now translates to `gpa..gpa+len`; writable if `write` (readable always).
+    fn map(&self, iova: u64, gpa: u64, len: u64, write: bool);
+    /// `iova..iova+len` no longer translates.
+    fn unmap(&self, iova: u64, len: u64);
+}
+
 /// The emulated VT-d unit.
 pub struct Vtd {
     cfg: VtdConfig,
@@ -298,6 +309,8 @@ pub struct Vtd {
     /// for the sidecore's lock-free idle check.
     sc_watch: [AtomicU32; 8],
     ir_cbs: Mutex<Vec<Box<dyn Fn() + Send + Sync>>>,
+    /// Assigned devices that keep their own copy of their requester id's mappings.
+    listeners: Mutex<BTreeMap<u16, Arc<dyn MapListener>>>,
     /// An IR change whose callbacks have not run yet.
     ir_pending: AtomicBool,
     c: Counters,
@@ -388,6 +401,7 @@ impl Vtd {
             shared: AtomicPtr::new(std::ptr::null_mut()),
             sc_watch: Default::default(),
             ir_cbs: Mutex::new(Vec::new()),
+            listeners: Mutex::new(BTreeMap::new()),
             ir_pending: AtomicBool::new(false),
             c,
         })
@@ -447,6 +461,16 @@ impl Vtd {
     /// the VMM can `GsiRouter::refresh()`.
     pub fn on_ir_change(&self, f: Box<dyn Fn() + Send + Sync>) {
         lock(&self.ir_cbs).push(f);
+    }
+
+    /// Keeps `l` told of requester `rid`'s mappings from now on (see [`MapListener`]).
+    pub fn add_listener(&self, rid: u16, l: Arc<dyn MapListener>) {
+        lock(&self.listeners).insert(rid, l);
+    }
+
+    /// Stops telling requester `rid`'s listener (the device left); it is not told to unmap.
+    pub fn remove_listener(&self, rid: u16) {
+        lock(&self.listeners).remove(&rid);
     }
 
     /// Runs `f` under the state lock: in sidecore mode it first takes in the guest's pending
