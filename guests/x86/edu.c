@@ -9,7 +9,8 @@
  * reaches the end of its buffer, an off-by-one), rounds=1, vector=0x50, timeout_ms=2000.
  *
  * Prints "edu ident=.. liveness=ok|BAD factorial=ok|BAD dma=ok|BAD
- * irq=ok|BAD dma_irq=ok|BAD" (and the iommu-dma line with iommu=vtd).
+ * irq=ok|BAD dma_irq=ok|BAD" (and the iommu-dma line with iommu=vtd), after
+ * "edu dma rounds=N tsc=T rounds_per_s=X" (a round: map, DMA in, unmap, map, DMA out, unmap).
  * Exit 0 all ok; 1 a check failed; 2 no device / setup failed.
  */
 #include "libcflat.h"
@@ -86,6 +87,7 @@ int main(void)
 	/* DMA round trip */
 	u8 *src = dma_alloc(4096, 4096), *dst = dma_alloc(4096, 4096);
 	int dma_ok = 1;
+	u64 t0 = rdtsc();
 	for (u64 r = 0; r < rounds && dma_ok; r++) {
 		for (u64 i = 0; i < len; i++) {
 			src[i] = (u8)(i * 7 + r * 13 + 1);
@@ -113,6 +115,10 @@ int main(void)
 			}
 		}
 	}
+	u64 t = rdtsc() - t0;
+	char b[32];
+	printf("edu dma rounds=%lu tsc=%lu rounds_per_s=%s\n", rounds, t,
+	       dma_ok && tsc_khz() && t ? fmt_milli(b, rate_milli(rounds, t)) : "unknown");
 	bad |= !dma_ok;
 
 	/* MSI: raised by a register write, then at the end of a DMA */
