@@ -45,6 +45,30 @@
 //! no longer translates); domain and global invalidations re-walk the known mappings of the
 //! domain (new mappings are then learnt at the first miss).
 //!
+//! # Assigned devices
+//!
+//! A device that does its own DMA (vfio-user, VFIO) registers a [`MapListener`] for its
+//! requester id and is told its mappings, as QEMU's VT-d syncs a shadow page table (see
+//! `listen`). Per listener the unit keeps what it told: the extents of its `map` calls.
+//! A page-selective IOTLB invalidation in the requester's domain re-walks the invalidated
+//! range of its tables; domain and global IOTLB invalidations, context-cache invalidations that
+//! cover it, SRTP and enabling translation re-walk all its tables (present entries only, at
+//! most 2^20 pages and 2^22 entries per walk, then it stops, logged once). The walk is diffed
+//! with the shadow: `unmap` for extents that changed (always whole, as they were mapped), then
+//! `map` for the new runs (pages contiguous in IOVA and guest address with one permission: one
+//! call; a 2 MiB leaf is one run). A page is mapped when the walk ends with R set and the page
+//! is guest RAM (write-only entries are not mappings: a device's reads would fault); `write` is
+//! W. While translation is off the listener holds one identity mapping per RAM region; enabling
+//! translation unmaps them and walks, disabling it unmaps every mapping and maps them again.
+//!
+//! The calls are made synchronously by the thread carrying out the invalidation (the vCPU in
+//! samecore mode, the poller in sidecore mode), after the state lock is dropped, so a listener
+//! may translate through the unit. Unit operations that can cause calls hold the `notify`
+//! lock (taken before the state lock) until their calls are made: calls arrive in the order of
+//! the state changes, a queued wait descriptor completes only after the calls of the
+//! descriptors before it (the queue stops at the wait, the calls are made, the queue goes on),
+//! and sidecore status (GSTS, IQH, ...) is published only after them.
+//!
 //! # Pinning and stale mappings
 //!
 //! See `pin`. `iommu.pinned.current`/`.peak` count 4 KiB pages the policy holds pinned.
@@ -76,7 +100,9 @@
 //! `iotlb.hits` (translations served lock-free from the caches), `iotlb.misses` (slow path:
 //! walk, or fault); `faults.dma`, `faults.ir` (every fault, recorded or not: FPD, PFO);
 //! `pinned.current`, `pinned.peak` (pages); `stale.current`, `stale.max`, `window_max_us`
-//! (see above); `sidecore.polls`, `sidecore.busy_polls`, `sidecore.cpu_ns`.
+//! (see above); `sidecore.polls`, `sidecore.busy_polls`, `sidecore.cpu_ns`;
+//! `listener.maps`, `listener.unmaps` (listener calls made), `listener.walks` (table walks for
+//! listeners).
 //!
 //! # Limits
 //!
@@ -301,6 +327,12 @@ struct State {
 /// must hold a copy of its requester id's mappings, as a host IOMMU would be programmed: the
 /// unit tells it every change an invalidation reveals, before the invalidation completes.
 /// While translation is off every RAM region is mapped at its guest-physical address.
+///
+/// Every `unmap` covers exactly the range of one earlier `map`. Calls come from the thread
+/// carrying out the guest's invalidation, one at a time, without the unit's state lock: a
+/// listener may call `DmaTranslator::translate` (and so replay a fault), but must not call
+/// [`Vtd::read`], [`Vtd::write`], [`Vtd::add_listener`] or [`Vtd::remove_listener`] (they
+/// wait for the calls in progress), nor wait for a thread that does.
 pub trait MapListener: Send + Sync {
     /// `iova..iova+len` now translates to `gpa..gpa+len`; writable if `write` (readable always).
     fn map(&self, iova: u64, gpa: u64, len: u64, write: bool);

@@ -244,6 +244,9 @@ impl Vtd {
     }
 }
 
+/// Extents to unmap (first page, pages), then extents to map.
+pub(crate) type Changes = (Vec<(u64, u64)>, Vec<(u64, Ext)>);
+
 /// Brings shadow `ext` to what a walk of pages `first..end` found (`new`: sorted
 /// (page, gpa page, writable)); returns the extents to unmap (first page, pages), then those to
 /// map. An extent that a change touches is unmapped whole; its unchanged pages, inside or
@@ -253,7 +256,7 @@ pub(crate) fn diff(
     ext: &mut BTreeMap<u64, Ext>,
     (first, end): (u64, u64),
     new: &[(u64, u64, bool)],
-) -> (Vec<(u64, u64)>, Vec<(u64, Ext)>) {
+) -> Changes {
     let mut affected: Vec<u64> = Vec::new();
     if let Some((&s, e)) = ext.range(..first).next_back() {
         if s + e.pages > first {
