@@ -857,6 +857,9 @@ fn garbage_never_panics() {
             PinPolicy::Deferred
         };
         let e = Env::new(samecore(mode));
+        let checks = [Checker::new(), Checker::new()];
+        e.vtd.add_listener(0x0008, checks[0].clone());
+        e.vtd.add_listener(0x0010, checks[1].clone());
         // Random tables, queue and IRT contents in the low megabyte.
         for _ in 0..4000 {
             let a = rng.below(0x40000) & !7;
@@ -942,6 +945,10 @@ fn garbage_never_panics() {
         for t in tokens {
             e.vtd.access_end(t);
         }
+        for c in &checks {
+            let errs = c.errors.lock().unwrap();
+            assert!(errs.is_empty(), "seed {seed}: {errs:?}");
+        }
         assert!(
             e.pins.violations.lock().unwrap().is_empty(),
             "{:?}",
@@ -965,6 +972,9 @@ fn property_run(seed: u64, policy: PinPolicy, steps: usize) {
     let t = e.ctx(0x0008, 1, 3);
     e.enable();
     e.enable_qi(2);
+    // An assigned device's listener holds exactly the readable mappings after each step.
+    let check = Checker::new();
+    e.vtd.add_listener(0x0008, check.clone());
     // IOVA pages that share a few IOTLB slots, so that evictions happen.
     let mut iovas = Vec::new();
     let mut p = 1u64;
@@ -1062,6 +1072,14 @@ fn property_run(seed: u64, policy: PinPolicy, steps: usize) {
         }
         let v = e.pins.violations.lock().unwrap();
         assert!(v.is_empty(), "seed {seed} step {step}: {v:?}");
+        let told: HashMap<u64, (u64, bool)> = model
+            .iter()
+            .filter(|(_, &(_, r, _))| r)
+            .map(|(&p, &(g, _, w))| (p, (g, w)))
+            .collect();
+        assert_eq!(check.pages(), told, "seed {seed} step {step}");
+        let errs = check.errors.lock().unwrap();
+        assert!(errs.is_empty(), "seed {seed} step {step}: {errs:?}");
     }
     // Drain: end every access, unmap everything; no pin may be left (after the deferral).
     for a in inflight.drain(..) {
@@ -1788,4 +1806,52 @@ fn diff_splits_only_changed_extents() {
     let (u, m) = diff(&mut ext, crate::listen::ALL, &[]);
     assert_eq!(u.len(), 4);
     assert!(m.is_empty() && ext.is_empty());
+}
+
+/// A listener that checks the calls make sense: maps never overlap what is mapped, an unmap
+/// is exactly an earlier map.
+#[derive(Default)]
+struct Checker {
+    /// iova -> (len, gpa, write)
+    mapped: Mutex<std::collections::BTreeMap<u64, (u64, u64, bool)>>,
+    errors: Mutex<Vec<String>>,
+}
+impl Checker {
+    fn new() -> Arc<Checker> {
+        Arc::new(Checker::default())
+    }
+    /// What the listener holds, by 4 KiB page: page -> (gpa, write).
+    fn pages(&self) -> HashMap<u64, (u64, bool)> {
+        let mut out = HashMap::new();
+        for (&iova, &(len, gpa, w)) in self.mapped.lock().unwrap().iter() {
+            for k in 0..len >> 12 {
+                out.insert((iova >> 12) + k, (gpa + (k << 12), w));
+            }
+        }
+        out
+    }
+}
+impl MapListener for Checker {
+    fn map(&self, iova: u64, gpa: u64, len: u64, write: bool) {
+        let mut m = self.mapped.lock().unwrap();
+        let overlaps = m
+            .range(..iova + len)
+            .next_back()
+            .is_some_and(|(&s, &(l, _, _))| s + l > iova);
+        if overlaps || len == 0 || iova % 4096 != 0 || gpa % 4096 != 0 || len % 4096 != 0 {
+            self.errors
+                .lock()
+                .unwrap()
+                .push(format!("map {iova:#x}+{len:#x} -> {gpa:#x}"));
+        }
+        m.insert(iova, (len, gpa, write));
+    }
+    fn unmap(&self, iova: u64, len: u64) {
+        if self.mapped.lock().unwrap().remove(&iova).map(|m| m.0) != Some(len) {
+            self.errors
+                .lock()
+                .unwrap()
+                .push(format!("unmap {iova:#x}+{len:#x}"));
+        }
+    }
 }
