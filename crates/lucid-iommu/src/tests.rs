@@ -1838,7 +1838,7 @@ impl MapListener for Checker {
             .range(..iova + len)
             .next_back()
             .is_some_and(|(&s, &(l, _, _))| s + l > iova);
-        if overlaps || len == 0 || iova % 4096 != 0 || gpa % 4096 != 0 || len % 4096 != 0 {
+        if overlaps || len == 0 || (iova | gpa | len) & 0xfff != 0 {
             self.errors
                 .lock()
                 .unwrap()
