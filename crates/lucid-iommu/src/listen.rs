@@ -203,7 +203,10 @@ impl Vtd {
             return;
         };
         li.did = ctx.map(|c| c.did);
-        let (unmaps, maps) = diff(&mut li.ext, (first, end), &new);
+        // A run never crosses from one RAM region into the next (each has its own backing).
+        let starts: Vec<u64> = self.mem.iter().map(|r| r.start_addr().0 >> 12).collect();
+        let region_start = |g: u64| starts.contains(&g);
+        let (unmaps, maps) = diff(&mut li.ext, (first, end), &new, &region_start);
         for (s, pages) in unmaps {
             let op = Op::Unmap {
                 iova: s << 12,
@@ -251,11 +254,12 @@ pub(crate) type Changes = (Vec<(u64, u64)>, Vec<(u64, Ext)>);
 /// (page, gpa page, writable)); returns the extents to unmap (first page, pages), then those to
 /// map. An extent that a change touches is unmapped whole; its unchanged pages, inside or
 /// outside the range, are mapped again. Runs of pages contiguous in IOVA and guest address with
-/// one permission become one extent.
+/// one permission become one extent, unless `brk(gpa page)` says a new one starts there.
 pub(crate) fn diff(
     ext: &mut BTreeMap<u64, Ext>,
     (first, end): (u64, u64),
     new: &[(u64, u64, bool)],
+    brk: &dyn Fn(u64) -> bool,
 ) -> Changes {
     let mut affected: Vec<u64> = Vec::new();
     if let Some((&s, e)) = ext.range(..first).next_back() {
@@ -300,7 +304,11 @@ pub(crate) fn diff(
         }
         match maps.last_mut() {
             Some((s, e))
-                if !prev_kept && *s + e.pages == p && e.gpa + e.pages == g && e.write == w =>
+                if !prev_kept
+                    && *s + e.pages == p
+                    && e.gpa + e.pages == g
+                    && e.write == w
+                    && !brk(g) =>
             {
                 e.pages += 1
             }

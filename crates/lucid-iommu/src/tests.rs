@@ -1773,7 +1773,9 @@ fn diff_splits_only_changed_extents() {
     ext.insert(0, x(8, 100, true));
     ext.insert(20, x(2, 300, true));
     // Page 3 of the first extent changes; the second is outside the range and stays.
-    let (u, m) = diff(&mut ext, (2, 4), &[(2, 102, true), (3, 200, true)]);
+    let (u, m) = diff(&mut ext, (2, 4), &[(2, 102, true), (3, 200, true)], &|_| {
+        false
+    });
     assert_eq!(u, vec![(0, 8)]);
     assert_eq!(
         m,
@@ -1800,12 +1802,17 @@ fn diff_splits_only_changed_extents() {
             (20, 300, true),
             (21, 301, true),
         ],
+        &|_| false,
     );
     assert!(u.is_empty() && m.is_empty());
     // Everything gone.
-    let (u, m) = diff(&mut ext, crate::listen::ALL, &[]);
+    let (u, m) = diff(&mut ext, crate::listen::ALL, &[], &|_| false);
     assert_eq!(u.len(), 4);
     assert!(m.is_empty() && ext.is_empty());
+    // A run stops where a RAM region starts.
+    let new: Vec<(u64, u64, bool)> = (0..4).map(|p| (p, 100 + p, false)).collect();
+    let (_, m) = diff(&mut ext, crate::listen::ALL, &new, &|g| g == 102);
+    assert_eq!(m, vec![(0, x(2, 100, false)), (2, x(2, 102, false))]);
 }
 
 /// A listener that checks the calls make sense: maps never overlap what is mapped, an unmap
