@@ -67,7 +67,9 @@
 //! lock (taken before the state lock) until their calls are made: calls arrive in the order of
 //! the state changes, a queued wait descriptor completes only after the calls of the
 //! descriptors before it (the queue stops at the wait, the calls are made, the queue goes on),
-//! and sidecore status (GSTS, IQH, ...) is published only after them.
+//! and sidecore status (GSTS, IQH, ...) is published only after them. Trapped register
+//! accesses from other vCPUs wait meanwhile; translations do not (they take only the state
+//! lock, and the sidecore's guest writes are taken in by the poller alone).
 //!
 //! # Pinning and stale mappings
 //!
