@@ -45,6 +45,32 @@
 //! no longer translates); domain and global invalidations re-walk the known mappings of the
 //! domain (new mappings are then learnt at the first miss).
 //!
+//! # Assigned devices
+//!
+//! A device that does its own DMA (vfio-user, VFIO) registers a [`MapListener`] for its
+//! requester id and is told its mappings, as QEMU's VT-d syncs a shadow page table (see
+//! `listen`). Per listener the unit keeps what it told: the extents of its `map` calls.
+//! A page-selective IOTLB invalidation in the requester's domain re-walks the invalidated
+//! range of its tables; domain and global IOTLB invalidations, context-cache invalidations that
+//! cover it, SRTP and enabling translation re-walk all its tables (present entries only, at
+//! most 2^20 pages and 2^22 entries per walk, then it stops, logged once). The walk is diffed
+//! with the shadow: `unmap` for extents that changed (always whole, as they were mapped), then
+//! `map` for the new runs (pages contiguous in IOVA and guest address with one permission: one
+//! call; a 2 MiB leaf is one run). A page is mapped when the walk ends with R set and the page
+//! is guest RAM (write-only entries are not mappings: a device's reads would fault); `write` is
+//! W. While translation is off the listener holds one identity mapping per RAM region; enabling
+//! translation unmaps them and walks, disabling it unmaps every mapping and maps them again.
+//!
+//! The calls are made synchronously by the thread carrying out the invalidation (the vCPU in
+//! samecore mode, the poller in sidecore mode), after the state lock is dropped, so a listener
+//! may translate through the unit. Unit operations that can cause calls hold the `notify`
+//! lock (taken before the state lock) until their calls are made: calls arrive in the order of
+//! the state changes, a queued wait descriptor completes only after the calls of the
+//! descriptors before it (the queue stops at the wait, the calls are made, the queue goes on),
+//! and sidecore status (GSTS, IQH, ...) is published only after them. Trapped register
+//! accesses from other vCPUs wait meanwhile; translations do not (they take only the state
+//! lock, and the sidecore's guest writes are taken in by the poller alone).
+//!
 //! # Pinning and stale mappings
 //!
 //! See `pin`. `iommu.pinned.current`/`.peak` count 4 KiB pages the policy holds pinned.
@@ -76,7 +102,9 @@
 //! `iotlb.hits` (translations served lock-free from the caches), `iotlb.misses` (slow path:
 //! walk, or fault); `faults.dma`, `faults.ir` (every fault, recorded or not: FPD, PFO);
 //! `pinned.current`, `pinned.peak` (pages); `stale.current`, `stale.max`, `window_max_us`
-//! (see above); `sidecore.polls`, `sidecore.busy_polls`, `sidecore.cpu_ns`.
+//! (see above); `sidecore.polls`, `sidecore.busy_polls`, `sidecore.cpu_ns`;
+//! `listener.maps`, `listener.unmaps` (listener calls made), `listener.walks` (table walks for
+//! listeners).
 //!
 //! # Limits
 //!
@@ -99,6 +127,7 @@
 
 mod iotlb;
 mod ir;
+mod listen;
 mod pin;
 mod regs;
 mod sidecore;
@@ -116,6 +145,7 @@ use lucid_stats::{Counter, StatsRegistry};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
 use iotlb::{ContextCache, Entry, Iotlb, SLOTS};
+use listen::{Listened, Op, Sel};
 use pin::{lock, Brackets, PinBook, PinCtx};
 pub use pin::{MlockPinner, Pinner};
 use regs::*;
@@ -186,6 +216,9 @@ struct Counters {
     sc_polls: Arc<Counter>,
     sc_busy_polls: Arc<Counter>,
     sc_cpu_ns: Arc<Counter>,
+    l_maps: Arc<Counter>,
+    l_unmaps: Arc<Counter>,
+    l_walks: Arc<Counter>,
 }
 
 impl Counters {
@@ -212,16 +245,23 @@ impl Counters {
             sc_polls: c("sidecore.polls"),
             sc_busy_polls: c("sidecore.busy_polls"),
             sc_cpu_ns: c("sidecore.cpu_ns"),
+            l_maps: c("listener.maps"),
+            l_unmaps: c("listener.unmaps"),
+            l_walks: c("listener.walks"),
         }
     }
 }
 
 /// Side effects gathered under the state lock and carried out after it is released (an MSI
-/// sink or an IR callback may call back into the unit).
+/// sink, an IR callback or a map listener may call back into the unit).
 #[derive(Default)]
 struct Fx {
     msis: Vec<(u64, u32)>,
     ir_changed: bool,
+    /// Listener calls, in the order the state changed.
+    calls: Vec<(Arc<dyn MapListener>, Op)>,
+    /// The queue stopped at a wait descriptor until `calls` are made.
+    qi_resume: bool,
 }
 
 /// Sidecore bookkeeping: for each polled register, the value last seen or published in the
@@ -277,12 +317,24 @@ struct State {
     /// When the request being processed reached the unit.
     arrival: Instant,
     sc: ScBase,
+    /// Assigned devices that keep their own copy of their requester id's mappings.
+    listeners: BTreeMap<u16, Listened>,
+    walk_warned: bool,
+    /// Listener calls are being made with the lock dropped: the sidecore page is not
+    /// published meanwhile (status must not run ahead of the notifications).
+    delivering: bool,
 }
 
 /// A device that does its own DMA outside Lucid (an assigned device: vfio-user, VFIO) and so
 /// must hold a copy of its requester id's mappings, as a host IOMMU would be programmed: the
 /// unit tells it every change an invalidation reveals, before the invalidation completes.
 /// While translation is off every RAM region is mapped at its guest-physical address.
+///
+/// Every `unmap` covers exactly the range of one earlier `map`. Calls come from the thread
+/// carrying out the guest's invalidation, one at a time, without the unit's state lock: a
+/// listener may call `DmaTranslator::translate` (and so replay a fault), but must not call
+/// [`Vtd::read`], [`Vtd::write`], [`Vtd::add_listener`] or [`Vtd::remove_listener`] (they
+/// wait for the calls in progress), nor wait for a thread that does.
 pub trait MapListener: Send + Sync {
     /// `iova..iova+len` now translates to `gpa..gpa+len`; writable if `write` (readable always).
     fn map(&self, iova: u64, gpa: u64, len: u64, write: bool);
@@ -309,8 +361,10 @@ pub struct Vtd {
     /// for the sidecore's lock-free idle check.
     sc_watch: [AtomicU32; 8],
     ir_cbs: Mutex<Vec<Box<dyn Fn() + Send + Sync>>>,
-    /// Assigned devices that keep their own copy of their requester id's mappings.
-    listeners: Mutex<BTreeMap<u16, Arc<dyn MapListener>>>,
+    /// Held (taken before `st`) by every unit operation that may make listener calls, from
+    /// before its state change until its calls are made: calls are made in state-change order,
+    /// and an operation's effects are visible only after its calls.
+    notify: Mutex<()>,
     /// An IR change whose callbacks have not run yet.
     ir_pending: AtomicBool,
     c: Counters,
@@ -392,6 +446,9 @@ impl Vtd {
                 book: PinBook::default(),
                 arrival: Instant::now(),
                 sc: ScBase::default(),
+                listeners: BTreeMap::new(),
+                walk_warned: false,
+                delivering: false,
             }),
             ctx: ContextCache::new(),
             iotlb: Iotlb::new(),
@@ -401,7 +458,7 @@ impl Vtd {
             shared: AtomicPtr::new(std::ptr::null_mut()),
             sc_watch: Default::default(),
             ir_cbs: Mutex::new(Vec::new()),
-            listeners: Mutex::new(BTreeMap::new()),
+            notify: Mutex::new(()),
             ir_pending: AtomicBool::new(false),
             c,
         })
@@ -463,38 +520,58 @@ impl Vtd {
         lock(&self.ir_cbs).push(f);
     }
 
-    /// Keeps `l` told of requester `rid`'s mappings from now on (see [`MapListener`]).
+    /// Keeps `l` told of requester `rid`'s mappings from now on (see [`MapListener`]): before
+    /// returning, it is given the identity maps (translation off) or what the tables map now.
+    /// Replaces an earlier listener of `rid` (which is not told anything more).
     pub fn add_listener(&self, rid: u16, l: Arc<dyn MapListener>) {
-        lock(&self.listeners).insert(rid, l);
+        self.with_state(|st, fx| self.listener_add(st, fx, rid, l));
     }
 
     /// Stops telling requester `rid`'s listener (the device left); it is not told to unmap.
     pub fn remove_listener(&self, rid: u16) {
-        lock(&self.listeners).remove(&rid);
+        self.with_state(|st, _| {
+            st.listeners.remove(&rid);
+        });
     }
 
-    /// Runs `f` under the state lock: in sidecore mode it first takes in the guest's pending
-    /// register writes and afterwards publishes the status registers; then pins are released
-    /// as grace periods allow and the counters are updated. MSIs and IR callbacks run after
-    /// the lock is dropped.
+    /// A unit operation (register access, sidecore poll, listener change): runs `f` under the
+    /// state lock; in sidecore mode it first takes in the guest's pending register writes.
+    /// Then pins are released as grace periods allow and the counters are updated. Listener
+    /// calls are made with the lock dropped (and `notify` held); a queue stopped at a wait
+    /// descriptor for them then goes on, until no calls remain. Then, in sidecore mode, the
+    /// status registers are published. MSIs and IR callbacks run last, without the lock.
     fn with_state<R>(&self, f: impl FnOnce(&mut State, &mut Fx) -> R) -> R {
         self.with_state_cb(true, f)
     }
 
-    /// As `with_state`; with `callbacks` false, IR-change callbacks are left pending for the
-    /// next operation (used inside `remap`, whose caller may hold the GSI router's lock that
-    /// the callback takes).
-    fn with_state_cb<R>(&self, callbacks: bool, f: impl FnOnce(&mut State, &mut Fx) -> R) -> R {
+    /// As `with_state`; with `op` false (the DMA and remapping paths, on device threads or
+    /// inside `remap`, whose caller may hold the GSI router's lock that an IR callback takes):
+    /// the guest's sidecore writes are left to the next poll (so no listener calls arise), and
+    /// IR-change callbacks to the next operation.
+    fn with_state_cb<R>(&self, op: bool, f: impl FnOnce(&mut State, &mut Fx) -> R) -> R {
+        let _notify = op.then(|| lock(&self.notify));
         let mut fx = Fx::default();
         let r = {
             let mut st = lock(&self.st);
             let page = self.sc_page();
-            if let Some(p) = page {
+            if let (Some(p), true) = (page, op) {
                 self.sc_sync(&mut st, &mut fx, p);
             }
             let r = f(&mut st, &mut fx);
             self.maintain(&mut st);
-            if let Some(p) = page {
+            while !fx.calls.is_empty() {
+                let calls = std::mem::take(&mut fx.calls);
+                st.delivering = true;
+                drop(st);
+                self.listener_calls(calls);
+                st = lock(&self.st);
+                st.delivering = false;
+                if std::mem::take(&mut fx.qi_resume) {
+                    self.qi_run(&mut st, &mut fx);
+                }
+                self.maintain(&mut st);
+            }
+            if let (Some(p), false) = (page, st.delivering) {
                 self.sc_publish(&mut st, p);
             }
             r
@@ -505,7 +582,7 @@ impl Vtd {
         if fx.ir_changed {
             self.ir_pending.store(true, Ordering::SeqCst);
         }
-        if callbacks && self.ir_pending.swap(false, Ordering::SeqCst) {
+        if op && self.ir_pending.swap(false, Ordering::SeqCst) {
             for cb in lock(&self.ir_cbs).iter() {
                 cb();
             }
@@ -616,7 +693,7 @@ impl Vtd {
             0x2c => {
                 set_hi(&mut st.ccmd, v);
                 if st.ccmd & CCMD_ICC != 0 {
-                    self.ccmd_exec(st);
+                    self.ccmd_exec(st, fx);
                 }
             }
             FSTS => {
@@ -672,7 +749,7 @@ impl Vtd {
             0x110c => {
                 set_hi(&mut st.iotlb_reg, v);
                 if st.iotlb_reg & IOTLB_IVT != 0 {
-                    self.iotlb_reg_exec(st);
+                    self.iotlb_reg_exec(st, fx);
                 }
             }
             _ => {}
@@ -685,15 +762,17 @@ impl Vtd {
 
     fn gcmd(&self, st: &mut State, fx: &mut Fx, v: u32) {
         let old = st.gsts;
-        if (v ^ old) & G_TE != 0 {
-            st.gsts ^= G_TE;
-            self.flush_caches(st);
-        }
         if v & G_SRTP != 0 {
             // RTADDR is read after the GCMD write was seen (see sidecore ordering).
             st.rta = self.val64(st, RTADDR) & tables::ADDR_MASK;
             st.gsts |= G_SRTP;
             self.flush_caches(st);
+            self.listeners_sync(st, fx, Sel::All);
+        }
+        if (v ^ old) & G_TE != 0 {
+            st.gsts ^= G_TE;
+            self.flush_caches(st);
+            self.listeners_te(st, fx, st.gsts & G_TE != 0);
         }
         if (v ^ old) & G_QIE != 0 {
             if v & G_QIE != 0 {
@@ -828,12 +907,12 @@ impl Vtd {
         self.clear_slots(st, |_| true);
     }
 
-    fn ccmd_exec(&self, st: &mut State) {
+    fn ccmd_exec(&self, st: &mut State, fx: &mut Fx) {
         let g = ((st.ccmd >> 61) & 3) as u8;
         let did = st.ccmd as u16;
         let sid = (st.ccmd >> 16) as u16;
         let fm = ((st.ccmd >> 32) & 3) as u8;
-        let done = self.ctx_inv(st, g, did, sid, fm);
+        let done = self.ctx_inv(st, fx, g, did, sid, fm);
         st.ccmd &= !(CCMD_ICC | 3 << 59);
         if done {
             st.ccmd |= u64::from(g) << 59;
@@ -841,15 +920,17 @@ impl Vtd {
     }
 
     /// Context-cache invalidation: 1 global, 2 domain, 3 device (function mask `fm`).
-    fn ctx_inv(&self, st: &mut State, g: u8, did: u16, sid: u16, fm: u8) -> bool {
+    fn ctx_inv(&self, st: &mut State, fx: &mut Fx, g: u8, did: u16, sid: u16, fm: u8) -> bool {
         match g {
             1 => {
                 self.clear_ctx_cache(st, |_, _| true);
                 st.domains.clear();
+                self.listeners_sync(st, fx, Sel::All);
             }
             2 => {
                 self.clear_ctx_cache(st, |_, c| c.did == did);
                 st.domains.clear();
+                self.listeners_sync(st, fx, Sel::Domain(did));
             }
             3 => {
                 let mask: u16 = match fm {
@@ -866,6 +947,7 @@ impl Vtd {
                         st.domains.insert(c.did, Some(c));
                     }
                 }
+                self.listeners_sync(st, fx, Sel::Device { sid, mask });
             }
             _ => return false,
         }
@@ -873,14 +955,14 @@ impl Vtd {
         true
     }
 
-    fn iotlb_reg_exec(&self, st: &mut State) {
+    fn iotlb_reg_exec(&self, st: &mut State, fx: &mut Fx) {
         let mut g = ((st.iotlb_reg >> 60) & 3) as u8;
         let did = (st.iotlb_reg >> 32) as u16;
         let am = st.iva & 0x3f;
         if g == 3 && am > MAMV {
             g = 2;
         }
-        let done = self.iotlb_inv(st, g, did, st.iva & !0xfff, am);
+        let done = self.iotlb_inv(st, fx, g, did, st.iva & !0xfff, am);
         st.iotlb_reg &= !(IOTLB_IVT | 3 << 57);
         if done {
             st.iotlb_reg |= u64::from(g) << 57;
@@ -888,17 +970,19 @@ impl Vtd {
     }
 
     /// IOTLB invalidation: 1 global, 2 domain, 3 page range (2^am pages at `addr`).
-    fn iotlb_inv(&self, st: &mut State, g: u8, did: u16, addr: u64, am: u64) -> bool {
+    fn iotlb_inv(&self, st: &mut State, fx: &mut Fx, g: u8, did: u16, addr: u64, am: u64) -> bool {
         match g {
             1 => {
                 self.c.inv_iotlb_global.inc();
                 self.clear_slots(st, |_| true);
                 self.rewalk(st, None);
+                self.listeners_sync(st, fx, Sel::All);
             }
             2 => {
                 self.c.inv_iotlb_domain.inc();
                 self.clear_slots(st, |e| e.did == did);
                 self.rewalk(st, Some(did));
+                self.listeners_sync(st, fx, Sel::Domain(did));
             }
             3 if am <= MAMV => {
                 self.c.inv_iotlb_page.inc();
@@ -931,6 +1015,7 @@ impl Vtd {
                     let new = ctx.and_then(|c| self.walk_page(&c, page));
                     self.shadow_update(st, did, page, new);
                 }
+                self.listeners_sync(st, fx, Sel::Pages { did, first, n });
             }
             _ => return false,
         }
@@ -1052,6 +1137,12 @@ impl Vtd {
                 tables::read_u64(&self.mem, a),
                 tables::read_u64(&self.mem, a + 8),
             ) {
+                // A wait completes only after the listener calls the descriptors before it
+                // caused: stop here until they are made (`with_state_cb` resumes).
+                (Some(lo), Some(_)) if lo & 0xf == 5 && !fx.calls.is_empty() => {
+                    fx.qi_resume = true;
+                    return;
+                }
                 (Some(lo), Some(hi)) => self.descriptor(st, fx, lo, hi),
                 _ => false,
             };
@@ -1074,6 +1165,7 @@ impl Vtd {
                 }
                 self.ctx_inv(
                     st,
+                    fx,
                     g,
                     (lo >> 16) as u16,
                     (lo >> 32) as u16,
@@ -1085,7 +1177,7 @@ impl Vtd {
                 if lo >> 32 != 0 || lo & 0xf000 != 0 || hi & 0xf80 != 0 {
                     return false;
                 }
-                self.iotlb_inv(st, g, (lo >> 16) as u16, hi & !0xfff, hi & 0x3f)
+                self.iotlb_inv(st, fx, g, (lo >> 16) as u16, hi & !0xfff, hi & 0x3f)
             }
             // Interrupt-entry-cache invalidate: no entry cache, the VMM re-routes.
             t if t & 0xfef == 0x4 => {

@@ -115,6 +115,20 @@ pub struct Leaf {
 /// Bits a second-level entry ignores: 63 and 61:52 (bit 62, TM, is reserved without DT).
 const SL_IGNORED: u64 = 0xbff0_0000_0000_0000;
 
+/// Whether second-level entry `e` at `level` has reserved bits set: address bits above HAW,
+/// SNP (no snoop control), and per level: PS where no large page exists, the low address bits
+/// of a 2 MiB leaf.
+fn sl_reserved(e: u64, level: u32) -> bool {
+    let ps = e & 0x80 != 0;
+    let mut rsvd = (e & !SL_IGNORED & !((1u64 << HAW) - 1)) | (e & 0x800);
+    match level {
+        4 | 3 if ps => rsvd |= 0x80,
+        2 if ps => rsvd |= e & 0x1f_f000,
+        _ => {}
+    }
+    rsvd != 0
+}
+
 /// Walks the second-level tables at `slpt` for `iova`. `Ok(None)`: an entry on the way is not
 /// present (R=W=0), which the caller reports as a read or write fault.
 pub fn walk(mem: &GuestMemoryMmap, slpt: u64, levels: u8, iova: u64) -> Result<Option<Leaf>, u8> {
@@ -133,15 +147,7 @@ pub fn walk(mem: &GuestMemoryMmap, slpt: u64, levels: u8, iova: u64) -> Result<O
             return Ok(None);
         }
         let ps = e & 0x80 != 0;
-        // Address bits above HAW, SNP (no snoop control), and per level: PS where no large
-        // page exists, the low address bits of a 2 MiB leaf.
-        let mut rsvd = (e & !SL_IGNORED & !((1u64 << HAW) - 1)) | (e & 0x800);
-        match level {
-            4 | 3 if ps => rsvd |= 0x80,
-            2 if ps => rsvd |= e & 0x1f_f000,
-            _ => {}
-        }
-        if rsvd != 0 {
+        if sl_reserved(e, level) {
             return Err(FR_PTE_RSVD);
         }
         r &= er;
@@ -164,4 +170,97 @@ pub fn walk(mem: &GuestMemoryMmap, slpt: u64, levels: u8, iova: u64) -> Result<O
         table = e & ADDR_MASK;
     }
     Ok(None)
+}
+
+/// What a range walk may still do: leaf pages to visit and table entries to read.
+pub struct Budget {
+    pub pages: u64,
+    pub reads: u64,
+}
+
+/// Visits, in IOVA order, the pages `first..end` (4 KiB page numbers) that the second-level
+/// tables at `slpt` map readable: `f(page, gpa_page, writable)`. Entries that are not present
+/// or have reserved bits are skipped with what they cover. `Err(page)`: the budget ran out at
+/// IOVA page `page`, which and what follows were not visited.
+pub fn walk_range(
+    mem: &GuestMemoryMmap,
+    slpt: u64,
+    levels: u8,
+    (first, end): (u64, u64),
+    budget: &mut Budget,
+    f: &mut dyn FnMut(u64, u64, bool),
+) -> Result<(), u64> {
+    if !(3..=4).contains(&levels) {
+        return Ok(());
+    }
+    let end = end.min(1 << (9 * u32::from(levels)));
+    if first >= end {
+        return Ok(());
+    }
+    walk_table(
+        mem,
+        slpt,
+        u32::from(levels),
+        0,
+        (first, end),
+        (true, true),
+        budget,
+        f,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn walk_table(
+    mem: &GuestMemoryMmap,
+    table: u64,
+    level: u32,
+    base: u64,
+    (first, end): (u64, u64),
+    (r, w): (bool, bool),
+    budget: &mut Budget,
+    f: &mut dyn FnMut(u64, u64, bool),
+) -> Result<(), u64> {
+    let shift = 9 * (level - 1);
+    let lo = first.saturating_sub(base) >> shift;
+    let hi = ((end - 1 - base) >> shift).min(511);
+    for idx in lo..=hi {
+        let ebase = base + (idx << shift);
+        if budget.reads == 0 {
+            return Err(ebase.max(first));
+        }
+        budget.reads -= 1;
+        let Some(e) = read_u64(mem, table + idx * 8) else {
+            continue;
+        };
+        let (er, ew) = (e & 1 != 0, e & 2 != 0);
+        if (!er && !ew) || sl_reserved(e, level) {
+            continue;
+        }
+        let (r, w) = (r && er, w && ew);
+        let ps = e & 0x80 != 0;
+        if level == 1 || (level == 2 && ps) {
+            let gpa_page = (e & ADDR_MASK) >> 12;
+            for page in ebase.max(first)..(ebase + (1 << shift)).min(end) {
+                if budget.pages == 0 {
+                    return Err(page);
+                }
+                budget.pages -= 1;
+                if r {
+                    f(page, gpa_page + (page - ebase), w);
+                }
+            }
+        } else {
+            walk_table(
+                mem,
+                e & ADDR_MASK,
+                level - 1,
+                ebase,
+                (first, end),
+                (r, w),
+                budget,
+                f,
+            )?;
+        }
+    }
+    Ok(())
 }

@@ -857,6 +857,9 @@ fn garbage_never_panics() {
             PinPolicy::Deferred
         };
         let e = Env::new(samecore(mode));
+        let checks = [Checker::new(), Checker::new()];
+        e.vtd.add_listener(0x0008, checks[0].clone());
+        e.vtd.add_listener(0x0010, checks[1].clone());
         // Random tables, queue and IRT contents in the low megabyte.
         for _ in 0..4000 {
             let a = rng.below(0x40000) & !7;
@@ -942,6 +945,10 @@ fn garbage_never_panics() {
         for t in tokens {
             e.vtd.access_end(t);
         }
+        for c in &checks {
+            let errs = c.errors.lock().unwrap();
+            assert!(errs.is_empty(), "seed {seed}: {errs:?}");
+        }
         assert!(
             e.pins.violations.lock().unwrap().is_empty(),
             "{:?}",
@@ -965,6 +972,9 @@ fn property_run(seed: u64, policy: PinPolicy, steps: usize) {
     let t = e.ctx(0x0008, 1, 3);
     e.enable();
     e.enable_qi(2);
+    // An assigned device's listener holds exactly the readable mappings after each step.
+    let check = Checker::new();
+    e.vtd.add_listener(0x0008, check.clone());
     // IOVA pages that share a few IOTLB slots, so that evictions happen.
     let mut iovas = Vec::new();
     let mut p = 1u64;
@@ -1062,6 +1072,14 @@ fn property_run(seed: u64, policy: PinPolicy, steps: usize) {
         }
         let v = e.pins.violations.lock().unwrap();
         assert!(v.is_empty(), "seed {seed} step {step}: {v:?}");
+        let told: HashMap<u64, (u64, bool)> = model
+            .iter()
+            .filter(|(_, &(_, r, _))| r)
+            .map(|(&p, &(g, _, w))| (p, (g, w)))
+            .collect();
+        assert_eq!(check.pages(), told, "seed {seed} step {step}");
+        let errs = check.errors.lock().unwrap();
+        assert!(errs.is_empty(), "seed {seed} step {step}: {errs:?}");
     }
     // Drain: end every access, unmap everything; no pin may be left (after the deferral).
     for a in inflight.drain(..) {
@@ -1450,4 +1468,397 @@ fn sidecore_garbage_never_panics() {
     stop.store(true, Ordering::SeqCst);
     h.join().unwrap();
     assert!(e.counter("sidecore.busy_polls") > 0);
+}
+
+// ---- map listeners (assigned devices) ----
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Call {
+    Map(u64, u64, u64, bool),
+    Unmap(u64, u64),
+}
+
+/// Records the calls, and with each the wait-descriptor status word in guest memory at that
+/// moment (to check that a wait completes only after the calls before it).
+struct Rec {
+    mem: GuestMemoryMmap,
+    calls: Mutex<Vec<(Call, u32)>>,
+}
+impl Rec {
+    fn new(mem: &GuestMemoryMmap) -> Arc<Rec> {
+        Arc::new(Rec {
+            mem: mem.clone(),
+            calls: Mutex::new(Vec::new()),
+        })
+    }
+    fn push(&self, c: Call) {
+        let status = self.mem.read_obj::<u32>(GuestAddress(STATUS)).unwrap();
+        self.calls.lock().unwrap().push((c, status));
+    }
+    fn take(&self) -> Vec<Call> {
+        let v = std::mem::take(&mut *self.calls.lock().unwrap());
+        v.into_iter().map(|(c, _)| c).collect()
+    }
+}
+impl MapListener for Rec {
+    fn map(&self, iova: u64, gpa: u64, len: u64, write: bool) {
+        self.push(Call::Map(iova, gpa, len, write));
+    }
+    fn unmap(&self, iova: u64, len: u64) {
+        self.push(Call::Unmap(iova, len));
+    }
+}
+
+use Call::{Map as M, Unmap as U};
+
+#[test]
+fn listener_follows_page_invalidations() {
+    let e = Env::new(samecore(PinPolicy::Map));
+    let t = e.ctx(0x0008, 1, 3);
+    let t2 = e.ctx(0x0010, 2, 3);
+    let rec = Rec::new(&e.mem);
+    let other = Rec::new(&e.mem);
+    e.vtd.add_listener(0x0008, rec.clone());
+    e.vtd.add_listener(0x0018, other.clone());
+    // Translation off: all RAM at its own address.
+    assert_eq!(rec.take(), vec![M(0, 0, RAM, true)]);
+    e.enable();
+    assert_eq!(rec.take(), vec![U(0, RAM)]);
+    // Requester 0x18 has no context entry: nothing mapped once translation is on.
+    assert_eq!(other.take(), vec![M(0, 0, RAM, true), U(0, RAM)]);
+    e.map(t, 3, 0x1000, DATA, true, true);
+    e.psi(1, 0x1000, 0);
+    assert_eq!(rec.take(), vec![M(0x1000, DATA, 0x1000, true)]);
+    // Read-only; write-only is not a mapping; another requester's map is not told.
+    e.map(t, 3, 0x5000, DATA + 0x5000, true, false);
+    e.map(t, 3, 0x6000, DATA + 0x6000, false, true);
+    e.psi(1, 0x4000, 2);
+    assert_eq!(rec.take(), vec![M(0x5000, DATA + 0x5000, 0x1000, false)]);
+    e.map(t2, 3, 0x1000, DATA + 0x9000, true, true);
+    e.psi(2, 0x1000, 0);
+    assert!(rec.take().is_empty());
+    // Unmap.
+    e.unmap(t, 3, 0x1000);
+    e.psi(1, 0x1000, 0);
+    assert_eq!(rec.take(), vec![U(0x1000, 0x1000)]);
+    // Contiguous pages: one call; a change inside unmaps the whole extent, maps it again.
+    for i in 0..4 {
+        e.map(
+            t,
+            3,
+            0x10000 + i * 0x1000,
+            DATA + 0x10000 + i * 0x1000,
+            true,
+            true,
+        );
+    }
+    e.psi(1, 0x10000, 2);
+    assert_eq!(rec.take(), vec![M(0x10000, DATA + 0x10000, 0x4000, true)]);
+    e.map(t, 3, 0x11000, DATA + 0x11000, true, false);
+    e.psi(1, 0x11000, 0);
+    assert_eq!(
+        rec.take(),
+        vec![
+            U(0x10000, 0x4000),
+            M(0x10000, DATA + 0x10000, 0x1000, true),
+            M(0x11000, DATA + 0x11000, 0x1000, false),
+            M(0x12000, DATA + 0x12000, 0x2000, true),
+        ]
+    );
+    // A 2 MiB leaf: one call.
+    e.map2m(t, 3, 0x20_0000, 0x60_0000);
+    e.psi(1, 0x20_0000, 9);
+    assert_eq!(rec.take(), vec![M(0x20_0000, 0x60_0000, 0x20_0000, true)]);
+    // A leaf outside guest RAM is not a mapping.
+    e.map(t, 3, 0x7000, 0x4000_0000, true, true);
+    e.psi(1, 0x7000, 0);
+    assert!(rec.take().is_empty());
+    assert!(other.take().is_empty());
+    assert_eq!(e.counter("listener.maps"), 9);
+    assert_eq!(e.counter("listener.unmaps"), 4);
+    assert!(e.counter("listener.walks") >= 8);
+}
+
+#[test]
+fn listener_domain_context_and_queued_invalidations() {
+    let e = Env::new(samecore(PinPolicy::Map));
+    let t = e.ctx(0x0008, 1, 4);
+    e.map(t, 4, 0x1000, DATA, true, true);
+    e.enable();
+    e.enable_qi(0);
+    // Added with translation on: told at once.
+    let rec = Rec::new(&e.mem);
+    e.vtd.add_listener(0x0008, rec.clone());
+    assert_eq!(rec.take(), vec![M(0x1000, DATA, 0x1000, true)]);
+    // Domain invalidation through the queue finds new mappings (anywhere in the 48-bit
+    // space); the wait after it completes only after the listener was told.
+    e.map(t, 4, 0x7f_0000_0000, DATA + 0x3000, true, false);
+    e.unmap(t, 4, 0x1000);
+    e.put(STATUS, 0);
+    e.submit(&[iotlb_desc(2, 1, 0, 0), wait_desc(0x77, STATUS, true, false)]);
+    assert_eq!(e.get(STATUS) as u32, 0x77);
+    let calls = std::mem::take(&mut *rec.calls.lock().unwrap());
+    assert_eq!(
+        calls,
+        vec![
+            (U(0x1000, 0x1000), 0),
+            (M(0x7f_0000_0000, DATA + 0x3000, 0x1000, false), 0)
+        ]
+    );
+    // Another domain's invalidation: nothing. Global: no change, nothing.
+    e.submit(&[iotlb_desc(2, 5, 0, 0), iotlb_desc(1, 0, 0, 0)]);
+    assert!(rec.take().is_empty());
+    // The device moves to a new domain (context entry rewritten) with other tables: a
+    // device-selective context invalidation re-walks them.
+    let t9 = e.alloc();
+    e.map(t9, 3, 0x2000, DATA + 0x8000, true, true);
+    let ce = CTX + 8 * 16;
+    e.put(ce, t9 | 1);
+    e.put(ce + 8, 1 | 9 << 8);
+    e.submit(&[
+        (1 | 3 << 4 | 0x0008 << 32, 0),
+        wait_desc(0x78, STATUS, true, false),
+    ]);
+    assert_eq!(
+        rec.take(),
+        vec![
+            U(0x7f_0000_0000, 0x1000),
+            M(0x2000, DATA + 0x8000, 0x1000, true)
+        ]
+    );
+    // Page invalidation in the new domain; the old domain's is ignored.
+    e.map(t9, 3, 0x3000, DATA + 0x9000, true, true);
+    e.submit(&[iotlb_desc(3, 1, 0x3000, 0)]);
+    assert!(rec.take().is_empty());
+    e.submit(&[iotlb_desc(3, 9, 0x3000, 0)]);
+    assert_eq!(rec.take(), vec![M(0x3000, DATA + 0x9000, 0x1000, true)]);
+    // Removed: no calls, ever.
+    e.vtd.remove_listener(0x0008);
+    e.unmap(t9, 3, 0x3000);
+    e.submit(&[iotlb_desc(1, 0, 0, 0)]);
+    assert!(rec.take().is_empty());
+}
+
+#[test]
+fn listener_identity_maps_follow_te() {
+    let ram = GuestRam::new(&[(0, 5 << 20), (6 << 20, 2 << 20)], Backing::Anonymous).unwrap();
+    let mem = ram.memory().clone();
+    let stats = StatsRegistry::new();
+    let vtd = Vtd::new(
+        samecore(PinPolicy::Map),
+        mem.clone(),
+        Arc::new(Msis::default()),
+        Arc::new(TestPinner::default()),
+        &stats,
+    );
+    let put = |a: u64, v: u64| mem.write_obj(v, GuestAddress(a)).unwrap();
+    // Requester 8: root at RTA, context table at CTX, 3-level tables mapping IOVA 0x1000 and
+    // 0x2000 to DATA..DATA+0x2000 (one run).
+    let (l3, l2, l1) = (TABLES, TABLES + 0x1000, TABLES + 0x2000);
+    put(RTA, CTX | 1);
+    put(CTX + 8 * 16, l3 | 1);
+    put(CTX + 8 * 16 + 8, 1 | 1 << 8);
+    put(l3, l2 | 3);
+    put(l2, l1 | 3);
+    put(l1 + 8, DATA | 3);
+    put(l1 + 16, (DATA + 0x1000) | 3);
+    let rec = Rec::new(&mem);
+    vtd.add_listener(0x0008, rec.clone());
+    assert_eq!(
+        rec.take(),
+        vec![M(0, 0, 5 << 20, true), M(6 << 20, 6 << 20, 2 << 20, true)]
+    );
+    let w32 = |off: u64, v: u32| vtd.write(off, &v.to_le_bytes());
+    vtd.write(RTADDR, &RTA.to_le_bytes());
+    w32(GCMD, G_SRTP);
+    assert!(rec.take().is_empty());
+    w32(GCMD, G_TE);
+    assert_eq!(
+        rec.take(),
+        vec![
+            U(0, 5 << 20),
+            U(6 << 20, 2 << 20),
+            M(0x1000, DATA, 0x2000, true)
+        ]
+    );
+    // SRTP with translation on re-walks: nothing changed, nothing told.
+    w32(GCMD, G_TE | G_SRTP);
+    assert!(rec.take().is_empty());
+    w32(GCMD, 0);
+    assert_eq!(
+        rec.take(),
+        vec![
+            U(0x1000, 0x2000),
+            M(0, 0, 5 << 20, true),
+            M(6 << 20, 6 << 20, 2 << 20, true)
+        ]
+    );
+    // Invalidations while translation is off tell nothing.
+    vtd.write(CCMD, &(CCMD_ICC | 1 << 61).to_le_bytes());
+    assert!(rec.take().is_empty());
+}
+
+/// A listener that calls back into the unit (translates what it is told) does not deadlock.
+struct Reenter(Arc<Vtd>, AtomicUsize);
+impl MapListener for Reenter {
+    fn map(&self, iova: u64, gpa: u64, _len: u64, _write: bool) {
+        assert_eq!(
+            self.0.translate(8, iova, 8, Access::Read).map(|r| r.0),
+            Ok(gpa)
+        );
+        self.1.fetch_add(1, Ordering::SeqCst);
+    }
+    fn unmap(&self, _iova: u64, _len: u64) {}
+}
+
+#[test]
+fn listener_may_call_into_the_unit() {
+    let e = Env::new(samecore(PinPolicy::Map));
+    let t = e.ctx(0x0008, 1, 3);
+    e.enable();
+    let l = Arc::new(Reenter(e.vtd.clone(), AtomicUsize::new(0)));
+    e.vtd.add_listener(0x0008, l.clone());
+    e.map(t, 3, 0x1000, DATA, true, true);
+    e.psi(1, 0x1000, 0);
+    assert_eq!(l.1.load(Ordering::SeqCst), 1);
+    e.vtd.remove_listener(0x0008);
+}
+
+#[test]
+fn sidecore_listener_told_before_the_wait_completes() {
+    let (e, page, stop, h) = sidecore_env();
+    let g = GuestView::new(page);
+    let t = e.ctx(0x0008, 1, 3);
+    e.map(t, 3, 0x1000, DATA, true, true);
+    let rec = Rec::new(&e.mem);
+    e.vtd.add_listener(0x0008, rec.clone());
+    g.w64(RTADDR, RTA);
+    g.w32(GCMD, G_SRTP);
+    g.wait("RTPS", |g| g.r32(GSTS) & G_SRTP != 0);
+    g.w32(GCMD, G_TE);
+    g.wait("TES", |g| g.r32(GSTS) & G_TE != 0);
+    // TES is published only after the listener was told.
+    assert_eq!(
+        rec.take(),
+        vec![M(0, 0, RAM, true), U(0, RAM), M(0x1000, DATA, 0x1000, true)]
+    );
+    g.w64(IQT, 0);
+    g.w64(IQA, IQ);
+    g.w32(GCMD, G_TE | G_QIE);
+    g.wait("QIES", |g| g.r32(GSTS) & G_QIE != 0);
+    e.map(t, 3, 0x2000, DATA + 0x1000, true, false);
+    for (i, d) in [
+        iotlb_desc(3, 1, 0x2000, 0),
+        wait_desc(0x5a5a, STATUS, true, false),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        e.put(IQ + 16 * i as u64, d.0);
+        e.put(IQ + 16 * i as u64 + 8, d.1);
+    }
+    g.w64(IQT, 2 << 4);
+    g.wait("status write", |_| e.get(STATUS) as u32 == 0x5a5a);
+    let calls = std::mem::take(&mut *rec.calls.lock().unwrap());
+    assert_eq!(calls, vec![(M(0x2000, DATA + 0x1000, 0x1000, false), 0)]);
+    stop.store(true, Ordering::SeqCst);
+    h.join().unwrap();
+}
+
+#[test]
+fn diff_splits_only_changed_extents() {
+    use crate::listen::{diff, Ext};
+    let x = |pages, gpa, write| Ext { pages, gpa, write };
+    let mut ext = std::collections::BTreeMap::new();
+    ext.insert(0, x(8, 100, true));
+    ext.insert(20, x(2, 300, true));
+    // Page 3 of the first extent changes; the second is outside the range and stays.
+    let (u, m) = diff(&mut ext, (2, 4), &[(2, 102, true), (3, 200, true)], &|_| {
+        false
+    });
+    assert_eq!(u, vec![(0, 8)]);
+    assert_eq!(
+        m,
+        vec![
+            (0, x(3, 100, true)),
+            (3, x(1, 200, true)),
+            (4, x(4, 104, true))
+        ]
+    );
+    assert_eq!(ext.len(), 4);
+    // Nothing changed: nothing told.
+    let (u, m) = diff(
+        &mut ext,
+        (0, 30),
+        &[
+            (0, 100, true),
+            (1, 101, true),
+            (2, 102, true),
+            (3, 200, true),
+            (4, 104, true),
+            (5, 105, true),
+            (6, 106, true),
+            (7, 107, true),
+            (20, 300, true),
+            (21, 301, true),
+        ],
+        &|_| false,
+    );
+    assert!(u.is_empty() && m.is_empty());
+    // Everything gone.
+    let (u, m) = diff(&mut ext, crate::listen::ALL, &[], &|_| false);
+    assert_eq!(u.len(), 4);
+    assert!(m.is_empty() && ext.is_empty());
+    // A run stops where a RAM region starts.
+    let new: Vec<(u64, u64, bool)> = (0..4).map(|p| (p, 100 + p, false)).collect();
+    let (_, m) = diff(&mut ext, crate::listen::ALL, &new, &|g| g == 102);
+    assert_eq!(m, vec![(0, x(2, 100, false)), (2, x(2, 102, false))]);
+}
+
+/// A listener that checks the calls make sense: maps never overlap what is mapped, an unmap
+/// is exactly an earlier map.
+#[derive(Default)]
+struct Checker {
+    /// iova -> (len, gpa, write)
+    mapped: Mutex<std::collections::BTreeMap<u64, (u64, u64, bool)>>,
+    errors: Mutex<Vec<String>>,
+}
+impl Checker {
+    fn new() -> Arc<Checker> {
+        Arc::new(Checker::default())
+    }
+    /// What the listener holds, by 4 KiB page: page -> (gpa, write).
+    fn pages(&self) -> HashMap<u64, (u64, bool)> {
+        let mut out = HashMap::new();
+        for (&iova, &(len, gpa, w)) in self.mapped.lock().unwrap().iter() {
+            for k in 0..len >> 12 {
+                out.insert((iova >> 12) + k, (gpa + (k << 12), w));
+            }
+        }
+        out
+    }
+}
+impl MapListener for Checker {
+    fn map(&self, iova: u64, gpa: u64, len: u64, write: bool) {
+        let mut m = self.mapped.lock().unwrap();
+        let overlaps = m
+            .range(..iova + len)
+            .next_back()
+            .is_some_and(|(&s, &(l, _, _))| s + l > iova);
+        if overlaps || len == 0 || (iova | gpa | len) & 0xfff != 0 {
+            self.errors
+                .lock()
+                .unwrap()
+                .push(format!("map {iova:#x}+{len:#x} -> {gpa:#x}"));
+        }
+        m.insert(iova, (len, gpa, write));
+    }
+    fn unmap(&self, iova: u64, len: u64) {
+        if self.mapped.lock().unwrap().remove(&iova).map(|m| m.0) != Some(len) {
+            self.errors
+                .lock()
+                .unwrap()
+                .push(format!("unmap {iova:#x}+{len:#x}"));
+        }
+    }
 }
