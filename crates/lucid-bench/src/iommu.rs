@@ -2,7 +2,8 @@
 //! workload of `lucid bench io` (virtio-blk 4 KiB random reads at QD1 and QD32, virtio-net
 //! request-response at 64 B and 1500 B) on rungs L1 and L4p, the same probe guest runs with no
 //! IOMMU ("off") and then behind Lucid's VT-d in samecore and sidecore emulation, with each of the
-//! guest mapping strategies (strict, shared, async, deferred, teardown256, teardown4096).
+//! guest mapping strategies (strict, shared, async, deferred, teardown256, teardown4096). The
+//! `assigned` workload does the same for a device Lucid does not emulate (see `assigned`).
 //!
 //! Figures: ops/s from inside the guest and as a fraction of "off"; what the guest reports by
 //! hypercall (`iommu.guest.*`: map and unmap cost in TSC cycles, reuse hits, stale-mapping maximum
@@ -19,7 +20,11 @@ use lucid_iommu::{EmulationMode, PinPolicy, VtdConfig};
 use lucid_vmm::{KernelSource, VmConfig};
 use serde_json::{json, Value};
 
+use crate::assigned;
 use crate::io::{self, RungSetup, Workload, WORKLOADS};
+
+/// The `--workloads` name of the assigned device (out-of-process edu over vfio-user).
+const ASSIGNED: &str = "assigned";
 
 #[derive(clap::Args)]
 pub struct IommuArgs {
@@ -34,7 +39,8 @@ pub struct IommuArgs {
     /// Rungs to measure on (L1, L4p).
     #[arg(long, value_delimiter = ',', default_values_t = ["L1".to_string(), "L4p".to_string()])]
     rungs: Vec<String>,
-    /// Workloads (names as in `lucid bench io`); all by default.
+    /// Workloads (names as in `lucid bench io`, and `assigned`: QEMU's edu in its own process
+    /// over vfio-user, `count` DMA round trips); all by default.
     #[arg(long, value_delimiter = ',')]
     workloads: Vec<String>,
     /// Write an SVG plot of the fractions of "off" to this file.
@@ -433,11 +439,10 @@ pub fn run(args: IommuArgs) -> Result<ExitCode, String> {
         .iter()
         .map(|r| rung_setup(r))
         .collect::<Result<_, _>>()?;
-    let workloads: Vec<&Workload> = WORKLOADS
-        .iter()
-        .filter(|w| args.workloads.is_empty() || args.workloads.iter().any(|n| n == w.name))
-        .collect();
-    if workloads.is_empty() {
+    let wanted = |name: &str| args.workloads.is_empty() || args.workloads.iter().any(|n| n == name);
+    let workloads: Vec<&Workload> = WORKLOADS.iter().filter(|w| wanted(w.name)).collect();
+    let with_assigned = wanted(ASSIGNED);
+    if workloads.is_empty() && !with_assigned {
         return Err(format!("no such workload in {:?}", args.workloads));
     }
     let dir = std::env::temp_dir().join(format!("lucid-bench-iommu-{}", std::process::id()));
@@ -476,6 +481,12 @@ pub fn run(args: IommuArgs) -> Result<ExitCode, String> {
             rows.push(((w.name, r.label), row));
         }
     }
+    let assigned_row = if with_assigned {
+        let setups: Vec<assigned::Setup> = setups().iter().map(|s| (s.mode, s.strategy)).collect();
+        Some(assigned::measure(&setups, args.count, args.runs, &dir)?)
+    } else {
+        None
+    };
     let _ = std::fs::remove_dir_all(&dir);
     let table = Table {
         rows,
@@ -489,9 +500,18 @@ pub fn run(args: IommuArgs) -> Result<ExitCode, String> {
         std::fs::write(p, table.svg()).map_err(|e| format!("{}: {e}", p.display()))?;
     }
     if args.json {
-        println!("{}", table.to_json(args.count));
+        let mut j = table.to_json(args.count);
+        if let Some(row) = &assigned_row {
+            if let (Some(j), Value::Object(a)) = (j.as_object_mut(), assigned::to_json(row, args.count)) {
+                j.extend(a);
+            }
+        }
+        println!("{j}");
     } else {
         table.print();
+        if let Some(row) = &assigned_row {
+            assigned::print(row);
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

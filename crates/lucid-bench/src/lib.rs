@@ -10,6 +10,7 @@
 //! process of their own, so they are called from the `lucid` binary.
 
 mod api;
+mod assigned;
 pub mod http;
 mod io;
 mod iommu;

@@ -1,0 +1,214 @@
+//! `lucid bench iommu`'s assigned device: QEMU's edu served by `lucid device-server edu` in a
+//! process of its own and assigned to the guest over vfio-user, so that only the mappings Lucid
+//! sends it (`DMA_MAP`/`DMA_UNMAP`, each an `mmap`/`munmap` in the device process) let it reach
+//! guest memory: the vIOMMU paper's premise. The `edu` probe guest's DMA round trips (map, DMA
+//! to the device, unmap, map, DMA back, unmap) run with no IOMMU ("off") and behind the VT-d in
+//! each mode with each mapping strategy, side by side in one run.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use lucid_iommu::{EmulationMode, PinPolicy, VtdConfig};
+use lucid_vmm::config::{Backing, UserDeviceConfig};
+use lucid_vmm::{KernelSource, SerialOutput, StopReason, Vm, VmConfig};
+use serde_json::{json, Value};
+
+/// One setup: no IOMMU (`mode` None) or a mode with a guest strategy.
+pub(crate) type Setup = (Option<EmulationMode>, &'static str);
+
+/// What one run gave.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub(crate) struct Figures {
+    pub ops_per_s: f64,
+    /// `DMA_MAP`/`DMA_UNMAP` messages Lucid sent per round trip.
+    pub dma_maps_per_op: f64,
+    pub dma_unmaps_per_op: f64,
+    pub pinned_peak: u64,
+    pub faults: u64,
+}
+
+/// The device server, killed when dropped.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_server(socket: &Path) -> Result<Server, String> {
+    let _ = std::fs::remove_file(socket);
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let child = Command::new(exe)
+        .args(["device-server", "edu", "--socket"])
+        .arg(socket)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("lucid device-server edu: {e}"))?;
+    let mut server = Server(child);
+    let start = Instant::now();
+    while !socket.exists() {
+        if let Ok(Some(st)) = server.0.try_wait() {
+            return Err(format!("lucid device-server edu exited: {st}"));
+        }
+        if start.elapsed() > Duration::from_secs(10) {
+            return Err("lucid device-server edu: no socket after 10 s".into());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(server)
+}
+
+fn field<'a>(out: &'a str, line: &str, key: &str) -> Option<&'a str> {
+    let l = out.lines().find(|l| l.starts_with(line))?;
+    let k = format!("{key}=");
+    l.split_whitespace().find_map(|w| w.strip_prefix(k.as_str()))
+}
+
+/// One run of `rounds` round trips in setup `s`.
+pub(crate) fn run(s: Setup, kernel: &Path, rounds: u64, dir: &Path) -> Result<Figures, String> {
+    let socket = dir.join("edu.sock");
+    let _server = start_server(&socket)?;
+    let serial = dir.join("assigned-serial.txt");
+    let mut c = VmConfig::new(KernelSource::File(kernel.into()));
+    c.machine.backing = Backing::SharedMemfd;
+    c.devices.serial = SerialOutput::File(serial.clone());
+    c.devices.user_devices.push(UserDeviceConfig {
+        socket: socket.clone(),
+        id: Some("edu".into()),
+    });
+    c.payload.cmdline = format!("rounds={rounds}");
+    if let (Some(mode), strategy) = s {
+        c.payload.cmdline += &format!(" iommu=vtd strategy={strategy}");
+        c.iommu = Some(VtdConfig {
+            mode,
+            pin: PinPolicy::Map,
+        });
+    }
+    let report = Vm::run(c).map_err(|e| lucid_vmm::error_chain(&e))?;
+    let out = std::fs::read_to_string(&serial).unwrap_or_default();
+    let label = label(s);
+    // The edu guest exits 0 when every check passed.
+    if report.stop != StopReason::DebugExit(0) {
+        return Err(format!(
+            "assigned edu {label}: {} — guest said: {out}",
+            report.stop_text()
+        ));
+    }
+    let ops_per_s: f64 = field(&out, "edu dma ", "rounds_per_s")
+        .and_then(|v| v.parse().ok())
+        .ok_or(format!("assigned edu {label}: no rounds_per_s in: {out}"))?;
+    let k = &report.counters;
+    let get = |n: &str| k.get(n).copied().unwrap_or(0);
+    let per_op = |n: &str| get(n) as f64 / rounds.max(1) as f64;
+    Ok(Figures {
+        ops_per_s,
+        dma_maps_per_op: per_op("user_device.edu.dma_maps"),
+        dma_unmaps_per_op: per_op("user_device.edu.dma_unmaps"),
+        pinned_peak: get("iommu.pinned.peak"),
+        faults: get("iommu.faults.dma"),
+    })
+}
+
+pub(crate) fn label(s: Setup) -> String {
+    match s {
+        (None, _) => "off".into(),
+        (Some(EmulationMode::Samecore), t) => format!("samecore/{t}"),
+        (Some(EmulationMode::Sidecore), t) => format!("sidecore/{t}"),
+    }
+}
+
+/// Every setup, best of `runs` each; `None` in a cell says why every run failed.
+pub(crate) fn measure(
+    setups: &[Setup],
+    rounds: u64,
+    runs: usize,
+    dir: &Path,
+) -> Result<Vec<(Setup, Result<Figures, String>)>, String> {
+    let kernel: PathBuf = crate::io::guest_path("edu", dir)?;
+    let mut row = Vec::new();
+    for &s in setups {
+        let mut best: Option<Figures> = None;
+        let mut err = String::new();
+        for _ in 0..runs.max(1) {
+            match run(s, &kernel, rounds, dir) {
+                Ok(f) if best.as_ref().is_none_or(|b| f.ops_per_s > b.ops_per_s) => {
+                    best = Some(f)
+                }
+                Ok(_) => {}
+                Err(e) => err = e,
+            }
+        }
+        match &best {
+            Some(f) => log::info!("assigned edu {:<22} {:.0} round trips/s", label(s), f.ops_per_s),
+            None => log::warn!("assigned edu {:<22} {err}", label(s)),
+        }
+        row.push((s, best.ok_or(err)));
+    }
+    Ok(row)
+}
+
+fn over_off(row: &[(Setup, Result<Figures, String>)], s: Setup) -> Option<f64> {
+    let off = row.iter().find(|(x, _)| x.0.is_none())?.1.as_ref().ok()?;
+    let this = row.iter().find(|(x, _)| *x == s)?.1.as_ref().ok()?;
+    (off.ops_per_s > 0.0).then(|| this.ops_per_s / off.ops_per_s)
+}
+
+/// The best of both modes for the strategies named.
+fn best_over_off(row: &[(Setup, Result<Figures, String>)], strategies: &[&str]) -> Option<f64> {
+    row.iter()
+        .filter(|(s, _)| s.0.is_some() && strategies.contains(&s.1))
+        .filter_map(|(s, _)| over_off(row, *s))
+        .fold(None, |a: Option<f64>, b| Some(a.map_or(b, |a| a.max(b))))
+}
+
+/// The goal keys and the table, for `--json`.
+pub(crate) fn to_json(row: &[(Setup, Result<Figures, String>)], rounds: u64) -> Value {
+    let mut cells = serde_json::Map::new();
+    for (s, c) in row {
+        let v = match c {
+            Ok(f) => {
+                let mut v = json!(f);
+                v["over_off"] = json!(over_off(row, *s));
+                v
+            }
+            Err(e) => json!({ "error": e }),
+        };
+        cells.insert(label(*s), v);
+    }
+    json!({
+        "assigned_teardown_over_off": best_over_off(row, &["teardown256", "teardown4096"]),
+        "assigned_strict_over_off": best_over_off(row, &["strict"]),
+        "assigned": { "device": "edu (lucid device-server, vfio-user)", "rounds": rounds, "setups": cells },
+    })
+}
+
+pub(crate) fn print(row: &[(Setup, Result<Figures, String>)]) {
+    println!(
+        "assigned edu (out of process, vfio-user): DMA round trips/s as a fraction of off; \
+         DMA_MAP/DMA_UNMAP messages per round trip"
+    );
+    for (s, c) in row {
+        match c {
+            Ok(f) => println!(
+                "  {:<22} {:>9.0}/s {:>6} maps {:.2} unmaps {:.2} pinned_peak {}",
+                label(*s),
+                f.ops_per_s,
+                over_off(row, *s).map_or("-".into(), |r| format!("{r:.2}")),
+                f.dma_maps_per_op,
+                f.dma_unmaps_per_op,
+                f.pinned_peak
+            ),
+            Err(e) => println!("  {:<22} failed: {e}", label(*s)),
+        }
+    }
+    println!(
+        "assigned_teardown_over_off {} (goal >= 0.9)  assigned_strict_over_off {}",
+        best_over_off(row, &["teardown256", "teardown4096"]).map_or("-".into(), |r| format!("{r:.2}")),
+        best_over_off(row, &["strict"]).map_or("-".into(), |r| format!("{r:.2}"))
+    );
+}
