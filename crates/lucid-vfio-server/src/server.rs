@@ -178,7 +178,7 @@ fn wait_signal(set: &libc::sigset_t, timeout: Duration) -> Option<i32> {
 fn serve_edu(args: &EduArgs) -> Result<Summary, ServerError> {
     let listener = bind(&args.socket)?;
     let signals = block_stop_signals();
-    let stats = Arc::new(StatsRegistry::new());
+    let stats = StatsRegistry::new();
     // Confined from here on, with the threads it starts: nothing after this point opens a file
     // or makes a socket.
     if !args.no_seccomp {
