@@ -379,7 +379,7 @@ impl EduServer {
         let fd = fds.pop();
         let eventfd = data == VFIO_IRQ_SET_DATA_EVENTFD;
         match (index, action) {
-            (INTX_IRQ, VFIO_IRQ_SET_ACTION_TRIGGER) if eventfd => {
+            (INTX_IRQ, VFIO_IRQ_SET_ACTION_TRIGGER) if eventfd || count == 0 => {
                 let mut intx = lock(&self.irqs.intx);
                 intx.trigger = fd;
                 // A level already high is signalled at once, as VFIO does.
@@ -392,7 +392,7 @@ impl EduServer {
                     signal(t).map_err(EduServerError::Unmasker)?;
                 }
             }
-            (INTX_IRQ, VFIO_IRQ_SET_ACTION_UNMASK) if eventfd => {
+            (INTX_IRQ, VFIO_IRQ_SET_ACTION_UNMASK) if eventfd || count == 0 => {
                 self.unmasker = None;
                 if let Some(f) = fd {
                     self.unmasker = Some(
