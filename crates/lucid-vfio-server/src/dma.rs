@@ -73,6 +73,13 @@ pub enum MapError {
     Flags { iova: u64, size: u64, flags: u32 },
     #[error("DMA_MAP of {iova:#x}+{size:#x} at file offset {offset:#x}: empty, wrapping, or an offset not page-aligned")]
     Range { iova: u64, size: u64, offset: u64 },
+    #[error("DMA_MAP of {iova:#x}+{size:#x} at file offset {offset:#x} runs past the file's {file_size} bytes")]
+    PastEnd {
+        iova: u64,
+        size: u64,
+        offset: u64,
+        file_size: u64,
+    },
     #[error("DMA_MAP of {iova:#x}+{size:#x} overlaps the mapping at {at:#x}")]
     Overlap { iova: u64, size: u64, at: u64 },
     #[error("DMA_MAP of {iova:#x}+{size:#x}: mmap failed")]
@@ -258,6 +265,17 @@ impl DmaTable {
         let end = iova.checked_add(size);
         if size == 0 || end.is_none() || !offset.is_multiple_of(page_size()) {
             return Err(MapError::Range { iova, size, offset });
+        }
+        // An access past a file's end would fault the server (SIGBUS): refused at the map.
+        if let Ok(m) = fd.metadata() {
+            if m.is_file() && offset.checked_add(size).is_none_or(|e| e > m.len()) {
+                return Err(MapError::PastEnd {
+                    iova,
+                    size,
+                    offset,
+                    file_size: m.len(),
+                });
+            }
         }
         let mut inner = self.lock();
         if let Some(at) = overlapping(&inner.maps, iova, size).next() {

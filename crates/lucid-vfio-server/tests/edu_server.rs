@@ -349,6 +349,10 @@ fn read_only_mappings_refuse_writes_on_the_table() {
         t.map(DmaMapFlags::READ_WRITE, 0, 0x20000, 0x1000, None),
         Err(MapError::NoFd { .. })
     ));
+    assert!(matches!(
+        t.map(DmaMapFlags::READ_WRITE, 0x2000, 0x20000, 0x2000, Some(&ram)),
+        Err(MapError::PastEnd { .. })
+    ));
     assert_eq!(t.stats().refused, 2);
 }
 
