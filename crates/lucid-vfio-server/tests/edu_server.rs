@@ -23,8 +23,9 @@ use lucid_vfio_server::{
     FAULT_LOG_REGION, INTX_IRQ, MSIX_IRQ, MSI_IRQ,
 };
 use vfio_bindings::bindings::vfio::{
-    VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_ACTION_UNMASK, VFIO_IRQ_SET_DATA_EVENTFD,
-    VFIO_REGION_INFO_FLAG_READ, VFIO_REGION_INFO_FLAG_WRITE,
+    VFIO_IRQ_SET_ACTION_MASK, VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_ACTION_UNMASK,
+    VFIO_IRQ_SET_DATA_EVENTFD, VFIO_IRQ_SET_DATA_NONE, VFIO_REGION_INFO_FLAG_READ,
+    VFIO_REGION_INFO_FLAG_WRITE,
 };
 use vfio_user::{Client, DmaMapFlags, DmaUnmapFlags, ServerBackend};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -196,6 +197,24 @@ fn intx_and_msi_on_the_clients_eventfds() {
     unmask.write(1).unwrap();
     std::thread::sleep(Duration::from_millis(100));
     assert!(intx.read().is_err(), "low: the unmask signals nothing");
+
+    // Masked, a rise is held back until the unmask; a cleared trigger signals nothing.
+    let none = VFIO_IRQ_SET_DATA_NONE;
+    c.set_irqs(INTX_IRQ, VFIO_IRQ_SET_ACTION_MASK | none, 0, 1, &[])
+        .unwrap();
+    w32(&mut c, BAR0_REGION, reg::IRQ_RAISE, 0x20);
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(intx.read().is_err(), "masked");
+    c.set_irqs(INTX_IRQ, VFIO_IRQ_SET_ACTION_UNMASK | none, 0, 1, &[])
+        .unwrap();
+    assert!(signalled(&intx), "at the unmask");
+    w32(&mut c, BAR0_REGION, reg::IRQ_ACK, 0x20);
+    c.set_irqs(INTX_IRQ, VFIO_IRQ_SET_ACTION_TRIGGER | none, 0, 0, &[])
+        .unwrap();
+    w32(&mut c, BAR0_REGION, reg::IRQ_RAISE, 0x20);
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(intx.read().is_err(), "no trigger eventfd");
+    w32(&mut c, BAR0_REGION, reg::IRQ_ACK, 0x20);
 
     // MSI: the eventfd turns the edu's MSI on; bus mastering lets it out.
     let msi = EventFd::new(EFD_NONBLOCK).unwrap();
@@ -434,4 +453,38 @@ fn backend_refuses_device_writes_to_a_read_only_mapping() {
     assert_eq!(u32::from_le_bytes(log), 1);
     assert!(edu.region_write(FAULT_LOG_REGION, 0, &[0; 4]).is_err());
     assert!(edu.region_read(BAR0_REGION, (1 << 20) - 2, &mut b).is_err());
+}
+
+#[test]
+fn with_reconnect_the_next_client_gets_a_fresh_device_and_no_mappings() {
+    let dir = std::env::temp_dir().join(format!("lucid-vfio-{}-reconnect", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("edu.sock");
+    let listener = server::bind(&sock).unwrap();
+    let dma = Arc::new(DmaTable::new());
+    let clients = Arc::new(AtomicU64::new(0));
+    {
+        let (dma, clients) = (dma.clone(), clients.clone());
+        // Serves until the test process ends.
+        std::thread::spawn(move || {
+            server::serve(listener, &dma, &StatsRegistry::new(), &clients, true)
+        });
+    }
+    let ram = memfd(0x1000);
+    let mut c = Client::new(&sock).unwrap();
+    w32(&mut c, BAR0_REGION, reg::LIVENESS, 0);
+    c.dma_map(0, 0x1000, 0x1000, ram.as_raw_fd()).unwrap();
+    assert_eq!(dma.mappings().len(), 1);
+    c.shutdown().unwrap();
+    drop(c);
+    let mut c = Client::new(&sock).unwrap();
+    assert_eq!(r32(&mut c, BAR0_REGION, reg::LIVENESS), 0, "a fresh edu");
+    assert!(
+        dma.mappings().is_empty(),
+        "the last client's mappings are gone"
+    );
+    assert_eq!(clients.load(std::sync::atomic::Ordering::Relaxed), 1);
+    c.shutdown().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
 }
