@@ -20,8 +20,9 @@
 //! | 0x90 | DMA byte count |
 //! | 0x98 | DMA command: bit 0 start (reads 1 while busy), bit 1 direction (0 RAM to device buffer, 1 device buffer to RAM), bit 2 raise interrupt 0x100 when done |
 //!
-//! The device buffer is 4 KiB at device address 0x40000. The RAM side goes through the
-//! [`DmaPath`] as this function's requester ID, so a vIOMMU translates it and records its faults;
+//! The device buffer is 4 KiB at device address 0x40000. The RAM side goes through an
+//! [`EduDma`] as this function's requester ID: in Lucid the [`DmaPath`], so a vIOMMU translates
+//! it and records its faults; in a device server, the mappings its VMM gave it;
 //! like QEMU, the RAM-side address is first masked to 28 bits (QEMU's default `dma_mask`). A DMA
 //! error is otherwise ignored, as QEMU ignores it: nothing is copied into the device buffer, and
 //! `edu.dma_errors` counts it.
@@ -41,7 +42,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use lucid_hv::{GsiRouter, HvError, MsiMessage, Vm};
-use lucid_mem::DmaPath;
+use lucid_mem::{DeviceId, DmaError, DmaPath};
 use lucid_stats::{Counter, StatsRegistry};
 
 use crate::config::{
@@ -92,6 +93,29 @@ pub const DMA_BUF_ADDR: u64 = 0x40000;
 pub const DMA_BUF_SIZE: usize = 4096;
 /// QEMU's default `dma_mask`: the RAM-side address keeps its low 28 bits.
 pub const DMA_MASK: u64 = (1 << 28) - 1;
+
+/// The RAM side of the DMA engine: Lucid's [`DmaPath`], or a device server's table of the
+/// mappings its VMM gave it (`lucid-vfio-server`). An `Err` moves no byte.
+pub trait EduDma: Send + Sync {
+    /// Device `dev` reads `buf.len()` bytes at device address `addr`.
+    fn read(&self, dev: DeviceId, addr: u64, buf: &mut [u8]) -> Result<(), DmaError>;
+    /// Device `dev` writes `buf` at device address `addr`.
+    fn write(&self, dev: DeviceId, addr: u64, buf: &[u8]) -> Result<(), DmaError>;
+    /// Allows or refuses DMA by `dev` (its bus-master enable).
+    fn set_bus_master(&self, dev: DeviceId, enabled: bool);
+}
+
+impl EduDma for DmaPath {
+    fn read(&self, dev: DeviceId, addr: u64, buf: &mut [u8]) -> Result<(), DmaError> {
+        DmaPath::read(self, dev, addr, buf)
+    }
+    fn write(&self, dev: DeviceId, addr: u64, buf: &[u8]) -> Result<(), DmaError> {
+        DmaPath::write(self, dev, addr, buf)
+    }
+    fn set_bus_master(&self, dev: DeviceId, enabled: bool) {
+        DmaPath::set_bus_master(self, dev, enabled)
+    }
+}
 
 /// Where the device's interrupts go. [`KvmIrq`] is the VM's; unit tests record them.
 pub trait IrqSink: Send + Sync {
@@ -151,7 +175,7 @@ pub struct EduDevice {
     cfg: ConfigSpace,
     msi: MsiCap,
     rid: u16,
-    dma: Arc<DmaPath>,
+    dma: Arc<dyn EduDma>,
     irq: Arc<dyn IrqSink>,
     liveness: u32,
     fact: u32,
@@ -175,6 +199,16 @@ impl EduDevice {
     /// go under `edu.`.
     pub fn new(
         dma: Arc<DmaPath>,
+        irq: Arc<dyn IrqSink>,
+        intx_gsi: Option<u32>,
+        stats: &StatsRegistry,
+    ) -> Result<Self, PciError> {
+        Self::with_dma(dma, irq, intx_gsi, stats)
+    }
+
+    /// As [`EduDevice::new`], with its RAM side behind any [`EduDma`].
+    pub fn with_dma(
+        dma: Arc<dyn EduDma>,
         irq: Arc<dyn IrqSink>,
         intx_gsi: Option<u32>,
         stats: &StatsRegistry,

@@ -16,7 +16,7 @@ pub mod root;
 pub mod virtio;
 
 pub use config::{Bar, BarKind, ConfigSpace, PciIds};
-pub use edu::EduDevice;
+pub use edu::{EduDevice, EduDma};
 pub use ladder::{HostCaps, Rung, RungPlan};
 pub use msix::{Interrupts, MsiPath, MsixTable};
 pub use root::{PciAddress, PciDevice, PciRoot, PciWindows};

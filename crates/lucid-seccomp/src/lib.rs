@@ -46,8 +46,9 @@ pub enum Role {
     /// `lucid-pager`: keeps the VM's memory cgroup under its limit with `MADV_PAGEOUT` (reads
     /// usage and writes oom_control through descriptors opened before confinement).
     Pager,
-    /// `lucid device-server`, a vhost-user back-end process: every thread, from the moment its
-    /// socket is bound (requests from the front-end, the vring worker, the signal wait).
+    /// `lucid device-server`, a vhost-user back-end or vfio-user device process: every thread,
+    /// from the moment its socket is bound (requests from the front-end or client, the vring
+    /// worker or the INTx unmask thread, the signal wait).
     DeviceServer,
     /// `lucid-<dev>-cn`: a vsock device's connect thread, which opens the Unix stream sockets
     /// of guest connections to host ports (`socket(AF_UNIX, SOCK_STREAM)` and `connect`).

@@ -445,11 +445,13 @@ fn pager(a: &mut Allowed) {
     a.always(&[libc::SYS_pread64, libc::SYS_fadvise64]);
 }
 
-/// A vhost-user back-end process (`lucid device-server`), confined once its socket is bound:
-/// accepting the front-end on that socket, its messages and the descriptors they carry
-/// (`recvmsg`, `sendmsg`), mapping the memory table (`mmap` from the base list), the vring
-/// worker's epoll loop and eventfds, starting those threads (as a vCPU starts back-ends), ending
-/// a connection (`shutdown`), and the main thread's `sigtimedwait` for SIGTERM.
+/// A vhost-user back-end or vfio-user device process (`lucid device-server`), confined once
+/// its socket is bound: accepting the front-end on that socket, its messages and the
+/// descriptors they carry (`recvmsg`, `sendmsg`), mapping the memory table or the DMA_MAP
+/// ranges (`mmap` without exec and `munmap` from the base list), the vring worker's epoll loop
+/// and eventfds, the vfio-user INTx unmask thread's `poll` (base list), starting those threads
+/// (as a vCPU starts back-ends), ending a connection (`shutdown`), and the main thread's
+/// `sigtimedwait` for SIGTERM.
 fn device_server(a: &mut Allowed) -> Result<(), BackendError> {
     use libc::*;
     a.always(&[
@@ -699,6 +701,9 @@ mod tests {
             "shutdown",
             "clone",
             "epoll_wait",
+            "mmap",
+            "munmap",
+            "poll",
         ] {
             assert!(
                 has(Role::DeviceServer, needed),

@@ -78,11 +78,21 @@ enum Cmd {
     /// Every running VMM whose API socket is in the run directory, live, as top shows
     /// processes: exits/s by reason, interrupts/s, I/O per device and its rung (docs/api.md).
     Top(top::TopArgs),
-    /// A device back-end in its own process, for a VM's vhost-user front-end (docs/devices.md).
+    /// A device in its own process, for a VM's vhost-user front-end or vfio-user client
+    /// (docs/devices.md).
     DeviceServer {
         #[command(subcommand)]
-        what: lucid_vhost_net::DeviceServerCmd,
+        what: DeviceServerKind,
     },
+}
+
+/// The device servers: vhost-user back-ends and vfio-user devices.
+#[derive(clap::Subcommand)]
+enum DeviceServerKind {
+    #[command(flatten)]
+    VhostUser(lucid_vhost_net::DeviceServerCmd),
+    #[command(flatten)]
+    VfioUser(lucid_vfio_server::DeviceServerCmd),
 }
 
 /// The flags that describe the VM: refused together with `--config`, which describes all of it.
@@ -296,6 +306,8 @@ enum CliError {
     RestFlag(&'static str),
     #[error(transparent)]
     DeviceServer(#[from] lucid_vhost_net::ServerError),
+    #[error(transparent)]
+    VfioServer(#[from] lucid_vfio_server::ServerError),
 }
 
 impl CliError {
@@ -312,6 +324,7 @@ impl CliError {
                 | CliError::Vmm(lucid_vmm::VmmError::Config(_))
                 | CliError::RestFlag(_)
         ) || matches!(self, CliError::DeviceServer(e) if e.is_usage())
+            || matches!(self, CliError::VfioServer(e) if e.is_usage())
     }
 }
 
@@ -638,7 +651,17 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             })
             .map_err(|source| CliError::GuestsWrite { dir, source }),
-        Cmd::DeviceServer { what } => lucid_vhost_net::run(what)
+        Cmd::DeviceServer {
+            what: DeviceServerKind::VhostUser(what),
+        } => lucid_vhost_net::run(what)
+            .map(|summary| {
+                println!("{summary}");
+                summary.exit_code()
+            })
+            .map_err(CliError::from),
+        Cmd::DeviceServer {
+            what: DeviceServerKind::VfioUser(what),
+        } => lucid_vfio_server::run(what)
             .map(|summary| {
                 println!("{summary}");
                 summary.exit_code()

@@ -1,0 +1,260 @@
+//! `lucid device-server edu`: binds the socket, confines the process, and serves one vfio-user
+//! client. When the client goes away the process ends (exit 0), as an assigned device goes with
+//! the VM it was given to: a new VM gets a fresh device process, with no state or mappings left
+//! from the last. `--reconnect` instead serves the next client with a fresh device (for tests
+//! and development). SIGTERM/SIGINT stop it; its counters are the last line it prints.
+
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lucid_seccomp::{Role, Seccomp, SeccompError};
+use lucid_stats::StatsRegistry;
+use vfio_user::Server;
+
+use crate::dma::{DmaStats, DmaTable};
+use crate::edu::{edu_irqs, edu_regions, EduServer, EduServerError};
+
+#[derive(clap::Subcommand)]
+pub enum DeviceServerCmd {
+    /// QEMU's edu device over vfio-user (docs/devices.md), for `lucid run --user-device`: its
+    /// DMA reaches only what the VMM maps, refusals go to the fault log.
+    Edu(EduArgs),
+}
+
+#[derive(clap::Args)]
+pub struct EduArgs {
+    /// The Unix socket to listen on (a stale socket file is replaced; one a process listens
+    /// on, or any other file, is refused).
+    #[arg(long, value_name = "PATH")]
+    pub socket: PathBuf,
+    /// Serve the next client, with a fresh device, when one disconnects, instead of exiting.
+    #[arg(long)]
+    pub reconnect: bool,
+    /// Run without the seccomp filter (to debug a violation).
+    #[arg(long)]
+    pub no_seccomp: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("{0}: another process listens on this socket")]
+    InUse(PathBuf),
+    #[error("{0}: exists and is not a socket")]
+    NotSocket(PathBuf),
+    #[error("cannot listen on {path}")]
+    Bind {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Seccomp(#[from] SeccompError),
+    #[error(transparent)]
+    Device(#[from] EduServerError),
+    #[error("cannot start the server thread")]
+    Thread(#[source] std::io::Error),
+    #[error("the server thread panicked")]
+    Panicked,
+    #[error("the client broke the protocol: {0}")]
+    Client(#[source] vfio_user::Error),
+}
+
+impl ServerError {
+    /// A command line the server refuses, rather than a failure while serving.
+    pub fn is_usage(&self) -> bool {
+        matches!(self, ServerError::NotSocket(_))
+    }
+}
+
+/// What the server did, printed as its last line.
+pub struct Summary {
+    pub dma: DmaStats,
+    /// Clients served.
+    pub clients: u64,
+    /// The signal that stopped it, if one did.
+    pub signal: Option<i32>,
+    /// The last client broke the protocol (logged as it happened), rather than disconnecting.
+    pub client_error: bool,
+}
+
+impl Summary {
+    /// Failure when the client broke the protocol, success otherwise.
+    pub fn exit_code(&self) -> std::process::ExitCode {
+        match self.client_error {
+            true => std::process::ExitCode::FAILURE,
+            false => std::process::ExitCode::SUCCESS,
+        }
+    }
+}
+
+impl std::fmt::Display for Summary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let why = match (self.signal, self.client_error) {
+            (Some(libc::SIGTERM), _) => "SIGTERM",
+            (Some(libc::SIGINT), _) => "SIGINT",
+            (Some(_), _) => "signal",
+            (None, true) => "client-error",
+            (None, false) => "disconnect",
+        };
+        write!(
+            f,
+            "lucid device-server edu: stopped={why} clients={} {}",
+            self.clients, self.dma
+        )
+    }
+}
+
+/// Runs a device server until it stops.
+pub fn run(cmd: DeviceServerCmd) -> Result<Summary, ServerError> {
+    match cmd {
+        DeviceServerCmd::Edu(args) => serve_edu(&args),
+    }
+}
+
+/// The socket, listening; a stale socket file is replaced, a live one refused, any other file
+/// left alone.
+pub fn bind(path: &Path) -> Result<UnixListener, ServerError> {
+    if let Ok(m) = std::fs::symlink_metadata(path) {
+        if !m.file_type().is_socket() {
+            return Err(ServerError::NotSocket(path.into()));
+        }
+        if listened_on(path) {
+            return Err(ServerError::InUse(path.into()));
+        }
+        let _ = std::fs::remove_file(path);
+    }
+    UnixListener::bind(path).map_err(|source| ServerError::Bind {
+        path: path.into(),
+        source,
+    })
+}
+
+/// Whether a socket listens at `path`, from `/proc/net/unix` rather than by connecting: a
+/// connection would be a client to the server listening there.
+fn listened_on(path: &Path) -> bool {
+    /// `__SO_ACCEPTCON` in the table's flags: a listening socket.
+    const ACCEPTING: u32 = 0x1_0000;
+    let Ok(table) = std::fs::read_to_string("/proc/net/unix") else {
+        return false;
+    };
+    let abs = std::path::absolute(path).ok();
+    table.lines().skip(1).any(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        f.len() == 8
+            && u32::from_str_radix(f[3], 16).is_ok_and(|flags| flags & ACCEPTING != 0)
+            && (Path::new(f[7]) == path || abs.as_deref() == Some(Path::new(f[7])))
+    })
+}
+
+/// The signals that stop the server, blocked in the calling thread (and so in every thread it
+/// starts) to be taken with `sigtimedwait`.
+fn block_stop_signals() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data that sigemptyset initialises; pthread_sigmask only changes
+    // this thread's mask.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+/// A stop signal taken within `timeout`, if one came.
+fn wait_signal(set: &libc::sigset_t, timeout: Duration) -> Option<i32> {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `set` and `ts` are valid for the call; no siginfo is asked for.
+    let sig = unsafe { libc::sigtimedwait(set, std::ptr::null_mut(), &ts) };
+    (sig > 0).then_some(sig)
+}
+
+fn serve_edu(args: &EduArgs) -> Result<Summary, ServerError> {
+    let listener = bind(&args.socket)?;
+    let signals = block_stop_signals();
+    let stats = StatsRegistry::new();
+    // Confined from here on, with the threads it starts: nothing after this point opens a file
+    // or makes a socket.
+    if !args.no_seccomp {
+        let token = Seccomp::prepare(&stats)?;
+        lucid_seccomp::confine(Some(&token), Role::DeviceServer)?;
+    }
+    log::info!("vfio-user edu listening on {}", args.socket.display());
+    let dma = Arc::new(DmaTable::new());
+    let clients = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let server = {
+        let (dma, clients, stats) = (dma.clone(), clients.clone(), stats.clone());
+        let reconnect = args.reconnect;
+        std::thread::Builder::new()
+            .name("lucid-vfio-edu".into())
+            .spawn(move || serve(listener, &dma, &stats, &clients, reconnect))
+            .map_err(ServerError::Thread)?
+    };
+    let mut signal = None;
+    while !server.is_finished() {
+        if let Some(sig) = wait_signal(&signals, Duration::from_millis(100)) {
+            log::info!("signal {sig}: stopping");
+            signal = Some(sig);
+            break;
+        }
+    }
+    // On a signal the server thread is left in its accept or read: the exit ends it.
+    let result = match signal {
+        Some(_) => Ok(()),
+        None => server.join().unwrap_or(Err(ServerError::Panicked)),
+    };
+    let client_error = match result {
+        Err(ServerError::Client(_)) => true,
+        Err(e) => return Err(e),
+        Ok(()) => false,
+    };
+    let summary = Summary {
+        dma: dma.stats(),
+        clients: clients.load(std::sync::atomic::Ordering::Relaxed),
+        signal,
+        client_error,
+    };
+    log::info!("{summary}");
+    Ok(summary)
+}
+
+/// Serves clients one after the other, each with a fresh edu and no mappings, until one
+/// disconnects (unless `reconnect`).
+pub fn serve(
+    listener: UnixListener,
+    dma: &Arc<DmaTable>,
+    stats: &Arc<StatsRegistry>,
+    clients: &std::sync::atomic::AtomicU64,
+    reconnect: bool,
+) -> Result<(), ServerError> {
+    // From a descriptor, so the socket file stays when the server is dropped (a confined
+    // process may not unlink); the next server replaces it.
+    let server = Server::from_owned_fd(listener.into(), true, edu_irqs(), edu_regions());
+    loop {
+        let mut edu = EduServer::new(dma.clone(), stats.clone())?;
+        let ended = server.run(&mut edu);
+        clients.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // The unmask thread ends, the mappings go.
+        drop(edu);
+        dma.clear();
+        let ended = match ended {
+            Ok(()) => {
+                log::info!("client disconnected; {}", dma.stats());
+                Ok(())
+            }
+            Err(e) => {
+                log::warn!("client connection ended: {e}");
+                Err(ServerError::Client(e))
+            }
+        };
+        if !reconnect {
+            return ended;
+        }
+    }
+}
