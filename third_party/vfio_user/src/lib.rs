@@ -17,6 +17,7 @@ use std::os::unix::{
     net::{UnixListener, UnixStream},
 };
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 use thiserror::Error;
 use vfio_bindings::bindings::vfio::*;
 use vm_memory::{ByteValued, FileOffset};
@@ -251,6 +252,7 @@ impl Default for Capabilities {
 
 pub struct Client {
     stream: UnixStream,
+    timeout: Option<Duration>,
     next_message_id: Wrapping<u16>,
     num_irqs: u32,
     resettable: bool,
@@ -311,6 +313,46 @@ pub enum Error {
     InvalidInput,
     #[error("No_reply bit unexpectedly set for command: {0:?}")]
     UnexpectedNoReply(Command),
+    #[error("No reply within {0:?}")]
+    Timeout(Duration),
+    #[error("Server replied to {command:?} with error {errno}")]
+    ReplyError { command: Command, errno: u32 },
+    #[error("Reply does not match the request: expected id {id} command {command:?}, got id {got_id} command {got_command} flags {flags:#x}")]
+    ReplyMismatch {
+        id: u16,
+        command: Command,
+        got_id: u16,
+        got_command: u16,
+        flags: u32,
+    },
+    #[error("Malformed reply to {command:?}: {what}")]
+    MalformedReply { command: Command, what: &'static str },
+    #[error("{what} of {value} is over the limit of {max}")]
+    TooLarge {
+        what: &'static str,
+        value: u64,
+        max: u64,
+    },
+}
+
+/// Bounds on what a server can make the client allocate.
+pub const MAX_REGIONS: u32 = 64;
+pub const MAX_IRQS: u32 = 64;
+/// The most vectors an interrupt index may have (the MSI-X maximum).
+pub const MAX_IRQ_COUNT: u32 = 2048;
+/// The most capability data a region info reply may carry.
+pub const MAX_CAPABILITY_SIZE: u32 = 64 * 1024;
+/// The most bytes a reply may carry beyond its fixed part (version data, region data).
+pub const MAX_MESSAGE_DATA: u32 = 1 << 20;
+
+/// A read from the stream that failed; with a read timeout set, EAGAIN means it expired.
+fn read_error(e: std::io::Error, timeout: Option<Duration>) -> Error {
+    match (e.kind(), timeout) {
+        (std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut, Some(t)) => {
+            Error::Timeout(t)
+        }
+        _ => Error::StreamRead(e),
+    }
 }
 
 /// The header every capability of a region begins with.
@@ -359,11 +401,24 @@ enum CapabilityError {
 
 impl Client {
     pub fn new(path: &Path) -> Result<Client, Error> {
+        Self::connect(path, None)
+    }
+
+    /// Like [`Client::new`], but every read and write of the stream (the handshake's too)
+    /// fails with [`Error::Timeout`] after `timeout`.
+    pub fn new_with_timeout(path: &Path, timeout: Duration) -> Result<Client, Error> {
+        Self::connect(path, Some(timeout))
+    }
+
+    fn connect(path: &Path, timeout: Option<Duration>) -> Result<Client, Error> {
         let stream = UnixStream::connect(path).map_err(Error::Connect)?;
+        stream.set_read_timeout(timeout).map_err(Error::Connect)?;
+        stream.set_write_timeout(timeout).map_err(Error::Connect)?;
 
         let mut client = Client {
             next_message_id: Wrapping(0),
             stream,
+            timeout,
             num_irqs: 0,
             resettable: false,
             regions: Vec::new(),
@@ -374,6 +429,92 @@ impl Client {
         client.regions = client.get_regions()?;
 
         Ok(client)
+    }
+
+    fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), Error> {
+        let timeout = self.timeout;
+        self.stream
+            .read_exact(buf)
+            .map_err(|e| read_error(e, timeout))
+    }
+
+    /// Reads a reply header (and the descriptor that may come with it) and checks it answers
+    /// request `id` of `command` without the error flag.
+    fn recv_header(&mut self, id: u16, command: Command) -> Result<(Header, Option<File>), Error> {
+        let mut header = Header::default();
+        let (n, fd) = self
+            .stream
+            .recv_with_fd(header.as_mut_slice())
+            .map_err(|e| match e.errno() {
+                libc::EAGAIN => Error::Timeout(self.timeout.unwrap_or_default()),
+                _ => Error::ReceiveWithFd(e),
+            })?;
+        if n == 0 {
+            return Err(Error::StreamRead(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        self.read_exact(&mut header.as_mut_slice()[n..])?;
+        debug!("Reply: {header:?}");
+        if header.message_id != id
+            || header.command != command as u16
+            || header.flags & HeaderFlags::Reply as u32 == 0
+        {
+            return Err(Error::ReplyMismatch {
+                id,
+                command,
+                got_id: header.message_id,
+                got_command: header.command,
+                flags: header.flags,
+            });
+        }
+        if header.flags & HeaderFlags::Error as u32 != 0 {
+            return Err(Error::ReplyError {
+                command,
+                errno: header.error,
+            });
+        }
+        Ok((header, fd))
+    }
+
+    /// Receives the reply `T` (a header and a fixed part) to request `id` of `command`; its
+    /// message size must cover `T` plus at most `max_data` more bytes, which the caller reads.
+    fn recv_reply<T: ByteValued + Default>(
+        &mut self,
+        id: u16,
+        command: Command,
+        max_data: u32,
+    ) -> Result<(T, Option<File>), Error> {
+        let (header, fd) = self.recv_header(id, command)?;
+        let fixed = size_of::<T>() as u32;
+        if header.message_size < fixed {
+            return Err(Error::MalformedReply {
+                command,
+                what: "shorter than its fixed part",
+            });
+        }
+        if header.message_size - fixed > max_data {
+            return Err(Error::TooLarge {
+                what: "reply size",
+                value: header.message_size.into(),
+                max: (fixed + max_data).into(),
+            });
+        }
+        let mut reply = T::default();
+        reply.as_mut_slice()[..size_of::<Header>()].copy_from_slice(header.as_slice());
+        self.read_exact(&mut reply.as_mut_slice()[size_of::<Header>()..])?;
+        Ok((reply, fd))
+    }
+
+    /// Writes `bufs` whole (a short write would leave the server reading half a message).
+    fn write_all_vectored(&mut self, bufs: &[IoSlice]) -> Result<(), Error> {
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let written = self
+            .stream
+            .write_vectored(bufs)
+            .map_err(Error::StreamWrite)?;
+        if written != total {
+            return Err(Error::StreamWrite(std::io::ErrorKind::WriteZero.into()));
+        }
+        Ok(())
     }
 
     fn negotiate_version(&mut self) -> Result<(), Error> {
@@ -400,35 +541,37 @@ impl Client {
             IoSlice::new(version_data.as_bytes_with_nul()),
         ];
 
-        // TODO: Use write_all_vectored() when ready
-        let _ = self
-            .stream
-            .write_vectored(&bufs)
-            .map_err(Error::StreamWrite)?;
+        self.write_all_vectored(&bufs)?;
 
         debug!(
             "Sent client version information: major = {} minor = {} capabilities = {:?}",
             version.major, version.minor, caps.capabilities
         );
 
+        let id = self.next_message_id.0;
         self.next_message_id += Wrapping(1);
 
-        let mut server_version: Version = Version::default();
-        self.stream
-            .read_exact(server_version.as_mut_slice())
-            .map_err(Error::StreamRead)?;
+        let (server_version, _): (Version, _) =
+            self.recv_reply(id, Command::Version, MAX_MESSAGE_DATA)?;
 
         debug!("Reply: {server_version:?}");
 
         let mut server_version_data =
             vec![0; server_version.header.message_size as usize - size_of::<Version>()];
-        self.stream
-            .read_exact(server_version_data.as_mut_slice())
-            .map_err(Error::StreamRead)?;
+        self.read_exact(server_version_data.as_mut_slice())?;
 
+        // The capabilities are a NUL-terminated JSON string.
+        let json = match server_version_data.split_last() {
+            Some((0, json)) => json,
+            _ => {
+                return Err(Error::MalformedReply {
+                    command: Command::Version,
+                    what: "capabilities not NUL-terminated",
+                })
+            }
+        };
         let server_caps: CapabilitiesData =
-            serde_json::from_slice(&server_version_data[0..server_version_data.len() - 1])
-                .map_err(Error::DeserializeCapabilites)?;
+            serde_json::from_slice(json).map_err(Error::DeserializeCapabilites)?;
 
         debug!(
             "Received server version information: major = {} minor = {} capabilities = {:?}",
@@ -445,6 +588,20 @@ impl Client {
         size: u64,
         fd: RawFd,
     ) -> Result<(), Error> {
+        self.dma_map_flags(DmaMapFlags::READ_WRITE, offset, address, size, fd)
+    }
+
+    /// `DMA_MAP` of `size` bytes at `address`, backed by `fd` from `offset`, with `flags`
+    /// (READ, WRITE or both) saying what the device may do there.
+    pub fn dma_map_flags(
+        &mut self,
+        flags: DmaMapFlags,
+        offset: u64,
+        address: u64,
+        size: u64,
+        fd: RawFd,
+    ) -> Result<(), Error> {
+        let id = self.next_message_id.0;
         let dma_map = DmaMap {
             header: Header {
                 message_id: self.next_message_id.0,
@@ -454,7 +611,7 @@ impl Client {
                 ..Default::default()
             },
             argsz: (size_of::<DmaMap>() - size_of::<Header>()) as u32,
-            flags: DmaMapFlags::READ_WRITE.bits(),
+            flags: flags.bits(),
             offset,
             address,
             size,
@@ -465,16 +622,13 @@ impl Client {
             .send_with_fd(dma_map.as_slice(), fd)
             .map_err(Error::SendWithFd)?;
 
-        let mut reply = Header::default();
-        self.stream
-            .read_exact(reply.as_mut_slice())
-            .map_err(Error::StreamRead)?;
-        debug!("Reply: {reply:?}");
+        self.recv_reply::<Header>(id, Command::DmaMap, 0)?;
 
         Ok(())
     }
 
     pub fn dma_unmap(&mut self, address: u64, size: u64) -> Result<(), Error> {
+        let id = self.next_message_id.0;
         let dma_unmap = DmaUnmap {
             header: Header {
                 message_id: self.next_message_id.0,
@@ -494,16 +648,14 @@ impl Client {
             .write_all(dma_unmap.as_slice())
             .map_err(Error::StreamWrite)?;
 
-        let mut reply = DmaUnmap::default();
-        self.stream
-            .read_exact(reply.as_mut_slice())
-            .map_err(Error::StreamRead)?;
+        let (reply, _): (DmaUnmap, _) = self.recv_reply(id, Command::DmaUnmap, 0)?;
         debug!("Reply: {reply:?}");
 
         Ok(())
     }
 
     pub fn reset(&mut self) -> Result<(), Error> {
+        let id = self.next_message_id.0;
         let reset = DeviceReset {
             header: Header {
                 message_id: self.next_message_id.0,
@@ -519,16 +671,13 @@ impl Client {
             .write_all(reset.as_slice())
             .map_err(Error::StreamWrite)?;
 
-        let mut reply = Header::default();
-        self.stream
-            .read_exact(reply.as_mut_slice())
-            .map_err(Error::StreamRead)?;
-        debug!("Reply: {reply:?}");
+        self.recv_reply::<Header>(id, Command::DeviceReset, 0)?;
 
         Ok(())
     }
 
     fn get_regions(&mut self) -> Result<Vec<Region>, Error> {
+        let id = self.next_message_id.0;
         let get_info = DeviceGetInfo {
             header: Header {
                 message_id: self.next_message_id.0,
@@ -547,20 +696,31 @@ impl Client {
             .write_all(get_info.as_slice())
             .map_err(Error::StreamWrite)?;
 
-        let mut reply = DeviceGetInfo::default();
-        self.stream
-            .read_exact(reply.as_mut_slice())
-            .map_err(Error::StreamRead)?;
+        let (reply, _): (DeviceGetInfo, _) = self.recv_reply(id, Command::DeviceGetInfo, 0)?;
         debug!("Reply: {reply:?}");
+        if reply.num_irqs > MAX_IRQS {
+            return Err(Error::TooLarge {
+                what: "interrupt index count",
+                value: reply.num_irqs.into(),
+                max: MAX_IRQS.into(),
+            });
+        }
         self.num_irqs = reply.num_irqs;
 
         if reply.flags & VFIO_DEVICE_FLAGS_PCI != VFIO_DEVICE_FLAGS_PCI {
             return Err(Error::NotPciDevice);
         }
 
-        self.resettable = reply.flags & VFIO_DEVICE_FLAGS_RESET != VFIO_DEVICE_FLAGS_RESET;
+        self.resettable = reply.flags & VFIO_DEVICE_FLAGS_RESET == VFIO_DEVICE_FLAGS_RESET;
 
         let num_regions = reply.num_regions;
+        if num_regions > MAX_REGIONS {
+            return Err(Error::TooLarge {
+                what: "region count",
+                value: num_regions.into(),
+                max: MAX_REGIONS.into(),
+            });
+        }
         let mut regions = Vec::new();
         for index in 0..num_regions {
             let (region_info, fd, sparse_areas) = self.get_region_info(index)?;
@@ -588,6 +748,7 @@ impl Client {
         Error,
     > {
         // Retrieve the region info without capability
+        let id = self.next_message_id.0;
         let mut get_region_info = DeviceGetRegionInfo {
             header: Header {
                 message_id: self.next_message_id.0,
@@ -609,16 +770,30 @@ impl Client {
             .write_all(get_region_info.as_slice())
             .map_err(Error::StreamWrite)?;
 
-        let mut reply = DeviceGetRegionInfo::default();
-        let (_, fd) = self
-            .stream
-            .recv_with_fd(reply.as_mut_slice())
-            .map_err(Error::ReceiveWithFd)?;
+        // A server that has capabilities sends no data beyond the fixed part until asked.
+        let (reply, fd): (DeviceGetRegionInfo, _) =
+            self.recv_reply(id, Command::DeviceGetRegionInfo, MAX_CAPABILITY_SIZE)?;
         debug!("Reply: {reply:?}");
+        self.check_region_info(index, &reply)?;
+        let extra = reply.header.message_size - size_of::<DeviceGetRegionInfo>() as u32;
+        if extra > 0 {
+            let mut unasked = vec![0; extra as usize];
+            self.read_exact(&mut unasked)?;
+        }
 
         // Retrieve the region info again with capabilities if needed
         if reply.region_info.argsz > std::mem::size_of::<vfio_region_info>() as u32 {
+            let cap_size = reply.region_info.argsz - std::mem::size_of::<vfio_region_info>() as u32;
+            if cap_size > MAX_CAPABILITY_SIZE {
+                return Err(Error::TooLarge {
+                    what: "region capability size",
+                    value: cap_size.into(),
+                    max: MAX_CAPABILITY_SIZE.into(),
+                });
+            }
             get_region_info.region_info.argsz = reply.region_info.argsz;
+            let id = self.next_message_id.0;
+            get_region_info.header.message_id = id;
             debug!("Command: {get_region_info:?}");
             self.next_message_id += Wrapping(1);
 
@@ -626,22 +801,21 @@ impl Client {
                 .write_all(get_region_info.as_slice())
                 .map_err(Error::StreamWrite)?;
 
-            let mut reply = DeviceGetRegionInfo::default();
-            let (_, fd) = self
-                .stream
-                .recv_with_fd(reply.as_mut_slice())
-                .map_err(Error::ReceiveWithFd)?;
+            let (reply, fd): (DeviceGetRegionInfo, _) =
+                self.recv_reply(id, Command::DeviceGetRegionInfo, cap_size)?;
             debug!("Reply: {reply:?}");
+            self.check_region_info(index, &reply)?;
 
-            let cap_size = reply.region_info.argsz - std::mem::size_of::<vfio_region_info>() as u32;
-            assert_eq!(
-                cap_size,
-                reply.header.message_size - size_of::<DeviceGetRegionInfo>() as u32
-            );
+            let data_size = reply.header.message_size - size_of::<DeviceGetRegionInfo>() as u32;
+            if reply.region_info.argsz != get_region_info.region_info.argsz || data_size != cap_size
+            {
+                return Err(Error::MalformedReply {
+                    command: Command::DeviceGetRegionInfo,
+                    what: "capability size changed between the two replies",
+                });
+            }
             let mut cap_data = vec![0; cap_size as usize];
-            self.stream
-                .read_exact(cap_data.as_mut_slice())
-                .map_err(Error::StreamRead)?;
+            self.read_exact(cap_data.as_mut_slice())?;
 
             let sparse_areas = Self::parse_region_caps(&cap_data, &reply.region_info)
                 .inspect_err(|error| warn!("Region {index}: {error}"))
@@ -651,6 +825,16 @@ impl Client {
         } else {
             Ok((reply.region_info, fd, Vec::new()))
         }
+    }
+
+    fn check_region_info(&self, index: u32, reply: &DeviceGetRegionInfo) -> Result<(), Error> {
+        if reply.region_info.index != index {
+            return Err(Error::MalformedReply {
+                command: Command::DeviceGetRegionInfo,
+                what: "the info of another region",
+            });
+        }
+        Ok(())
     }
 
     /// Collects the mmap-able areas of every sparse mmap capability in the
@@ -722,6 +906,7 @@ impl Client {
     }
 
     pub fn region_read(&mut self, region: u32, offset: u64, data: &mut [u8]) -> Result<(), Error> {
+        let id = self.next_message_id.0;
         let region_read = RegionAccess {
             header: Header {
                 message_id: self.next_message_id.0,
@@ -740,16 +925,23 @@ impl Client {
             .write_all(region_read.as_slice())
             .map_err(Error::StreamWrite)?;
 
-        let mut reply = RegionAccess::default();
-        self.stream
-            .read_exact(reply.as_mut_slice())
-            .map_err(Error::StreamRead)?;
+        let (reply, _): (RegionAccess, _) =
+            self.recv_reply(id, Command::RegionRead, data.len() as u32)?;
         debug!("Reply: {reply:?}");
-        self.stream.read_exact(data).map_err(Error::StreamRead)?;
+        if reply.count as usize != data.len()
+            || reply.header.message_size as usize != size_of::<RegionAccess>() + data.len()
+        {
+            return Err(Error::MalformedReply {
+                command: Command::RegionRead,
+                what: "data count differs from the request",
+            });
+        }
+        self.read_exact(data)?;
         Ok(())
     }
 
     pub fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<(), Error> {
+        let id = self.next_message_id.0;
         let region_write = RegionAccess {
             header: Header {
                 message_id: self.next_message_id.0,
@@ -767,21 +959,15 @@ impl Client {
 
         let bufs = vec![IoSlice::new(region_write.as_slice()), IoSlice::new(data)];
 
-        // TODO: Use write_all_vectored() when ready
-        let _ = self
-            .stream
-            .write_vectored(&bufs)
-            .map_err(Error::StreamWrite)?;
+        self.write_all_vectored(&bufs)?;
 
-        let mut reply = RegionAccess::default();
-        self.stream
-            .read_exact(reply.as_mut_slice())
-            .map_err(Error::StreamRead)?;
+        let (reply, _): (RegionAccess, _) = self.recv_reply(id, Command::RegionWrite, 0)?;
         debug!("Reply: {reply:?}");
         Ok(())
     }
 
     pub fn get_irq_info(&mut self, index: u32) -> Result<IrqInfo, Error> {
+        let id = self.next_message_id.0;
         let get_irq_info = GetIrqInfo {
             header: Header {
                 message_id: self.next_message_id.0,
@@ -802,11 +988,21 @@ impl Client {
             .write_all(get_irq_info.as_slice())
             .map_err(Error::StreamWrite)?;
 
-        let mut reply = GetIrqInfo::default();
-        self.stream
-            .read_exact(reply.as_mut_slice())
-            .map_err(Error::StreamRead)?;
+        let (reply, _): (GetIrqInfo, _) = self.recv_reply(id, Command::GetIrqInfo, 0)?;
         debug!("Reply: {reply:?}");
+        if reply.index != index {
+            return Err(Error::MalformedReply {
+                command: Command::GetIrqInfo,
+                what: "the info of another interrupt index",
+            });
+        }
+        if reply.count > MAX_IRQ_COUNT {
+            return Err(Error::TooLarge {
+                what: "interrupt count",
+                value: reply.count.into(),
+                max: MAX_IRQ_COUNT.into(),
+            });
+        }
 
         Ok(IrqInfo {
             index: reply.index,
@@ -823,6 +1019,7 @@ impl Client {
         count: u32,
         fds: &[RawFd],
     ) -> Result<(), Error> {
+        let id = self.next_message_id.0;
         let set_irqs = SetIrqs {
             header: Header {
                 message_id: self.next_message_id.0,
@@ -844,11 +1041,7 @@ impl Client {
             .send_with_fds(&[set_irqs.as_slice()], fds)
             .map_err(Error::SendWithFd)?;
 
-        let mut reply = Header::default();
-        self.stream
-            .read_exact(reply.as_mut_slice())
-            .map_err(Error::StreamRead)?;
-        debug!("Reply: {reply:?}");
+        self.recv_reply::<Header>(id, Command::SetIrqs, 0)?;
 
         Ok(())
     }
@@ -861,6 +1054,11 @@ impl Client {
 
     pub fn resettable(&self) -> bool {
         self.resettable
+    }
+
+    /// How many interrupt indexes the device has (`DEVICE_GET_INFO`).
+    pub fn num_irqs(&self) -> u32 {
+        self.num_irqs
     }
 
     pub fn shutdown(&self) -> Result<(), Error> {
