@@ -115,6 +115,37 @@ impl PlatformPciDevice {
     }
 }
 
+/// A PCI function served by another process over vfio-user (`--user-device`, Cloud
+/// Hypervisor's `UserDeviceConfig`; docs/vfio.md).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UserDeviceConfig {
+    /// The device server's Unix socket.
+    pub socket: PathBuf,
+    /// The device's name (`userN` when none), in counters (`user_device.<id>.*`) and the log.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+}
+
+/// The names of `user` in order: each one's `id`, else `userN` (numbers a named one took are
+/// skipped).
+pub fn user_device_names(user: &[UserDeviceConfig]) -> Vec<String> {
+    let taken: Vec<&str> = user.iter().filter_map(|d| d.id.as_deref()).collect();
+    let mut next = 0;
+    user.iter()
+        .map(|d| match &d.id {
+            Some(id) => id.clone(),
+            None => loop {
+                let name = format!("user{next}");
+                next += 1;
+                if !taken.contains(&name.as_str()) {
+                    break name;
+                }
+            },
+        })
+        .collect()
+}
+
 /// The kernel to boot: a file, or a probe guest built into the binary.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -193,6 +224,9 @@ pub struct DevicesConfig {
     pub fw_cfg: bool,
     /// A virtio-console (`--console-virtio`), on PCI after the rng, named `console`.
     pub console: Option<ConsoleConfig>,
+    /// vfio-user devices (`--user-device`), on PCI after the platform devices, in this order.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub user_devices: Vec<UserDeviceConfig>,
 }
 
 impl Default for DevicesConfig {
@@ -207,6 +241,7 @@ impl Default for DevicesConfig {
             hotplug: false,
             fw_cfg: true,
             console: None,
+            user_devices: Vec::new(),
         }
     }
 }
@@ -370,6 +405,7 @@ impl VmConfig {
         }
         self.check_swapcache()?;
         self.check_vhost_user()?;
+        self.check_user_devices()?;
         if let Some(mib) = self.memory.limit_mib {
             if mib < MIN_MEMORY_LIMIT_MIB {
                 return Err(ConfigError::MemoryLimitTooSmall(mib));
@@ -414,6 +450,32 @@ impl VmConfig {
         }
         if self.iommu.is_some() {
             return Err(ConfigError::VhostUserIommu(i));
+        }
+        Ok(())
+    }
+
+    /// A vfio-user device maps guest RAM in its server, so RAM must be a shared memfd; its
+    /// name joins the others'.
+    fn check_user_devices(&self) -> Result<(), ConfigError> {
+        if self.devices.user_devices.is_empty() {
+            return Ok(());
+        }
+        if self.machine.backing != Backing::SharedMemfd {
+            return Err(ConfigError::UserDeviceNotShared);
+        }
+        let mut names: std::collections::BTreeSet<String> = self
+            .devices
+            .pci
+            .iter()
+            .filter_map(|d| d.name.clone())
+            .collect();
+        for name in user_device_names(&self.devices.user_devices) {
+            if !device_name_ok(&name) {
+                return Err(ConfigError::DeviceName(name));
+            }
+            if !names.insert(name.clone()) {
+                return Err(ConfigError::DeviceNameTwice(name));
+            }
         }
         Ok(())
     }
@@ -549,6 +611,11 @@ pub enum ConfigError {
          IOTLB protocol, which Lucid does not speak: drop --iommu or the vhost-user device"
     )]
     VhostUserIommu(usize),
+    #[error(
+        "a vfio-user device (--user-device) maps guest RAM in its server, which must then be \
+         a shared memfd: add --backing memfd (REST: \"memory\": {{\"shared\": true}})"
+    )]
+    UserDeviceNotShared,
 }
 
 /// A sub-option string Lucid cannot use, saying which part and why.
@@ -776,6 +843,18 @@ pub mod options {
             OptKey::new("cid", "N", "the guest's context ID, 3 to 4294967294").required(),
             OptKey::new("socket", "PATH", "the Unix socket Lucid listens on").required(),
             OptKey::new("id", "NAME", "the device's name (default vsockN)"),
+        ],
+    };
+
+    /// `--user-device`.
+    pub const USER_DEVICE: OptSpec = OptSpec {
+        flag: "--user-device",
+        about: "A PCI device served by another process over vfio-user, such as `lucid \
+                device-server edu` (repeatable; needs --backing memfd; docs/vfio.md).",
+        head: None,
+        keys: &[
+            OptKey::new("socket", "PATH", "the device server's Unix socket").required(),
+            OptKey::new("id", "NAME", "the device's name (default userN)"),
         ],
     };
 
@@ -1325,6 +1404,30 @@ pub fn parse_vsock(s: &str) -> Result<PciDeviceConfig, DeviceOptionError> {
     let mut d = PciDeviceConfig::new(PciDeviceKind::Vsock(cfg));
     d.name = name;
     Ok(d)
+}
+
+/// Parses `--user-device` by [`USER_DEVICE`]. Never panics, whatever the input.
+pub fn parse_user_device(s: &str) -> Result<UserDeviceConfig, DeviceOptionError> {
+    let spec = &USER_DEVICE;
+    let p = spec.parse(s)?;
+    let socket = p.get("socket").unwrap_or_default();
+    if socket.is_empty() {
+        return Err(spec.bad("socket", socket, "the device server's socket path"));
+    }
+    let id = match p.get("id") {
+        Some(v) if !device_name_ok(v) => {
+            return Err(spec.bad(
+                "id",
+                v,
+                "1 to 32 letters, digits, `_` or `-`, not a reserved name",
+            ))
+        }
+        v => v.map(str::to_string),
+    };
+    Ok(UserDeviceConfig {
+        socket: PathBuf::from(socket),
+        id,
+    })
 }
 
 /// Parses `--iommu` by [`IOMMU`] (defaults: samecore, pin=all). Never panics, whatever the
