@@ -2175,4 +2175,52 @@ mod console_virtio_tests {
         assert!(parse_console_virtio("pty").is_err());
         assert!(parse_console_virtio("tty,bogus=1").is_err());
     }
+
+    #[test]
+    fn user_device_option_names_and_rules() {
+        let d = parse_user_device("socket=/run/edu.sock,id=edu0").unwrap();
+        assert_eq!(d.socket, PathBuf::from("/run/edu.sock"));
+        assert_eq!(d.id.as_deref(), Some("edu0"));
+        for bad in [
+            "",
+            "id=x",
+            "socket=",
+            "socket=/s,id=edu",
+            "socket=/s,id=a.b",
+            "socket=/s,colour=red",
+            "socket=/s,socket=/t",
+        ] {
+            assert!(parse_user_device(bad).is_err(), "{bad}");
+        }
+        let u = |id: Option<&str>| UserDeviceConfig {
+            socket: "/s".into(),
+            id: id.map(str::to_string),
+        };
+        assert_eq!(
+            user_device_names(&[u(None), u(Some("user0")), u(None)]),
+            ["user1", "user0", "user2"]
+        );
+
+        let mut c = VmConfig::new(KernelSource::File("/k".into()));
+        c.devices.user_devices.push(u(None));
+        assert_eq!(c.validate(), Err(ConfigError::UserDeviceNotShared));
+        c.machine.backing = Backing::SharedMemfd;
+        assert_eq!(c.validate(), Ok(()));
+        c.devices.user_devices.push(u(Some("user0")));
+        assert_eq!(
+            c.validate(),
+            Err(ConfigError::DeviceNameTwice("user0".into()))
+        );
+        // The config file carries them; a config without any still reads.
+        c.devices.user_devices.pop();
+        let json = serde_json::to_string(&c).unwrap();
+        assert!(
+            json.contains("\"user_devices\":[{\"socket\":\"/s\"}]"),
+            "{json}"
+        );
+        let back: VmConfig = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.devices.user_devices, c.devices.user_devices);
+        let none = serde_json::to_string(&VmConfig::new(KernelSource::File("/k".into()))).unwrap();
+        assert!(!none.contains("user_devices"));
+    }
 }

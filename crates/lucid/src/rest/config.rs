@@ -411,6 +411,10 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
         config.devices.pci.push(vsock(v, iommu)?);
     }
 
+    for u in top.objs("user_devices")? {
+        config.devices.user_devices.push(user_device(u, iommu)?);
+    }
+
     if let Some(ext) = top.obj("lucid")? {
         extension(ext, &mut config, nets)?;
     }
@@ -418,7 +422,6 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
     top.finish(&[
         ("pmem", Value::Null),
         ("devices", Value::Null),
-        ("user_devices", Value::Null),
         ("vdpa", Value::Null),
         ("sgx_epc", Value::Null),
         ("numa", Value::Null),
@@ -704,6 +707,25 @@ fn vsock(mut v: Obj, iommu: bool) -> Result<PciDeviceConfig, Refusal> {
     let at = v.at.clone();
     v.finish(&[("pci_segment", json!(0))])?;
     lucid_vmm::parse_vsock(&opts).map_err(opt_refusal(&at))
+}
+
+/// One `UserDeviceConfig` (of `user_devices`, or the body of `vm.add-user-device`): a
+/// vfio-user device whose server listens on `socket`, named by its `id`.
+fn user_device(mut u: Obj, iommu: bool) -> Result<lucid_vmm::UserDeviceConfig, Refusal> {
+    let socket = socket_opt(&mut u, "socket")?;
+    let mut opts = format!("socket={socket}");
+    if let Some(id) = u.str("id")? {
+        opts += &format!(",id={id}");
+    }
+    device_iommu(&mut u, iommu)?;
+    let at = u.at.clone();
+    u.finish(&[("pci_segment", json!(0)), ("pci_device_id", Value::Null)])?;
+    lucid_vmm::parse_user_device(&opts).map_err(opt_refusal(&at))
+}
+
+/// The body of `vm.add-user-device` for a VM whose devices are behind the vIOMMU or not.
+pub fn hot_user_device(body: Value, iommu: bool) -> Result<lucid_vmm::UserDeviceConfig, Refusal> {
+    user_device(Obj::new(String::new(), body)?, iommu)
 }
 
 /// The body of `vm.add-disk` (`what` = "disk") or `vm.add-net` ("net") for a VM whose
