@@ -77,7 +77,8 @@ fn config_space() -> Vec<u8> {
 }
 
 /// Serves one connection on `socket`, answering each request with what `answer` returns (None:
-/// never answer, keep the connection open). Returns the socket path to give Lucid.
+/// never answer, keep the connection open; an empty reply: close the connection, as a server
+/// that died). Returns the socket path to give Lucid.
 fn serve(name: &str, answer: impl Fn(&Request) -> Option<Vec<u8>> + Send + 'static) -> PathBuf {
     let path = tmp(&format!("hostile-{name}.sock"));
     let _ = std::fs::remove_file(&path);
@@ -102,6 +103,7 @@ fn serve(name: &str, answer: impl Fn(&Request) -> Option<Vec<u8>> + Send + 'stat
                 body,
             };
             match answer(&r) {
+                Some(m) if m.is_empty() => return,
                 Some(m) => {
                     if s.write_all(&m).is_err() {
                         return;
@@ -339,5 +341,54 @@ fn a_missing_socket_is_a_clear_error() {
         o.stderr.contains("/nonexistent/lucid.sock") && o.stderr.contains("Error connecting"),
         "{}",
         o.stderr
+    );
+}
+
+#[test]
+fn a_server_that_dies_after_set_up_leaves_a_removed_device_not_a_hang() {
+    // Set up honestly, then gone at the guest's first BAR access: the edu guest finds the
+    // device (it has edu's IDs), and its registers read all ones from then on.
+    let bar_access = |r: &Request| {
+        let region = u32::from_le_bytes(r.body[8..12].try_into().unwrap());
+        (matches!(r.command, REGION_READ | REGION_WRITE) && region < 6).then(|| Some(Vec::new()))
+    };
+    let s = serve("dies", honest_but(bar_access, 1 << 20));
+    let dev = format!("socket={}", s.display());
+    let o = lucid(
+        &[
+            "run",
+            "--guest",
+            "edu",
+            "--backing",
+            "memfd",
+            "--user-device",
+            &dev,
+        ],
+        BOUND,
+    );
+    let _ = std::fs::remove_file(&s);
+    assert!(!o.timed_out, "lucid hung; stderr: {}", o.stderr);
+    assert!(
+        o.stderr.contains("user0: the device server failed"),
+        "logged with its reason: {}",
+        o.stderr
+    );
+    assert_eq!(
+        o.stderr.matches("the device server failed").count(),
+        1,
+        "logged once: {}",
+        o.stderr
+    );
+    assert_eq!(o.counter("user_device.user0.failed"), 1);
+    assert_ne!(
+        o.status,
+        Some(1),
+        "the edu guest did not pass: {}",
+        o.stdout
+    );
+    assert!(
+        o.stdout.contains("ident=0xffffffff") || !o.stdout.contains("ident=0x10000ed"),
+        "{}",
+        o.stdout
     );
 }

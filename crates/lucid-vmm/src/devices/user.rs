@@ -554,7 +554,7 @@ impl UserDevice {
     fn place_msi(cfg: &mut ConfigSpace, at: usize, b: &[u8]) -> Result<MsiCap, UserDeviceError> {
         let is64 = le::<2>(b, at + 2) as u16 & MSI_64BIT != 0;
         let len = if is64 { 14 } else { 10 };
-        if at < 0x40 || at % 4 != 0 || at + len > LEGACY_CONFIG_SIZE {
+        if at < 0x40 || at & 3 != 0 || at + len > LEGACY_CONFIG_SIZE {
             return Err(UserDeviceError::MsiOffset(at));
         }
         if at > 0x40 {

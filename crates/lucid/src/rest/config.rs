@@ -951,6 +951,37 @@ mod tests {
     }
 
     #[test]
+    fn maps_user_devices() {
+        let body = json!({
+            "payload": {"kernel": "builtin:spin"},
+            "memory": {"size": 128u64 << 20, "shared": true},
+            "user_devices": [{"socket": "/run/edu.sock", "id": "edu0", "pci_segment": 0},
+                             {"socket": "/run/b.sock"}],
+        });
+        let c = map(body).unwrap();
+        let u = &c.devices.user_devices;
+        assert_eq!(u.len(), 2);
+        assert_eq!(u[0].socket, std::path::PathBuf::from("/run/edu.sock"));
+        assert_eq!(u[0].id.as_deref(), Some("edu0"));
+        assert_eq!(u[1].id, None);
+        let e = refusal(json!({
+            "payload": {"kernel": "builtin:spin"},
+            "user_devices": [{"socket": "/s"}],
+        }));
+        assert!(e.contains("--backing memfd"), "{e}");
+        for bad in [
+            json!({"socket": "/s", "pci_segment": 1}),
+            json!({"socket": "/a,b"}),
+            json!({"id": "x"}),
+            json!({"socket": "/s", "iommu": true}),
+            json!({"socket": "/s", "colour": "red"}),
+        ] {
+            assert!(hot_user_device(bad.clone(), false).is_err(), "{bad}");
+        }
+        assert!(hot_user_device(json!({"socket": "/s", "iommu": true}), true).is_ok());
+    }
+
+    #[test]
     fn maps_vhost_user() {
         use lucid_virtio::vhost_user::VhostUserKind;
         use lucid_vmm::PciDeviceKind;
