@@ -2206,13 +2206,16 @@ mod console_virtio_tests {
         assert_eq!(c.validate(), Err(ConfigError::UserDeviceNotShared));
         c.machine.backing = Backing::SharedMemfd;
         assert_eq!(c.validate(), Ok(()));
+        // A named one is skipped by the default names, but two of one name clash.
+        c.devices.user_devices.push(u(Some("user0")));
+        assert_eq!(c.validate(), Ok(()));
         c.devices.user_devices.push(u(Some("user0")));
         assert_eq!(
             c.validate(),
             Err(ConfigError::DeviceNameTwice("user0".into()))
         );
         // The config file carries them; a config without any still reads.
-        c.devices.user_devices.pop();
+        c.devices.user_devices.truncate(1);
         let json = serde_json::to_string(&c).unwrap();
         assert!(
             json.contains("\"user_devices\":[{\"socket\":\"/s\"}]"),

@@ -243,12 +243,16 @@ impl MapListener for Listener {
     }
 }
 
-/// Which config-space bytes are Lucid's: never read from the device, written to it only when
-/// [`FORWARDED_OWN`] says so.
+/// Which config-space bytes are Lucid's (the BARs, the expansion ROM BAR, the interrupt line and
+/// pin, the MSI capability's body, everything past the legacy 256 bytes): never read from the
+/// device, written to it only when [`FORWARDED_OWN`] says so.
 #[derive(Clone, Debug)]
 struct Owned {
     msi_body: Option<Range<usize>>,
 }
+
+/// The expansion ROM BAR: Lucid offers none (it reads 0).
+const EXPANSION_ROM: usize = 0x30;
 
 /// Lucid's bytes the device sees written too: the command register (memory/I/O decode, bus
 /// mastering, INTx disable are the device's business as much as the bus's).
@@ -258,7 +262,8 @@ impl Owned {
     fn lucid(&self, off: usize) -> bool {
         off >= LEGACY_CONFIG_SIZE
             || FORWARDED_OWN.contains(&off)
-            || (BAR0..0x34).contains(&off)
+            || (BAR0..BAR0 + 4 * NUM_BARS).contains(&off)
+            || (EXPANSION_ROM..EXPANSION_ROM + 4).contains(&off)
             || (INTERRUPT_LINE..INTERRUPT_LINE + 2).contains(&off)
             || self.msi_body.as_ref().is_some_and(|r| r.contains(&off))
     }
