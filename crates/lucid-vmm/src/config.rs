@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use lucid_devices::SerialOutput;
 use lucid_iommu::{EmulationMode, PinPolicy, VtdConfig};
-use lucid_mem::Backing;
+pub use lucid_mem::Backing;
 use lucid_opts::{parse_bool, Parsed};
 
 pub use self::options::*;
@@ -125,6 +125,16 @@ pub struct UserDeviceConfig {
     /// The device's name (`userN` when none), in counters (`user_device.<id>.*`) and the log.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub id: Option<String>,
+}
+
+/// Whether `name` can name a user device: its counters are under `user_device.<name>.`, so only
+/// the syntax binds it here, and [`VmConfig::validate`] that no other PCI function has it
+/// (`edu` is a fine name for an out-of-process edu when the VM has no `--device edu`).
+fn user_device_name_ok(name: &str) -> bool {
+    (1..=32).contains(&name.len())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
 /// The names of `user` in order: each one's `id`, else `userN` (numbers a named one took are
@@ -463,14 +473,22 @@ impl VmConfig {
         if self.machine.backing != Backing::SharedMemfd {
             return Err(ConfigError::UserDeviceNotShared);
         }
-        let mut names: std::collections::BTreeSet<String> = self
-            .devices
-            .pci
-            .iter()
-            .filter_map(|d| d.name.clone())
-            .collect();
+        // Every other PCI function's name.
+        let d = &self.devices;
+        let mut names: std::collections::BTreeSet<String> =
+            crate::devices::virtio_names(&d.pci).into_iter().collect();
+        names.extend(d.platform_pci.iter().map(|p| p.name().to_string()));
+        for (on, name) in [
+            (d.balloon.is_some(), crate::devices::BALLOON),
+            (d.rng.is_some(), crate::devices::RNG),
+            (d.console.is_some(), crate::devices::CONSOLE),
+        ] {
+            if on {
+                names.insert(name.to_string());
+            }
+        }
         for name in user_device_names(&self.devices.user_devices) {
-            if !device_name_ok(&name) {
+            if !user_device_name_ok(&name) {
                 return Err(ConfigError::DeviceName(name));
             }
             if !names.insert(name.clone()) {
@@ -1415,12 +1433,8 @@ pub fn parse_user_device(s: &str) -> Result<UserDeviceConfig, DeviceOptionError>
         return Err(spec.bad("socket", socket, "the device server's socket path"));
     }
     let id = match p.get("id") {
-        Some(v) if !device_name_ok(v) => {
-            return Err(spec.bad(
-                "id",
-                v,
-                "1 to 32 letters, digits, `_` or `-`, not a reserved name",
-            ))
+        Some(v) if !user_device_name_ok(v) => {
+            return Err(spec.bad("id", v, "1 to 32 letters, digits, `_` or `-`"))
         }
         v => v.map(str::to_string),
     };
@@ -2185,8 +2199,8 @@ mod console_virtio_tests {
             "",
             "id=x",
             "socket=",
-            "socket=/s,id=edu",
             "socket=/s,id=a.b",
+            "socket=/s,id=",
             "socket=/s,colour=red",
             "socket=/s,socket=/t",
         ] {
@@ -2214,8 +2228,18 @@ mod console_virtio_tests {
             c.validate(),
             Err(ConfigError::DeviceNameTwice("user0".into()))
         );
-        // The config file carries them; a config without any still reads.
+        // `edu` names an out-of-process edu, unless the VM has Lucid's own.
         c.devices.user_devices.truncate(1);
+        c.devices.user_devices[0].id = Some("edu".into());
+        assert_eq!(c.validate(), Ok(()));
+        c.devices.platform_pci.push(PlatformPciDevice::Edu);
+        assert_eq!(
+            c.validate(),
+            Err(ConfigError::DeviceNameTwice("edu".into()))
+        );
+        c.devices.platform_pci.clear();
+        c.devices.user_devices[0].id = None;
+        // The config file carries them; a config without any still reads.
         let json = serde_json::to_string(&c).unwrap();
         assert!(
             json.contains("\"user_devices\":[{\"socket\":\"/s\"}]"),
