@@ -26,6 +26,9 @@ use vm_allocator::{AddressAllocator, AllocPolicy, RangeInclusive};
 pub trait PciDevice: Send {
     fn config(&self) -> &ConfigSpace;
     fn config_mut(&mut self) -> &mut ConfigSpace;
+    /// The guest is writing `data` at `offset`, before the write masks apply: a function whose
+    /// config space lives elsewhere (an assigned device) forwards the bytes as written.
+    fn config_writing(&mut self, _offset: usize, _data: &[u8]) {}
     /// The guest wrote `len` bytes at `offset` (already applied through the write masks).
     fn config_written(&mut self, _offset: usize, _len: usize) {}
     /// A config read is about to return `offset..offset+len`: refresh anything live there.
@@ -429,6 +432,7 @@ impl PciRoot {
         };
         {
             let mut d = lock(&s.dev);
+            d.config_writing(reg, data);
             d.config_mut().write(reg, data);
             d.config_written(reg, data.len());
         }

@@ -408,8 +408,11 @@ fn main_thread(a: &mut Allowed) -> Result<(), BackendError> {
 
 /// The vIOMMU's sidecore thread: it polls shared memory and sleeps (the base list), sends the
 /// unit's own MSIs and, after an interrupt-entry-cache invalidation it processed, re-installs the
-/// remapped GSI routes.
+/// remapped GSI routes; an assigned device's map listener sends its server `DMA_MAP`/`DMA_UNMAP`
+/// (with a descriptor) and reads the reply.
 fn iommu(a: &mut Allowed) -> Result<(), BackendError> {
+    a.always(&[libc::SYS_sendmsg, libc::SYS_recvmsg, libc::SYS_recvfrom]);
+    connected_send(a)?;
     a.ioctls(&[KVM_SIGNAL_MSI(), KVM_SET_GSI_ROUTING()])
 }
 

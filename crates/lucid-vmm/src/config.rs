@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use lucid_devices::SerialOutput;
 use lucid_iommu::{EmulationMode, PinPolicy, VtdConfig};
-use lucid_mem::Backing;
+pub use lucid_mem::Backing;
 use lucid_opts::{parse_bool, Parsed};
 
 pub use self::options::*;
@@ -115,6 +115,47 @@ impl PlatformPciDevice {
     }
 }
 
+/// A PCI function served by another process over vfio-user (`--user-device`, Cloud
+/// Hypervisor's `UserDeviceConfig`; docs/vfio.md).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UserDeviceConfig {
+    /// The device server's Unix socket.
+    pub socket: PathBuf,
+    /// The device's name (`userN` when none), in counters (`user_device.<id>.*`) and the log.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+}
+
+/// Whether `name` can name a user device: its counters are under `user_device.<name>.`, so only
+/// the syntax binds it here, and [`VmConfig::validate`] that no other PCI function has it
+/// (`edu` is a fine name for an out-of-process edu when the VM has no `--device edu`).
+fn user_device_name_ok(name: &str) -> bool {
+    (1..=32).contains(&name.len())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
+/// The names of `user` in order: each one's `id`, else `userN` (numbers a named one took are
+/// skipped).
+pub fn user_device_names(user: &[UserDeviceConfig]) -> Vec<String> {
+    let taken: Vec<&str> = user.iter().filter_map(|d| d.id.as_deref()).collect();
+    let mut next = 0;
+    user.iter()
+        .map(|d| match &d.id {
+            Some(id) => id.clone(),
+            None => loop {
+                let name = format!("user{next}");
+                next += 1;
+                if !taken.contains(&name.as_str()) {
+                    break name;
+                }
+            },
+        })
+        .collect()
+}
+
 /// The kernel to boot: a file, or a probe guest built into the binary.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -193,6 +234,9 @@ pub struct DevicesConfig {
     pub fw_cfg: bool,
     /// A virtio-console (`--console-virtio`), on PCI after the rng, named `console`.
     pub console: Option<ConsoleConfig>,
+    /// vfio-user devices (`--user-device`), on PCI after the platform devices, in this order.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub user_devices: Vec<UserDeviceConfig>,
 }
 
 impl Default for DevicesConfig {
@@ -207,6 +251,7 @@ impl Default for DevicesConfig {
             hotplug: false,
             fw_cfg: true,
             console: None,
+            user_devices: Vec::new(),
         }
     }
 }
@@ -370,6 +415,7 @@ impl VmConfig {
         }
         self.check_swapcache()?;
         self.check_vhost_user()?;
+        self.check_user_devices()?;
         if let Some(mib) = self.memory.limit_mib {
             if mib < MIN_MEMORY_LIMIT_MIB {
                 return Err(ConfigError::MemoryLimitTooSmall(mib));
@@ -414,6 +460,40 @@ impl VmConfig {
         }
         if self.iommu.is_some() {
             return Err(ConfigError::VhostUserIommu(i));
+        }
+        Ok(())
+    }
+
+    /// A vfio-user device maps guest RAM in its server, so RAM must be a shared memfd; its
+    /// name joins the others'.
+    fn check_user_devices(&self) -> Result<(), ConfigError> {
+        if self.devices.user_devices.is_empty() {
+            return Ok(());
+        }
+        if self.machine.backing != Backing::SharedMemfd {
+            return Err(ConfigError::UserDeviceNotShared);
+        }
+        // Every other PCI function's name.
+        let d = &self.devices;
+        let mut names: std::collections::BTreeSet<String> =
+            crate::devices::virtio_names(&d.pci).into_iter().collect();
+        names.extend(d.platform_pci.iter().map(|p| p.name().to_string()));
+        for (on, name) in [
+            (d.balloon.is_some(), crate::devices::BALLOON),
+            (d.rng.is_some(), crate::devices::RNG),
+            (d.console.is_some(), crate::devices::CONSOLE),
+        ] {
+            if on {
+                names.insert(name.to_string());
+            }
+        }
+        for name in user_device_names(&self.devices.user_devices) {
+            if !user_device_name_ok(&name) {
+                return Err(ConfigError::DeviceName(name));
+            }
+            if !names.insert(name.clone()) {
+                return Err(ConfigError::DeviceNameTwice(name));
+            }
         }
         Ok(())
     }
@@ -549,6 +629,11 @@ pub enum ConfigError {
          IOTLB protocol, which Lucid does not speak: drop --iommu or the vhost-user device"
     )]
     VhostUserIommu(usize),
+    #[error(
+        "a vfio-user device (--user-device) maps guest RAM in its server, which must then be \
+         a shared memfd: add --backing memfd (REST: \"memory\": {{\"shared\": true}})"
+    )]
+    UserDeviceNotShared,
 }
 
 /// A sub-option string Lucid cannot use, saying which part and why.
@@ -776,6 +861,18 @@ pub mod options {
             OptKey::new("cid", "N", "the guest's context ID, 3 to 4294967294").required(),
             OptKey::new("socket", "PATH", "the Unix socket Lucid listens on").required(),
             OptKey::new("id", "NAME", "the device's name (default vsockN)"),
+        ],
+    };
+
+    /// `--user-device`.
+    pub const USER_DEVICE: OptSpec = OptSpec {
+        flag: "--user-device",
+        about: "A PCI device served by another process over vfio-user, such as `lucid \
+                device-server edu` (repeatable; needs --backing memfd; docs/vfio.md).",
+        head: None,
+        keys: &[
+            OptKey::new("socket", "PATH", "the device server's Unix socket").required(),
+            OptKey::new("id", "NAME", "the device's name (default userN)"),
         ],
     };
 
@@ -1325,6 +1422,26 @@ pub fn parse_vsock(s: &str) -> Result<PciDeviceConfig, DeviceOptionError> {
     let mut d = PciDeviceConfig::new(PciDeviceKind::Vsock(cfg));
     d.name = name;
     Ok(d)
+}
+
+/// Parses `--user-device` by [`USER_DEVICE`]. Never panics, whatever the input.
+pub fn parse_user_device(s: &str) -> Result<UserDeviceConfig, DeviceOptionError> {
+    let spec = &USER_DEVICE;
+    let p = spec.parse(s)?;
+    let socket = p.get("socket").unwrap_or_default();
+    if socket.is_empty() {
+        return Err(spec.bad("socket", socket, "the device server's socket path"));
+    }
+    let id = match p.get("id") {
+        Some(v) if !user_device_name_ok(v) => {
+            return Err(spec.bad("id", v, "1 to 32 letters, digits, `_` or `-`"))
+        }
+        v => v.map(str::to_string),
+    };
+    Ok(UserDeviceConfig {
+        socket: PathBuf::from(socket),
+        id,
+    })
 }
 
 /// Parses `--iommu` by [`IOMMU`] (defaults: samecore, pin=all). Never panics, whatever the
@@ -2071,5 +2188,66 @@ mod console_virtio_tests {
         assert!(parse_console_virtio("tty,port2=/tmp/p2").is_err());
         assert!(parse_console_virtio("pty").is_err());
         assert!(parse_console_virtio("tty,bogus=1").is_err());
+    }
+
+    #[test]
+    fn user_device_option_names_and_rules() {
+        let d = parse_user_device("socket=/run/edu.sock,id=edu0").unwrap();
+        assert_eq!(d.socket, PathBuf::from("/run/edu.sock"));
+        assert_eq!(d.id.as_deref(), Some("edu0"));
+        for bad in [
+            "",
+            "id=x",
+            "socket=",
+            "socket=/s,id=a.b",
+            "socket=/s,id=",
+            "socket=/s,colour=red",
+            "socket=/s,socket=/t",
+        ] {
+            assert!(parse_user_device(bad).is_err(), "{bad}");
+        }
+        let u = |id: Option<&str>| UserDeviceConfig {
+            socket: "/s".into(),
+            id: id.map(str::to_string),
+        };
+        assert_eq!(
+            user_device_names(&[u(None), u(Some("user0")), u(None)]),
+            ["user1", "user0", "user2"]
+        );
+
+        let mut c = VmConfig::new(KernelSource::File("/k".into()));
+        c.devices.user_devices.push(u(None));
+        assert_eq!(c.validate(), Err(ConfigError::UserDeviceNotShared));
+        c.machine.backing = Backing::SharedMemfd;
+        assert_eq!(c.validate(), Ok(()));
+        // A named one is skipped by the default names, but two of one name clash.
+        c.devices.user_devices.push(u(Some("user0")));
+        assert_eq!(c.validate(), Ok(()));
+        c.devices.user_devices.push(u(Some("user0")));
+        assert_eq!(
+            c.validate(),
+            Err(ConfigError::DeviceNameTwice("user0".into()))
+        );
+        // `edu` names an out-of-process edu, unless the VM has Lucid's own.
+        c.devices.user_devices.truncate(1);
+        c.devices.user_devices[0].id = Some("edu".into());
+        assert_eq!(c.validate(), Ok(()));
+        c.devices.platform_pci.push(PlatformPciDevice::Edu);
+        assert_eq!(
+            c.validate(),
+            Err(ConfigError::DeviceNameTwice("edu".into()))
+        );
+        c.devices.platform_pci.clear();
+        c.devices.user_devices[0].id = None;
+        // The config file carries them; a config without any still reads.
+        let json = serde_json::to_string(&c).unwrap();
+        assert!(
+            json.contains("\"user_devices\":[{\"socket\":\"/s\"}]"),
+            "{json}"
+        );
+        let back: VmConfig = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.devices.user_devices, c.devices.user_devices);
+        let none = serde_json::to_string(&VmConfig::new(KernelSource::File("/k".into()))).unwrap();
+        assert!(!none.contains("user_devices"));
     }
 }

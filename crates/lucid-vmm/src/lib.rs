@@ -30,11 +30,12 @@ pub use builder::{KernelLoad, VmBuilder};
 pub use config::options;
 pub use config::{
     parse_backing, parse_balloon, parse_blk, parse_console_virtio, parse_device, parse_fs,
-    parse_iommu, parse_jail, parse_net, parse_pool, parse_rng, parse_serial, parse_vsock,
-    ApiConfig, ConfigError, DeviceOptionError, DevicesConfig, JailConfig, KernelSource,
-    MachineConfig, MemoryConfig, PayloadConfig, PciDeviceConfig, PciDeviceKind, PlatformPciDevice,
-    PoolsConfig, RuntimeConfig, SymbioticConfig, VmConfig, MAX_MEM_MIB, MAX_VCPUS,
-    MIN_MEMORY_LIMIT_MIB, MIN_MEM_MIB, MIN_MONITOR_WINDOW,
+    parse_iommu, parse_jail, parse_net, parse_pool, parse_rng, parse_serial, parse_user_device,
+    parse_vsock, user_device_names, ApiConfig, ConfigError, DeviceOptionError, DevicesConfig,
+    JailConfig, KernelSource, MachineConfig, MemoryConfig, PayloadConfig, PciDeviceConfig,
+    PciDeviceKind, PlatformPciDevice, PoolsConfig, RuntimeConfig, SymbioticConfig,
+    UserDeviceConfig, VmConfig, MAX_MEM_MIB, MAX_VCPUS, MIN_MEMORY_LIMIT_MIB, MIN_MEM_MIB,
+    MIN_MONITOR_WINDOW,
 };
 pub use devices::{
     AttachedPci, DeviceManager, NewPciFunction, PciFunction, PciSlot, RateLimitError,

@@ -150,6 +150,7 @@ impl Vm {
             spawner: &spawner,
             swap: &swap,
             sym: sym.as_ref(),
+            vtd: iommu.as_ref().map(|i| &i.vtd),
         })?;
         crate::iommu::add_report_hypercall(&hooks, &stats)?;
         crate::pools::add_work_hypercall(&hooks, &stats)?;

@@ -13,7 +13,8 @@ use std::process::ExitCode;
 use clap::{CommandFactory, Parser, Subcommand};
 use lucid::rest;
 use lucid_vmm::options::{
-    BACKING, BALLOON, BLK, CONSOLE_VIRTIO, DEVICE, FS, IOMMU, JAIL, NET, POOL, RNG, SERIAL, VSOCK,
+    BACKING, BALLOON, BLK, CONSOLE_VIRTIO, DEVICE, FS, IOMMU, JAIL, NET, POOL, RNG, SERIAL,
+    USER_DEVICE, VSOCK,
 };
 use lucid_vmm::{
     KernelSource, StopReason, Vm, VmConfig, EXIT_FAILURE, EXIT_USAGE, MAX_MEM_MIB, MAX_VCPUS,
@@ -128,6 +129,7 @@ const VM_FLAGS: &[&str] = &[
     "fw_cfg",
     "console_virtio",
     "fs",
+    "user_device",
 ];
 
 #[derive(clap::Args)]
@@ -182,6 +184,8 @@ struct RunArgs {
     fs: Vec<String>,
     #[arg(long, value_name = "OPTS", help = VSOCK.help())]
     vsock: Vec<String>,
+    #[arg(long = "user-device", value_name = "OPTS", help = USER_DEVICE.help())]
+    user_device: Vec<String>,
     #[arg(long = "device", value_name = "NAME", help = DEVICE.help())]
     device: Vec<String>,
     /// ACPI PCI hotplug and the ACPI power button (docs/api.md); a VM made through the REST
@@ -402,6 +406,12 @@ fn flags_config(args: &RunArgs) -> Result<VmConfig, CliError> {
     for v in &args.vsock {
         config.devices.pci.push(lucid_vmm::parse_vsock(v)?);
     }
+    for u in &args.user_device {
+        config
+            .devices
+            .user_devices
+            .push(lucid_vmm::parse_user_device(u)?);
+    }
     Ok(config)
 }
 
@@ -573,6 +583,7 @@ fn vm_flag_given(a: &RunArgs) -> Option<&'static str> {
         (a.rng.is_some(), "--rng"),
         (!a.fs.is_empty(), "--fs"),
         (!a.vsock.is_empty(), "--vsock"),
+        (!a.user_device.is_empty(), "--user-device"),
         (!a.device.is_empty(), "--device"),
         (a.hotplug, "--hotplug"),
         (a.fw_cfg.is_some(), "--fw-cfg"),

@@ -18,6 +18,7 @@ mod fw_cfg;
 mod hotplug;
 mod legacy;
 mod pci;
+pub mod user;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -128,6 +129,8 @@ pub(crate) struct DeviceParts<'a> {
     pub swap: &'a VmSwap,
     /// SwapBypass's swap cache asks it about live swap slots.
     pub sym: Option<&'a Arc<Symbiotic>>,
+    /// The vIOMMU, whose mappings a vfio-user device's DMA follows.
+    pub vtd: Option<&'a Arc<lucid_iommu::Vtd>>,
 }
 
 impl DeviceManager {
@@ -139,6 +142,7 @@ impl DeviceManager {
             || config.devices.rng.is_some()
             || config.devices.hotplug
             || config.devices.console.is_some()
+            || !config.devices.user_devices.is_empty()
     }
 
     /// The legacy devices, then the PCI bus with the devices the configuration lists.
@@ -428,6 +432,28 @@ impl DeviceManager {
                     self.attach(d.name(), |_| Ok(NewPciFunction::Edu))?
                 }
             };
+        }
+        let users = &config.devices.user_devices;
+        for (name, u) in crate::config::user_device_names(users).iter().zip(users) {
+            let router = self.pci_router().cloned().ok_or_else(|| {
+                VmmError::HotplugRefused(name.clone(), "no PCI bus for a vfio-user device")
+            })?;
+            self.attach(name, |slot| {
+                let dev = user::UserDevice::new(
+                    name,
+                    &u.socket,
+                    user::UserDeviceParts {
+                        vm: p.builder.vm(),
+                        router: &router,
+                        stats: p.stats,
+                        ram: p.builder.ram().regions(),
+                        vtd: p.vtd,
+                        intx_gsi: slot.intx_gsi,
+                    },
+                )
+                .map_err(|e| back_end(name.clone(), e))?;
+                Ok(NewPciFunction::Plain(Arc::new(Mutex::new(dev))))
+            })?;
         }
         Ok(())
     }

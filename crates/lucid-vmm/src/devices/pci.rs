@@ -65,6 +65,8 @@ pub enum NewPciFunction {
     },
     /// QEMU's edu DMA test device.
     Edu,
+    /// A function built whole for its slot (a vfio-user device).
+    Plain(Arc<Mutex<dyn PciDevice>>),
 }
 
 /// Slots 1 to 31 (0 is the host bridge), lowest free first.
@@ -262,6 +264,13 @@ impl PciBus {
                     slot.address(),
                     slot.intx_gsi
                 );
+                PciFunction::Plain(dev)
+            }
+            NewPciFunction::Plain(dev) => {
+                self.root
+                    .add_device_at(slot.slot, name, dev.clone())
+                    .map_err(attach_err)?;
+                log::info!("{name}: PCI {}", slot.address());
                 PciFunction::Plain(dev)
             }
         };

@@ -411,6 +411,10 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
         config.devices.pci.push(vsock(v, iommu)?);
     }
 
+    for u in top.objs("user_devices")? {
+        config.devices.user_devices.push(user_device(u, iommu)?);
+    }
+
     if let Some(ext) = top.obj("lucid")? {
         extension(ext, &mut config, nets)?;
     }
@@ -418,7 +422,6 @@ pub fn map(body: Value) -> Result<VmConfig, Refusal> {
     top.finish(&[
         ("pmem", Value::Null),
         ("devices", Value::Null),
-        ("user_devices", Value::Null),
         ("vdpa", Value::Null),
         ("sgx_epc", Value::Null),
         ("numa", Value::Null),
@@ -706,6 +709,25 @@ fn vsock(mut v: Obj, iommu: bool) -> Result<PciDeviceConfig, Refusal> {
     lucid_vmm::parse_vsock(&opts).map_err(opt_refusal(&at))
 }
 
+/// One `UserDeviceConfig` (of `user_devices`, or the body of `vm.add-user-device`): a
+/// vfio-user device whose server listens on `socket`, named by its `id`.
+fn user_device(mut u: Obj, iommu: bool) -> Result<lucid_vmm::UserDeviceConfig, Refusal> {
+    let socket = socket_opt(&mut u, "socket")?;
+    let mut opts = format!("socket={socket}");
+    if let Some(id) = u.str("id")? {
+        opts += &format!(",id={id}");
+    }
+    device_iommu(&mut u, iommu)?;
+    let at = u.at.clone();
+    u.finish(&[("pci_segment", json!(0)), ("pci_device_id", Value::Null)])?;
+    lucid_vmm::parse_user_device(&opts).map_err(opt_refusal(&at))
+}
+
+/// The body of `vm.add-user-device` for a VM whose devices are behind the vIOMMU or not.
+pub fn hot_user_device(body: Value, iommu: bool) -> Result<lucid_vmm::UserDeviceConfig, Refusal> {
+    user_device(Obj::new(String::new(), body)?, iommu)
+}
+
 /// The body of `vm.add-disk` (`what` = "disk") or `vm.add-net` ("net") for a VM whose
 /// devices are behind the vIOMMU (`iommu`) or not, with `nics` NICs so far.
 pub fn hot_device(
@@ -926,6 +948,37 @@ mod tests {
             Some(ConsoleOutput::Socket("/tmp/s".into()))
         );
         assert_eq!(console(Value::Null), None);
+    }
+
+    #[test]
+    fn maps_user_devices() {
+        let body = json!({
+            "payload": {"kernel": "builtin:spin"},
+            "memory": {"size": 128u64 << 20, "shared": true},
+            "user_devices": [{"socket": "/run/edu.sock", "id": "edu0", "pci_segment": 0},
+                             {"socket": "/run/b.sock"}],
+        });
+        let c = map(body).unwrap();
+        let u = &c.devices.user_devices;
+        assert_eq!(u.len(), 2);
+        assert_eq!(u[0].socket, std::path::PathBuf::from("/run/edu.sock"));
+        assert_eq!(u[0].id.as_deref(), Some("edu0"));
+        assert_eq!(u[1].id, None);
+        let e = refusal(json!({
+            "payload": {"kernel": "builtin:spin"},
+            "user_devices": [{"socket": "/s"}],
+        }));
+        assert!(e.contains("--backing memfd"), "{e}");
+        for bad in [
+            json!({"socket": "/s", "pci_segment": 1}),
+            json!({"socket": "/a,b"}),
+            json!({"id": "x"}),
+            json!({"socket": "/s", "iommu": true}),
+            json!({"socket": "/s", "colour": "red"}),
+        ] {
+            assert!(hot_user_device(bad.clone(), false).is_err(), "{bad}");
+        }
+        assert!(hot_user_device(json!({"socket": "/s", "iommu": true}), true).is_ok());
     }
 
     #[test]

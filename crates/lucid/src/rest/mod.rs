@@ -116,7 +116,7 @@ fn rest_config(body: Value) -> Result<VmConfig, config::Refusal> {
 
 /// Removes the device `id` from a `vm.create` body's `disks` or `net`; whether it was there.
 fn remove_by_id(body: &mut Value, id: &str) -> bool {
-    for list in ["disks", "net", "fs"] {
+    for list in ["disks", "net", "fs", "user_devices"] {
         if let Some(a) = body[list].as_array_mut() {
             if let Some(i) = a.iter().position(|d| d["id"].as_str() == Some(id)) {
                 a.remove(i);
@@ -521,6 +521,7 @@ impl RestServer {
             "vm.add-net" => self.method(r, "PUT", |s, b| s.add_device("net", b)),
             "vm.add-fs" => self.method(r, "PUT", |s, b| s.add_device("fs", b)),
             "vm.add-vsock" => self.method(r, "PUT", |s, b| s.add_device("vsock", b)),
+            "vm.add-user-device" => self.method(r, "PUT", Self::add_user_device),
             "vm.remove-device" => self.method(r, "PUT", Self::remove_device),
             "vm.power-button" => self.method(r, "PUT", Self::power_button),
             "vm.reboot" => self.method(r, "PUT", Self::reboot),
@@ -529,7 +530,6 @@ impl RestServer {
             "vm.add-device"
             | "vm.add-pmem"
             | "vm.add-vdpa"
-            | "vm.add-user-device"
             | "vm.resize-zone"
             | "vm.resize-disk"
             | "vm.snapshot"
@@ -775,6 +775,42 @@ impl RestServer {
                     None => body[list] = json!([v]),
                 }
                 m.reconfigure(body, &endpoint)
+            }
+        }
+    }
+
+    /// `vm.add-user-device`: to a VM not booted yet the vfio-user device joins the configuration
+    /// (204); a booted VM's threads are confined and open no new connection, so Lucid refuses
+    /// to hot-add one (409 would say the id is taken; 400 says why).
+    fn add_user_device(&mut self, body: &[u8]) -> Response {
+        const ENDPOINT: &str = "vm.add-user-device";
+        let v: Value = match serde_json::from_slice(body) {
+            Ok(v) => v,
+            Err(e) => {
+                return Response::error(400, format!("{ENDPOINT}: the body is not JSON: {e}"))
+            }
+        };
+        let Some(m) = &mut self.vm else {
+            return no_vm(ENDPOINT);
+        };
+        if let Err(e) = config::hot_user_device(v.clone(), m.config.iommu.is_some()) {
+            return Response::error(400, format!("{ENDPOINT}: {e}"));
+        }
+        match &m.state {
+            VmState::Running(_) | VmState::Paused(_) => Response::error(
+                400,
+                format!(
+                    "{ENDPOINT}: a vfio-user device connects to its server at boot only: \
+                     add it before vm.boot (or in vm.create's user_devices)"
+                ),
+            ),
+            VmState::Created | VmState::Shutdown(_) => {
+                let mut body = m.body.clone();
+                match body["user_devices"].as_array_mut() {
+                    Some(a) => a.push(v),
+                    None => body["user_devices"] = json!([v]),
+                }
+                m.reconfigure(body, ENDPOINT)
             }
         }
     }
