@@ -66,7 +66,8 @@ fn start_server(socket: &Path) -> Result<Server, String> {
 fn field<'a>(out: &'a str, line: &str, key: &str) -> Option<&'a str> {
     let l = out.lines().find(|l| l.starts_with(line))?;
     let k = format!("{key}=");
-    l.split_whitespace().find_map(|w| w.strip_prefix(k.as_str()))
+    l.split_whitespace()
+        .find_map(|w| w.strip_prefix(k.as_str()))
 }
 
 /// One run of `rounds` round trips in setup `s`.
@@ -136,15 +137,17 @@ pub(crate) fn measure(
         let mut err = String::new();
         for _ in 0..runs.max(1) {
             match run(s, &kernel, rounds, dir) {
-                Ok(f) if best.as_ref().is_none_or(|b| f.ops_per_s > b.ops_per_s) => {
-                    best = Some(f)
-                }
+                Ok(f) if best.as_ref().is_none_or(|b| f.ops_per_s > b.ops_per_s) => best = Some(f),
                 Ok(_) => {}
                 Err(e) => err = e,
             }
         }
         match &best {
-            Some(f) => log::info!("assigned edu {:<22} {:.0} round trips/s", label(s), f.ops_per_s),
+            Some(f) => log::info!(
+                "assigned edu {:<22} {:.0} round trips/s",
+                label(s),
+                f.ops_per_s
+            ),
             None => log::warn!("assigned edu {:<22} {err}", label(s)),
         }
         row.push((s, best.ok_or(err)));
@@ -208,7 +211,8 @@ pub(crate) fn print(row: &[(Setup, Result<Figures, String>)]) {
     }
     println!(
         "assigned_teardown_over_off {} (goal >= 0.9)  assigned_strict_over_off {}",
-        best_over_off(row, &["teardown256", "teardown4096"]).map_or("-".into(), |r| format!("{r:.2}")),
+        best_over_off(row, &["teardown256", "teardown4096"])
+            .map_or("-".into(), |r| format!("{r:.2}")),
         best_over_off(row, &["strict"]).map_or("-".into(), |r| format!("{r:.2}"))
     );
 }

@@ -502,7 +502,9 @@ pub fn run(args: IommuArgs) -> Result<ExitCode, String> {
     if args.json {
         let mut j = table.to_json(args.count);
         if let Some(row) = &assigned_row {
-            if let (Some(j), Value::Object(a)) = (j.as_object_mut(), assigned::to_json(row, args.count)) {
+            if let (Some(j), Value::Object(a)) =
+                (j.as_object_mut(), assigned::to_json(row, args.count))
+            {
                 j.extend(a);
             }
         }

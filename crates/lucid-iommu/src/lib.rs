@@ -56,9 +56,9 @@
 //! most 2^20 pages and 2^22 entries per walk, then it stops, logged once). The walk is diffed
 //! with the shadow: `unmap` for extents that changed (always whole, as they were mapped), then
 //! `map` for the new runs (pages contiguous in IOVA and guest address with one permission: one
-//! call; a 2 MiB leaf is one run). A page is mapped when the walk ends with R set and the page
-//! is guest RAM (write-only entries are not mappings: a device's reads would fault); `write` is
-//! W. While translation is off the listener holds one identity mapping per RAM region; enabling
+//! call; a 2 MiB leaf is one run). A page is mapped when the walk ends with R or W set and the
+//! page is guest RAM, with those permissions ([`Perm`]: a write-only mapping is told as such, and
+//! the device must refuse its reads there). While translation is off the listener holds one identity mapping per RAM region; enabling
 //! translation unmaps them and walks, disabling it unmaps every mapping and maps them again.
 //!
 //! The calls are made synchronously by the thread carrying out the invalidation (the vCPU in
@@ -336,10 +336,25 @@ struct State {
 /// [`Vtd::read`], [`Vtd::write`], [`Vtd::add_listener`] or [`Vtd::remove_listener`] (they
 /// wait for the calls in progress), nor wait for a thread that does.
 pub trait MapListener: Send + Sync {
-    /// `iova..iova+len` now translates to `gpa..gpa+len`; writable if `write` (readable always).
-    fn map(&self, iova: u64, gpa: u64, len: u64, write: bool);
+    /// `iova..iova+len` now translates to `gpa..gpa+len`, for the accesses `perm` allows.
+    fn map(&self, iova: u64, gpa: u64, len: u64, perm: Perm);
     /// `iova..iova+len` no longer translates.
     fn unmap(&self, iova: u64, len: u64);
+}
+
+/// What a mapping lets a device do: the R and W bits of its second-level entries, each
+/// cleared by any table above it that clears it. At least one is set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Perm {
+    pub read: bool,
+    pub write: bool,
+}
+
+impl Perm {
+    pub const READ_WRITE: Perm = Perm {
+        read: true,
+        write: true,
+    };
 }
 
 /// The emulated VT-d unit.

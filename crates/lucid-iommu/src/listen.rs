@@ -14,7 +14,7 @@ use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
 use crate::regs::G_TE;
 use crate::tables::{self, Budget, Context};
-use crate::{Fx, MapListener, State, Vtd};
+use crate::{Fx, MapListener, Perm, State, Vtd};
 
 /// Most leaf pages one walk visits, and table entries it reads; then it stops (logged once).
 const WALK_PAGES: u64 = 1 << 20;
@@ -28,7 +28,7 @@ pub(crate) struct Ext {
     pub pages: u64,
     /// First guest page.
     pub gpa: u64,
-    pub write: bool,
+    pub perm: Perm,
 }
 
 pub(crate) struct Listened {
@@ -46,7 +46,7 @@ pub(crate) enum Op {
         iova: u64,
         gpa: u64,
         len: u64,
-        write: bool,
+        perm: Perm,
     },
     Unmap {
         iova: u64,
@@ -129,7 +129,7 @@ impl Vtd {
                         iova: a,
                         gpa: a,
                         len,
-                        write: true,
+                        perm: Perm::READ_WRITE,
                     };
                     fx.calls.push((li.l.clone(), op));
                 }
@@ -219,7 +219,7 @@ impl Vtd {
                 iova: s << 12,
                 gpa: e.gpa << 12,
                 len: e.pages << 12,
-                write: e.write,
+                perm: e.perm,
             };
             fx.calls.push((li.l.clone(), op));
         }
@@ -233,10 +233,10 @@ impl Vtd {
                     iova,
                     gpa,
                     len,
-                    write,
+                    perm,
                 } => {
                     self.c.l_maps.inc();
-                    l.map(iova, gpa, len, write);
+                    l.map(iova, gpa, len, perm);
                 }
                 Op::Unmap { iova, len } => {
                     self.c.l_unmaps.inc();
@@ -251,14 +251,14 @@ impl Vtd {
 pub(crate) type Changes = (Vec<(u64, u64)>, Vec<(u64, Ext)>);
 
 /// Brings shadow `ext` to what a walk of pages `first..end` found (`new`: sorted
-/// (page, gpa page, writable)); returns the extents to unmap (first page, pages), then those to
+/// (page, gpa page, permission)); returns the extents to unmap (first page, pages), then those to
 /// map. An extent that a change touches is unmapped whole; its unchanged pages, inside or
 /// outside the range, are mapped again. Runs of pages contiguous in IOVA and guest address with
 /// one permission become one extent, unless `brk(gpa page)` says a new one starts there.
 pub(crate) fn diff(
     ext: &mut BTreeMap<u64, Ext>,
     (first, end): (u64, u64),
-    new: &[(u64, u64, bool)],
+    new: &[(u64, u64, Perm)],
     brk: &dyn Fn(u64) -> bool,
 ) -> Changes {
     let mut affected: Vec<u64> = Vec::new();
@@ -269,15 +269,15 @@ pub(crate) fn diff(
     }
     affected.extend(ext.range(first..end).map(|(&s, _)| s));
     // What every page of the affected extents and the range should translate to.
-    let mut want: Vec<(u64, u64, bool)> = Vec::with_capacity(new.len());
+    let mut want: Vec<(u64, u64, Perm)> = Vec::with_capacity(new.len());
     if let Some(&s) = affected.first().filter(|&&s| s < first) {
         let e = ext[&s];
-        want.extend((s..first).map(|p| (p, e.gpa + p - s, e.write)));
+        want.extend((s..first).map(|p| (p, e.gpa + p - s, e.perm)));
     }
     want.extend_from_slice(new);
     if let Some(&s) = affected.last() {
         let e = ext[&s];
-        want.extend((end.max(s)..s + e.pages).map(|p| (p, e.gpa + p - s, e.write)));
+        want.extend((end.max(s)..s + e.pages).map(|p| (p, e.gpa + p - s, e.perm)));
     }
     let mut kept = vec![false; want.len()];
     let mut unmaps = Vec::new();
@@ -286,7 +286,7 @@ pub(crate) fn diff(
         let i = want.partition_point(|w| w.0 < s);
         let same = (0..e.pages).all(|k| {
             want.get(i + k as usize)
-                .is_some_and(|&w| w == (s + k, e.gpa + k, e.write))
+                .is_some_and(|&w| w == (s + k, e.gpa + k, e.perm))
         });
         if same {
             kept[i..i + e.pages as usize].fill(true);
@@ -307,7 +307,7 @@ pub(crate) fn diff(
                 if !prev_kept
                     && *s + e.pages == p
                     && e.gpa + e.pages == g
-                    && e.write == w
+                    && e.perm == w
                     && !brk(g) =>
             {
                 e.pages += 1
@@ -317,7 +317,7 @@ pub(crate) fn diff(
                 Ext {
                     pages: 1,
                     gpa: g,
-                    write: w,
+                    perm: w,
                 },
             )),
         }

@@ -179,7 +179,7 @@ pub struct Budget {
 }
 
 /// Visits, in IOVA order, the pages `first..end` (4 KiB page numbers) that the second-level
-/// tables at `slpt` map readable: `f(page, gpa_page, writable)`. Entries that are not present
+/// tables at `slpt` map readable or writable: `f(page, gpa_page, permission)`. Entries that are not present
 /// or have reserved bits are skipped with what they cover. `Err(page)`: the budget ran out at
 /// IOVA page `page`, which and what follows were not visited.
 pub fn walk_range(
@@ -188,7 +188,7 @@ pub fn walk_range(
     levels: u8,
     (first, end): (u64, u64),
     budget: &mut Budget,
-    f: &mut dyn FnMut(u64, u64, bool),
+    f: &mut dyn FnMut(u64, u64, crate::Perm),
 ) -> Result<(), u64> {
     if !(3..=4).contains(&levels) {
         return Ok(());
@@ -218,7 +218,7 @@ fn walk_table(
     (first, end): (u64, u64),
     (r, w): (bool, bool),
     budget: &mut Budget,
-    f: &mut dyn FnMut(u64, u64, bool),
+    f: &mut dyn FnMut(u64, u64, crate::Perm),
 ) -> Result<(), u64> {
     let shift = 9 * (level - 1);
     let lo = first.saturating_sub(base) >> shift;
@@ -245,8 +245,9 @@ fn walk_table(
                     return Err(page);
                 }
                 budget.pages -= 1;
-                if r {
-                    f(page, gpa_page + (page - ebase), w);
+                if r || w {
+                    let perm = crate::Perm { read: r, write: w };
+                    f(page, gpa_page + (page - ebase), perm);
                 }
             }
         } else {

@@ -1072,10 +1072,10 @@ fn property_run(seed: u64, policy: PinPolicy, steps: usize) {
         }
         let v = e.pins.violations.lock().unwrap();
         assert!(v.is_empty(), "seed {seed} step {step}: {v:?}");
-        let told: HashMap<u64, (u64, bool)> = model
+        let told: HashMap<u64, (u64, Perm)> = model
             .iter()
-            .filter(|(_, &(_, r, _))| r)
-            .map(|(&p, &(g, _, w))| (p, (g, w)))
+            .filter(|(_, &(_, r, w))| r || w)
+            .map(|(&p, &(g, read, write))| (p, (g, Perm { read, write })))
             .collect();
         assert_eq!(check.pages(), told, "seed {seed} step {step}");
         let errs = check.errors.lock().unwrap();
@@ -1474,7 +1474,10 @@ fn sidecore_garbage_never_panics() {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Call {
+    /// A readable mapping, writable or not.
     Map(u64, u64, u64, bool),
+    /// A write-only mapping.
+    MapWriteOnly(u64, u64, u64),
     Unmap(u64, u64),
 }
 
@@ -1501,8 +1504,11 @@ impl Rec {
     }
 }
 impl MapListener for Rec {
-    fn map(&self, iova: u64, gpa: u64, len: u64, write: bool) {
-        self.push(Call::Map(iova, gpa, len, write));
+    fn map(&self, iova: u64, gpa: u64, len: u64, perm: Perm) {
+        self.push(match perm.read {
+            true => Call::Map(iova, gpa, len, perm.write),
+            false => Call::MapWriteOnly(iova, gpa, len),
+        });
     }
     fn unmap(&self, iova: u64, len: u64) {
         self.push(Call::Unmap(iova, len));
@@ -1529,11 +1535,17 @@ fn listener_follows_page_invalidations() {
     e.map(t, 3, 0x1000, DATA, true, true);
     e.psi(1, 0x1000, 0);
     assert_eq!(rec.take(), vec![M(0x1000, DATA, 0x1000, true)]);
-    // Read-only; write-only is not a mapping; another requester's map is not told.
+    // Read-only, write-only; another requester's map is not told.
     e.map(t, 3, 0x5000, DATA + 0x5000, true, false);
     e.map(t, 3, 0x6000, DATA + 0x6000, false, true);
     e.psi(1, 0x4000, 2);
-    assert_eq!(rec.take(), vec![M(0x5000, DATA + 0x5000, 0x1000, false)]);
+    assert_eq!(
+        rec.take(),
+        vec![
+            M(0x5000, DATA + 0x5000, 0x1000, false),
+            Call::MapWriteOnly(0x6000, DATA + 0x6000, 0x1000)
+        ]
+    );
     e.map(t2, 3, 0x1000, DATA + 0x9000, true, true);
     e.psi(2, 0x1000, 0);
     assert!(rec.take().is_empty());
@@ -1574,7 +1586,7 @@ fn listener_follows_page_invalidations() {
     e.psi(1, 0x7000, 0);
     assert!(rec.take().is_empty());
     assert!(other.take().is_empty());
-    assert_eq!(e.counter("listener.maps"), 9);
+    assert_eq!(e.counter("listener.maps"), 10);
     assert_eq!(e.counter("listener.unmaps"), 4);
     assert!(e.counter("listener.walks") >= 8);
 }
@@ -1701,7 +1713,7 @@ fn listener_identity_maps_follow_te() {
 /// A listener that calls back into the unit (translates what it is told) does not deadlock.
 struct Reenter(Arc<Vtd>, AtomicUsize);
 impl MapListener for Reenter {
-    fn map(&self, iova: u64, gpa: u64, _len: u64, _write: bool) {
+    fn map(&self, iova: u64, gpa: u64, _len: u64, _perm: Perm) {
         assert_eq!(
             self.0.translate(8, iova, 8, Access::Read).map(|r| r.0),
             Ok(gpa)
@@ -1768,22 +1780,21 @@ fn sidecore_listener_told_before_the_wait_completes() {
 #[test]
 fn diff_splits_only_changed_extents() {
     use crate::listen::{diff, Ext};
-    let x = |pages, gpa, write| Ext { pages, gpa, write };
+    let x = |pages, gpa, perm| Ext { pages, gpa, perm };
+    const RW: Perm = Perm::READ_WRITE;
+    const RO: Perm = Perm {
+        read: true,
+        write: false,
+    };
     let mut ext = std::collections::BTreeMap::new();
-    ext.insert(0, x(8, 100, true));
-    ext.insert(20, x(2, 300, true));
+    ext.insert(0, x(8, 100, RW));
+    ext.insert(20, x(2, 300, RW));
     // Page 3 of the first extent changes; the second is outside the range and stays.
-    let (u, m) = diff(&mut ext, (2, 4), &[(2, 102, true), (3, 200, true)], &|_| {
-        false
-    });
+    let (u, m) = diff(&mut ext, (2, 4), &[(2, 102, RW), (3, 200, RW)], &|_| false);
     assert_eq!(u, vec![(0, 8)]);
     assert_eq!(
         m,
-        vec![
-            (0, x(3, 100, true)),
-            (3, x(1, 200, true)),
-            (4, x(4, 104, true))
-        ]
+        vec![(0, x(3, 100, RW)), (3, x(1, 200, RW)), (4, x(4, 104, RW))]
     );
     assert_eq!(ext.len(), 4);
     // Nothing changed: nothing told.
@@ -1791,16 +1802,16 @@ fn diff_splits_only_changed_extents() {
         &mut ext,
         (0, 30),
         &[
-            (0, 100, true),
-            (1, 101, true),
-            (2, 102, true),
-            (3, 200, true),
-            (4, 104, true),
-            (5, 105, true),
-            (6, 106, true),
-            (7, 107, true),
-            (20, 300, true),
-            (21, 301, true),
+            (0, 100, RW),
+            (1, 101, RW),
+            (2, 102, RW),
+            (3, 200, RW),
+            (4, 104, RW),
+            (5, 105, RW),
+            (6, 106, RW),
+            (7, 107, RW),
+            (20, 300, RW),
+            (21, 301, RW),
         ],
         &|_| false,
     );
@@ -1810,25 +1821,25 @@ fn diff_splits_only_changed_extents() {
     assert_eq!(u.len(), 4);
     assert!(m.is_empty() && ext.is_empty());
     // A run stops where a RAM region starts.
-    let new: Vec<(u64, u64, bool)> = (0..4).map(|p| (p, 100 + p, false)).collect();
+    let new: Vec<(u64, u64, Perm)> = (0..4).map(|p| (p, 100 + p, RO)).collect();
     let (_, m) = diff(&mut ext, crate::listen::ALL, &new, &|g| g == 102);
-    assert_eq!(m, vec![(0, x(2, 100, false)), (2, x(2, 102, false))]);
+    assert_eq!(m, vec![(0, x(2, 100, RO)), (2, x(2, 102, RO))]);
 }
 
 /// A listener that checks the calls make sense: maps never overlap what is mapped, an unmap
 /// is exactly an earlier map.
 #[derive(Default)]
 struct Checker {
-    /// iova -> (len, gpa, write)
-    mapped: Mutex<std::collections::BTreeMap<u64, (u64, u64, bool)>>,
+    /// iova -> (len, gpa, permission)
+    mapped: Mutex<std::collections::BTreeMap<u64, (u64, u64, Perm)>>,
     errors: Mutex<Vec<String>>,
 }
 impl Checker {
     fn new() -> Arc<Checker> {
         Arc::new(Checker::default())
     }
-    /// What the listener holds, by 4 KiB page: page -> (gpa, write).
-    fn pages(&self) -> HashMap<u64, (u64, bool)> {
+    /// What the listener holds, by 4 KiB page: page -> (gpa, permission).
+    fn pages(&self) -> HashMap<u64, (u64, Perm)> {
         let mut out = HashMap::new();
         for (&iova, &(len, gpa, w)) in self.mapped.lock().unwrap().iter() {
             for k in 0..len >> 12 {
@@ -1839,7 +1850,7 @@ impl Checker {
     }
 }
 impl MapListener for Checker {
-    fn map(&self, iova: u64, gpa: u64, len: u64, write: bool) {
+    fn map(&self, iova: u64, gpa: u64, len: u64, perm: Perm) {
         let mut m = self.mapped.lock().unwrap();
         let overlaps = m
             .range(..iova + len)
@@ -1851,7 +1862,7 @@ impl MapListener for Checker {
                 .unwrap()
                 .push(format!("map {iova:#x}+{len:#x} -> {gpa:#x}"));
         }
-        m.insert(iova, (len, gpa, write));
+        m.insert(iova, (len, gpa, perm));
     }
     fn unmap(&self, iova: u64, len: u64) {
         if self.mapped.lock().unwrap().remove(&iova).map(|m| m.0) != Some(len) {

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use lucid_hv::{GsiRouter, Vm};
-use lucid_iommu::{MapListener, Vtd};
+use lucid_iommu::{MapListener, Perm, Vtd};
 use lucid_mem::{Access, DmaTranslator, RamRegion};
 use lucid_pci::config::{
     touches, Bar, BarKind, ConfigSpace, PciIds, BAR0, CAPABILITIES_POINTER, CAP_ID_MSI,
@@ -192,12 +192,14 @@ impl Link {
 
     /// `DMA_MAP` of `iova..iova+len` to guest RAM at `gpa`, split where the range crosses RAM
     /// regions (each its own offset in the memfd). Ranges outside RAM are not mapped.
-    fn map(&self, ram: &[RamRegion], iova: u64, gpa: u64, len: u64, write: bool) {
-        let flags = if write {
-            DmaMapFlags::READ_WRITE
-        } else {
-            DmaMapFlags::READ
-        };
+    fn map(&self, ram: &[RamRegion], iova: u64, gpa: u64, len: u64, perm: Perm) {
+        let mut flags = DmaMapFlags::empty();
+        if perm.read {
+            flags |= DmaMapFlags::READ;
+        }
+        if perm.write {
+            flags |= DmaMapFlags::WRITE;
+        }
         for (iova, r, off, n) in split(ram, iova, gpa, len) {
             let Some(fd) = r.fd.as_ref() else { continue };
             let mapped = self.call("DMA_MAP", |c| {
@@ -235,8 +237,8 @@ struct Listener {
 }
 
 impl MapListener for Listener {
-    fn map(&self, iova: u64, gpa: u64, len: u64, write: bool) {
-        self.link.map(&self.ram, iova, gpa, len, write)
+    fn map(&self, iova: u64, gpa: u64, len: u64, perm: Perm) {
+        self.link.map(&self.ram, iova, gpa, len, perm)
     }
     fn unmap(&self, iova: u64, len: u64) {
         self.link.unmap(iova, len)
