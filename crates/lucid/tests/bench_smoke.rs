@@ -104,7 +104,7 @@ fn bench_io() {
 
 #[test]
 fn bench_iommu() {
-    // One workload per device kind, both rungs.
+    // One workload per device kind, both rungs, and the assigned device.
     let j = bench(
         &[
             "iommu",
@@ -113,7 +113,7 @@ fn bench_iommu() {
             "--runs",
             "1",
             "--workloads",
-            "blk-randread-4k-qd1,net-rr-64",
+            "blk-randread-4k-qd1,net-rr-64,assigned",
         ],
         Duration::from_secs(300),
     );
@@ -123,6 +123,14 @@ fn bench_iommu() {
         &["teardown_hit_rate"],
     ];
     assert_finite(&j, &goals);
+    // The edu in its own process over vfio-user.
+    assert_finite(
+        &j,
+        &[
+            &["assigned_teardown_over_off"],
+            &["assigned_strict_over_off"],
+        ],
+    );
     for rung in ["L1", "L4p"] {
         assert_finite(&j["by_rung"][rung], &goals);
     }
