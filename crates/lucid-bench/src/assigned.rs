@@ -17,6 +17,9 @@ use serde_json::{json, Value};
 /// One setup: no IOMMU (`mode` None) or a mode with a guest strategy.
 pub(crate) type Setup = (Option<EmulationMode>, &'static str);
 
+/// Each setup with its best run, or why every run failed.
+pub(crate) type Row = Vec<(Setup, Result<Figures, String>)>;
+
 /// What one run gave.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub(crate) struct Figures {
@@ -129,7 +132,7 @@ pub(crate) fn measure(
     rounds: u64,
     runs: usize,
     dir: &Path,
-) -> Result<Vec<(Setup, Result<Figures, String>)>, String> {
+) -> Result<Row, String> {
     let kernel: PathBuf = crate::io::guest_path("edu", dir)?;
     let mut row = Vec::new();
     for &s in setups {
@@ -155,14 +158,14 @@ pub(crate) fn measure(
     Ok(row)
 }
 
-fn over_off(row: &[(Setup, Result<Figures, String>)], s: Setup) -> Option<f64> {
+fn over_off(row: &Row, s: Setup) -> Option<f64> {
     let off = row.iter().find(|(x, _)| x.0.is_none())?.1.as_ref().ok()?;
     let this = row.iter().find(|(x, _)| *x == s)?.1.as_ref().ok()?;
     (off.ops_per_s > 0.0).then(|| this.ops_per_s / off.ops_per_s)
 }
 
 /// The best of both modes for the strategies named.
-fn best_over_off(row: &[(Setup, Result<Figures, String>)], strategies: &[&str]) -> Option<f64> {
+fn best_over_off(row: &Row, strategies: &[&str]) -> Option<f64> {
     row.iter()
         .filter(|(s, _)| s.0.is_some() && strategies.contains(&s.1))
         .filter_map(|(s, _)| over_off(row, *s))
@@ -170,7 +173,7 @@ fn best_over_off(row: &[(Setup, Result<Figures, String>)], strategies: &[&str]) 
 }
 
 /// The goal keys and the table, for `--json`.
-pub(crate) fn to_json(row: &[(Setup, Result<Figures, String>)], rounds: u64) -> Value {
+pub(crate) fn to_json(row: &Row, rounds: u64) -> Value {
     let mut cells = serde_json::Map::new();
     for (s, c) in row {
         let v = match c {
@@ -190,7 +193,7 @@ pub(crate) fn to_json(row: &[(Setup, Result<Figures, String>)], rounds: u64) -> 
     })
 }
 
-pub(crate) fn print(row: &[(Setup, Result<Figures, String>)]) {
+pub(crate) fn print(row: &Row) {
     println!(
         "assigned edu (out of process, vfio-user): DMA round trips/s as a fraction of off; \
          DMA_MAP/DMA_UNMAP messages per round trip"
