@@ -34,6 +34,27 @@ ioctl_io_nr!(VFIO_DEVICE_RESET, VFIO_TYPE as u32, VFIO_BASE + 11);
 ioctl_io_nr!(VFIO_IOMMU_MAP_DMA, VFIO_TYPE as u32, VFIO_BASE + 13);
 ioctl_io_nr!(VFIO_IOMMU_UNMAP_DMA, VFIO_TYPE as u32, VFIO_BASE + 14);
 
+/// A `vfio_irq_set` for `VFIO_DEVICE_SET_IRQS`: five u32s, then one s32 per vector when the data
+/// is eventfds. Built as u32 words so the buffer has the struct's alignment.
+fn irq_set(index: u32, flags: u32, start: u32, fds: &[RawFd]) -> Vec<u32> {
+    let header = size_of::<vfio_irq_set>() / 4;
+    let data = if flags & VFIO_IRQ_SET_DATA_EVENTFD != 0 {
+        fds.len()
+    } else {
+        0
+    };
+    let mut words = vec![0u32; header + data];
+    words[0] = ((header + data) * 4) as u32;
+    words[1] = flags;
+    words[2] = index;
+    words[3] = start;
+    words[4] = fds.len() as u32;
+    for (w, fd) in words[header..].iter_mut().zip(fds) {
+        *w = *fd as u32;
+    }
+    words
+}
+
 /// The real VFIO ioctls.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct KernelVfio;
@@ -171,23 +192,7 @@ impl VfioOps for KernelVfio {
         start: u32,
         fds: &[RawFd],
     ) -> io::Result<()> {
-        // vfio_irq_set is five u32s and then the data: one s32 per vector for DATA_EVENTFD.
-        // Built as u32 words so the buffer has the struct's alignment.
-        let header = size_of::<vfio_irq_set>() / 4;
-        let data = if flags & VFIO_IRQ_SET_DATA_EVENTFD != 0 {
-            fds.len()
-        } else {
-            0
-        };
-        let mut words = vec![0u32; header + data];
-        words[0] = ((header + data) * 4) as u32;
-        words[1] = flags;
-        words[2] = index;
-        words[3] = start;
-        words[4] = fds.len() as u32;
-        for (w, fd) in words[header..].iter_mut().zip(fds) {
-            *w = *fd as u32;
-        }
+        let words = irq_set(index, flags, start, fds);
         // SAFETY: `words` holds a vfio_irq_set header and `argsz - header` bytes of data, which
         // is all the kernel reads.
         let ret = unsafe {
@@ -243,5 +248,48 @@ impl VfioOps for KernelVfio {
         // SAFETY: the kernel reads `unmap` and writes back its `size` field (bytes unmapped).
         check(unsafe { ioctl_with_mut_ref(c, VFIO_IOMMU_UNMAP_DMA(), &mut unmap) })?;
         Ok(unmap.size)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::{VfioDevice, VfioError};
+
+    #[test]
+    fn ioctl_numbers_match_linux() {
+        // _IO(';', 100 + n) from linux/vfio.h.
+        assert_eq!(VFIO_GET_API_VERSION(), 0x3b64);
+        assert_eq!(VFIO_SET_IOMMU(), 0x3b66);
+        assert_eq!(VFIO_GROUP_GET_DEVICE_FD(), 0x3b6a);
+        assert_eq!(VFIO_DEVICE_SET_IRQS(), 0x3b6e);
+        assert_eq!(VFIO_DEVICE_RESET(), 0x3b6f);
+        assert_eq!(VFIO_IOMMU_MAP_DMA(), 0x3b71);
+        assert_eq!(VFIO_IOMMU_UNMAP_DMA(), 0x3b72);
+    }
+
+    #[test]
+    fn irq_set_layout() {
+        assert_eq!(size_of::<vfio_irq_set>(), 20);
+        let flags = VFIO_IRQ_SET_DATA_EVENTFD | 32;
+        assert_eq!(
+            irq_set(1, flags, 0, &[7, -1]),
+            [28, flags, 1, 0, 2, 7, u32::MAX]
+        );
+        // DATA_NONE with count 0 disables: no data.
+        assert_eq!(irq_set(2, 1 | 32, 0, &[]), [20, 33, 2, 0, 0]);
+    }
+
+    /// The one kernel path this host can run: it has no /dev/vfio.
+    #[test]
+    fn host_without_vfio_says_so() {
+        if Path::new("/dev/vfio/vfio").exists() {
+            return;
+        }
+        let e = VfioDevice::open(Arc::new(KernelVfio), 0, "0000:00:00.0").err();
+        assert!(matches!(e, Some(VfioError::NoContainer)), "{e:?}");
     }
 }
