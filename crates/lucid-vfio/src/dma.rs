@@ -154,6 +154,9 @@ impl<O: VfioOps> MapListener for Dma<O> {
     }
 
     fn unmap(&self, iova: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
         // One call covers every piece `map` made of this range: TYPE1v2 unmaps all mappings
         // inside it (the vIOMMU unmaps exactly what one `map` call mapped, never a part).
         match self.c.ops.unmap_dma(&self.c.fd, iova, len) {

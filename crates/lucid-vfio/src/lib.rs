@@ -135,11 +135,12 @@ pub struct IrqCounts {
 
 /// An assigned PCI function: its group in a container of its own, its regions and interrupts.
 pub struct VfioDevice<O: VfioOps> {
-    container: Arc<Container<O>>,
-    group: u32,
+    // Dropped in this order: the device file, then the group, then the container.
+    dev: O::Device,
     /// Kept open: closing the group detaches it from the container.
     _group_fd: O::Group,
-    dev: O::Device,
+    container: Arc<Container<O>>,
+    group: u32,
     name: String,
     info: DeviceInfo,
     /// Regions 0..=CONFIG_REGION.
