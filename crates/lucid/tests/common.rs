@@ -81,6 +81,22 @@ pub fn lucid(args: &[&str], limit: Duration) -> Outcome {
     lucid_pinned(args, limit, &[])
 }
 
+/// [`lucid`] running probe guest `guest` with guest RAM in a memfd and the vfio-user device
+/// `dev` (`socket=...`), then `extra`.
+pub fn lucid_user_device(guest: &str, dev: &str, extra: &[&str], limit: Duration) -> Outcome {
+    let mut args = vec![
+        "run",
+        "--guest",
+        guest,
+        "--backing",
+        "memfd",
+        "--user-device",
+        dev,
+    ];
+    args.extend_from_slice(extra);
+    lucid(&args, limit)
+}
+
 /// As [`lucid`], and pins each of Lucid's threads named in `pins` (e.g. `lucid-vcpu0`) to its
 /// CPU as soon as it appears, for a while after start (a thread not seen within a second keeps
 /// the affinity it inherited: a device back-end started by a pinned vCPU shares its CPU).

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{field, lucid, one_at_a_time, tmp, Outcome};
+use common::{field, lucid_user_device, one_at_a_time, tmp, Outcome};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -78,18 +78,7 @@ impl Drop for Server {
 }
 
 fn run_edu(server: &Server, extra: &[&str]) -> Outcome {
-    let dev = server.socket_opt();
-    let mut args = vec![
-        "run",
-        "--guest",
-        "edu",
-        "--backing",
-        "memfd",
-        "--user-device",
-        &dev,
-    ];
-    args.extend_from_slice(extra);
-    lucid(&args, LIMIT)
+    lucid_user_device("edu", &server.socket_opt(), extra, LIMIT)
 }
 
 fn why(o: &Outcome) -> String {
@@ -188,22 +177,8 @@ fn dma_outside_the_mappings_is_refused_by_the_device_and_recorded() {
     let _turn = one_at_a_time();
     for mode in ["samecore", "sidecore"] {
         let server = Server::start(&format!("iso-{mode}"));
-        let dev = server.socket_opt();
         let iommu = format!("vtd,mode={mode},pin=map");
-        let o = lucid(
-            &[
-                "run",
-                "--guest",
-                "iommu",
-                "--backing",
-                "memfd",
-                "--user-device",
-                &dev,
-                "--iommu",
-                &iommu,
-            ],
-            LIMIT,
-        );
+        let o = lucid_user_device("iommu", &server.socket_opt(), &["--iommu", &iommu], LIMIT);
         let w = why(&o);
         assert_eq!(o.status, Some(1), "{mode}: {w}");
         let num = |k: &str| -> u64 {
@@ -228,27 +203,13 @@ fn dma_outside_the_mappings_is_refused_by_the_device_and_recorded() {
 #[test]
 fn a_killed_device_process_fails_the_device_not_the_vmm() {
     let server = Server::start("killed");
-    let dev = server.socket_opt();
     let pid = server.child.id() as i32;
     let killer = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(1500));
         // SAFETY: kill(2) on the server's pid, which the test still owns (not yet waited for).
         unsafe { libc::kill(pid, libc::SIGKILL) };
     });
-    let o = lucid(
-        &[
-            "run",
-            "--guest",
-            "edu",
-            "--backing",
-            "memfd",
-            "--user-device",
-            &dev,
-            "--cmdline",
-            "rounds=100000000 timeout_ms=500",
-        ],
-        LIMIT,
-    );
+    let o = run_edu(&server, &["--cmdline", "rounds=100000000 timeout_ms=500"]);
     killer.join().unwrap();
     let w = why(&o);
     assert!(!o.timed_out, "{w}");
