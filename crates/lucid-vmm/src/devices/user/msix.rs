@@ -353,6 +353,61 @@ mod tests {
     }
 
     #[test]
+    fn vectors_follow_enable_and_masks_and_a_masked_signal_is_pending() {
+        use lucid_hv::MsiMessage;
+        use lucid_pci::msix::{MSIX_ENABLE, MSIX_FUNCTION_MASK};
+        let vm = Vm::new(lucid_hv::open_kvm().expect("KVM")).unwrap();
+        vm.create_irqchip_and_pit().unwrap();
+        let router = GsiRouter::new(vm.clone());
+        let stats = lucid_stats::StatsRegistry::new();
+        let c = super::super::counters("t", &stats);
+        let ctx = Ctx {
+            name: "t",
+            vm: &vm,
+            router: &router,
+            rid: 0x08,
+            c: &c,
+        };
+        let l = Layout::parse(&cfg(2, 0x0, 0x800), 0x40, &BARS, 2).unwrap();
+        let mut m = Msix::new(l, &router).unwrap();
+        let msg = MsiMessage {
+            address: 0xfee0_0000,
+            data: 0x41,
+        };
+        let w = |m: &mut Msix, off: u64, v: u32| m.write(Part::Table(off), &v.to_le_bytes(), &ctx);
+        w(&mut m, 0, msg.address as u32);
+        w(&mut m, 8, msg.data);
+        w(&mut m, 12, 0);
+        assert!(!m.vectors[0].attached, "MSI-X still disabled");
+        assert!(m.control(MSIX_ENABLE, &ctx), "enable changed");
+        let gsi = m.vectors[0].gsi;
+        assert_eq!(router.route(gsi), Some(msg));
+        assert!(m.vectors[0].attached && !m.vectors[1].attached, "vector 1 is masked");
+        assert!(!m.control(MSIX_ENABLE | MSIX_FUNCTION_MASK, &ctx));
+        assert!(!m.vectors[0].attached, "the function mask detaches");
+        m.control(MSIX_ENABLE, &ctx);
+        w(&mut m, 12, 1);
+        assert!(!m.vectors[0].attached, "the entry mask detaches");
+        // The server signals the masked vector: pending, and still so after the read.
+        m.vectors[0].efd.write(1).unwrap();
+        for _ in 0..2 {
+            let mut pba = [0u8; 8];
+            m.read(Part::Pba(0), &mut pba);
+            assert_eq!(u64::from_le_bytes(pba), 1);
+        }
+        w(&mut m, 12, 0);
+        assert!(m.vectors[0].attached, "unmasked: KVM takes the pending signal");
+        let mut pba = [0u8; 8];
+        m.read(Part::Pba(0), &mut pba);
+        assert_eq!(u64::from_le_bytes(pba), 0);
+        assert!(m.control(0, &ctx), "disable changed");
+        assert!(!m.vectors[0].attached);
+        assert_eq!(c.msix_masks.get(), 3);
+        m.release(Some(&vm), &router);
+        assert!(m.vectors.is_empty());
+    }
+
+    #[test]
     fn a_pending_signal_stays_in_the_eventfd() {
         let efd = eventfd().unwrap();
         assert!(!peek(&efd));
