@@ -382,7 +382,10 @@ mod tests {
         assert!(m.control(MSIX_ENABLE, &ctx), "enable changed");
         let gsi = m.vectors[0].gsi;
         assert_eq!(router.route(gsi), Some(msg));
-        assert!(m.vectors[0].attached && !m.vectors[1].attached, "vector 1 is masked");
+        assert!(
+            m.vectors[0].attached && !m.vectors[1].attached,
+            "vector 1 is masked"
+        );
         assert!(!m.control(MSIX_ENABLE | MSIX_FUNCTION_MASK, &ctx));
         assert!(!m.vectors[0].attached, "the function mask detaches");
         m.control(MSIX_ENABLE, &ctx);
@@ -396,7 +399,10 @@ mod tests {
             assert_eq!(u64::from_le_bytes(pba), 1);
         }
         w(&mut m, 12, 0);
-        assert!(m.vectors[0].attached, "unmasked: KVM takes the pending signal");
+        assert!(
+            m.vectors[0].attached,
+            "unmasked: KVM takes the pending signal"
+        );
         let mut pba = [0u8; 8];
         m.read(Part::Pba(0), &mut pba);
         assert_eq!(u64::from_le_bytes(pba), 0);
