@@ -7,6 +7,7 @@ mod common;
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{lucid, tmp};
@@ -471,4 +472,59 @@ fn four_thousand_msix_vectors_are_refused() {
     let s = serve("msix-4096", device(|_| None, 1 << 20, cfg, [0, 0, 4096, 0]));
     // The client refuses the count as it reads it, before the capability is looked at.
     refused(&s, "interrupt count of 4096 is over the limit of 2048");
+}
+
+#[test]
+fn a_guest_enabling_msix_hands_the_server_its_vector_eventfds() {
+    // A virtio-rng look-alike (common and notify capabilities in BAR 0) with 4 MSI-X vectors:
+    // the probe kit's virtio driver enables MSI-X before it talks to the device (which then
+    // fails it: the double offers no features).
+    let mut cfg = msix_config(4, 0x2000, 0x2800);
+    cfg[0..4].copy_from_slice(&0x1044_1af4u32.to_le_bytes());
+    cfg[0x34] = 0x40;
+    let common = [0x09, 0x50, 16, 1, 0, 0, 0, 0];
+    cfg[0x40..0x48].copy_from_slice(&common);
+    cfg[0x48..0x50].copy_from_slice(&u32s(&[0x1000, 0x100]));
+    let notify = [0x09, 0x64, 20, 2, 0, 0, 0, 0];
+    cfg[0x50..0x58].copy_from_slice(&notify);
+    cfg[0x58..0x64].copy_from_slice(&u32s(&[0x3000, 0x100, 4]));
+    cfg[0x64..0x70].copy_from_slice(&msix_config(4, 0x2000, 0x2800)[0x40..0x4c]);
+    let sets = Arc::new(Mutex::new(Vec::new()));
+    let seen = sets.clone();
+    let record = move |r: &Request| {
+        if r.command == SET_IRQS {
+            let v: Vec<u32> = (0..5)
+                .map(|i| u32::from_le_bytes(r.body[4 * i..4 * i + 4].try_into().unwrap()))
+                .collect();
+            seen.lock().unwrap().push(v);
+        }
+        None
+    };
+    let s = serve("msix-on", device(record, 1 << 20, cfg, [0, 0, 4, 0]));
+    let dev = format!("socket={},id=fake", s.display());
+    let o = lucid(
+        &[
+            "run",
+            "--guest",
+            "virtio-rng",
+            "--backing",
+            "memfd",
+            "--user-device",
+            &dev,
+        ],
+        BOUND,
+    );
+    let _ = std::fs::remove_file(&s);
+    assert!(!o.timed_out, "lucid hung; stderr: {}", o.stderr);
+    // argsz, flags, index, start, count.
+    let on = vec![20, (1 << 5) | (1 << 2), 2, 0, 4];
+    let sets = sets.lock().unwrap();
+    assert!(
+        sets.contains(&on),
+        "SET_IRQS MSI-X with 4 eventfds: {sets:?}; stdout: {}; stderr: {}",
+        o.stdout,
+        o.stderr
+    );
+    assert!(o.counter("user_device.fake.msix_set_irqs") >= 1);
+    assert_eq!(o.counter("user_device.fake.failed"), 0);
 }
