@@ -7,6 +7,7 @@ mod common;
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{lucid, tmp};
@@ -132,6 +133,16 @@ fn honest_but(
     lie: impl Fn(&Request) -> Option<Option<Vec<u8>>> + Send + 'static,
     bar0: u64,
 ) -> impl Fn(&Request) -> Option<Vec<u8>> + Send + 'static {
+    device(lie, bar0, config_space(), [0; 4])
+}
+
+/// A device with config space `config` and `irqs[i]` interrupts at VFIO IRQ index i.
+fn device(
+    lie: impl Fn(&Request) -> Option<Option<Vec<u8>>> + Send + 'static,
+    bar0: u64,
+    config: Vec<u8>,
+    irqs: [u32; 4],
+) -> impl Fn(&Request) -> Option<Vec<u8>> + Send + 'static {
     move |r| {
         if let Some(l) = lie(r) {
             return l;
@@ -152,13 +163,14 @@ fn honest_but(
                 let offset = u64::from_le_bytes(r.body[0..8].try_into().unwrap()) as usize;
                 let count = u32::from_le_bytes(r.body[12..16].try_into().unwrap()) as usize;
                 let mut body = r.body[..16].to_vec();
-                let c = config_space();
+                let c = &config;
                 body.extend((offset..offset + count).map(|i| c.get(i).copied().unwrap_or(0)));
                 reply(r, &body)
             }
             GET_IRQ_INFO => {
                 let index = u32::from_le_bytes(r.body[8..12].try_into().unwrap());
-                reply(r, &u32s(&[16, 0, index, 0]))
+                let count = irqs.get(index as usize).copied().unwrap_or(0);
+                reply(r, &u32s(&[16, 0, index, count]))
             }
             REGION_WRITE => reply(r, &r.body[..16]),
             SET_IRQS | DMA_MAP => reply(r, &[]),
@@ -391,4 +403,128 @@ fn a_server_that_dies_after_set_up_leaves_a_removed_device_not_a_hang() {
         "{}",
         o.stdout
     );
+}
+
+/// The edu-like config space with an MSI-X capability at 0x40: `vectors`, and the table and
+/// PBA registers (offset | BIR) as given.
+fn msix_config(vectors: u16, table: u32, pba: u32) -> Vec<u8> {
+    let mut c = config_space();
+    c[0x06] = 0x10; // Status: capability list.
+    c[0x34] = 0x40;
+    c[0x40] = 0x11;
+    c[0x42..0x44].copy_from_slice(&(vectors - 1).to_le_bytes());
+    c[0x44..0x48].copy_from_slice(&table.to_le_bytes());
+    c[0x48..0x4c].copy_from_slice(&pba.to_le_bytes());
+    c
+}
+
+#[test]
+fn an_msix_device_joins_the_bus_and_the_guest_runs() {
+    let cfg = msix_config(4, 0x2000, 0x3000);
+    let s = serve("msix", device(|_| None, 1 << 20, cfg, [0, 0, 4, 0]));
+    let dev = format!("socket={},id=fake", s.display());
+    let o = lucid(
+        &[
+            "run",
+            "--guest",
+            "hello",
+            "--backing",
+            "memfd",
+            "--user-device",
+            &dev,
+        ],
+        BOUND,
+    );
+    let _ = std::fs::remove_file(&s);
+    assert_eq!(o.status, Some(1), "hello's success; stderr: {}", o.stderr);
+    assert!(
+        o.stderr.contains("fake: vfio-user device 1234:11e8")
+            && o.stderr.contains("MSI-X (4 vectors)"),
+        "{}",
+        o.stderr
+    );
+    assert_eq!(o.counter("user_device.fake.failed"), 0);
+}
+
+#[test]
+fn msix_in_a_missing_bar_is_refused() {
+    let cfg = msix_config(4, 0x3 | 0x2000, 0x3000);
+    let s = serve("msix-bir", device(|_| None, 1 << 20, cfg, [0, 0, 4, 0]));
+    refused(
+        &s,
+        "the table is in BAR 3, which is not a memory BAR of the device",
+    );
+}
+
+#[test]
+fn an_msix_table_outside_its_bar_is_refused() {
+    let cfg = msix_config(4, 0x1000, 0x800);
+    let s = serve("msix-outside", device(|_| None, 0x1000, cfg, [0, 0, 4, 0]));
+    refused(
+        &s,
+        "the table (0x1000+0x40) is outside BAR 0 (0x1000 bytes)",
+    );
+}
+
+#[test]
+fn four_thousand_msix_vectors_are_refused() {
+    let cfg = msix_config(2048, 0x0, 0x8000);
+    let s = serve("msix-4096", device(|_| None, 1 << 20, cfg, [0, 0, 4096, 0]));
+    // The client refuses the count as it reads it, before the capability is looked at.
+    refused(&s, "interrupt count of 4096 is over the limit of 2048");
+}
+
+#[test]
+fn a_guest_enabling_msix_hands_the_server_its_vector_eventfds() {
+    // A virtio-rng look-alike (common and notify capabilities in BAR 0) with 4 MSI-X vectors:
+    // the probe kit's virtio driver enables MSI-X before it talks to the device (which then
+    // fails it: the double offers no features).
+    let mut cfg = msix_config(4, 0x2000, 0x2800);
+    cfg[0..4].copy_from_slice(&0x1044_1af4u32.to_le_bytes());
+    cfg[0x34] = 0x40;
+    let common = [0x09, 0x50, 16, 1, 0, 0, 0, 0];
+    cfg[0x40..0x48].copy_from_slice(&common);
+    cfg[0x48..0x50].copy_from_slice(&u32s(&[0x1000, 0x100]));
+    let notify = [0x09, 0x64, 20, 2, 0, 0, 0, 0];
+    cfg[0x50..0x58].copy_from_slice(&notify);
+    cfg[0x58..0x64].copy_from_slice(&u32s(&[0x3000, 0x100, 4]));
+    cfg[0x64..0x70].copy_from_slice(&msix_config(4, 0x2000, 0x2800)[0x40..0x4c]);
+    let sets = Arc::new(Mutex::new(Vec::new()));
+    let seen = sets.clone();
+    let record = move |r: &Request| {
+        if r.command == SET_IRQS {
+            let v: Vec<u32> = (0..5)
+                .map(|i| u32::from_le_bytes(r.body[4 * i..4 * i + 4].try_into().unwrap()))
+                .collect();
+            seen.lock().unwrap().push(v);
+        }
+        None
+    };
+    let s = serve("msix-on", device(record, 1 << 20, cfg, [0, 0, 4, 0]));
+    let dev = format!("socket={},id=fake", s.display());
+    let o = lucid(
+        &[
+            "run",
+            "--guest",
+            "virtio-rng",
+            "--backing",
+            "memfd",
+            "--user-device",
+            &dev,
+        ],
+        BOUND,
+    );
+    let _ = std::fs::remove_file(&s);
+    assert!(!o.timed_out, "lucid hung; stderr: {}", o.stderr);
+    // argsz, flags, index, start, count.
+    let on = vec![20, (1 << 5) | (1 << 2), 2, 0, 4];
+    let sets = sets.lock().unwrap();
+    assert!(
+        sets.contains(&on),
+        "SET_IRQS MSI-X with 4 eventfds: {sets:?}; stdout: {}; stderr: {}",
+        o.stdout,
+        o.stderr
+    );
+    assert!(o.counter("user_device.fake.msix_set_irqs") >= 1);
+    assert_eq!(o.counter("user_device.fake.failed"), 0);
 }

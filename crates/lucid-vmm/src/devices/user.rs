@@ -3,13 +3,14 @@
 //! [`PciDevice`]. docs/vfio.md has the design and the contract with the device server.
 //!
 //! - Config space: Lucid keeps the BAR registers, the command register (forwarded too), the
-//!   interrupt line/pin and the MSI capability's body; every other byte is the device's
-//!   (region 7), read live and written as the guest wrote it.
+//!   interrupt line/pin and the MSI and MSI-X capabilities' bodies; every other byte is the
+//!   device's (region 7), read live and written as the guest wrote it.
 //! - BARs: sized from the BAR regions (0-5), kinds from the device's BAR registers; every access
-//!   is forwarded (`REGION_READ`/`REGION_WRITE`). MSI-X is refused at attach.
-//! - Interrupts never pass through a Lucid thread: MSI is an irqfd on a GSI the router points at
-//!   the message the guest programmed (remapped by the vIOMMU when it is on); INTx an irqfd with
-//!   a resamplefd, given to the server as INTx unmask.
+//!   is forwarded (`REGION_READ`/`REGION_WRITE`) except those to the MSI-X table and PBA, which
+//!   Lucid emulates ([`msix`]).
+//! - Interrupts never pass through a Lucid thread: MSI and each MSI-X vector are an irqfd on a
+//!   GSI the router points at the message the guest programmed (remapped by the vIOMMU when it
+//!   is on); INTx an irqfd with a resamplefd, given to the server as INTx unmask.
 //! - DMA: without a vIOMMU all of RAM (a shared memfd) is mapped at iova = gpa; with one, a
 //!   [`MapListener`] sends `DMA_MAP`/`DMA_UNMAP` as the guest's tables change. A DMA the server
 //!   refused lands in its fault log (region 9); after each forwarded access Lucid polls the ERR
@@ -23,6 +24,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
+
+mod msix;
 
 use lucid_hv::{GsiRouter, Vm};
 use lucid_iommu::{MapListener, Perm, Vtd};
@@ -54,6 +57,8 @@ const SET_DATA_NONE: u32 = 1 << 0;
 const SET_DATA_EVENTFD: u32 = 1 << 2;
 const SET_ACTION_UNMASK: u32 = 1 << 4;
 const SET_ACTION_TRIGGER: u32 = 1 << 5;
+/// The most eventfds one `SET_IRQS` carries (the `vfio_user` server receives up to 16).
+const SET_IRQS_FDS: usize = 16;
 /// `DEVICE_GET_REGION_INFO` flags.
 const REGION_READ: u32 = 1 << 0;
 
@@ -98,8 +103,8 @@ pub enum UserDeviceError {
         #[source]
         source: lucid_pci::PciError,
     },
-    #[error("the device has MSI-X, which Lucid's vfio-user client does not support yet")]
-    MsixUnsupported,
+    #[error("the device's MSI-X capability at {cap:#x}: {problem}")]
+    Msix { cap: usize, problem: String },
     #[error("the device's MSI capability at {0:#x} is not where a capability can be")]
     MsiOffset(usize),
     #[error("MSI capability: {0}")]
@@ -136,6 +141,9 @@ struct Counters {
     errors: Arc<Counter>,
     failed: Arc<Counter>,
     msi_routes: Arc<Counter>,
+    msix_routes: Arc<Counter>,
+    msix_masks: Arc<Counter>,
+    msix_set_irqs: Arc<Counter>,
 }
 
 /// The connection, shared by the device (vCPU threads) and its [`MapListener`] (the vIOMMU's
@@ -251,6 +259,7 @@ impl MapListener for Listener {
 #[derive(Clone, Debug)]
 struct Owned {
     msi_body: Option<Range<usize>>,
+    msix_body: Option<Range<usize>>,
 }
 
 /// The expansion ROM BAR: Lucid offers none (it reads 0).
@@ -268,6 +277,7 @@ impl Owned {
             || (EXPANSION_ROM..EXPANSION_ROM + 4).contains(&off)
             || (INTERRUPT_LINE..INTERRUPT_LINE + 2).contains(&off)
             || self.msi_body.as_ref().is_some_and(|r| r.contains(&off))
+            || self.msix_body.as_ref().is_some_and(|r| r.contains(&off))
     }
 
     /// Whether a guest write of byte `off` goes to the device.
@@ -285,6 +295,7 @@ pub struct UserDevice {
     /// MSI vector 0: its GSI and irqfd, and whether the server has it (MSI enabled).
     msi_irq: Option<(u32, EventFd)>,
     msi_on: bool,
+    msix: Option<msix::Msix>,
     /// INTx: (GSI, trigger irqfd, resamplefd).
     intx: Option<(u32, EventFd, EventFd)>,
     /// The server's ERR eventfd: set when it appended to the fault log.
@@ -359,16 +370,17 @@ impl UserDevice {
         });
         let bar_regions = Self::bars(&mut client, &mut cfg, b)?;
 
-        // The device's capabilities stay the device's, except MSI, whose body Lucid emulates
-        // at the device's offset.
+        // The device's capabilities stay the device's, except MSI and MSI-X, whose bodies
+        // Lucid emulates at the device's offsets.
         let mut msi_at = None;
+        let mut msix_at = None;
         if le::<2>(b, STATUS) as u16 & STATUS_CAP_LIST != 0 {
             let mut p = b[CAPABILITIES_POINTER] as usize & !3;
             let mut seen = 0;
             while (0x40..LEGACY_CONFIG_SIZE - 1).contains(&p) && seen < 48 {
                 match b[p] {
                     CAP_ID_MSI => msi_at = Some(p),
-                    CAP_ID_MSIX => return Err(UserDeviceError::MsixUnsupported),
+                    CAP_ID_MSIX => msix_at = Some(p),
                     _ => {}
                 }
                 p = b[p + 1] as usize & !3;
@@ -384,15 +396,26 @@ impl UserDevice {
                 .map_err(msg("reading interrupt info"))?
                 .count)
         };
-        if irq_count(&mut client, IRQ_MSIX)? > 0 {
-            return Err(UserDeviceError::MsixUnsupported);
-        }
-        let has_msi = msi_at.is_some() && irq_count(&mut client, IRQ_MSI)? > 0;
-        let msi = match msi_at.filter(|_| has_msi) {
-            Some(at) => Some(Self::place_msi(&mut cfg, at, b)?),
+        let msix_layout = match msix_at {
+            Some(at) => {
+                let mut mem_bars = [None; NUM_BARS];
+                for (i, m) in mem_bars.iter_mut().enumerate() {
+                    *m = cfg.bar(i).filter(|b| !b.kind.is_io()).map(|b| b.size);
+                }
+                let n = irq_count(&mut client, IRQ_MSIX)?;
+                Some(msix::Layout::parse(b, at, &mem_bars, n)?)
+            }
             None => None,
         };
+        let has_msi = msi_at.is_some() && irq_count(&mut client, IRQ_MSI)? > 0;
+        let msi = Self::place_caps(
+            &mut cfg,
+            b,
+            msi_at.filter(|_| has_msi),
+            msix_layout.as_ref(),
+        )?;
         let owned = Owned {
+            msix_body: msix_layout.as_ref().map(|l| l.body()),
             msi_body: msi.map(|m| {
                 let len = if m.control(&cfg) & MSI_64BIT != 0 {
                     14
@@ -416,6 +439,19 @@ impl UserDevice {
             }
             None => None,
         };
+        let msix = match msix_layout {
+            Some(l) => match msix::Msix::new(l, p.router) {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    if let Some((gsi, efd)) = msi_irq {
+                        let _ = p.vm.unregister_irqfd(&efd, gsi);
+                        let _ = p.router.release(gsi);
+                    }
+                    return Err(e);
+                }
+            },
+            None => None,
+        };
         let mut dev = UserDevice {
             link: Arc::new(Link {
                 name: name.to_string(),
@@ -428,6 +464,7 @@ impl UserDevice {
             msi,
             msi_irq,
             msi_on: false,
+            msix,
             intx: None,
             err: None,
             faults_seen: 0,
@@ -495,12 +532,16 @@ impl UserDevice {
             }
         }
         log::info!(
-            "{name}: vfio-user device {:04x}:{:04x} at {}, BARs {:?}, {}",
+            "{name}: vfio-user device {:04x}:{:04x} at {}, BARs {:?}, {}, {}",
             dev.cfg.u16_at(0),
             dev.cfg.u16_at(2),
             socket.display(),
             dev.bar_regions,
             if dev.msi.is_some() { "MSI" } else { "no MSI" },
+            match &dev.msix {
+                Some(m) => format!("MSI-X ({} vectors)", m.layout.vectors),
+                None => "no MSI-X".to_string(),
+            },
         );
         Ok(dev)
     }
@@ -555,25 +596,80 @@ impl UserDevice {
         Ok(out)
     }
 
-    /// Lucid's MSI capability (one vector, the device's 64-bit capability) at `at`, the
-    /// device's offset. The header's capability list stays the device's (read live), so the
-    /// capability is placed there by padding the shadow's list up to it.
-    fn place_msi(cfg: &mut ConfigSpace, at: usize, b: &[u8]) -> Result<MsiCap, UserDeviceError> {
-        let is64 = le::<2>(b, at + 2) as u16 & MSI_64BIT != 0;
-        let len = if is64 { 14 } else { 10 };
-        if at < 0x40 || at & 3 != 0 || at + len > LEGACY_CONFIG_SIZE {
-            return Err(UserDeviceError::MsiOffset(at));
+    /// Lucid's MSI capability (one vector, the device's 64-bit capability) at `msi_at` and
+    /// MSI-X capability at the layout's offset, the device's offsets. The header's capability
+    /// list stays the device's (read live), so each is placed there by padding the shadow's list
+    /// up to it.
+    fn place_caps(
+        cfg: &mut ConfigSpace,
+        b: &[u8],
+        msi_at: Option<usize>,
+        msix: Option<&msix::Layout>,
+    ) -> Result<Option<MsiCap>, UserDeviceError> {
+        let msi_len = |at: usize| {
+            if le::<2>(b, at + 2) as u16 & MSI_64BIT != 0 {
+                14
+            } else {
+                10
+            }
+        };
+        if let Some(at) = msi_at {
+            if at < 0x40 || at & 3 != 0 || at + msi_len(at) > LEGACY_CONFIG_SIZE {
+                return Err(UserDeviceError::MsiOffset(at));
+            }
         }
-        if at > 0x40 {
-            let pad = vec![0u8; at - 0x40 - 2];
-            cfg.add_capability(CAP_ID_VENDOR, &pad, &[])
-                .map_err(UserDeviceError::Msi)?;
+        let mut caps: Vec<(usize, bool)> = msi_at.map(|a| (a, true)).into_iter().collect();
+        caps.extend(msix.map(|l| (l.cap, false)));
+        caps.sort_unstable();
+        let mut next = 0x40;
+        let mut msi = None;
+        for (at, is_msi) in caps {
+            let overlap = || match is_msi {
+                true => UserDeviceError::MsiOffset(at),
+                false => UserDeviceError::Msix {
+                    cap: at,
+                    problem: "the capability overlaps the MSI capability".into(),
+                },
+            };
+            if at < next {
+                return Err(overlap());
+            }
+            if at > next {
+                let pad = vec![0u8; at - next - 2];
+                cfg.add_capability(CAP_ID_VENDOR, &pad, &[])
+                    .map_err(UserDeviceError::Msi)?;
+            }
+            let placed = if is_msi {
+                let is64 = msi_len(at) == 14;
+                let m = MsiCap::add(cfg, 1, is64).map_err(UserDeviceError::Msi)?;
+                msi = Some(m);
+                next = (at + msi_len(at) + 3) & !3;
+                m.offset()
+            } else {
+                let l = msix.expect("listed above");
+                let reg = |off: usize| le::<4>(b, l.cap + off) as u32;
+                let bad = |e: lucid_pci::PciError| UserDeviceError::Msix {
+                    cap: at,
+                    problem: e.to_string(),
+                };
+                let off = lucid_pci::msix::add_capability(
+                    cfg,
+                    l.vectors,
+                    (reg(4) & 7) as u8,
+                    reg(4) & !7,
+                    reg(8) & !7,
+                )
+                .map_err(bad)?;
+                // The PBA may be in another BAR than the table.
+                cfg.set_u32(off + 8, reg(8));
+                next = at + 12;
+                off
+            };
+            if placed != at {
+                return Err(overlap());
+            }
         }
-        let m = MsiCap::add(cfg, 1, is64).map_err(UserDeviceError::Msi)?;
-        if m.offset() != at {
-            return Err(UserDeviceError::MsiOffset(at));
-        }
-        Ok(m)
+        Ok(msi)
     }
 
     /// Whether the device failed (its server died or misbehaved).
@@ -662,6 +758,47 @@ impl UserDevice {
         });
     }
 
+    /// Follows MSI-X message control: each vector's route and irqfd, and the server's
+    /// eventfds (`SET_IRQS` index 2) when enable changes, at most [`SET_IRQS_FDS`] a message.
+    fn msix_control(&mut self) {
+        let Some(m) = &mut self.msix else { return };
+        let ctrl = self.cfg.u16_at(m.layout.cap + 2);
+        let ctx = msix::Ctx {
+            name: &self.link.name,
+            vm: &self.vm,
+            router: &self.router,
+            rid: self.rid,
+            c: &self.link.c,
+        };
+        if !m.control(ctrl, &ctx) {
+            return;
+        }
+        let on = m.enabled();
+        self.link.c.msix_set_irqs.inc();
+        if !on {
+            self.link.call("SET_IRQS (MSI-X off)", |c| {
+                c.set_irqs(IRQ_MSIX, SET_ACTION_TRIGGER | SET_DATA_NONE, 0, 0, &[])
+            });
+            return;
+        }
+        let fds = m.fds();
+        for (k, chunk) in fds.chunks(SET_IRQS_FDS).enumerate() {
+            let start = (k * SET_IRQS_FDS) as u32;
+            let sent = self.link.call("SET_IRQS (MSI-X)", |c| {
+                c.set_irqs(
+                    IRQ_MSIX,
+                    SET_ACTION_TRIGGER | SET_DATA_EVENTFD,
+                    start,
+                    chunk.len() as u32,
+                    chunk,
+                )
+            });
+            if sent.is_none() {
+                return;
+            }
+        }
+    }
+
     /// Releases what the device holds in the VM and the vIOMMU (idempotent).
     fn release(&mut self) {
         if self.listening {
@@ -673,6 +810,9 @@ impl UserDevice {
         if let Some((gsi, efd)) = self.msi_irq.take() {
             let _ = self.vm.unregister_irqfd(&efd, gsi);
             let _ = self.router.release(gsi);
+        }
+        if let Some(m) = &mut self.msix {
+            m.release(Some(&self.vm), &self.router);
         }
         if let Some((gsi, trigger, _)) = self.intx.take() {
             let _ = self.vm.unregister_irqfd(&trigger, gsi);
@@ -693,6 +833,9 @@ fn counters(name: &str, stats: &StatsRegistry) -> Counters {
         errors: c("errors"),
         failed: c("failed"),
         msi_routes: c("msi_routes"),
+        msix_routes: c("msix_routes"),
+        msix_masks: c("msix_masks"),
+        msix_set_irqs: c("msix_set_irqs"),
     }
 }
 
@@ -759,12 +902,23 @@ impl PciDevice for UserDevice {
                 self.msi_changed();
             }
         }
+        if let Some(m) = &self.msix {
+            if touches(offset, len, m.layout.cap + 2, 2) {
+                self.msix_control();
+            }
+        }
     }
 
     fn bar_read(&mut self, bar: usize, offset: u64, data: &mut [u8]) {
         data.fill(0xff);
         if self.bar_regions.get(bar).copied().flatten().is_none() {
             return;
+        }
+        if let Some(m) = &mut self.msix {
+            if let Some(part) = m.layout.part(bar, offset) {
+                m.read(part, data);
+                return;
+            }
         }
         self.link.c.region_reads.inc();
         let mut buf = vec![0u8; data.len()];
@@ -780,6 +934,19 @@ impl PciDevice for UserDevice {
     fn bar_write(&mut self, bar: usize, offset: u64, data: &[u8]) {
         if self.bar_regions.get(bar).copied().flatten().is_none() {
             return;
+        }
+        if let Some(m) = &mut self.msix {
+            if let Some(part) = m.layout.part(bar, offset) {
+                let ctx = msix::Ctx {
+                    name: &self.link.name,
+                    vm: &self.vm,
+                    router: &self.router,
+                    rid: self.rid,
+                    c: &self.link.c,
+                };
+                m.write(part, data, &ctx);
+                return;
+            }
         }
         self.link.c.region_writes.inc();
         self.link
@@ -856,6 +1023,7 @@ mod tests {
     fn lucid_keeps_bars_command_and_the_msi_body() {
         let o = Owned {
             msi_body: Some(0x52..0x5e),
+            msix_body: None,
         };
         for off in [0x04, 0x05, 0x10, 0x27, 0x30, 0x3c, 0x3d, 0x52, 0x5d, 0x100] {
             assert!(o.lucid(off), "{off:#x}");
@@ -866,5 +1034,54 @@ mod tests {
         }
         assert!(o.forwarded(0x04), "command writes reach the device too");
         assert!(!o.forwarded(0x10) && !o.forwarded(0x52));
+    }
+
+    #[test]
+    fn lucid_keeps_the_msix_body_and_the_device_its_header() {
+        let o = Owned {
+            msi_body: None,
+            msix_body: Some(0x72..0x7c),
+        };
+        // Message control, table and PBA registers are Lucid's: read from its copy, and a
+        // write to message control never reaches the device.
+        for off in [0x72, 0x73, 0x74, 0x78, 0x7b] {
+            assert!(o.lucid(off) && !o.forwarded(off), "{off:#x}");
+        }
+        // The capability's ID and next pointer, and what follows, are the device's.
+        for off in [0x70, 0x71, 0x7c] {
+            assert!(!o.lucid(off) && o.forwarded(off), "{off:#x}");
+        }
+    }
+
+    #[test]
+    fn msi_and_msix_are_placed_at_the_devices_offsets() {
+        let mut b = vec![0u8; LEGACY_CONFIG_SIZE];
+        b[0x50] = CAP_ID_MSI;
+        b[0x52] = MSI_64BIT as u8;
+        b[0x70] = CAP_ID_MSIX;
+        b[0x72..0x74].copy_from_slice(&7u16.to_le_bytes());
+        b[0x74..0x78].copy_from_slice(&0x2000u32.to_le_bytes());
+        b[0x78..0x7c].copy_from_slice(&0x2u32.to_le_bytes());
+        let bars = [Some(0x4000), None, Some(0x1000), None, None, None];
+        let l = msix::Layout::parse(&b, 0x70, &bars, 8).unwrap();
+        let mut cfg = ConfigSpace::new(PciIds::default());
+        let m = UserDevice::place_caps(&mut cfg, &b, Some(0x50), Some(&l))
+            .unwrap()
+            .unwrap();
+        assert_eq!(m.offset(), 0x50);
+        assert_eq!(cfg.u8_at(0x70), CAP_ID_MSIX);
+        assert_eq!(cfg.u16_at(0x72), 7, "8 vectors, disabled");
+        assert_eq!(cfg.u32_at(0x74), 0x2000);
+        assert_eq!(cfg.u32_at(0x78), 0x2, "the PBA in BAR 2");
+        // The guest may set enable and function mask only.
+        cfg.write(0x72, &0xffffu16.to_le_bytes());
+        assert_eq!(cfg.u16_at(0x72), 0xc007);
+        // MSI-X alone, right after the header.
+        let l = msix::Layout::parse(&b, 0x70, &bars, 8).unwrap();
+        let mut cfg = ConfigSpace::new(PciIds::default());
+        assert!(UserDevice::place_caps(&mut cfg, &b, None, Some(&l))
+            .unwrap()
+            .is_none());
+        assert_eq!(cfg.u8_at(0x70), CAP_ID_MSIX);
     }
 }
