@@ -473,6 +473,10 @@ fn device_server(a: &mut Allowed) -> Result<(), BackendError> {
         SYS_rseq,
         SYS_set_robust_list,
         SYS_clone3,
+        // A block device's disk file (opened before confinement).
+        SYS_pread64,
+        SYS_pwrite64,
+        SYS_fdatasync,
     ]);
     connected_send(a)?;
     a.when(

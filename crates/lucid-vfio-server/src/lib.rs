@@ -12,13 +12,15 @@
 
 #![warn(clippy::print_stdout, clippy::print_stderr)]
 
+pub mod blk;
 pub mod dma;
 pub mod edu;
 pub mod server;
 
+pub use blk::{BlkServer, BlkStats, Disk};
 pub use dma::{DmaStats, DmaTable, FaultRecord, MapError};
 pub use edu::{edu_irqs, edu_regions, EduServer, EduServerError, IrqStats};
-pub use server::{run, DeviceServerCmd, EduArgs, ServerError, Summary};
+pub use server::{run, BlkArgs, DeviceServerCmd, EduArgs, ServerError, Summary};
 
 /// vfio-user region indexes (VFIO PCI's, plus the fault log after them).
 pub const BAR0_REGION: u32 = 0;
