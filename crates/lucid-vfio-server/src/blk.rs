@@ -469,8 +469,7 @@ impl BlkServer {
 
     fn virtio_read(&mut self, offset: u64, data: &mut [u8]) {
         data.fill(0);
-        let len = data.len() as u64;
-        let window = |base: u64, size: u64| offset >= base && offset + len <= base + size;
+        let window = |base: u64, size: u64| within(offset, data.len(), base, size);
         if window(COMMON_OFFSET, COMMON_LEN) {
             let img = self.common_image();
             let o = (offset - COMMON_OFFSET) as usize;
@@ -487,8 +486,7 @@ impl BlkServer {
     }
 
     fn virtio_write(&mut self, offset: u64, data: &[u8]) {
-        let len = data.len() as u64;
-        if offset >= COMMON_OFFSET && offset + len <= COMMON_OFFSET + COMMON_LEN {
+        if within(offset, data.len(), COMMON_OFFSET, COMMON_LEN) {
             self.common_write(offset - COMMON_OFFSET, data);
         } else if offset >= NOTIFY_OFFSET {
             let rel = offset - NOTIFY_OFFSET;
@@ -769,6 +767,13 @@ impl BlkServer {
         log::debug!("SET_IRQS index {index} flags {flags:#x} start {start} count {count}");
         Ok(())
     }
+}
+
+/// Whether `len` bytes at `offset` lie in `[base, base + size)`.
+fn within(offset: u64, len: usize, base: u64, size: u64) -> bool {
+    offset
+        .checked_sub(base)
+        .is_some_and(|o| o + len as u64 <= size)
 }
 
 /// A vector number the device has, or NO_VECTOR.
