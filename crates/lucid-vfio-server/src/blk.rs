@@ -56,6 +56,7 @@ pub mod feature {
     pub const BLK_SIZE: u64 = 1 << 6;
     pub const FLUSH: u64 = 1 << 9;
     pub const VERSION_1: u64 = 1 << 32;
+    pub const ACCESS_PLATFORM: u64 = 1 << 33;
 }
 
 /// Request types and status values (virtio 1.2, 5.2.6).
@@ -281,8 +282,13 @@ impl BlkServer {
         disk: Arc<Disk>,
         counters: Arc<BlkCounters>,
     ) -> Result<Self, EduServerError> {
-        let mut offered =
-            feature::VERSION_1 | feature::SEG_MAX | feature::BLK_SIZE | feature::FLUSH;
+        // The device's addresses are always the client's IOVAs (its vIOMMU's, or guest-physical
+        // without one): a driver behind an IOMMU must translate them (virtio 1.2, 6.1).
+        let mut offered = feature::VERSION_1
+            | feature::ACCESS_PLATFORM
+            | feature::SEG_MAX
+            | feature::BLK_SIZE
+            | feature::FLUSH;
         if disk.readonly {
             offered |= feature::RO;
         }

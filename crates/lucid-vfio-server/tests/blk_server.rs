@@ -353,9 +353,9 @@ fn describes_a_modern_virtio_blk() {
     );
     assert_eq!(r32(&mut c, BLK_VIRTIO_REGION, DEVCFG + 12), 254);
     assert_eq!(r32(&mut c, BLK_VIRTIO_REGION, DEVCFG + 20), 512);
-    // Features: VERSION_1 (bit 32), SEG_MAX, BLK_SIZE, FLUSH; no RO.
+    // Features: VERSION_1 (bit 32), ACCESS_PLATFORM (33), SEG_MAX, BLK_SIZE, FLUSH; no RO.
     wv(&mut c, common::DEVICE_FEATURE_SELECT, &1u32.to_le_bytes());
-    assert_eq!(r32(&mut c, BLK_VIRTIO_REGION, common::DEVICE_FEATURE), 1);
+    assert_eq!(r32(&mut c, BLK_VIRTIO_REGION, common::DEVICE_FEATURE), 3);
     wv(&mut c, common::DEVICE_FEATURE_SELECT, &0u32.to_le_bytes());
     let lo = r32(&mut c, BLK_VIRTIO_REGION, common::DEVICE_FEATURE) as u64;
     assert_eq!(lo, feature::SEG_MAX | feature::BLK_SIZE | feature::FLUSH);
@@ -386,7 +386,8 @@ fn reads_writes_flushes_and_interrupts() {
         &[cfg_vec.as_raw_fd(), q_vec.as_raw_fd()],
     )
     .unwrap();
-    let features = feature::VERSION_1 | feature::FLUSH | feature::BLK_SIZE;
+    let features =
+        feature::VERSION_1 | feature::ACCESS_PLATFORM | feature::FLUSH | feature::BLK_SIZE;
     assert_ne!(init(&mut c, features) & status::FEATURES_OK, 0);
 
     // IN: two sectors from sector 2.
