@@ -815,8 +815,22 @@ fn gather(dma: &DmaTable, segs: &[Seg], mut skip: u64, out: &mut [u8]) -> Result
     }
 }
 
-/// Writes `data` into the buffers `segs`, from their start.
+/// Writes `data` into the buffers `segs`, from their start; nothing when one of them may not be
+/// written (that one's refusal is recorded).
 fn scatter(dma: &DmaTable, segs: &[Seg], data: &[u8]) -> Result<(), Refused> {
+    let mut left = data.len();
+    for s in segs {
+        let n = (s.len as usize).min(left);
+        if n == 0 {
+            break;
+        }
+        if !dma.permits(s.addr, n as u64, true) {
+            // Refused again, with the fault logged and ERR written; no byte moves.
+            let _ = dma.write(0, s.addr, &data[..n]);
+            return Err(Refused);
+        }
+        left -= n;
+    }
     let mut done = 0usize;
     for s in segs {
         if done == data.len() {

@@ -18,12 +18,12 @@ use lucid_pci::virtio::{common, status};
 use lucid_vfio_server::blk::{
     feature, req, BlkCounters, BLK_MSIX_REGION, BLK_VIRTIO_REGION, VECTORS,
 };
-use lucid_vfio_server::dma::FAULT_WRITE;
+use lucid_vfio_server::dma::{FAULT_READ_ONLY, FAULT_WRITE};
 use lucid_vfio_server::{
     server, Disk, DmaTable, CONFIG_REGION, ERR_IRQ, FAULT_LOG_REGION, MSIX_IRQ,
 };
 use vfio_bindings::bindings::vfio::{VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD};
-use vfio_user::Client;
+use vfio_user::{Client, DmaMapFlags};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 const TRIGGER: u32 = VFIO_IRQ_SET_ACTION_TRIGGER | VFIO_IRQ_SET_DATA_EVENTFD;
@@ -450,7 +450,7 @@ fn reads_writes_flushes_and_interrupts() {
 }
 
 #[test]
-fn a_buffer_outside_the_mappings_is_refused() {
+fn a_buffer_outside_the_mappings_or_read_only_is_refused() {
     let (mut c, mut h) = start("refused", false);
     let mut d = Driver::new(&mut c);
     let err = EventFd::new(EFD_NONBLOCK).unwrap();
@@ -476,6 +476,33 @@ fn a_buffer_outside_the_mappings_is_refused() {
     d.request(req::IN, 1, 512, None);
     notify(&mut c);
     assert_eq!((d.used_idx(), d.status()), (2, req::S_OK));
+    // An IN into a read-only mapping: refused as a write to it, nothing written there.
+    let ro = memfd(0x1000);
+    c.dma_map_flags(DmaMapFlags::READ, 0, 0x80_0000, 0x1000, ro.as_raw_fd())
+        .unwrap();
+    d.request(req::IN, 1, 512, Some(0x80_0000));
+    notify(&mut c);
+    assert!(err.read().is_ok(), "ERR");
+    assert_eq!((d.used_idx(), d.status()), (3, req::S_IOERR));
+    assert_eq!(r32(&mut c, FAULT_LOG_REGION, 0), 2);
+    let rec: [u8; 16] = rd(&mut c, FAULT_LOG_REGION, 8 + 16);
+    assert_eq!(u64::from_le_bytes(rec[0..8].try_into().unwrap()), 0x80_0000);
+    assert_eq!(
+        u32::from_le_bytes(rec[12..16].try_into().unwrap()),
+        FAULT_WRITE | FAULT_READ_ONLY
+    );
+    let mut got = [0u8; 512];
+    ro.read_exact_at(&mut got, 0).unwrap();
+    assert!(got.iter().all(|&b| b == 0));
+    // An OUT from it reads fine.
+    d.request(req::OUT, 4, 512, Some(0x80_0000));
+    notify(&mut c);
+    assert_eq!((d.used_idx(), d.status()), (4, req::S_OK));
+    h.disk.read_exact_at(&mut got, 4 * 512).unwrap();
+    assert!(
+        got.iter().all(|&b| b == 0),
+        "sector 4 from the read-only mapping"
+    );
     c.shutdown().unwrap();
     h.join().unwrap();
 }
