@@ -1,4 +1,4 @@
-//! `lucid device-server edu`: binds the socket, confines the process, and serves one vfio-user
+//! `lucid device-server edu|blk`: binds the socket, confines the process, and serves one vfio-user
 //! client. When the client goes away the process ends (exit 0), as an assigned device goes with
 //! the VM it was given to: a new VM gets a fresh device process, with no state or mappings left
 //! from the last. `--reconnect` instead serves the next client with a fresh device (for tests
