@@ -602,7 +602,11 @@ impl BlkServer {
     /// byte is unreachable (the request is dropped).
     fn request(&self, segs: &[Seg]) -> Option<u32> {
         let readable: Vec<Seg> = segs.iter().copied().filter(|s| !s.write).collect();
-        let writable: Vec<Seg> = segs.iter().copied().filter(|s| s.write).collect();
+        let writable: Vec<Seg> = segs
+            .iter()
+            .copied()
+            .filter(|s| s.write && s.len > 0)
+            .collect();
         let wlen: u64 = writable.iter().map(|s| s.len as u64).sum();
         if wlen == 0 {
             return None;
@@ -610,7 +614,7 @@ impl BlkServer {
         // The status byte is the last writable byte; the data in front of it.
         let status_addr = {
             let last = writable.last()?;
-            last.addr + last.len as u64 - 1
+            last.addr.wrapping_add(last.len as u64 - 1)
         };
         let data_in = wlen - 1;
         let mut header = [0u8; 16];
