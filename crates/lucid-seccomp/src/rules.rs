@@ -473,6 +473,10 @@ fn device_server(a: &mut Allowed) -> Result<(), BackendError> {
         SYS_rseq,
         SYS_set_robust_list,
         SYS_clone3,
+        // A block device's disk file (opened before confinement).
+        SYS_pread64,
+        SYS_pwrite64,
+        SYS_fdatasync,
     ]);
     connected_send(a)?;
     a.when(
@@ -696,7 +700,7 @@ mod tests {
             }
         }
         assert!(!has(Role::Vcpu, "setpriority"));
-        // A vhost-user back-end process: its socket and threads, no disk, no KVM.
+        // A device server process: its socket and threads, a disk opened before (blk), no KVM.
         for needed in [
             "accept4",
             "recvmsg",
@@ -707,19 +711,16 @@ mod tests {
             "mmap",
             "munmap",
             "poll",
+            "pread64",
+            "pwrite64",
+            "fdatasync",
         ] {
             assert!(
                 has(Role::DeviceServer, needed),
                 "device-server may not call {needed}"
             );
         }
-        for bad in [
-            "pwrite64",
-            "pread64",
-            "flock",
-            "sched_setaffinity",
-            "seccomp",
-        ] {
+        for bad in ["openat", "flock", "sched_setaffinity", "seccomp"] {
             assert!(
                 !has(Role::DeviceServer, bad),
                 "device-server may call {bad}"

@@ -414,6 +414,33 @@ impl DmaTable {
         }
     }
 
+    /// Whether the device may access `len` bytes at `iova` (`write`: RAM-bound), without
+    /// recording anything: a device that must check a whole request before it moves a byte.
+    pub fn permits(&self, iova: u64, len: u64, write: bool) -> bool {
+        if !self.bus_master.load(Ordering::SeqCst) {
+            return false;
+        }
+        let inner = self.lock();
+        let mut cur = iova;
+        let Some(end) = iova.checked_add(len) else {
+            return false;
+        };
+        while cur < end {
+            let found = inner
+                .maps
+                .range(..=cur)
+                .next_back()
+                .filter(|(&at, m)| cur - at < m.len as u64);
+            match found {
+                Some((&at, m)) if (write && m.writable) || (!write && m.readable) => {
+                    cur = at + m.len as u64;
+                }
+                _ => return false,
+            }
+        }
+        true
+    }
+
     /// Copies between the mappings at `iova` and the device, `len` bytes, all or nothing.
     fn access(
         &self,

@@ -1,4 +1,4 @@
-//! `lucid device-server edu`: binds the socket, confines the process, and serves one vfio-user
+//! `lucid device-server edu|blk`: binds the socket, confines the process, and serves one vfio-user
 //! client. When the client goes away the process ends (exit 0), as an assigned device goes with
 //! the VM it was given to: a new VM gets a fresh device process, with no state or mappings left
 //! from the last. `--reconnect` instead serves the next client with a fresh device (for tests
@@ -14,6 +14,7 @@ use lucid_seccomp::{Role, Seccomp, SeccompError};
 use lucid_stats::StatsRegistry;
 use vfio_user::Server;
 
+use crate::blk::{blk_irqs, blk_regions, BlkCounters, BlkServer, BlkStats, Disk};
 use crate::dma::{DmaStats, DmaTable};
 use crate::edu::{edu_irqs, edu_regions, EduServer, EduServerError};
 
@@ -22,6 +23,21 @@ pub enum DeviceServerCmd {
     /// QEMU's edu device over vfio-user (docs/devices.md), for `lucid run --user-device`: its
     /// DMA reaches only what the VMM maps, refusals go to the fault log.
     Edu(EduArgs),
+    /// virtio-blk (virtio 1.x over PCI) over a disk file, for `lucid run --user-device`: its
+    /// DMA reaches only what the VMM maps, refusals go to the fault log.
+    Blk(BlkArgs),
+}
+
+#[derive(clap::Args)]
+pub struct BlkArgs {
+    #[command(flatten)]
+    pub common: EduArgs,
+    /// The disk image (raw; its size rounded down to 512-byte sectors is the capacity).
+    #[arg(long, value_name = "FILE")]
+    pub disk: PathBuf,
+    /// Open the disk read-only and offer VIRTIO_BLK_F_RO.
+    #[arg(long)]
+    pub readonly: bool,
 }
 
 #[derive(clap::Args)]
@@ -58,6 +74,12 @@ pub enum ServerError {
     Thread(#[source] std::io::Error),
     #[error("the server thread panicked")]
     Panicked,
+    #[error("cannot open the disk {path}")]
+    Disk {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("the client broke the protocol: {0}")]
     Client(#[source] vfio_user::Error),
 }
@@ -65,13 +87,17 @@ pub enum ServerError {
 impl ServerError {
     /// A command line the server refuses, rather than a failure while serving.
     pub fn is_usage(&self) -> bool {
-        matches!(self, ServerError::NotSocket(_))
+        matches!(self, ServerError::NotSocket(_) | ServerError::Disk { .. })
     }
 }
 
 /// What the server did, printed as its last line.
 pub struct Summary {
+    /// The device served ("edu", "blk").
+    pub device: &'static str,
     pub dma: DmaStats,
+    /// The block device's counters, for `blk`.
+    pub blk: Option<BlkStats>,
     /// Clients served.
     pub clients: u64,
     /// The signal that stopped it, if one did.
@@ -101,9 +127,13 @@ impl std::fmt::Display for Summary {
         };
         write!(
             f,
-            "lucid device-server edu: stopped={why} clients={} {}",
-            self.clients, self.dma
-        )
+            "lucid device-server {}: stopped={why} clients={} {}",
+            self.device, self.clients, self.dma
+        )?;
+        if let Some(b) = &self.blk {
+            write!(f, " {b}")?;
+        }
+        Ok(())
     }
 }
 
@@ -111,6 +141,7 @@ impl std::fmt::Display for Summary {
 pub fn run(cmd: DeviceServerCmd) -> Result<Summary, ServerError> {
     match cmd {
         DeviceServerCmd::Edu(args) => serve_edu(&args),
+        DeviceServerCmd::Blk(args) => serve_blk(&args),
     }
 }
 
@@ -177,6 +208,53 @@ fn wait_signal(set: &libc::sigset_t, timeout: Duration) -> Option<i32> {
 
 fn serve_edu(args: &EduArgs) -> Result<Summary, ServerError> {
     let listener = bind(&args.socket)?;
+    confined(args, "edu", None, move |dma, stats, clients, reconnect| {
+        serve(listener, dma, stats, clients, reconnect)
+    })
+}
+
+fn serve_blk(args: &BlkArgs) -> Result<Summary, ServerError> {
+    // Opened before confinement, which allows no open.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(!args.readonly)
+        .open(&args.disk)
+        .map_err(|source| ServerError::Disk {
+            path: args.disk.clone(),
+            source,
+        })?;
+    let disk = Disk::new(file, args.readonly).map_err(|source| ServerError::Disk {
+        path: args.disk.clone(),
+        source,
+    })?;
+    let disk = Arc::new(disk);
+    let listener = bind(&args.common.socket)?;
+    let counters = Arc::new(BlkCounters::default());
+    let c = counters.clone();
+    confined(
+        &args.common,
+        "blk",
+        Some(counters),
+        move |dma, _stats, clients, reconnect| {
+            serve_blk_clients(listener, dma, &disk, &c, clients, reconnect)
+        },
+    )
+}
+
+/// Confines the process and serves in a thread until the client goes or a signal comes.
+fn confined(
+    args: &EduArgs,
+    device: &'static str,
+    blk: Option<Arc<BlkCounters>>,
+    serve_fn: impl FnOnce(
+            &Arc<DmaTable>,
+            &Arc<StatsRegistry>,
+            &std::sync::atomic::AtomicU64,
+            bool,
+        ) -> Result<(), ServerError>
+        + Send
+        + 'static,
+) -> Result<Summary, ServerError> {
     let signals = block_stop_signals();
     let stats = StatsRegistry::new();
     // Confined from here on, with the threads it starts: nothing after this point opens a file
@@ -185,15 +263,15 @@ fn serve_edu(args: &EduArgs) -> Result<Summary, ServerError> {
         let token = Seccomp::prepare(&stats)?;
         lucid_seccomp::confine(Some(&token), Role::DeviceServer)?;
     }
-    log::info!("vfio-user edu listening on {}", args.socket.display());
+    log::info!("vfio-user {device} listening on {}", args.socket.display());
     let dma = Arc::new(DmaTable::new());
     let clients = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let server = {
         let (dma, clients, stats) = (dma.clone(), clients.clone(), stats.clone());
         let reconnect = args.reconnect;
         std::thread::Builder::new()
-            .name("lucid-vfio-edu".into())
-            .spawn(move || serve(listener, &dma, &stats, &clients, reconnect))
+            .name(format!("lucid-vfio-{device}"))
+            .spawn(move || serve_fn(&dma, &stats, &clients, reconnect))
             .map_err(ServerError::Thread)?
     };
     let mut signal = None;
@@ -215,7 +293,9 @@ fn serve_edu(args: &EduArgs) -> Result<Summary, ServerError> {
         Ok(()) => false,
     };
     let summary = Summary {
+        device,
         dma: dma.stats(),
+        blk: blk.map(|b| b.stats()),
         clients: clients.load(std::sync::atomic::Ordering::Relaxed),
         signal,
         client_error,
@@ -246,6 +326,39 @@ pub fn serve(
         let ended = match ended {
             Ok(()) => {
                 log::info!("client disconnected; {}", dma.stats());
+                Ok(())
+            }
+            Err(e) => {
+                log::warn!("client connection ended: {e}");
+                Err(ServerError::Client(e))
+            }
+        };
+        if !reconnect {
+            return ended;
+        }
+    }
+}
+
+/// Serves clients one after the other, each with a fresh virtio-blk over `disk` and no
+/// mappings, until one disconnects (unless `reconnect`).
+pub fn serve_blk_clients(
+    listener: UnixListener,
+    dma: &Arc<DmaTable>,
+    disk: &Arc<Disk>,
+    counters: &Arc<BlkCounters>,
+    clients: &std::sync::atomic::AtomicU64,
+    reconnect: bool,
+) -> Result<(), ServerError> {
+    let server = Server::from_owned_fd(listener.into(), true, blk_irqs(), blk_regions());
+    loop {
+        let mut blk = BlkServer::new(dma.clone(), disk.clone(), counters.clone())?;
+        let ended = server.run(&mut blk);
+        clients.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        drop(blk);
+        dma.clear();
+        let ended = match ended {
+            Ok(()) => {
+                log::info!("client disconnected; {} {}", dma.stats(), counters.stats());
                 Ok(())
             }
             Err(e) => {
