@@ -39,8 +39,8 @@ pub struct IommuArgs {
     /// Rungs to measure on (L1, L4p).
     #[arg(long, value_delimiter = ',', default_values_t = ["L1".to_string(), "L4p".to_string()])]
     rungs: Vec<String>,
-    /// Workloads (names as in `lucid bench io`, and `assigned`: QEMU's edu in its own process
-    /// over vfio-user, `count` DMA round trips); all by default.
+    /// Workloads (names as in `lucid bench io`, and `assigned`: virtio-blk and QEMU's edu in
+    /// processes of their own over vfio-user); all by default.
     #[arg(long, value_delimiter = ',')]
     workloads: Vec<String>,
     /// Write an SVG plot of the fractions of "off" to this file.
@@ -481,12 +481,14 @@ pub fn run(args: IommuArgs) -> Result<ExitCode, String> {
             rows.push(((w.name, r.label), row));
         }
     }
-    let assigned_row = if with_assigned {
+    let mut assigned_rows = Vec::new();
+    if with_assigned {
         let setups: Vec<assigned::Setup> = setups().iter().map(|s| (s.mode, s.strategy)).collect();
-        Some(assigned::measure(&setups, args.count, args.runs, &dir)?)
-    } else {
-        None
-    };
+        for d in assigned::Device::ALL {
+            let row = assigned::measure(d, &setups, args.count, args.runs, &dir, &disk)?;
+            assigned_rows.push((d, row));
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
     let table = Table {
         rows,
@@ -501,18 +503,19 @@ pub fn run(args: IommuArgs) -> Result<ExitCode, String> {
     }
     if args.json {
         let mut j = table.to_json(args.count);
-        if let Some(row) = &assigned_row {
-            if let (Some(j), Value::Object(a)) =
-                (j.as_object_mut(), assigned::to_json(row, args.count))
-            {
+        if with_assigned {
+            if let (Some(j), Value::Object(a)) = (
+                j.as_object_mut(),
+                assigned::to_json(&assigned_rows, args.count),
+            ) {
                 j.extend(a);
             }
         }
         println!("{j}");
     } else {
         table.print();
-        if let Some(row) = &assigned_row {
-            assigned::print(row);
+        if with_assigned {
+            assigned::print(&assigned_rows);
         }
     }
     Ok(ExitCode::SUCCESS)
