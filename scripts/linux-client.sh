@@ -11,7 +11,7 @@
 #
 #   linux-client: init=yes|no rootfs=ok|fail disk2=ok|fail net=ok|fail|skipped
 #                 userspace=ok|fail|skipped virtiofs_root=ok|fail|skipped
-#                 vhost_user_blk=ok|fail|skipped vsock=ok|fail rng=ok|fail seconds=N   (one line)
+#                 vhost_user_blk=ok|fail|skipped assigned_blk=ok|fail vsock=ok|fail rng=ok|fail seconds=N   (one line)
 #
 # (disk2: the GPT disk; each device's check includes MSI-X interrupts, none on INTx, from Lucid's
 # counters; with --iommu the line has `iommu=ok|fail` after net: Linux parsed the DMAR, intel-iommu

@@ -9,6 +9,8 @@
 //!   served by the distribution's `virtiofsd` over vhost-user, and runs `/sbin/init` from it;
 //! - **vhost_user_blk**: the kernel mounts its ext2 root from a disk served by
 //!   `qemu-storage-daemon` over vhost-user-blk, and runs `/sbin/init` from it.
+//! - **assigned_blk**: the same from `lucid device-server blk`, a virtio-blk PCI function in its
+//!   own process assigned over vfio-user (also behind the vIOMMU).
 //!
 //! In both root boots `/sbin/init` is [`checking_init`]: it hashes 64 KiB of its own file as the
 //! kernel mapped it and stops on `int3` when the hash matches and on `ud2` when it does not, so
@@ -311,6 +313,43 @@ pub fn vhost_user_blk_root(args: &Args, work: &WorkDir, report: &mut Report) -> 
             && b.counter("blk0.virtio.activations") > 0,
     );
     if report.vhost_user_blk == Status::Fail {
+        report.console_tail.extend(crate::tail(&b.lines, 25));
+    }
+    Ok(())
+}
+
+/// Boot 5: an ext2 root from `lucid device-server blk`, a virtio-blk function in its own
+/// process assigned over vfio-user (behind the vIOMMU with `--iommu`: Linux's intel-iommu maps
+/// its DMA, and the device process gets exactly those mappings).
+pub fn assigned_blk_root(args: &Args, work: &WorkDir, report: &mut Report) -> Result<(), String> {
+    let root = root_dir(work, "assignedroot")?;
+    let img = crate::mke2fs(&root, &work.path("assignedroot.ext2"))?;
+    let socket = work.path("assigned-blk.sock");
+    let mut cmd = Command::new(&args.lucid);
+    cmd.args(["device-server", "blk", "--readonly", "--socket"])
+        .arg(&socket)
+        .arg("--disk")
+        .arg(&img);
+    let _server = Backend::start("lucid device-server blk", cmd, &socket)?;
+    let mut devices = vec![
+        "--user-device".into(),
+        format!("socket={},id=vblk", socket.display()),
+    ];
+    if let Some(spec) = &args.iommu {
+        devices.extend(["--iommu".into(), spec.clone()]);
+    }
+    let run = root_boot_args(args, "root=/dev/vda ro rootfstype=ext2", &devices);
+    let b = RootBoot::run(args, work, "assigned-blk", &run)?;
+    report.assigned_blk = Status::from(
+        b.init_verified("ext2")
+            && b.lines
+                .iter()
+                .any(|l| l.text.contains(crate::VIRTIO_BLK_ID))
+            && b.counter("user_device.vblk.region_writes") > 0
+            && b.counter("user_device.vblk.failed") == 0
+            && b.counter("iommu.faults.dma") == 0,
+    );
+    if report.assigned_blk == Status::Fail {
         report.console_tail.extend(crate::tail(&b.lines, 25));
     }
     Ok(())

@@ -284,6 +284,8 @@ struct Report {
     virtiofs_root: Status,
     /// The kernel booted from an ext2 root served by qemu-storage-daemon's vhost-user-blk.
     vhost_user_blk: Status,
+    /// The kernel booted from an ext2 root on `lucid device-server blk`, assigned over vfio-user.
+    assigned_blk: Status,
     /// Linux's virtio_vsock took the device and refused a host connection to an unused port.
     vsock: Status,
     /// Linux's hw_random registered virtio-rng and read from it.
@@ -387,6 +389,7 @@ impl Report {
                 self.userspace,
                 self.virtiofs_root,
                 self.vhost_user_blk,
+                self.assigned_blk,
                 self.vsock,
                 self.rng,
                 self.console,
@@ -404,7 +407,8 @@ impl Report {
         };
         format!(
             "linux-client: init={} rootfs={} disk2={} net={}{iommu} userspace={} \
-             virtiofs_root={} vhost_user_blk={} vsock={} rng={} console={} fw_cfg={} seconds={}",
+             virtiofs_root={} vhost_user_blk={} assigned_blk={} vsock={} rng={} console={} fw_cfg={} \
+             seconds={}",
             if self.init { "yes" } else { "no" },
             self.rootfs.word(),
             self.disk2.word(),
@@ -412,6 +416,7 @@ impl Report {
             self.userspace.word(),
             self.virtiofs_root.word(),
             self.vhost_user_blk.word(),
+            self.assigned_blk.word(),
             self.vsock.word(),
             self.rng.word(),
             self.console.word(),
@@ -456,6 +461,7 @@ impl Report {
             "userspace_lines": self.userspace_lines,
             "virtiofs_root": self.virtiofs_root.word(),
             "vhost_user_blk": self.vhost_user_blk.word(),
+            "assigned_blk": self.assigned_blk.word(),
             "vsock": self.vsock.word(),
             "vsock_refused": self.vsock_refused,
             "rng": self.rng.word(),
@@ -533,6 +539,7 @@ fn run(args: &Args, report: &mut Report) -> Result<(), String> {
             devices::vhost_user_blk_root(args, &work, report)?;
         }
     }
+    devices::assigned_blk_root(args, &work, report)?;
 
     let pvm = backend == lucid_hv::Backend::Pvm;
     match (args.userspace, pvm) {
@@ -1518,8 +1525,8 @@ mod tests {
         assert_eq!(
             r.line(),
             "linux-client: init=yes rootfs=ok disk2=fail net=skipped userspace=skipped \
-             virtiofs_root=fail vhost_user_blk=fail vsock=fail rng=fail console=fail fw_cfg=fail \
-             seconds=131"
+             virtiofs_root=fail vhost_user_blk=fail assigned_blk=fail vsock=fail rng=fail \
+             console=fail fw_cfg=fail seconds=131"
         );
         assert!(!r.passed(), "a failed GPT check fails the run");
         let r = Report {

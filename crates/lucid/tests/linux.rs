@@ -426,12 +426,15 @@ fn small_linux_on(rung: &str, iommu: Option<&str>) {
         assert_eq!(report["virtiofs_root"], "ok", "{why}");
         assert_eq!(report["vhost_user_blk"], "ok", "{why}");
         assert!(
-            line.contains(" virtiofs_root=ok vhost_user_blk=ok vsock=ok rng=ok "),
+            line.contains(" virtiofs_root=ok vhost_user_blk=ok assigned_blk=ok vsock=ok rng=ok "),
             "{why}"
         );
     } else {
         assert_eq!(report["virtiofs_root"], "skipped", "{why}");
     }
+    // The kernel mounted its root from `lucid device-server blk`, assigned over vfio-user
+    // (behind the VT-d too, with no fault), and its init found itself intact.
+    assert_eq!(report["assigned_blk"], "ok", "{why}");
     // MSI-X, not INTx: Lucid delivers a device's MSI-X vectors by KVM_SIGNAL_MSI on L0 and by
     // irqfd on L1-L4 (`irq.msi_signal`, `irq.irqfd`), and counts INTx apart (`irq.intx`). L4's
     // polling back-ends still raise the interrupts a driver asks for, and Linux's virtio_blk
