@@ -4,12 +4,13 @@
 //! from the last. `--reconnect` instead serves the next client with a fresh device (for tests
 //! and development). SIGTERM/SIGINT stop it; its counters are the last line it prints.
 
-use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixListener;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use lucid_devserver::bind;
+use lucid_devserver::{block_stop_signals, wait_signal, BindError};
 use lucid_seccomp::{Role, Seccomp, SeccompError};
 use lucid_stats::StatsRegistry;
 use vfio_user::Server;
@@ -56,16 +57,8 @@ pub struct EduArgs {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
-    #[error("{0}: another process listens on this socket")]
-    InUse(PathBuf),
-    #[error("{0}: exists and is not a socket")]
-    NotSocket(PathBuf),
-    #[error("cannot listen on {path}")]
-    Bind {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Bind(#[from] BindError),
     #[error(transparent)]
     Seccomp(#[from] SeccompError),
     #[error(transparent)]
@@ -87,7 +80,10 @@ pub enum ServerError {
 impl ServerError {
     /// A command line the server refuses, rather than a failure while serving.
     pub fn is_usage(&self) -> bool {
-        matches!(self, ServerError::NotSocket(_) | ServerError::Disk { .. })
+        matches!(
+            self,
+            ServerError::Bind(BindError::NotSocket(_)) | ServerError::Disk { .. }
+        )
     }
 }
 
@@ -143,67 +139,6 @@ pub fn run(cmd: DeviceServerCmd) -> Result<Summary, ServerError> {
         DeviceServerCmd::Edu(args) => serve_edu(&args),
         DeviceServerCmd::Blk(args) => serve_blk(&args),
     }
-}
-
-/// The socket, listening; a stale socket file is replaced, a live one refused, any other file
-/// left alone.
-pub fn bind(path: &Path) -> Result<UnixListener, ServerError> {
-    if let Ok(m) = std::fs::symlink_metadata(path) {
-        if !m.file_type().is_socket() {
-            return Err(ServerError::NotSocket(path.into()));
-        }
-        if listened_on(path) {
-            return Err(ServerError::InUse(path.into()));
-        }
-        let _ = std::fs::remove_file(path);
-    }
-    UnixListener::bind(path).map_err(|source| ServerError::Bind {
-        path: path.into(),
-        source,
-    })
-}
-
-/// Whether a socket listens at `path`, from `/proc/net/unix` rather than by connecting: a
-/// connection would be a client to the server listening there.
-fn listened_on(path: &Path) -> bool {
-    /// `__SO_ACCEPTCON` in the table's flags: a listening socket.
-    const ACCEPTING: u32 = 0x1_0000;
-    let Ok(table) = std::fs::read_to_string("/proc/net/unix") else {
-        return false;
-    };
-    let abs = std::path::absolute(path).ok();
-    table.lines().skip(1).any(|line| {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        f.len() == 8
-            && u32::from_str_radix(f[3], 16).is_ok_and(|flags| flags & ACCEPTING != 0)
-            && (Path::new(f[7]) == path || abs.as_deref() == Some(Path::new(f[7])))
-    })
-}
-
-/// The signals that stop the server, blocked in the calling thread (and so in every thread it
-/// starts) to be taken with `sigtimedwait`.
-fn block_stop_signals() -> libc::sigset_t {
-    // SAFETY: sigset_t is plain data that sigemptyset initialises; pthread_sigmask only changes
-    // this thread's mask.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        set
-    }
-}
-
-/// A stop signal taken within `timeout`, if one came.
-fn wait_signal(set: &libc::sigset_t, timeout: Duration) -> Option<i32> {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_nsec: timeout.subsec_nanos() as libc::c_long,
-    };
-    // SAFETY: `set` and `ts` are valid for the call; no siginfo is asked for.
-    let sig = unsafe { libc::sigtimedwait(set, std::ptr::null_mut(), &ts) };
-    (sig > 0).then_some(sig)
 }
 
 fn serve_edu(args: &EduArgs) -> Result<Summary, ServerError> {

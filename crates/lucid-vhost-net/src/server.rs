@@ -2,14 +2,14 @@
 //! a time with rust-vmm's `VhostUserDaemon`, and stops on SIGTERM/SIGINT or when the front-end
 //! goes (unless `--reconnect`).
 
-use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixListener;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use lucid_devserver::{block_stop_signals, wait_signal, BindError};
 use lucid_seccomp::{Role, Seccomp, SeccompError};
 use lucid_stats::StatsRegistry;
 use vhost::vhost_user::{Error as VhostUserError, Listener};
@@ -69,14 +69,8 @@ impl Mode {
 pub enum ServerError {
     #[error("--mac {0:?} is not a MAC address (aa:bb:cc:dd:ee:ff)")]
     Mac(String),
-    #[error("{0}: another process listens on this socket")]
-    InUse(PathBuf),
-    #[error("cannot listen on {path}")]
-    Bind {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Bind(#[from] BindError),
     #[error(transparent)]
     Seccomp(#[from] SeccompError),
     #[error("cannot start the server thread")]
@@ -138,67 +132,9 @@ pub fn run(cmd: DeviceServerCmd) -> Result<Summary, ServerError> {
     }
 }
 
-/// The socket, listening; a stale socket file is replaced, a live one refused (and a file of
-/// any other kind left for `bind` to refuse).
-fn bind(path: &Path) -> Result<UnixListener, ServerError> {
-    if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
-        if listened_on(path) {
-            return Err(ServerError::InUse(path.into()));
-        }
-        let _ = std::fs::remove_file(path);
-    }
-    UnixListener::bind(path).map_err(|source| ServerError::Bind {
-        path: path.into(),
-        source,
-    })
-}
-
-/// Whether a socket listens at `path`, from `/proc/net/unix` rather than by connecting: a
-/// connection would be a front-end to the server listening there.
-fn listened_on(path: &Path) -> bool {
-    /// `__SO_ACCEPTCON` in the table's flags: a listening socket.
-    const ACCEPTING: u32 = 0x1_0000;
-    let Ok(table) = std::fs::read_to_string("/proc/net/unix") else {
-        return false;
-    };
-    let abs = std::path::absolute(path).ok();
-    table.lines().skip(1).any(|line| {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        f.len() == 8
-            && u32::from_str_radix(f[3], 16).is_ok_and(|flags| flags & ACCEPTING != 0)
-            && (Path::new(f[7]) == path || abs.as_deref() == Some(Path::new(f[7])))
-    })
-}
-
-/// The signals that stop the server, blocked in the calling thread (and so in every thread it
-/// starts) to be taken with `sigtimedwait`.
-fn block_stop_signals() -> libc::sigset_t {
-    // SAFETY: sigset_t is plain data that sigemptyset initialises; pthread_sigmask only changes
-    // this thread's mask.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        set
-    }
-}
-
-/// A stop signal taken within `timeout`, if one came.
-fn wait_signal(set: &libc::sigset_t, timeout: Duration) -> Option<i32> {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_nsec: timeout.subsec_nanos() as libc::c_long,
-    };
-    // SAFETY: `set` and `ts` are valid for the call; no siginfo is asked for.
-    let sig = unsafe { libc::sigtimedwait(set, std::ptr::null_mut(), &ts) };
-    (sig > 0).then_some(sig)
-}
-
 fn serve_net(args: &NetArgs) -> Result<Summary, ServerError> {
     let mac = parse_mac(&args.mac).ok_or_else(|| ServerError::Mac(args.mac.clone()))?;
-    let listener = bind(&args.socket)?;
+    let listener = lucid_devserver::bind(&args.socket)?;
     let signals = block_stop_signals();
     let stats = StatsRegistry::new();
     let counters = Counters::new(&stats);
